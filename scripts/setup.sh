@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Sets up everything tenplex needs on a fresh Debian/Ubuntu machine:
+# FUSE (system package), a virtual environment in .venv, the CPU build of
+# PyTorch, and tenplex itself with its test extras. Safe to run repeatedly.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+
+if ! command -v fusermount3 >/dev/null 2>&1 && ! command -v fusermount >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing fuse3 and libfuse2"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse2 >/dev/null
+  else
+    echo "[setup] warning: FUSE is not installed; FUSE tests will be skipped" >&2
+  fi
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  python3 -m venv "$VENV"
+fi
+stamp="$VENV/.tenplex-installed"
+if [ ! -f "$stamp" ] || [ setup.cfg -nt "$stamp" ]; then
+  echo "[setup] installing torch==2.13.0 (CPU) and tenplex[test]"
+  "$VENV/bin/pip" install -q --disable-pip-version-check torch==2.13.0
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e '.[test,fuse,k8s]'
+  touch "$stamp"
+fi

@@ -1,0 +1,26 @@
+"""Error types shared by every layer.
+
+May import: nothing from tenplex. Each error subclasses the builtin that best
+describes it, so callers can catch either. Messages name the tensor, shapes and
+configuration involved and say what would be valid.
+"""
+
+
+class TenplexError(Exception):
+    """Base class of every error raised on purpose by tenplex."""
+
+
+class BoxError(TenplexError, ValueError):
+    """Boxes of different rank, negative lengths, or other malformed boxes."""
+
+
+class ConfigError(TenplexError, ValueError):
+    """An invalid parallel configuration or device list."""
+
+
+class LayoutError(TenplexError, ValueError):
+    """A layout that is malformed or inconsistent with its tensors."""
+
+
+class PlanError(TenplexError, ValueError):
+    """Two layouts that cannot be transformed into each other."""

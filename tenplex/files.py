@@ -1,0 +1,58 @@
+"""Reading and writing tenplex JSON documents (layouts, plans) on disk.
+
+May import: ``tenplex.layout``, ``tenplex.plan``, ``tenplex.errors`` and the
+standard library. Writes are atomic: a temporary file in the same directory
+is renamed over the target, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .errors import LayoutError, PlanError
+from .layout import Layout, from_dict as layout_from_dict
+from .plan import Plan, plan_from_dict
+
+
+def write_json_atomic(path: str | os.PathLike, doc: Any) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_json(path: str | os.PathLike, error: type[Exception]) -> Any:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise error(f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+
+
+def load_layout(path: str | os.PathLike) -> Layout:
+    return layout_from_dict(_read_json(path, LayoutError), source=str(path))
+
+
+def save_layout(layout: Layout, path: str | os.PathLike) -> None:
+    write_json_atomic(path, layout.to_dict())
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    return plan_from_dict(_read_json(path, PlanError), source=str(path))
+
+
+def save_plan(plan: Plan, path: str | os.PathLike) -> None:
+    write_json_atomic(path, plan.to_dict())

@@ -1,0 +1,94 @@
+"""Transfer plans: the frozen, ordered list of region copies that turns one layout into another.
+
+May import: ``tenplex.box``, ``tenplex.layout``, ``tenplex.devices``,
+``tenplex.errors`` and the standard library. Pure. The planning algorithm
+lives in ``tenplex.planner``; this module is the data model and its JSON form
+(``tenplex.plan/1``)::
+
+    {"format": "tenplex.plan/1",
+     "transfers": [{"tensor": "NAME", "src": "h0/0", "dst": "h1/2", "from": "old",
+                    "offsets": [0, 0], "lengths": [1024, 1024]}],
+     "stats": {"target_bytes": 0, "kept_bytes": 0, "intra_host_bytes": 0,
+               "inter_host_bytes": 0, "inter_host_lower_bound": 0,
+               "max_host_send_bytes": 0, "max_host_recv_bytes": 0}}
+
+``"from": "old"`` reads the region from one of ``src``'s old shards;
+``"from": "new"`` (only within a host) reads it from one of ``src``'s new
+shards that an earlier transfer already filled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+from .box import Box
+from .devices import host_of
+from .errors import PlanError
+
+PLAN_FORMAT = "tenplex.plan/1"
+Source = Literal["old", "new"]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    tensor: str
+    src: str
+    dst: str
+    source: Source
+    box: Box
+
+    @property
+    def kept(self) -> bool:
+        return self.src == self.dst and self.source == "old"
+
+    @property
+    def crosses_hosts(self) -> bool:
+        return host_of(self.src) != host_of(self.dst)
+
+    def to_dict(self) -> dict:
+        return {"tensor": self.tensor, "src": self.src, "dst": self.dst, "from": self.source,
+                "offsets": list(self.box.offsets), "lengths": list(self.box.lengths)}
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    target_bytes: int = 0
+    kept_bytes: int = 0
+    intra_host_bytes: int = 0
+    inter_host_bytes: int = 0
+    inter_host_lower_bound: int = 0
+    max_host_send_bytes: int = 0
+    max_host_recv_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    transfers: tuple[Transfer, ...]
+    stats: PlanStats
+
+    def to_dict(self) -> dict:
+        return {"format": PLAN_FORMAT,
+                "transfers": [t.to_dict() for t in self.transfers],
+                "stats": asdict(self.stats)}
+
+
+def plan_from_dict(doc: Any, source: str = "plan") -> Plan:
+    """Parse a ``tenplex.plan/1`` document; errors name ``source``."""
+    try:
+        if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
+            found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
+            raise PlanError(f"expected format {PLAN_FORMAT!r}, found {found!r}")
+        transfers = []
+        for t in doc["transfers"]:
+            if t["from"] not in ("old", "new"):
+                raise PlanError(f"transfer 'from' must be 'old' or 'new', found {t['from']!r}")
+            transfers.append(Transfer(str(t["tensor"]), str(t["src"]), str(t["dst"]), t["from"],
+                                      Box(tuple(t["offsets"]), tuple(t["lengths"]))))
+        known = {f.name for f in fields(PlanStats)}
+        stats = PlanStats(**{k: int(v) for k, v in doc["stats"].items() if k in known})
+        return Plan(tuple(transfers), stats)
+    except PlanError as e:
+        raise PlanError(f"{source}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanError(f"{source}: malformed plan ({type(e).__name__}: {e})") from None
