@@ -24,3 +24,15 @@ class LayoutError(TenplexError, ValueError):
 
 class PlanError(TenplexError, ValueError):
     """Two layouts that cannot be transformed into each other."""
+
+
+class StoreError(TenplexError, RuntimeError):
+    """A tensor store operation failed: unknown version, missing shard, corrupt data, staging conflicts."""
+
+
+class TransformError(TenplexError, RuntimeError):
+    """A state transformation failed on one or more hosts; ``failures`` maps each host to its cause."""
+
+    def __init__(self, message: str, failures: "dict[str, str] | None" = None):
+        super().__init__(message)
+        self.failures = dict(failures or {})
