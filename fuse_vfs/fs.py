@@ -1,0 +1,266 @@
+"""The read-only FUSE filesystem: one directory per data-parallel rank, served from the record files.
+
+May import: mfusepy (or fusepy), numpy, the standard library and ``tenplex.dataset``.
+
+Tree::
+
+    /state.json               the mount: generation, dataset, state, dp, state file, pid, error
+    /rank{r}/data             rank r's remaining samples of the epoch, back to back (zero-copy view)
+    /rank{r}/index.npy        (n, 4) int64: sample id, offset in data, length, crc32
+    /rank{r}/state.json       the rank's view: state, dp, rank, generation, micro-batch sizes
+
+A *generation* is one immutable view (state + dp degree). Switching replaces the
+current generation with one assignment, so a lookup sees either the old or the
+new tree. A file handle belongs to the generation it was opened in: once a newer
+one is current, its reads fail with ESTALE, so a reader gets the old view
+consistently up to the switch and then a clear error, never bytes of both. If
+the dataset changes under the mount, every open and read fails with EIO and
+``/state.json`` says why.
+
+Reads of ``data`` return a ``fuse_bufvec`` of (record file descriptor, offset,
+length) pieces: libfuse copies (or splices) straight from the record files, so
+no sample passes through Python and nothing is duplicated on disk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import itertools
+import json
+import os
+import re
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from tenplex.dataset.format import DatasetInfo
+from tenplex.dataset.source import RecordSource
+from tenplex.dataset.state import DatasetState
+from tenplex.dataset.view import DATA_NAME, RANK_FILES, STATE_NAME, RankView, build_view
+
+try:
+    import mfusepy as fuse
+except ImportError:  # pragma: no cover - the unmaintained fusepy has the same API
+    import fuse  # type: ignore[no-redef]
+
+ROOT_FORMAT = "tenplex.vfs/1"
+_RANK_DIR = re.compile(r"^rank(0|[1-9][0-9]{0,8})$")
+
+# struct fuse_buf / fuse_bufvec (fuse_common.h); the bufvec ends in an inline array of bufs.
+_BUF = np.dtype({"names": ["size", "flags", "mem", "fd", "pos"],
+                 "formats": ["<u8", "<i4", "<u8", "<i4", "<i8"],
+                 "offsets": [0, 8, 16, 24, 32], "itemsize": 40})
+_BUFVEC_HEADER = 24                        # size_t count, idx, off
+_FD_FLAGS = (1 << 1) | (1 << 2) | (1 << 3)  # FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY
+if hasattr(fuse, "fuse_buf"):
+    assert ctypes.sizeof(fuse.fuse_buf) == _BUF.itemsize, "unexpected struct fuse_buf layout"
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.malloc.restype = ctypes.c_void_p
+_libc.malloc.argtypes = [ctypes.c_size_t]
+
+
+def _malloc(n: int) -> int:
+    # libfuse frees the bufvec and every memory buf with free(), so they must come from malloc.
+    ptr = _libc.malloc(max(n, 1))
+    if not ptr:
+        raise fuse.FuseOSError(errno.ENOMEM)
+    return ptr
+
+
+def _bufvec(bufs: np.ndarray) -> int:
+    ptr = _malloc(_BUFVEC_HEADER + _BUF.itemsize * max(len(bufs), 1))
+    header = np.array([len(bufs), 0, 0], dtype="<u8")
+    ctypes.memmove(ptr, header.ctypes.data, _BUFVEC_HEADER)
+    if len(bufs):
+        ctypes.memmove(ptr + _BUFVEC_HEADER, bufs.ctypes.data, bufs.nbytes)
+    return ptr
+
+
+def _memory_bufvec(data: bytes) -> int:
+    buf = np.zeros(1 if data else 0, dtype=_BUF)
+    if data:
+        mem = _malloc(len(data))
+        ctypes.memmove(mem, data, len(data))
+        buf["size"], buf["mem"] = len(data), mem
+    return _bufvec(buf)
+
+
+@dataclass(frozen=True)
+class Generation:
+    number: int
+    state: DatasetState
+    dp: int
+    views: tuple[RankView, ...]
+    files: tuple[dict[str, bytes], ...]  # per rank: index.npy and state.json contents
+    created_ns: int = field(default_factory=time.time_ns)
+
+
+def build_generation(info: DatasetInfo, state: DatasetState, dp: int, number: int) -> Generation:
+    views = tuple(build_view(info, state, dp, r, number) for r in range(dp))
+    files = tuple({"index.npy": v.index_npy(), STATE_NAME: v.state_json()} for v in views)
+    return Generation(number, state, dp, views, files)
+
+
+@dataclass
+class _Handle:
+    generation: Generation
+    rank: int | None       # None: the root state.json
+    name: str
+    content: bytes = b""   # snapshot of a small file at open time
+
+
+class TenplexFS(fuse.Operations):
+    use_ns = True
+
+    def __init__(self, info: DatasetInfo, source: RecordSource, generation: Generation,
+                 root_doc: Callable[[], dict[str, Any]], on_init: Callable[[], None] = lambda: None):
+        self.info, self.source = info, source
+        self.generation = generation
+        self.error: str | None = None  # set when the dataset changed under the mount; never cleared
+        self._root_doc, self._on_init = root_doc, on_init
+        self._handles: dict[int, _Handle] = {}
+        self._ids = itertools.count(1)
+        self._fds = None
+        if all(source.fileno(i) is not None for i in range(len(info.files))):
+            self._fds = np.array([source.fileno(i) for i in range(len(info.files))], dtype=np.int32)
+        self._uid, self._gid = os.getuid(), os.getgid()
+
+    # -- switching -------------------------------------------------------------------------------
+    def switch(self, generation: Generation) -> None:
+        """Make ``generation`` current: one reference assignment, so lookups see old or new, never both."""
+        self.generation = generation
+
+    def fail(self, why: str) -> None:
+        self.error = why
+
+    # -- lookups -----------------------------------------------------------------------------------
+    def _parse(self, path: str, gen: Generation) -> tuple[int | None, str | None]:
+        """(rank, file) for a path of the tree; rank None is the root. ENOENT for anything else."""
+        parts = path.strip("/").split("/") if path != "/" else []
+        if not parts:
+            return None, None
+        if len(parts) == 1 and parts[0] == STATE_NAME:
+            return None, STATE_NAME
+        match = _RANK_DIR.match(parts[0])
+        if match and int(match.group(1)) < gen.dp:
+            if len(parts) == 1:
+                return int(match.group(1)), None
+            if len(parts) == 2 and parts[1] in RANK_FILES:
+                return int(match.group(1)), parts[1]
+        raise fuse.FuseOSError(errno.ENOENT)
+
+    def _size(self, gen: Generation, rank: int | None, name: str) -> int:
+        if rank is None:
+            return len(self._root_json())
+        if name == DATA_NAME:
+            return gen.views[rank].data_size
+        return len(gen.files[rank][name])
+
+    def _root_json(self) -> bytes:
+        return json.dumps(self._root_doc(), separators=(",", ":")).encode()
+
+    def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
+        gen = self.generation
+        rank, name = self._parse(path, gen)
+        times = {"st_mtime": gen.created_ns, "st_ctime": gen.created_ns, "st_atime": gen.created_ns}
+        owner = {"st_uid": self._uid, "st_gid": self._gid}
+        if name is None:
+            return {"st_mode": stat.S_IFDIR | 0o555, "st_nlink": 2, **times, **owner}
+        return {"st_mode": stat.S_IFREG | 0o444, "st_nlink": 1, "st_size": self._size(gen, rank, name),
+                **times, **owner}
+
+    def readdir(self, path: str, fh: Any) -> list[str]:
+        gen = self.generation
+        rank, name = self._parse(path, gen)
+        if name is not None:
+            raise fuse.FuseOSError(errno.ENOTDIR)
+        if rank is None:
+            return [".", "..", STATE_NAME, *(f"rank{r}" for r in range(gen.dp))]
+        return [".", "..", *RANK_FILES]
+
+    def statfs(self, path: str) -> dict[str, int]:
+        return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": 0, "f_bfree": 0, "f_bavail": 0,
+                "f_files": 0, "f_ffree": 0, "f_namemax": 255}
+
+    # -- files ------------------------------------------------------------------------------------
+    def open(self, path: str, fi: Any) -> int:
+        if fi.flags & os.O_ACCMODE != os.O_RDONLY or fi.flags & (os.O_TRUNC | os.O_CREAT):
+            raise fuse.FuseOSError(errno.EROFS)
+        gen = self.generation
+        rank, name = self._parse(path, gen)
+        if name is None:
+            raise fuse.FuseOSError(errno.EISDIR)
+        if rank is not None and self.error:
+            raise fuse.FuseOSError(errno.EIO)
+        if rank is None:
+            content = self._root_json()
+        elif name == DATA_NAME:
+            content = b""
+        else:
+            content = gen.files[rank][name]
+        fh = next(self._ids)
+        self._handles[fh] = _Handle(gen, rank, name, content)
+        fi.fh = fh
+        # No page cache: a handle's bytes always come from its own generation, and a switch can
+        # never leave stale pages of an old view behind under the same path.
+        fi.direct_io = 1
+        fi.keep_cache = 0
+        return 0
+
+    def _handle(self, fi: Any) -> _Handle:
+        handle = self._handles.get(fi.fh if hasattr(fi, "fh") else fi)
+        if handle is None:
+            raise fuse.FuseOSError(errno.EBADF)
+        if handle.rank is not None:
+            if self.error:
+                raise fuse.FuseOSError(errno.EIO)
+            if handle.generation is not self.generation:
+                raise fuse.FuseOSError(errno.ESTALE)
+        return handle
+
+    def read_buf(self, path: str, bufpp: Any, size: int, offset: int, fi: Any) -> int:
+        handle = self._handle(fi)
+        if handle.name != DATA_NAME or handle.rank is None:
+            ptr = _memory_bufvec(handle.content[offset:offset + size])
+        else:
+            files, pos, lengths = handle.generation.views[handle.rank].segments(offset, size)
+            if self._fds is not None:
+                bufs = np.zeros(len(lengths), dtype=_BUF)
+                bufs["size"], bufs["flags"] = lengths, _FD_FLAGS
+                bufs["fd"], bufs["pos"] = self._fds[files], pos
+                ptr = _bufvec(bufs)
+            else:  # a remote source has no descriptors: gather the pieces into one buffer
+                ptr = _memory_bufvec(self._gather(files, pos, lengths))
+        bufpp[0] = ctypes.cast(ptr, ctypes.POINTER(fuse.fuse_bufvec))
+        return 0
+
+    def read(self, path: str, size: int, offset: int, fi: Any) -> bytes:
+        """Copying read, used only by bindings without ``read_buf`` (fusepy)."""
+        handle = self._handle(fi)
+        if handle.name != DATA_NAME or handle.rank is None:
+            return handle.content[offset:offset + size]
+        return self._gather(*handle.generation.views[handle.rank].segments(offset, size))
+
+    def _gather(self, files: np.ndarray, pos: np.ndarray, lengths: np.ndarray) -> bytes:
+        try:
+            return b"".join(self.source.read(int(f), int(p), int(n)) for f, p, n in zip(files, pos, lengths))
+        except OSError as e:
+            raise fuse.FuseOSError(e.errno or errno.EIO) from None
+        except Exception:
+            raise fuse.FuseOSError(errno.EIO) from None
+
+    def release(self, path: str, fi: Any) -> int:
+        self._handles.pop(fi.fh if hasattr(fi, "fh") else fi, None)
+        return 0
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def init_with_config(self, conn: Any, config: Any) -> None:
+        if config is not None:
+            # Sizes and the rank directories change on a switch: never let the kernel cache them.
+            config.entry_timeout = config.attr_timeout = config.negative_timeout = 0.0
+        threading.Thread(target=self._on_init, name="tenplex-vfs-watch", daemon=True).start()
