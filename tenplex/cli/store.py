@@ -1,0 +1,166 @@
+"""``tenplex store``: run a host's tensor store server, inspect stores, run a transformation.
+
+May import: every tenplex layer.
+
+    tenplex store serve --root DIR --host h0 [--bind 127.0.0.1] [--port 0] [--token-file F] [--port-file F]
+    tenplex store ls ADDRESS [--version N] [--token-file F]
+    tenplex store gc ADDRESS --keep K [--token-file F]
+    tenplex store transform PLAN OLD_LAYOUT NEW_LAYOUT --stores h0=ADDR,h1=ADDR --old-version N --new-version M
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("store", help="run or query a host's tensor store")
+    sub = parser.add_subparsers(dest="store_command", metavar="ACTION", required=True)
+
+    serve = sub.add_parser("serve", help="serve a store directory over gRPC (tenplex.v1.Store)")
+    serve.add_argument("--root", required=True, type=Path, help="store directory (created if missing)")
+    serve.add_argument("--host", required=True, help="host name of this store, e.g. h0")
+    serve.add_argument("--bind", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
+    serve.add_argument("--port", type=int, default=0, help="port (default 0: any free port)")
+    serve.add_argument("--port-file", type=Path, help="write the bound port to this file once serving")
+    _token_arguments(serve)
+    serve.add_argument("--tls-cert", type=Path, help="PEM certificate: serve TLS (needs --tls-key)")
+    serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    serve.set_defaults(handler=_serve)
+
+    ls = sub.add_parser("ls", help="list a store's versions, or one version's shards")
+    ls.add_argument("address", help="HOST:PORT of a store server")
+    ls.add_argument("--version", type=int, help="show this version's manifest summary")
+    _token_arguments(ls)
+    ls.set_defaults(handler=_ls)
+
+    gc = sub.add_parser("gc", help="delete all but the newest K versions of a store")
+    gc.add_argument("address")
+    gc.add_argument("--keep", type=int, required=True)
+    _token_arguments(gc)
+    gc.set_defaults(handler=_gc)
+
+    tr = sub.add_parser("transform", help="run a plan across the stores (two-phase commit), with progress")
+    tr.add_argument("plan", type=Path, help="tenplex.plan/1 JSON (tenplex plan OLD NEW --json)")
+    tr.add_argument("old_layout", type=Path)
+    tr.add_argument("new_layout", type=Path)
+    tr.add_argument("--stores", required=True, help="comma-separated HOST=ADDRESS for every host of both layouts")
+    tr.add_argument("--old-version", type=int, required=True)
+    tr.add_argument("--new-version", type=int, required=True)
+    tr.add_argument("--streams", type=int, default=4, help="concurrent pulls per destination host")
+    _token_arguments(tr)
+    tr.set_defaults(handler=_transform)
+
+
+def _token_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--token-file", type=Path, help="file holding the shared store token")
+
+
+def _token(args) -> str | None:
+    if not args.token_file:
+        return None
+    token = args.token_file.read_text().strip()
+    if not token:
+        raise ValueError(f"token file {args.token_file} is empty")
+    return token
+
+
+def _serve(args) -> int:
+    from ..store import Store
+    from ..store.server import serve
+    from ..transform.host import run_host_part
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    tls_cert = args.tls_cert.read_bytes() if args.tls_cert else None
+    tls_key = args.tls_key.read_bytes() if args.tls_key else None
+    store = Store(args.root, args.host)
+    server, port = serve(store, bind=args.bind, port=args.port, token=_token(args), tls_cert=tls_cert,
+                         tls_key=tls_key, transformer=run_host_part)
+    if args.port_file:
+        tmp = args.port_file.with_name(args.port_file.name + ".tmp")
+        tmp.write_text(f"{port}\n")
+        tmp.replace(args.port_file)
+    print(f"tenplex store {args.host} serving {args.root} on {args.bind}:{port}", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(grace=2).wait()
+    return 0
+
+
+def _ls(args) -> int:
+    from ..store.client import StoreClient
+
+    with StoreClient(args.address, token=_token(args)) as client:
+        if args.version is None:
+            print(json.dumps(client.health()))
+            return 0
+        manifest = client.manifest(args.version)
+        for row in manifest["shards"]:
+            print(f"{row['device']}\t{row['tensor']}\t{row['dtype']}\toffsets={row['offsets']}\t"
+                  f"lengths={row['lengths']}\t{row['nbytes']} B")
+        print(f"json: {', '.join(sorted(manifest['json'])) or '-'}")
+    return 0
+
+
+def _gc(args) -> int:
+    from ..store.client import StoreClient
+
+    with StoreClient(args.address, token=_token(args)) as client:
+        print(json.dumps({"deleted": client.gc(args.keep)}))
+    return 0
+
+
+def _transform(args) -> int:
+    from tqdm import tqdm
+
+    from ..files import load_layout, load_plan
+    from ..transform import transform
+
+    stores = dict(item.split("=", 1) for item in args.stores.split(",") if item)
+    plan, old, new = load_plan(args.plan), load_layout(args.old_layout), load_layout(args.new_layout)
+    bars: dict[str, tqdm] = {}
+    lock = threading.Lock()
+
+    def progress(host: str, done: int, total: int) -> None:
+        with lock:
+            bar = bars.get(host)
+            if bar is None:
+                bar = bars[host] = tqdm(total=total, desc=host, unit="B", unit_scale=True, file=sys.stderr,
+                                        position=len(bars))
+            bar.update(done - bar.n)
+
+    try:
+        report = transform(plan, old, new, stores, args.old_version, args.new_version, progress=progress,
+                           streams=args.streams, token=_token(args))
+    finally:
+        for bar in bars.values():
+            bar.close()
+    print(json.dumps(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tenplex.cli.store ACTION …``: the same as ``tenplex store ACTION …`` without loading the
+    other subcommands (a store host needs only this one)."""
+    from ..errors import TenplexError
+
+    parser = argparse.ArgumentParser(prog="tenplex")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["store", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return int(args.handler(args) or 0)
+    except (TenplexError, ValueError, OSError) as e:
+        print(f"tenplex store: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

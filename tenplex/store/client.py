@@ -1,0 +1,243 @@
+"""Client of a remote store server (``tenplex.v1.Store``).
+
+May import: grpc, numpy, xxhash, this package, ``tenplex.box``, ``tenplex.dtypes``,
+``tenplex.errors`` and the standard library.
+
+Every call has a deadline (``timeout`` seconds, or one scaled to the bytes
+moved for reads), and every received chunk is verified: a checksum mismatch
+re-fetches that chunk's sub-box (up to ``retries`` times) and never returns
+corrupted data. gRPC failures surface as :class:`RemoteStoreError`, which
+carries the status code and names the store address.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Iterator
+
+import grpc
+import numpy as np
+import xxhash
+
+from ..box import Box
+from ..dtypes import numpy_storage
+from ..errors import StoreError
+from . import wire
+from ._proto import store_pb2 as pb
+from ._proto import store_pb2_grpc as pb_grpc
+
+
+class RemoteStoreError(StoreError):
+    """A call to a store server failed; ``code`` is the gRPC status code."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, address: str = ""):
+        super().__init__(message)
+        self.code = code
+        self.address = address
+
+
+class ChecksumError(StoreError):
+    """Data kept arriving corrupted after every allowed re-fetch."""
+
+
+class StoreClient:
+    """Talks to one store server. Thread-safe: share one per address between threads."""
+
+    def __init__(self, address: str, token: str | None = None, root_certificates: bytes | None = None,
+                 timeout: float = 60.0, chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, retries: int = 3,
+                 min_read_gbps: float = 0.02, own_connection: bool = False):
+        self.address = address
+        self.timeout = timeout
+        self.chunk_bytes = chunk_bytes
+        self.retries = retries
+        self.min_read_gbps = min_read_gbps  # deadline of a read = timeout + bytes / this rate
+        options = wire.channel_options()
+        if own_connection:
+            # By default channels to one address share a connection; parallel pulls want their own.
+            options.append(("grpc.use_local_subchannel_pool", 1))
+        if root_certificates is not None:
+            self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options)
+        else:
+            self._channel = grpc.insecure_channel(address, options)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._stub = pb_grpc.StoreStub(self._channel)
+        self._read_box = self._channel.unary_stream(
+            "/tenplex.v1.Store/ReadBox", request_serializer=pb.ReadBoxRequest.SerializeToString,
+            response_deserializer=wire.decode_chunk)
+        self._read_file = self._channel.unary_stream(
+            "/tenplex.v1.Store/ReadFile", request_serializer=pb.ReadFileRequest.SerializeToString,
+            response_deserializer=wire.decode_file_chunk)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "StoreClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _error(self, e: grpc.RpcError, what: str) -> RemoteStoreError:
+        code = e.code() if hasattr(e, "code") else None
+        detail = e.details() if hasattr(e, "details") else str(e)
+        name = code.name if code is not None else "UNKNOWN"
+        return RemoteStoreError(f"store {self.address}: {what} failed with {name}: {detail}", code, self.address)
+
+    def _call(self, method: str, request, what: str, timeout: float | None = None):
+        try:
+            return getattr(self._stub, method)(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, what) from None
+
+    # ---- metadata ------------------------------------------------------
+    def health(self, timeout: float | None = None) -> dict:
+        reply = self._call("Health", pb.HealthRequest(), "Health", timeout)
+        return {"host": reply.host, "root": reply.root, "versions": list(reply.versions), "pid": reply.pid}
+
+    def wait_ready(self, timeout: float = 30.0) -> dict:
+        """Block until the server answers (e.g. right after starting it)."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise RemoteStoreError(f"store {self.address} did not become reachable within {timeout}s",
+                                   grpc.StatusCode.UNAVAILABLE, self.address) from None
+        return self.health()
+
+    def versions(self) -> list[int]:
+        return list(self._call("ListVersions", pb.ListVersionsRequest(), "ListVersions").versions)
+
+    def manifest(self, version: int) -> dict:
+        reply = self._call("GetManifest", pb.GetManifestRequest(version=version), f"GetManifest({version})")
+        return json.loads(reply.manifest_json)
+
+    def get_json(self, version: int, name: str):
+        reply = self._call("GetJson", pb.GetJsonRequest(version=version, name=name), f"GetJson({version}, {name!r})")
+        return json.loads(reply.json)
+
+    # ---- reading -------------------------------------------------------
+    def _read_deadline(self, nbytes: int) -> float:
+        return self.timeout + nbytes / (self.min_read_gbps * 1e9)
+
+    def read_box_into(self, version: int, device: str, tensor: str, box: Box, out: np.ndarray) -> int:
+        """Fill ``out`` (shape ``box.lengths``) with the region ``box`` of ``device``'s shard; return bytes read."""
+        if tuple(out.shape) != tuple(box.lengths):
+            raise StoreError(f"output shape {list(out.shape)} differs from box lengths {list(box.lengths)}")
+        pending = [box]
+        attempts = 0
+        total = 0
+        while pending:
+            bad: list[Box] = []
+            for region in pending:
+                total += self._stream_box(version, device, tensor, region, box, out, bad)
+            if bad:
+                attempts += 1
+                if attempts > self.retries:
+                    raise ChecksumError(f"store {self.address}: {len(bad)} chunk(s) of tensor {tensor!r} on {device} "
+                                        f"(first {bad[0]}) arrived corrupted {attempts} times; giving up")
+            pending = bad
+        return total
+
+    def _stream_box(self, version, device, tensor, region: Box, origin: Box, out: np.ndarray, bad: list) -> int:
+        request = pb.ReadBoxRequest(version=version, device=device, tensor=tensor, box=wire.to_pb_box(region),
+                                    chunk_bytes=self.chunk_bytes)
+        nbytes = region.volume * out.itemsize
+        got = 0
+        try:
+            for sub, digest, data in self._read_box(request, timeout=self._read_deadline(nbytes),
+                                                    metadata=self._metadata):
+                if not region.contains(sub) or sub.volume * out.itemsize != len(data):
+                    raise StoreError(f"store {self.address} sent chunk {sub} ({len(data)} bytes) that does not "
+                                     f"fit the requested region {region}")
+                if xxhash.xxh3_64_intdigest(data) != digest:
+                    bad.append(sub)
+                    continue
+                out[sub.local(origin).slices()] = np.frombuffer(data, out.dtype).reshape(sub.lengths)
+                got += len(data)
+        except grpc.RpcError as e:
+            raise self._error(e, f"ReadBox({version}, {device}, {tensor!r}, {region})") from None
+        return got
+
+    def read_box(self, version: int, device: str, tensor: str, box: Box, dtype: str) -> np.ndarray:
+        out = np.empty(box.lengths, dtype=numpy_storage(dtype))
+        self.read_box_into(version, device, tensor, box, out)
+        return out
+
+    # ---- writing -------------------------------------------------------
+    def write_shard(self, version: int, part: str, device: str, tensor: str, box: Box, array: np.ndarray,
+                    dtype: str, shape: tuple[int, ...] | None = None) -> int:
+        """Stage ``array`` as ``device``'s box of ``tensor`` in part ``part`` of ``version`` on the server."""
+        array = np.ascontiguousarray(array)
+        if tuple(array.shape) != tuple(box.lengths):
+            raise StoreError(f"array shape {list(array.shape)} differs from box lengths {list(box.lengths)}")
+
+        def messages() -> Iterator[pb.WriteShardRequest]:
+            yield pb.WriteShardRequest(header=pb.ShardHeader(version=version, part=part, device=device, tensor=tensor,
+                                                             box=wire.to_pb_box(box), dtype=dtype,
+                                                             shape=list(shape or ())))
+            for sub in wire.split_box(box, array.itemsize, self.chunk_bytes):
+                data = np.ascontiguousarray(array[sub.local(box).slices()]).tobytes()
+                yield pb.WriteShardRequest(chunk=pb.Chunk(box=wire.to_pb_box(sub), xxh3=xxhash.xxh3_64_intdigest(data),
+                                                          data=data))
+
+        try:
+            reply = self._stub.WriteShard(messages(), timeout=self._read_deadline(array.nbytes),
+                                          metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, f"WriteShard({version}, {device}, {tensor!r}, {box})") from None
+        return reply.bytes
+
+    def put_json(self, version: int, part: str, name: str, doc) -> None:
+        self._call("PutJson", pb.PutJsonRequest(version=version, part=part, name=name, json=json.dumps(doc)),
+                   f"PutJson({version}, {name!r})")
+
+    def prepare(self, version: int, part: str) -> None:
+        self._call("Prepare", pb.PrepareRequest(version=version, part=part), f"Prepare({version}, {part!r})")
+
+    def commit(self, version: int) -> None:
+        self._call("Commit", pb.CommitRequest(version=version), f"Commit({version})")
+
+    def abort(self, version: int) -> None:
+        self._call("Abort", pb.AbortRequest(version=version), f"Abort({version})")
+
+    def delete(self, version: int) -> bool:
+        return self._call("Delete", pb.DeleteRequest(version=version), f"Delete({version})").deleted
+
+    def gc(self, keep: int) -> list[int]:
+        return list(self._call("Gc", pb.GcRequest(keep=keep), f"Gc({keep})").deleted)
+
+    # ---- transformation --------------------------------------------------
+    def transform(self, request: pb.TransformRequest, timeout: float) -> Iterator[pb.TransformProgress]:
+        """Run this host's part of a transformation; yields progress, the last message has ``done``."""
+        try:
+            yield from self._stub.Transform(request, timeout=timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise self._error(e, f"Transform({request.old_version} -> {request.new_version})") from None
+
+    # ---- dataset files ---------------------------------------------------
+    def stat_file(self, path: str) -> dict:
+        reply = self._call("StatFile", pb.StatFileRequest(path=path), f"StatFile({path!r})")
+        return {"size": reply.size, "mtime": reply.mtime}
+
+    def read_file(self, path: str, offset: int = 0, length: int = -1) -> bytes:
+        """Bytes [offset, offset+length) of ``<root>/datasets/<path>`` (length -1: to the end), verified."""
+        for attempt in range(self.retries + 1):
+            parts = []
+            expected = offset
+            corrupted = False
+            request = pb.ReadFileRequest(path=path, offset=offset, length=length, chunk_bytes=self.chunk_bytes)
+            try:
+                for chunk_offset, digest, data in self._read_file(request, timeout=self._read_deadline(
+                        max(length, 0)), metadata=self._metadata):
+                    if chunk_offset != expected:
+                        raise StoreError(f"store {self.address}: ReadFile({path!r}) chunk at {chunk_offset}, "
+                                         f"expected {expected}")
+                    if xxhash.xxh3_64_intdigest(data) != digest:
+                        corrupted = True
+                        break
+                    parts.append(data)
+                    expected += len(data)
+            except grpc.RpcError as e:
+                raise self._error(e, f"ReadFile({path!r}, {offset}, {length})") from None
+            if not corrupted:
+                return b"".join(parts)
+        raise ChecksumError(f"store {self.address}: ReadFile({path!r}) data arrived corrupted {self.retries + 1} times")

@@ -1,0 +1,438 @@
+"""The gRPC store service of one host (``tenplex.v1.Store``): thin handlers over ``tenplex.store.local``.
+
+May import: grpc, numpy, xxhash, this package, ``tenplex.box``, ``tenplex.errors``
+and the standard library. It never imports ``tenplex.transform``: the
+``Transform`` RPC calls the ``transformer`` function given to :func:`serve`
+(the CLI passes ``tenplex.transform.host.run_host_part``), keeping the store
+below the transformer in the layering.
+
+Security: :func:`serve` binds 127.0.0.1 unless told otherwise; any other
+address requires a shared token, which every call must then present as
+``authorization: Bearer TOKEN`` metadata (else UNAUTHENTICATED). TLS is on
+when a certificate and key are given.
+
+Test hooks (fault injection, used by the test suite only): the environment
+variable ``TENPLEX_STORE_TEST_HOOKS`` of a *server process* may hold
+comma-separated ``exit_after_chunks=N`` (the process exits abruptly once it has
+sent N ReadBox chunks, simulating a host dying mid-transfer) and
+``corrupt_chunks=N`` (the first N ReadBox chunks get one payload byte flipped
+after their checksum was computed, simulating corruption in flight). Unset, it
+costs nothing.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import hmac
+import logging
+import os
+import queue
+import stat
+import threading
+from concurrent import futures
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import numpy as np
+import xxhash
+
+from ..box import Box
+from ..errors import StoreError, TenplexError
+from . import wire
+from ._proto import store_pb2 as pb
+from .local import Store, VersionReader, VersionWriter
+
+log = logging.getLogger(__name__)
+SERVICE = "tenplex.v1.Store"
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+class NotFound(StoreError, LookupError):
+    """Unknown version, device, tensor, JSON document or file."""
+
+
+class OutOfRange(StoreError, IndexError):
+    """A region outside what is stored."""
+
+
+# ---------------------------------------------------------------- errors --
+def _status_of(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, LookupError):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, IndexError):
+        return grpc.StatusCode.OUT_OF_RANGE
+    if isinstance(exc, PermissionError):
+        return grpc.StatusCode.PERMISSION_DENIED
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+        return grpc.StatusCode.PERMISSION_DENIED
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, TenplexError):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INTERNAL
+
+
+def _message(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if isinstance(exc, TenplexError) else f"{type(exc).__name__}: {text}"
+
+
+def _guard(method):
+    """Turn exceptions into gRPC statuses with the error's message; the server keeps serving."""
+    @functools.wraps(method)
+    def unary(self, request, context):
+        try:
+            return method(self, request, context)
+        except Exception as e:  # noqa: BLE001 - every failure must become a status, not a dead stream
+            if context.code() is None:
+                context.abort(_status_of(e), _message(e))
+            raise
+
+    @functools.wraps(method)
+    def streaming(self, request, context):
+        try:
+            yield from method(self, request, context)
+        except Exception as e:  # noqa: BLE001
+            if context.code() is None:
+                context.abort(_status_of(e), _message(e))
+            raise
+
+    import inspect
+    return streaming if inspect.isgeneratorfunction(method) else unary
+
+
+# ----------------------------------------------------------------- hooks --
+class _TestHooks:
+    def __init__(self, spec: str):
+        values = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
+        self.exit_after = int(values.get("exit_after_chunks", 0))
+        self.corrupt = int(values.get("corrupt_chunks", 0))
+        self.sent = 0
+        self.lock = threading.Lock()
+
+    def before_send(self, payload: bytes) -> bytes:
+        with self.lock:
+            self.sent += 1
+            sent = self.sent
+        if self.exit_after and sent > self.exit_after:
+            os._exit(137)  # a host dying mid-transfer: no cleanup, no goodbye
+        if sent <= self.corrupt:
+            damaged = bytearray(payload)
+            damaged[-1] ^= 0xFF  # last byte is payload: the checksum no longer matches
+            return bytes(damaged)
+        return payload
+
+
+# --------------------------------------------------------------- service --
+class StoreService:
+    def __init__(self, store: Store, transformer: Callable | None = None, token: str | None = None):
+        self.store = store
+        self.transformer = transformer
+        self.token = token
+        self._readers: dict[int, VersionReader] = {}
+        self._writers: dict[tuple[int, str], VersionWriter] = {}
+        self._lock = threading.Lock()
+        spec = os.environ.get("TENPLEX_STORE_TEST_HOOKS", "")
+        self._hooks = _TestHooks(spec) if spec else None
+
+    # -- helpers
+    def _reader(self, version: int) -> VersionReader:
+        with self._lock:
+            reader = self._readers.get(version)
+            if reader is not None and not (reader.path / "manifest.json").exists():
+                del self._readers[version]  # deleted or garbage-collected since
+                reader = None
+        if reader is None:
+            try:
+                reader = self.store.open(version)
+            except StoreError as e:
+                raise NotFound(str(e)) from None
+            with self._lock:
+                self._readers[version] = reader
+        return reader
+
+    def _writer(self, version: int, part: str) -> VersionWriter:
+        key = (int(version), part or "remote")
+        with self._lock:
+            writer = self._writers.get(key)
+            if writer is None:
+                writer = self.store.begin(key[0], key[1])
+                self._writers[key] = writer
+            return writer
+
+    def _find(self, reader: VersionReader, device: str, tensor: str, box: Box):
+        try:
+            return reader.find(device, tensor, box)
+        except StoreError as e:
+            if "lies inside no box" in str(e):
+                raise OutOfRange(str(e)) from None
+            raise NotFound(str(e)) from None
+
+    # -- metadata
+    @_guard
+    def Health(self, request, context):
+        return pb.HealthReply(host=self.store.host, root=str(self.store.root), versions=self.store.versions(),
+                              pid=os.getpid())
+
+    @_guard
+    def ListVersions(self, request, context):
+        return pb.ListVersionsReply(versions=self.store.versions())
+
+    @_guard
+    def GetManifest(self, request, context):
+        import json
+        return pb.GetManifestReply(manifest_json=json.dumps(self._reader(request.version).manifest))
+
+    @_guard
+    def GetJson(self, request, context):
+        import json
+        reader = self._reader(request.version)
+        try:
+            doc = reader.get_json(request.name)
+        except StoreError as e:
+            raise NotFound(str(e)) from None
+        return pb.GetJsonReply(json=json.dumps(doc))
+
+    # -- data
+    @_guard
+    def ReadBox(self, request, context):
+        box = wire.from_pb_box(request.box)
+        reader = self._reader(request.version)
+        entry = self._find(reader, request.device, request.tensor, box)
+        array = reader.array(entry)
+        chunk_bytes = _chunk_bytes(request.chunk_bytes)
+        for sub in wire.split_box(box, array.itemsize, chunk_bytes):
+            data = np.ascontiguousarray(array[sub.local(entry.box).slices()])
+            view = memoryview(data.reshape(-1)).cast("B")
+            head = pb.Chunk(box=wire.to_pb_box(sub), xxh3=xxhash.xxh3_64_intdigest(view)).SerializeToString()
+            payload = wire.encode_with_data(head, view)
+            yield self._hooks.before_send(payload) if self._hooks else payload
+
+    @_guard
+    def WriteShard(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or first.WhichOneof("item") != "header":
+            raise ValueError("WriteShard: the first message must carry the shard header")
+        h = first.header
+        box = wire.from_pb_box(h.box)
+        writer = self._writer(h.version, h.part)
+        target = writer.allocate(h.device, h.tensor, box, h.dtype, tuple(h.shape) or None)
+        received = 0
+        for message in request_iterator:
+            if message.WhichOneof("item") != "chunk":
+                raise ValueError("WriteShard: only chunks may follow the header")
+            sub = wire.from_pb_box(message.chunk.box)
+            if not box.contains(sub):
+                raise OutOfRange(f"chunk box {sub} lies outside the shard box {box}")
+            if xxhash.xxh3_64_intdigest(message.chunk.data) != message.chunk.xxh3:
+                raise StoreError(f"chunk {sub} of {h.tensor!r} arrived corrupted (checksum mismatch); "
+                                 f"abort version {h.version} and write it again")
+            target[sub.local(box).slices()] = np.frombuffer(message.chunk.data, target.dtype).reshape(sub.lengths)
+            received += len(message.chunk.data)
+        expected = target.nbytes
+        if received != expected:
+            raise StoreError(f"shard {h.tensor!r} {box} on {h.device}: received {received} of {expected} bytes")
+        return pb.WriteShardReply(bytes=received)
+
+    @_guard
+    def PutJson(self, request, context):
+        import json
+        try:
+            doc = json.loads(request.json)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"PutJson {request.name!r}: not valid JSON ({e})") from None
+        self._writer(request.version, request.part).put_json(request.name, doc)
+        return pb.PutJsonReply()
+
+    @_guard
+    def Prepare(self, request, context):
+        key = (int(request.version), request.part or "remote")
+        with self._lock:
+            writer = self._writers.pop(key, None)
+        if writer is None:
+            raise NotFound(f"no open part {key[1]!r} of version {key[0]} on host {self.store.host}")
+        writer.prepare()
+        return pb.PrepareReply()
+
+    @_guard
+    def Commit(self, request, context):
+        self.store.commit(request.version)
+        return pb.CommitReply()
+
+    @_guard
+    def Abort(self, request, context):
+        with self._lock:
+            for key in [k for k in self._writers if k[0] == request.version]:
+                self._writers.pop(key).abort()
+        self.store.abort(request.version)
+        return pb.AbortReply()
+
+    @_guard
+    def Delete(self, request, context):
+        return pb.DeleteReply(deleted=self.store.delete(request.version))
+
+    @_guard
+    def Gc(self, request, context):
+        return pb.GcReply(deleted=self.store.gc(request.keep))
+
+    @_guard
+    def Transform(self, request, context):
+        if self.transformer is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this store server was started without a transformer")
+        updates: queue.Queue = queue.Queue()
+        cancelled = threading.Event()
+        context.add_callback(cancelled.set)  # the coordinator went away: stop pulling
+
+        def work():
+            try:
+                result = self.transformer(self.store, request, lambda p: updates.put(("progress", p)),
+                                          cancelled=cancelled, token=self.token)
+                updates.put(("done", result))
+            except BaseException as e:  # noqa: BLE001 - reported to the coordinator below
+                updates.put(("error", e))
+
+        threading.Thread(target=work, name=f"transform-{request.new_version}", daemon=True).start()
+        while True:
+            kind, value = updates.get()
+            if kind == "progress":
+                yield value
+            elif kind == "done":
+                value.done = True
+                yield value
+                return
+            else:
+                raise value
+
+    # -- dataset files
+    def _dataset_path(self, relative: str) -> Path:
+        if not relative or relative.startswith("/") or "\\" in relative or "\0" in relative:
+            raise ValueError(f"dataset path {relative!r} must be a non-empty relative path")
+        if any(part in ("..", "") for part in relative.split("/")):
+            raise ValueError(f"dataset path {relative!r} may not contain '..' or empty components")
+        base = (self.store.root / "datasets").resolve()
+        path = (base / relative).resolve()
+        if base != path and base not in path.parents:
+            raise PermissionError(f"dataset path {relative!r} leads outside the datasets directory (symlink?)")
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            raise NotFound(f"no dataset file {relative!r} on host {self.store.host}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise NotFound(f"dataset path {relative!r} on host {self.store.host} is not a regular file")
+        return path
+
+    @_guard
+    def StatFile(self, request, context):
+        st = self._dataset_path(request.path).stat()
+        return pb.StatFileReply(size=st.st_size, mtime=st.st_mtime)
+
+    @_guard
+    def ReadFile(self, request, context):
+        if request.offset < 0 or request.length < -1:
+            raise ValueError(f"ReadFile {request.path!r}: offset {request.offset} and length {request.length} "
+                             f"must be >= 0 (length -1 = to the end)")
+        path = self._dataset_path(request.path)
+        chunk_bytes = _chunk_bytes(request.chunk_bytes)
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            end = size if request.length == -1 else min(size, request.offset + request.length)
+            offset = request.offset
+            while offset < end:
+                data = os.pread(f.fileno(), min(chunk_bytes, end - offset), offset)
+                if not data:
+                    break
+                head = pb.FileChunk(offset=offset, xxh3=xxhash.xxh3_64_intdigest(data)).SerializeToString()
+                yield wire.encode_with_data(head, data)
+                offset += len(data)
+
+
+def _chunk_bytes(requested: int) -> int:
+    if requested <= 0:
+        return wire.DEFAULT_CHUNK_BYTES
+    return max(4096, min(int(requested), wire.MAX_CHUNK_BYTES))
+
+
+# ------------------------------------------------------------------ auth --
+class _TokenCheck(grpc.ServerInterceptor):
+    def __init__(self, token: str):
+        self._expected = f"Bearer {token}".encode()
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        presented = dict(details.invocation_metadata or ()).get("authorization", "")
+        if handler is None or hmac.compare_digest(str(presented).encode(), self._expected):
+            return handler
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "missing or wrong store token (send metadata 'authorization: Bearer TOKEN')")
+
+        if handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(deny)
+        if handler.request_streaming:
+            return grpc.stream_unary_rpc_method_handler(deny)
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
+
+
+# ---------------------------------------------------------------- server --
+_RAW = {"ReadBox", "ReadFile"}  # handlers that yield pre-encoded bytes (see wire.py)
+_METHODS = {
+    "Health": ("uu", pb.HealthRequest, pb.HealthReply),
+    "ListVersions": ("uu", pb.ListVersionsRequest, pb.ListVersionsReply),
+    "GetManifest": ("uu", pb.GetManifestRequest, pb.GetManifestReply),
+    "GetJson": ("uu", pb.GetJsonRequest, pb.GetJsonReply),
+    "ReadBox": ("us", pb.ReadBoxRequest, pb.Chunk),
+    "WriteShard": ("su", pb.WriteShardRequest, pb.WriteShardReply),
+    "PutJson": ("uu", pb.PutJsonRequest, pb.PutJsonReply),
+    "Prepare": ("uu", pb.PrepareRequest, pb.PrepareReply),
+    "Commit": ("uu", pb.CommitRequest, pb.CommitReply),
+    "Abort": ("uu", pb.AbortRequest, pb.AbortReply),
+    "Delete": ("uu", pb.DeleteRequest, pb.DeleteReply),
+    "Gc": ("uu", pb.GcRequest, pb.GcReply),
+    "Transform": ("us", pb.TransformRequest, pb.TransformProgress),
+    "ReadFile": ("us", pb.ReadFileRequest, pb.FileChunk),
+    "StatFile": ("uu", pb.StatFileRequest, pb.StatFileReply),
+}
+
+
+def _handlers(service: StoreService) -> grpc.GenericRpcHandler:
+    make = {"uu": grpc.unary_unary_rpc_method_handler, "us": grpc.unary_stream_rpc_method_handler,
+            "su": grpc.stream_unary_rpc_method_handler}
+    table = {}
+    for name, (kind, request, reply) in _METHODS.items():
+        serializer = (lambda raw: raw) if name in _RAW else reply.SerializeToString
+        table[name] = make[kind](getattr(service, name), request_deserializer=request.FromString,
+                                 response_serializer=serializer)
+    return grpc.method_handlers_generic_handler(SERVICE, table)
+
+
+def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | None = None,
+          tls_cert: bytes | None = None, tls_key: bytes | None = None, transformer: Callable | None = None,
+          max_workers: int = 32) -> tuple[grpc.Server, int]:
+    """Start serving ``store``; return (server, bound port). Non-loopback binds need ``token``."""
+    if bind not in LOOPBACK and not token:
+        raise StoreError(f"refusing to serve store {store.root} on {bind} without a token: anything that reaches "
+                         f"the port could read and overwrite state. Pass a token (--token-file) or bind 127.0.0.1")
+    if (tls_cert is None) != (tls_key is None):
+        raise StoreError("TLS needs both a certificate and its private key")
+    service = StoreService(store, transformer=transformer, token=token)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store"),
+                         interceptors=[_TokenCheck(token)] if token else None,
+                         options=wire.channel_options())
+    server.add_generic_rpc_handlers((_handlers(service),))
+    address = f"[{bind.strip('[]')}]:{port}" if ":" in bind.strip("[]") else f"{bind}:{port}"
+    if tls_cert is not None:
+        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
+    else:
+        bound = server.add_insecure_port(address)
+    if not bound:
+        raise StoreError(f"could not bind the store server to {address}")
+    server.start()
+    log.info("store %s (host %s) serving on %s:%d", store.root, store.host, bind, bound)
+    return server, bound

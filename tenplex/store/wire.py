@@ -1,0 +1,159 @@
+"""Chunk framing, chunk splitting and channel options shared by the store server and client.
+
+May import: grpc, xxhash, ``tenplex.box``, this package's generated ``_proto`` and the standard library.
+
+Chunks (``Chunk``, ``FileChunk``) carry up to ``chunk_bytes`` of payload. To
+avoid two extra copies of every payload inside protobuf, the server encodes
+them by hand: the message without ``data`` serialised by protobuf, followed by
+the ``data`` field (tag, length, bytes). The client cuts the ``data`` field out
+of the received bytes as a zero-copy memoryview and parses only the rest with
+protobuf. Both are the standard protobuf wire format, so generated stubs in any
+language read and write the same messages.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from ..box import Box
+from ._proto import store_pb2 as pb
+
+DEFAULT_CHUNK_BYTES = 8 << 20
+MAX_CHUNK_BYTES = 64 << 20
+_DATA_FIELD = 3  # the ``bytes data = 3`` field of Chunk and FileChunk
+
+
+def channel_options(chunk_bytes: int = MAX_CHUNK_BYTES) -> list[tuple[str, int]]:
+    """gRPC options for both ends: message limits fit the largest chunk (plus headers), keepalive on."""
+    limit = int(chunk_bytes) + (1 << 20)
+    return [
+        ("grpc.max_send_message_length", limit),
+        ("grpc.max_receive_message_length", limit),
+        # Detect a dead peer on an idle connection within ~40 s.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        # Larger HTTP/2 windows keep a fast loopback or datacenter link busy.
+        ("grpc.http2.lookahead_bytes", 16 << 20),
+        ("grpc.http2.bdp_probe", 1),
+    ]
+
+
+def split_box(box: Box, itemsize: int, max_bytes: int) -> Iterator[Box]:
+    """Cut ``box`` into sub-boxes of at most ``max_bytes`` (C order, slabs along the outermost split dimension).
+
+    Finds the outermost dimension d whose inner block (dims d.. at full length)
+    is too big, then emits, for every index of the dims before d, slabs of as
+    many rows of d as fit. A single element larger than max_bytes still forms one chunk.
+    """
+    inner = itemsize
+    split = None
+    for d in reversed(range(box.ndim)):
+        if inner * box.lengths[d] > max_bytes:
+            split = d
+            break
+        inner *= box.lengths[d]
+    if split is None or box.is_empty():
+        yield box
+        return
+    step = max(1, max_bytes // inner)
+    outer = box.lengths[:split]
+    index = [0] * split
+    while True:
+        for start in range(0, box.lengths[split], step):
+            offsets = tuple(o + i for o, i in zip(box.offsets[:split], index)) + \
+                (box.offsets[split] + start,) + box.offsets[split + 1:]
+            lengths = (1,) * split + (min(step, box.lengths[split] - start),) + box.lengths[split + 1:]
+            yield Box(offsets, lengths)
+        # advance the odometer over the outer dimensions
+        d = split - 1
+        while d >= 0:
+            index[d] += 1
+            if index[d] < outer[d]:
+                break
+            index[d] = 0
+            d -= 1
+        if d < 0:
+            return
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def encode_with_data(head: bytes, data) -> bytes:
+    """``head`` (a serialised Chunk/FileChunk without data) followed by the ``data`` field."""
+    view = memoryview(data).cast("B")
+    return b"".join((head, _varint((_DATA_FIELD << 3) | 2), _varint(view.nbytes), view))
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def split_data(raw: bytes) -> tuple[bytes, memoryview]:
+    """Separate the ``data`` field from a serialised Chunk/FileChunk: (the other fields, data as a view)."""
+    buf = memoryview(raw)
+    pos = 0
+    while pos < len(buf):
+        start = pos
+        key, pos = _read_varint(buf, pos)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            _, pos = _read_varint(buf, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        elif wire == 2:
+            n, pos = _read_varint(buf, pos)
+            if field == _DATA_FIELD:
+                end = pos + n
+                if end > len(buf):
+                    raise ValueError("truncated data field")
+                return bytes(buf[:start]) + bytes(buf[end:]), buf[pos:end]
+            pos += n
+        else:
+            raise ValueError(f"unexpected wire type {wire}")
+    return bytes(raw), memoryview(b"")
+
+
+def decode_chunk(raw: bytes) -> tuple[Box, int, memoryview]:
+    """(box, xxh3, data view) of a serialised Chunk."""
+    rest, data = split_data(raw)
+    msg = pb.Chunk.FromString(rest)
+    return Box(tuple(msg.box.offsets), tuple(msg.box.lengths)), msg.xxh3, data
+
+
+def decode_file_chunk(raw: bytes) -> tuple[int, int, memoryview]:
+    """(offset, xxh3, data view) of a serialised FileChunk."""
+    rest, data = split_data(raw)
+    msg = pb.FileChunk.FromString(rest)
+    return msg.offset, msg.xxh3, data
+
+
+def to_pb_box(box: Box) -> pb.Box:
+    return pb.Box(offsets=list(box.offsets), lengths=list(box.lengths))
+
+
+def from_pb_box(msg: pb.Box) -> Box:
+    return Box(tuple(msg.offsets), tuple(msg.lengths))

@@ -1,0 +1,137 @@
+"""Run a plan across every host's store with a two-phase commit.
+
+May import: ``tenplex.store`` (client), ``tenplex.plan``, ``tenplex.layout``,
+``tenplex.devices``, ``tenplex.errors`` and the standard library.
+
+Phase 1: every destination host (a host of the new layout) stages and
+prepares the new version through its store's ``Transform`` RPC, pulling from
+the source hosts itself; all hosts run at once. Phase 2, only when every host
+prepared: every host commits. A failure in phase 1 aborts the staged version
+everywhere; a failure in phase 2 deletes the new version from the hosts that
+had already committed it. Either way the old version is untouched and the
+raised :class:`TransformError` lists every failed host with its cause.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Callable
+
+from ..devices import host_of
+from ..errors import TransformError
+from ..layout import Layout
+from ..plan import Plan
+from ..store._proto import store_pb2 as pb
+from ..store.client import StoreClient
+
+Progress = Callable[[str, int, int], None]  # (host, bytes done, bytes total)
+
+
+def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[str, str], old_version: int,
+              new_version: int, progress: Progress | None = None, streams: int = 4, token: str | None = None,
+              timeout: float = 3600.0, pull_timeout: float = 60.0, chunk_bytes: int = 0,
+              root_certificates: bytes | None = None,
+              before_commit: Callable[[], None] | None = None) -> dict:
+    """Turn ``old_version`` (laid out as ``old_layout``) into ``new_version`` (``new_layout``) on every host.
+
+    ``stores`` maps each host to its store address. ``progress(host, done, total)``
+    is called from worker threads as bytes arrive. ``before_commit`` runs after
+    every host prepared and before any commits (orchestration and tests use it).
+    Returns a report: seconds and, per host, the bytes kept, linked, copied
+    locally, pulled remotely and re-fetched from replicas.
+    """
+    if new_version == old_version:
+        raise TransformError(f"new version {new_version} must differ from the old version")
+    destinations = new_layout.hosts()
+    missing = sorted(set(destinations) - set(stores))
+    if missing:
+        raise TransformError(f"no store address for destination host(s) {missing}; got {sorted(stores)}",
+                             {h: "no store address" for h in missing})
+    started = time.monotonic()
+    old_hosts = old_layout.hosts()
+    plan_by_host: dict[str, list] = {h: [] for h in destinations}
+    for t in plan.transfers:
+        plan_by_host.setdefault(host_of(t.dst), []).append(t.to_dict())
+    clients = {h: StoreClient(a, token=token, root_certificates=root_certificates, timeout=pull_timeout)
+               for h, a in stores.items()}
+    results: dict[str, pb.TransformProgress] = {}
+    failures: dict[str, str] = {}
+    lock = threading.Lock()
+
+    def run(host: str) -> None:
+        json_from = host if host in old_hosts else next((h for h in old_hosts if h in stores), "")
+        request = pb.TransformRequest(
+            host=host, old_version=old_version, new_version=new_version,
+            plan_json=json.dumps({"format": "tenplex.plan/1", "transfers": plan_by_host[host],
+                                  "stats": {}}),
+            old_layout_json=json.dumps(old_layout.to_dict()), new_layout_json=json.dumps(new_layout.to_dict()),
+            peers=stores, streams=streams, chunk_bytes=chunk_bytes, json_from_host=json_from,
+            timeout_s=pull_timeout)
+        try:
+            final = None
+            for update in clients[host].transform(request, timeout=timeout):
+                if progress is not None:
+                    progress(host, update.bytes_done, update.bytes_total)
+                final = update
+            if final is None or not final.done:
+                raise TransformError(f"store of host {host} ended the transformation without reporting completion")
+            with lock:
+                results[host] = final
+        except Exception as e:  # noqa: BLE001 - collected and reported for every host
+            with lock:
+                failures[host] = str(e)
+
+    try:
+        threads = [threading.Thread(target=run, args=(h,), name=f"transform-{h}") for h in destinations]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if not failures and before_commit is not None:
+            try:
+                before_commit()
+            except Exception as e:  # noqa: BLE001
+                failures["coordinator"] = f"before_commit hook failed: {e}"
+        if failures:
+            _abort(clients, destinations, new_version, failures)
+            raise TransformError(_summary("prepare", old_version, new_version, failures), failures)
+        committed = []
+        for host in destinations:
+            try:
+                clients[host].commit(new_version)
+                committed.append(host)
+            except Exception as e:  # noqa: BLE001
+                failures[host] = str(e)
+        if failures:
+            for host in committed:  # nobody can have used the new version yet: take it back
+                try:
+                    clients[host].delete(new_version)
+                except Exception as e:  # noqa: BLE001
+                    failures[host] = f"committed, and could not be rolled back: {e}"
+            _abort(clients, [h for h in destinations if h not in committed], new_version, failures)
+            raise TransformError(_summary("commit", old_version, new_version, failures), failures)
+    finally:
+        for client in clients.values():
+            client.close()
+    return {"old_version": old_version, "new_version": new_version, "seconds": time.monotonic() - started,
+            "hosts": {h: {"bytes_total": r.bytes_total, "kept_bytes": r.kept_bytes, "linked_bytes": r.linked_bytes,
+                          "local_bytes": r.local_bytes, "remote_bytes": r.remote_bytes,
+                          "refetched_bytes": r.refetched_bytes} for h, r in sorted(results.items())}}
+
+
+def _abort(clients: dict[str, StoreClient], hosts: list[str], version: int, failures: dict[str, str]) -> None:
+    for host in hosts:
+        try:
+            clients[host].abort(version)
+        except Exception as e:  # noqa: BLE001 - its staged files stay invisible; gc removes them
+            if host not in failures:
+                failures[host] = f"abort failed (staged data stays invisible until gc): {e}"
+
+
+def _summary(phase: str, old_version: int, new_version: int, failures: dict[str, str]) -> str:
+    lines = [f"transformation {old_version} -> {new_version} failed in the {phase} phase on "
+             f"{len(failures)} host(s); version {old_version} is unchanged and {new_version} was not committed:"]
+    lines += [f"  {host}: {cause}" for host, cause in sorted(failures.items())]
+    return "\n".join(lines)

@@ -1,0 +1,308 @@
+"""One destination host's part of a transformation: stage version N+1 from N and prepare it.
+
+May import: numpy, ``tenplex.store`` (local store and client), ``tenplex.plan``,
+``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``, ``tenplex.errors``
+and the standard library. Runs inside the host's store server (the
+``Transform`` RPC), so it reads this host's old shards straight from disk.
+
+Order of work, per new shard of this host's devices:
+
+1. A shard kept whole (same device, or another device of this host, same
+   box) is hard-linked to the old file: no bytes are copied.
+2. Every other ``"from": "old"`` region is filled in place (into the new
+   shard's memory-mapped file): from this host's old files by memcpy, or
+   pulled from the source host in pieces by ``streams`` concurrent gRPC
+   streams (one connection each).
+3. ``"from": "new"`` regions (the local fan-out) are copied in plan order
+   from new shards that step 2 filled.
+
+A region whose source fails (host down, timeout, corrupted data after
+retries, missing version) is fetched again from the other replicas the old
+layout lists, this host's own first; only when no replica covers it does the
+part fail, naming the tensor, region and every cause.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from ..box import Box, subtract_all
+from ..devices import host_of
+from ..errors import StoreError, TransformError
+from ..layout import Layout, from_dict as layout_from_dict
+from ..plan import Transfer, plan_from_dict
+from ..store import LAYOUT_DOC, Store, VersionReader
+from ..store import wire
+from ..store._proto import store_pb2 as pb
+from ..store.client import StoreClient
+
+PART = "transform"
+DEFAULT_STREAMS = 4
+PIECE_BYTES = 64 << 20          # one pull call; several chunks each
+PROGRESS_EVERY_BYTES = 64 << 20  # progress messages are throttled to this granularity
+PROGRESS_EVERY_S = 0.25
+
+
+@dataclass
+class _Counters:
+    total: int = 0
+    done: int = 0
+    kept: int = 0
+    linked: int = 0
+    local: int = 0
+    remote: int = 0
+    refetched: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def message(self) -> pb.TransformProgress:
+        return pb.TransformProgress(bytes_done=self.done, bytes_total=self.total, kept_bytes=self.kept,
+                                    local_bytes=self.local, remote_bytes=self.remote,
+                                    refetched_bytes=self.refetched, linked_bytes=self.linked)
+
+
+class _Sources:
+    """Reads regions of old shards: locally from disk, or from peer stores, with replica fallback."""
+
+    def __init__(self, host: str, old: Layout, version: int, reader: VersionReader | None,
+                 peers: dict[str, str], token: str | None, streams: int, chunk_bytes: int, timeout: float):
+        self.host, self.old, self.version, self.reader = host, old, version, reader
+        self.failed: dict[str, str] = {}  # host -> first failure, not asked again
+        self._lock = threading.Lock()
+        self._clients: dict[str, list[StoreClient]] = {}
+        self._peers, self._token, self._streams = peers, token, streams
+        self._chunk_bytes, self._timeout = chunk_bytes, timeout
+        self._turn = 0
+
+    def client(self, host: str) -> StoreClient:
+        with self._lock:
+            pool = self._clients.get(host)
+            if pool is None:
+                address = self._peers.get(host)
+                if address is None:
+                    raise StoreError(f"no store address for host {host} (peers: {sorted(self._peers)})")
+                # One connection per stream: streams sharing a connection share one socket and one
+                # receiving thread in gRPC, which caps throughput well below the link's.
+                pool = [StoreClient(address, token=self._token, chunk_bytes=self._chunk_bytes,
+                                    timeout=self._timeout, own_connection=True) for _ in range(self._streams)]
+                self._clients[host] = pool
+            self._turn += 1
+            return pool[self._turn % len(pool)]
+
+    def close(self) -> None:
+        for pool in self._clients.values():
+            for client in pool:
+                client.close()
+
+    def read_into(self, device: str, tensor: str, box: Box, out: np.ndarray) -> int:
+        """Fill ``out`` with ``box`` of ``device``'s old shard; return the bytes that came from other replicas."""
+        try:
+            self._read_from(device, tensor, box, out)
+            return 0
+        except Exception as first:  # noqa: BLE001 - any source failure: try the replicas
+            self._mark_failed(host_of(device), first)
+            causes = [f"{device}: {first}"]
+        remaining = [box]
+        refetched = 0
+        itemsize = out.itemsize
+        # This host's replicas first (no network), then the others in layout order.
+        candidates = sorted(self.old.shards_of(tensor), key=lambda db: host_of(db[0]) != self.host)
+        for other, held in candidates:
+            if other == device or host_of(other) in self.failed or not remaining:
+                continue
+            next_remaining = []
+            for region in remaining:
+                common = region.intersect(held)
+                if common is None:
+                    next_remaining.append(region)
+                    continue
+                try:
+                    self._read_from(other, tensor, common, out[common.local(box).slices()])
+                    refetched += common.volume * itemsize
+                    next_remaining.extend(region.subtract(common))
+                except Exception as e:  # noqa: BLE001
+                    self._mark_failed(host_of(other), e)
+                    causes.append(f"{other}: {e}")
+                    next_remaining.append(region)
+            remaining = next_remaining
+        if remaining:
+            raise TransformError(f"host {self.host}: region {box} of tensor {tensor!r} could not be read from "
+                                 f"{device} and no surviving replica covers {remaining[0]}; causes: "
+                                 + "; ".join(causes))
+        return refetched
+
+    def _read_from(self, device: str, tensor: str, box: Box, out: np.ndarray) -> None:
+        source_host = host_of(device)
+        if source_host in self.failed:
+            raise StoreError(f"host {source_host} already failed: {self.failed[source_host]}")
+        if source_host == self.host:
+            if self.reader is None:
+                raise StoreError(f"host {self.host} has no committed version {self.version}")
+            np.copyto(out, self.reader.read(device, tensor, box))
+            return
+        self.client(source_host).read_box_into(self.version, device, tensor, box, out)
+
+    def _mark_failed(self, host: str, error: Exception) -> None:
+        with self._lock:
+            self.failed.setdefault(host, str(error))
+
+
+def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable[[pb.TransformProgress], None],
+                  cancelled: threading.Event | None = None, token: str | None = None) -> pb.TransformProgress:
+    """Stage ``request.new_version`` on this host and prepare it (the coordinator commits). Returns final counters."""
+    host = request.host or store.host
+    if host != store.host:
+        raise StoreError(f"transform request for host {host} reached the store of host {store.host}")
+    plan = plan_from_dict(json.loads(request.plan_json), source="transform request plan")
+    old = layout_from_dict(json.loads(request.old_layout_json), source="transform request old layout")
+    new = layout_from_dict(json.loads(request.new_layout_json), source="transform request new layout")
+    cancelled = cancelled or threading.Event()
+    streams = request.streams or DEFAULT_STREAMS
+    reader = store.open(request.old_version) if request.old_version in store.versions() else None
+    sources = _Sources(host, old, request.old_version, reader, dict(request.peers), token, streams,
+                       request.chunk_bytes or wire.DEFAULT_CHUNK_BYTES, request.timeout_s or 60.0)
+    counters = _Counters()
+    store.abort(request.new_version)  # leftovers of an earlier, interrupted attempt
+    writer = store.begin(request.new_version, part=PART)
+    try:
+        _stage(host, plan.transfers, old, new, writer, reader, sources, counters, progress, cancelled, streams)
+        _carry_json(host, request, writer, reader, sources)
+        writer.put_layout(new)
+        writer.prepare()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        sources.close()
+    return counters.message()
+
+
+def _stage(host, transfers, old: Layout, new: Layout, writer, reader, sources: _Sources, counters: _Counters,
+           progress, cancelled: threading.Event, streams: int) -> None:
+    mine = [t for t in transfers if host_of(t.dst) == host]
+    # new shard (device, tensor, box) -> transfers filling it
+    by_shard: dict[tuple[str, str, Box], list[Transfer]] = {}
+    for device, shards in new.devices.items():
+        if host_of(device) == host:
+            for shard in shards:
+                by_shard[(device, shard.tensor, shard.box)] = []
+    for t in mine:
+        owner = next((k for k in by_shard if k[0] == t.dst and k[1] == t.tensor and k[2].contains(t.box)), None)
+        if owner is None:
+            raise TransformError(f"plan sends {t.tensor!r} {t.box} to {t.dst}, but no box of {t.dst} in the new "
+                                 f"layout contains it; the plan does not match the new layout")
+        by_shard[owner].append(t)
+    counters.total = sum(key[2].volume * new.tensors[key[1]].itemsize for key in by_shard)
+
+    last = [0, time.monotonic()]
+
+    def advance(nbytes: int, kind: str) -> None:
+        with counters.lock:
+            counters.done += nbytes
+            setattr(counters, kind, getattr(counters, kind) + nbytes)
+            now = time.monotonic()
+            if counters.done - last[0] >= PROGRESS_EVERY_BYTES or now - last[1] >= PROGRESS_EVERY_S:
+                last[0], last[1] = counters.done, now
+                progress(counters.message())
+
+    outputs: dict[tuple[str, str, Box], np.ndarray] = {}
+    jobs: list[Callable[[], None]] = []
+    fan_out: list[tuple[Transfer, tuple]] = []
+    for key, fills in by_shard.items():
+        device, tensor, box = key
+        spec = new.tensors[tensor]
+        covered = sum(t.box.volume for t in fills)
+        if covered != box.volume or subtract_all(box, [t.box for t in fills]):
+            raise TransformError(f"plan covers {covered} of {box.volume} elements of {tensor!r} {box} on {device}; "
+                                 f"every new box must be covered exactly once")
+        linkable = _linkable(host, fills, box, reader)
+        if linkable is not None:
+            writer.link(device, reader, linkable)
+            outputs[key] = reader.array(linkable)  # may be a fan-out source below
+            advance(box.volume * spec.itemsize, "linked")
+            continue
+        out = writer.allocate(device, tensor, box, spec.dtype, spec.shape)
+        outputs[key] = out
+        for t in fills:
+            if t.source == "new":
+                fan_out.append((t, key))
+                continue
+            kind = "kept" if t.kept else ("local" if host_of(t.src) == host else "remote")
+            for piece in wire.split_box(t.box, spec.itemsize, PIECE_BYTES):
+                jobs.append(_job(sources, t, piece, out[piece.local(box).slices()], kind, advance, cancelled))
+    with ThreadPoolExecutor(max_workers=max(1, streams), thread_name_prefix=f"pull-{host}") as pool:
+        running = [pool.submit(job) for job in jobs]
+        done, _ = wait(running, return_when=FIRST_EXCEPTION)
+        for future in done:
+            if future.exception() is not None:
+                cancelled.set()  # the remaining jobs return early
+                raise future.exception()
+    for t, key in fan_out:
+        if cancelled.is_set():
+            raise TransformError(f"host {host}: transformation cancelled")
+        source = _containing(outputs, t.src, t.tensor, t.box)
+        source_key, source_out = source
+        np.copyto(outputs[key][t.box.local(key[2]).slices()], source_out[t.box.local(source_key[2]).slices()])
+        advance(t.box.volume * new.tensors[t.tensor].itemsize, "local")
+    with counters.lock:
+        progress(counters.message())
+
+
+def _job(sources: _Sources, t: Transfer, piece: Box, out: np.ndarray, kind: str, advance, cancelled):
+    def run() -> None:
+        if cancelled.is_set():
+            return
+        refetched = sources.read_into(t.src, t.tensor, piece, out)
+        if refetched:
+            advance(refetched, "refetched")
+            advance(out.nbytes - refetched, kind)
+        else:
+            advance(out.nbytes, kind)
+    return run
+
+
+def _linkable(host: str, fills: list[Transfer], box: Box, reader: VersionReader | None):
+    """The old shard entry to hard-link when one old-version transfer from this host fills the whole box
+    with a whole old shard of the same box; else None."""
+    if reader is None or len(fills) != 1:
+        return None
+    t = fills[0]
+    if t.source != "old" or host_of(t.src) != host or t.box != box:
+        return None
+    try:
+        entry = reader.find(t.src, t.tensor, box)
+    except StoreError:
+        return None
+    return entry if entry.box == box else None
+
+
+def _containing(outputs: dict, device: str, tensor: str, box: Box):
+    for key, out in outputs.items():
+        if key[0] == device and key[1] == tensor and key[2].contains(box):
+            return key, out
+    raise TransformError(f"plan fans out {tensor!r} {box} from {device}'s new shards, but this host stages no such "
+                         f"shard; the plan does not match the new layout")
+
+
+def _carry_json(host: str, request: pb.TransformRequest, writer, reader: VersionReader | None,
+                sources: _Sources) -> None:
+    """Copy the old version's JSON documents (step, RNG, dataset position…) into the new version."""
+    origin = request.json_from_host or host
+    if origin == host:
+        if reader is None:
+            return
+        docs = {name: reader.get_json(name) for name in reader.json_names()}
+    else:
+        client = sources.client(origin)
+        names = sorted(client.manifest(request.old_version)["json"])
+        docs = {name: client.get_json(request.old_version, name) for name in names}
+    for name, doc in docs.items():
+        if name != LAYOUT_DOC:
+            writer.put_json(name, doc)

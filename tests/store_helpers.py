@@ -1,0 +1,154 @@
+"""Test helpers for the store and transformer tests: real store server processes and random global tensors.
+
+Each simulated host gets its own directory and its own ``tenplex store serve``
+process on a free loopback port (port 0, reported through --port-file).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tenplex.box import Box
+from tenplex.devices import host_of
+from tenplex.dtypes import numpy_storage
+from tenplex.layout import Layout
+from tenplex.store import Store
+from tenplex.store.client import StoreClient
+
+
+
+class StoreProcess:
+    """A ``tenplex store serve`` process for one host."""
+
+    def __init__(self, root: Path, host: str, env: dict[str, str] | None = None, token_file: Path | None = None,
+                 bind: str = "127.0.0.1"):
+        self.root, self.host = Path(root), host
+        self.port_file = self.root.parent / f".{host}.port"
+        self.port_file.unlink(missing_ok=True)
+        self.log = open(self.root.parent / f".{host}.log", "ab")
+        cmd = [sys.executable, "-m", "tenplex.cli.store", "serve", "--root", str(root), "--host", host,
+               "--bind", bind, "--port", "0", "--port-file", str(self.port_file)]
+        if token_file is not None:
+            cmd += ["--token-file", str(token_file)]
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=self.log, stderr=self.log)
+        deadline = time.monotonic() + 60
+        while not self.port_file.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"store server {host} exited with {self.proc.returncode}: "
+                                   f"{(self.root.parent / f'.{host}.log').read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"store server {host} did not start")
+            time.sleep(0.05)
+        self.port = int(self.port_file.read_text())
+        self.address = f"127.0.0.1:{self.port}"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class Cluster:
+    """One store directory and server process per host."""
+
+    def __init__(self, base: Path, hosts: list[str], env: dict[str, dict[str, str]] | None = None):
+        self.base = Path(base)
+        self.roots = {h: self.base / h for h in hosts}
+        self.procs: dict[str, StoreProcess] = {}
+        try:
+            for h in hosts:
+                self.procs[h] = StoreProcess(self.roots[h], h, env=(env or {}).get(h))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        return {h: p.address for h, p in self.procs.items()}
+
+    def store(self, host: str) -> Store:
+        return Store(self.roots[host], host)
+
+    def client(self, host: str) -> StoreClient:
+        return StoreClient(self.procs[host].address, timeout=30)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            p.stop()
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def random_globals(layout: Layout, seed: int = 0) -> dict[str, np.ndarray]:
+    """A random global array per tensor of ``layout`` (bfloat16 as random uint16 bit patterns)."""
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for name, spec in sorted(layout.tensors.items()):
+        storage = np.dtype(numpy_storage(spec.dtype))
+        raw = rng.integers(0, 256, size=int(np.prod(spec.shape, dtype=np.int64)) * storage.itemsize, dtype=np.uint8)
+        arrays[name] = raw.view(storage).reshape(spec.shape)
+    return arrays
+
+
+def write_version(roots: dict[str, Path], layout: Layout, version: int, arrays: dict[str, np.ndarray],
+                  docs: dict[str, dict] | None = None) -> None:
+    """Store ``layout``'s shards, cut from ``arrays``, as ``version`` on every host (direct local writes)."""
+    for host in layout.hosts():
+        store = Store(roots[host], host)
+        with store.begin(version) as w:
+            for device, shards in layout.devices.items():
+                if host_of(device) != host:
+                    continue
+                for shard in shards:
+                    spec = layout.tensors[shard.tensor]
+                    w.put(device, shard.tensor, shard.box, arrays[shard.tensor][shard.box.slices()], spec.dtype,
+                          shape=spec.shape)
+            for name, doc in (docs or {}).items():
+                w.put_json(name, doc)
+            w.put_layout(layout)
+            w.commit()
+
+
+def assert_version_matches(roots: dict[str, Path], layout: Layout, version: int, arrays: dict[str, np.ndarray]) -> None:
+    """Every shard of ``layout`` in ``version`` equals the global slice byte for byte, and checksums hold."""
+    for host in layout.hosts():
+        reader = Store(roots[host], host).open(version)
+        expected = {(d, s.tensor, s.box) for d, shards in layout.devices.items() if host_of(d) == host for s in shards}
+        stored = {(e.device, e.tensor, e.box) for e in reader.entries}
+        assert stored == expected, f"host {host}: stored shards differ from the layout"
+        for device, tensor, box in expected:
+            got = reader.read(device, tensor, box)
+            want = arrays[tensor][box.slices()]
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), f"{device} {tensor} {box} differs"
+        assert reader.verify() == [], reader.verify()
+        assert reader.layout().to_dict() == layout.to_dict()
+
+
+def tiny_layout(tensors: dict[str, tuple[tuple[int, ...], str]], devices: dict[str, list[tuple[str, tuple, tuple]]]):
+    """Hand-written Layout: tensors {name: (shape, dtype)}, devices {dev: [(tensor, offsets, lengths)]}."""
+    from tenplex.layout import Shard, TensorSpec
+    return Layout.build({n: TensorSpec(shape, dtype) for n, (shape, dtype) in tensors.items()},
+                        {d: [Shard(t, Box(o, l)) for t, o, l in shards] for d, shards in devices.items()})
