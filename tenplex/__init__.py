@@ -8,11 +8,26 @@ from .box import Box
 from .errors import BoxError, ConfigError, LayoutError, PlanError, TenplexError
 from .layout import Layout, Shard, TensorSpec
 from .plan import Plan, PlanStats, Transfer
+from .parallel import ParallelConfig
+from .ptc import PTC, LocalShard, TensorRule
+from .planner import plan  # the function; the data model stays importable as tenplex.plan's Plan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Box", "Layout", "Shard", "TensorSpec", "Plan", "PlanStats", "Transfer",
+    "ParallelConfig", "PTC", "TensorRule", "LocalShard", "plan",
     "TenplexError", "BoxError", "ConfigError", "LayoutError", "PlanError",
     "__version__",
+    "Checkpointer", "save", "restore", "Annotation", "StateMismatchError",
 ]
+
+# The PyTorch integration imports torch: load it on first use so that `import tenplex` and the CLI stay fast.
+_INTEGRATION = ("Checkpointer", "save", "restore", "Annotation", "StateMismatchError")
+
+
+def __getattr__(name: str):
+    if name in _INTEGRATION:
+        from . import integration
+        return getattr(integration, name)
+    raise AttributeError(f"module 'tenplex' has no attribute {name!r}")

@@ -79,24 +79,32 @@ class Layout:
             if any(n < 0 for n in spec.shape):
                 raise LayoutError(f"tensor {name!r} has a negative dimension in shape {list(spec.shape)}")
         held: set[str] = set()
+        whole = {name: Box.whole(spec.shape) for name, spec in self.tensors.items()}
+        checked: set[int] = set()  # devices often share one tuple of shards (replicas); check it once
         for device, shards in self.devices.items():
             try:
                 parse_device(device)
             except ConfigError as e:
                 raise LayoutError(str(e)) from None
-            for i, shard in enumerate(shards):
-                spec = self.tensors.get(shard.tensor)
-                if spec is None:
+            if id(shards) in checked:
+                continue
+            checked.add(id(shards))
+            by_tensor: dict[str, list[Box]] = {}
+            for shard in shards:
+                if shard.tensor not in whole:
                     raise LayoutError(f"device {device} holds a box of tensor {shard.tensor!r}, "
                                       f"which the layout's 'tensors' does not declare")
-                if shard.box.ndim != len(spec.shape) or not Box.whole(spec.shape).contains(shard.box):
+                spec = self.tensors[shard.tensor]
+                if shard.box.ndim != len(spec.shape) or not whole[shard.tensor].contains(shard.box):
                     raise LayoutError(f"device {device}: box {shard.box} of tensor {shard.tensor!r} lies outside "
                                       f"its shape {list(spec.shape)}")
-                for other in shards[:i]:
-                    if other.tensor == shard.tensor and other.box.overlaps(shard.box):
-                        raise LayoutError(f"device {device} holds overlapping boxes {other.box} and {shard.box} "
+                same = by_tensor.setdefault(shard.tensor, [])
+                for other in same:
+                    if other.overlaps(shard.box):
+                        raise LayoutError(f"device {device} holds overlapping boxes {other} and {shard.box} "
                                           f"of tensor {shard.tensor!r}; boxes of one device must be disjoint")
-                held.add(shard.tensor)
+                same.append(shard.box)
+            held.update(by_tensor)
         missing = sorted(set(self.tensors) - held)
         if missing:
             raise LayoutError(f"no device holds tensor(s) {', '.join(map(repr, missing[:5]))}"

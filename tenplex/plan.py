@@ -10,17 +10,25 @@ lives in ``tenplex.planner``; this module is the data model and its JSON form
                     "offsets": [0, 0], "lengths": [1024, 1024]}],
      "stats": {"target_bytes": 0, "kept_bytes": 0, "intra_host_bytes": 0,
                "inter_host_bytes": 0, "inter_host_lower_bound": 0,
-               "max_host_send_bytes": 0, "max_host_recv_bytes": 0}}
+               "max_host_send_bytes": 0, "max_host_recv_bytes": 0, "initialized_bytes": 0}}
 
 ``"from": "old"`` reads the region from one of ``src``'s old shards;
 ``"from": "new"`` (only within a host) reads it from one of ``src``'s new
 shards that an earlier transfer already filled.
+
+Statistics: ``target_bytes`` is the size of every box of the new layout;
+``kept_bytes + intra_host_bytes + inter_host_bytes + initialized_bytes ==
+target_bytes``. ``initialized_bytes`` counts the boxes of tensors that the
+old layout lacks, which the plan leaves to be initialised (only when the
+caller allowed new tensors; their names are in ``"new_tensors"``, a key
+present only when there are any). ``max_host_send_bytes`` and
+``max_host_recv_bytes`` count only transfers between hosts.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 from .box import Box
 from .devices import host_of
@@ -60,17 +68,33 @@ class PlanStats:
     inter_host_lower_bound: int = 0
     max_host_send_bytes: int = 0
     max_host_recv_bytes: int = 0
+    initialized_bytes: int = 0
 
 
 @dataclass(frozen=True)
 class Plan:
     transfers: tuple[Transfer, ...]
     stats: PlanStats
+    new_tensors: tuple[str, ...] = ()
+
+    def host_traffic(self, itemsizes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+        """Bytes (sent, received) between hosts, per host; ``itemsizes`` maps tensor name to element size."""
+        traffic: dict[str, list[int]] = {}
+        for t in self.transfers:
+            src, dst = host_of(t.src), host_of(t.dst)
+            if src != dst:
+                nbytes = t.box.volume * itemsizes[t.tensor]
+                traffic.setdefault(src, [0, 0])[0] += nbytes
+                traffic.setdefault(dst, [0, 0])[1] += nbytes
+        return {host: (sent, received) for host, (sent, received) in sorted(traffic.items())}
 
     def to_dict(self) -> dict:
-        return {"format": PLAN_FORMAT,
-                "transfers": [t.to_dict() for t in self.transfers],
-                "stats": asdict(self.stats)}
+        doc = {"format": PLAN_FORMAT,
+               "transfers": [t.to_dict() for t in self.transfers],
+               "stats": asdict(self.stats)}
+        if self.new_tensors:
+            doc["new_tensors"] = list(self.new_tensors)
+        return doc
 
 
 def plan_from_dict(doc: Any, source: str = "plan") -> Plan:
@@ -87,7 +111,7 @@ def plan_from_dict(doc: Any, source: str = "plan") -> Plan:
                                       Box(tuple(t["offsets"]), tuple(t["lengths"]))))
         known = {f.name for f in fields(PlanStats)}
         stats = PlanStats(**{k: int(v) for k, v in doc["stats"].items() if k in known})
-        return Plan(tuple(transfers), stats)
+        return Plan(tuple(transfers), stats, tuple(str(n) for n in doc.get("new_tensors", ())))
     except PlanError as e:
         raise PlanError(f"{source}: {e}") from None
     except (KeyError, TypeError, ValueError) as e:

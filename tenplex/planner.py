@@ -1,0 +1,318 @@
+"""The minimal-movement planner: ``plan(old_layout, new_layout) -> Plan``.
+
+May import: ``tenplex.box``, ``tenplex.layout``, ``tenplex.plan``,
+``tenplex.devices``, ``tenplex.errors`` and the standard library. Pure and
+deterministic: the same two layouts always give the same plan.
+
+For every box B of the new layout on device d (host h), in order of tensor
+name, then device, B is covered piece by piece:
+
+1. **kept**: the parts of B that d already holds (``src == dst``, from old);
+2. **local**: parts that another device of h holds in the old layout,
+   copied from the least-loaded such device;
+3. **fan-out**: parts that an earlier transfer already brought onto h from
+   another host, copied from that device's new shard (``"from": "new"``);
+4. **remote**: the rest crosses hosts, from one of the old replicas (see below).
+
+A region crosses into host h only in step 4, and only if neither h's old
+shards nor earlier transfers into h have it, so each region crosses once per
+destination host and ``inter_host_bytes == inter_host_lower_bound`` always.
+The lower bound is computed separately, straight from its definition.
+
+Sender balancing is greedy: each remote piece comes from the replica whose
+host has sent the fewest bytes so far (then the least-loaded device, then the
+first in device order). That spreads load over all replicas, but it is not
+an optimal schedule of ``max_host_send_bytes``.
+
+The plan lists every ``"from": "old"`` transfer (kept, local, remote, in that
+order) before the fan-outs, so a fan-out always follows the transfer that
+filled its source; transfers from old shards can run in any order.
+
+Speed: boxes are handled as (lo, hi) tuples; for each tensor the distinct old
+boxes (replicas share one) go into a bisection/bitmask index that finds the
+boxes overlapping a query in O(ndim log n), so the cost is about linear in the
+number of (device, box) entries of the two layouts.
+"""
+
+from __future__ import annotations
+
+import operator
+from bisect import bisect_left, bisect_right
+from collections import Counter
+from typing import Callable, Iterable
+
+from .box import Box
+from .devices import host_of
+from .errors import PlanError
+from .layout import Layout
+from .plan import Plan, PlanStats, Transfer
+
+Region = tuple[tuple[int, ...], tuple[int, ...]]  # (lo, hi), half-open
+
+
+def _intersect(a: Region, b: Region) -> Region | None:
+    lo = tuple(map(max, a[0], b[0]))
+    hi = tuple(map(min, a[1], b[1]))
+    for low, high in zip(lo, hi):
+        if high <= low:
+            return None
+    return lo, hi
+
+
+def _minus(a: Region, common: Region) -> list[Region]:
+    """``a`` minus its sub-region ``common``, as at most 2 * ndim disjoint regions."""
+    lo, hi = list(a[0]), list(a[1])
+    pieces = []
+    for d in range(len(lo)):
+        c_lo, c_hi = common[0][d], common[1][d]
+        if c_lo > lo[d]:
+            pieces.append((tuple(lo), tuple(hi[:d] + [c_lo] + hi[d + 1:])))
+        if hi[d] > c_hi:
+            pieces.append((tuple(lo[:d] + [c_hi] + lo[d + 1:]), tuple(hi)))
+        lo[d], hi[d] = c_lo, c_hi
+    return pieces
+
+
+def _volume(r: Region) -> int:
+    v = 1
+    for low, high in zip(*r):
+        v *= high - low
+    return v
+
+
+def _box(r: Region) -> Box:
+    return Box.trusted(r[0], tuple(map(operator.sub, r[1], r[0])))
+
+
+class _RegionIndex:
+    """Which of a fixed list of regions overlap a query region.
+
+    Per dimension, the regions sorted by ``lo`` give (by bisection and a
+    prefix OR of bitmasks) the set with ``lo < query.hi``; sorted by ``hi``,
+    a suffix OR gives the set with ``hi > query.lo``. Overlap is the AND of
+    both over every dimension. Results come in region order.
+    """
+
+    def __init__(self, regions: list[Region]) -> None:
+        n = len(regions)
+        self.all = (1 << n) - 1
+        self.dims = []
+        for k in range(len(regions[0][0]) if regions else 0):
+            by_lo = sorted(range(n), key=lambda i: regions[i][0][k])
+            prefix, mask = [0], 0
+            for i in by_lo:
+                mask |= 1 << i
+                prefix.append(mask)
+            by_hi = sorted(range(n), key=lambda i: regions[i][1][k])
+            suffix, mask = [0] * (n + 1), 0
+            for j in range(n - 1, -1, -1):
+                mask |= 1 << by_hi[j]
+                suffix[j] = mask
+            self.dims.append(([regions[i][0][k] for i in by_lo], prefix, [regions[i][1][k] for i in by_hi], suffix))
+
+    def overlapping(self, query: Region) -> list[int]:
+        mask = self.all
+        for k, (los, prefix, his, suffix) in enumerate(self.dims):
+            mask &= prefix[bisect_left(los, query[1][k])] & suffix[bisect_right(his, query[0][k])]
+            if not mask:
+                return []
+        found = []
+        while mask:
+            low = mask & -mask
+            found.append(low.bit_length() - 1)
+            mask ^= low
+        return found
+
+
+def _cover(pieces: list[Region], region: Region, emit: Callable[[Region], None]) -> list[Region]:
+    """Emit the parts of ``pieces`` inside ``region``; return the parts outside it."""
+    rest = []
+    for piece in pieces:
+        common = _intersect(piece, region)
+        if common is None:
+            rest.append(piece)
+        else:
+            emit(common)
+            rest.extend(_minus(piece, common))
+    return rest
+
+
+class _Builder:
+    """Collects transfers by kind and keeps the byte counts and sender loads."""
+
+    def __init__(self, hosts: dict[str, str]) -> None:
+        self.host = hosts
+        self.kept: list[Transfer] = []
+        self.local: list[Transfer] = []
+        self.remote: list[Transfer] = []
+        self.fanout: list[Transfer] = []
+        self.bytes = {"kept": 0, "local": 0, "remote": 0}
+        self.device_sent: Counter[str] = Counter()
+        self.host_sent: Counter[str] = Counter()
+        self.host_received: Counter[str] = Counter()
+
+    def add(self, kind: str, tensor: str, src: str, dst: str, region: Region | Box, nbytes: int) -> None:
+        box = region if isinstance(region, Box) else _box(region)
+        transfer = Transfer(tensor, src, dst, "new" if kind == "fanout" else "old", box)
+        getattr(self, kind).append(transfer)
+        self.bytes["local" if kind == "fanout" else kind] += nbytes
+        if kind != "kept":
+            self.device_sent[src] += nbytes
+        if kind == "remote":
+            self.host_sent[self.host[src]] += nbytes
+            self.host_received[self.host[dst]] += nbytes
+
+    def least_loaded(self, devices: list[str]) -> str:
+        return devices[0] if len(devices) == 1 else min(devices, key=self.device_sent.__getitem__)
+
+    def least_loaded_remote(self, devices: list[str]) -> str:
+        if len(devices) == 1:
+            return devices[0]
+        loads = [(self.host_sent[self.host[d]], self.device_sent[d]) for d in devices]
+        return devices[loads.index(min(loads))]
+
+
+def _plan_tensor(out: _Builder, name: str, itemsize: int, old: list[tuple[str, Box]],
+                 new: list[tuple[str, Box]]) -> int:
+    """Append the transfers that fill ``name``'s new boxes; return its inter-host lower bound in bytes."""
+    host = out.host
+    regions = sorted({(box.offsets, box.ends) for _, box in old})
+    number = {r: i for i, r in enumerate(regions)}
+    holders: list[list[str]] = [[] for _ in regions]
+    holders_on: list[dict[str, list[str]]] = [{} for _ in regions]
+    own: dict[str, set[int]] = {}
+    for device, box in old:
+        i = number[(box.offsets, box.ends)]
+        holders[i].append(device)
+        holders_on[i].setdefault(host[device], []).append(device)
+        own.setdefault(device, set()).add(i)
+    index = _RegionIndex(regions)
+    arrived: dict[str, dict[Region, str]] = {}  # host -> regions brought in from other hosts -> device holding it
+    seen_on: dict[str, set[Region]] = {}  # host -> new boxes already planned there
+    targets = sorted({(box.offsets, box.ends) for _, box in new})
+    target_index = _RegionIndex(targets)
+    tiled = all(target_index.overlapping(t) == [j] for j, t in enumerate(targets))
+
+    for dst, box in new:
+        h = host[dst]
+        target = (box.offsets, box.ends)
+        mine = own.get(dst, ())
+        nbytes = box.volume * itemsize
+        # Fast paths: with unchanged splits most new boxes equal an old box exactly.
+        same = number.get(target)
+        if same is not None:
+            if same in mine:
+                out.add("kept", name, dst, dst, box, nbytes)
+                continue
+            if h in holders_on[same]:
+                out.add("local", name, out.least_loaded(holders_on[same][h]), dst, box, nbytes)
+                continue
+        here = arrived.setdefault(h, {})
+        if target in here:
+            out.add("fanout", name, here[target], dst, box, nbytes)
+            continue
+        # When new boxes never partly overlap, a target not yet seen on h cannot overlap anything arrived there.
+        seen = seen_on.setdefault(h, set())
+        if same is not None and tiled and target not in seen:
+            out.add("remote", name, out.least_loaded_remote(holders[same]), dst, box, nbytes)
+            here[target] = dst
+            seen.add(target)
+            continue
+        seen.add(target)
+
+        found = index.overlapping(target)
+        pieces = [target]
+
+        def emit(kind: str, src: str) -> Callable[[Region], None]:
+            return lambda r: out.add(kind, name, src, dst, r, _volume(r) * itemsize)
+
+        for i in found:
+            if i in mine and pieces:
+                pieces = _cover(pieces, regions[i], emit("kept", dst))
+        for i in found:
+            if pieces and i not in mine and h in holders_on[i]:
+                pieces = _cover(pieces, regions[i], emit("local", out.least_loaded(holders_on[i][h])))
+        for region, src in list(here.items()):
+            if not pieces:
+                break
+            pieces = _cover(pieces, region, emit("fanout", src))
+        for i in found:
+            if pieces and h not in holders_on[i]:
+                src = out.least_loaded_remote(holders[i])
+
+                def receive(r: Region, src: str = src) -> None:
+                    out.add("remote", name, src, dst, r, _volume(r) * itemsize)
+                    here[r] = dst
+                pieces = _cover(pieces, regions[i], receive)
+        if pieces:
+            raise PlanError(f"no device of the old layout holds region {_box(pieces[0])} of tensor {name!r}, "
+                            f"which {dst} needs; the old layout must cover every tensor it shares with the new one")
+    return _lower_bound(regions, holders_on, index, targets, target_index, new, host) * itemsize
+
+
+def _lower_bound(regions: list[Region], holders_on: list[dict[str, list[str]]], index: _RegionIndex,
+                 targets: list[Region], target_index: _RegionIndex, new: Iterable[tuple[str, Box]],
+                 host: dict[str, str]) -> int:
+    """Sum over hosts h of |union of new boxes on h - union of old boxes on h| (elements)."""
+    number = {r: j for j, r in enumerate(targets)}
+    wanted: dict[str, set[int]] = {}
+    for device, box in new:
+        wanted.setdefault(host[device], set()).add(number[(box.offsets, box.ends)])
+    total = 0
+    for h, on_host in wanted.items():
+        for j in sorted(on_host):
+            pieces = [targets[j]]
+            # Count each element once: drop what earlier new boxes on h already counted, then what h has.
+            for k in target_index.overlapping(targets[j]):
+                if k < j and k in on_host:
+                    pieces = _cover(pieces, targets[k], lambda r: None)
+            for i in index.overlapping(targets[j]):
+                if h in holders_on[i]:
+                    pieces = _cover(pieces, regions[i], lambda r: None)
+            total += sum(map(_volume, pieces))
+    return total
+
+
+def _check_tensors(old: Layout, new: Layout, allow_new_tensors: bool) -> list[str]:
+    """Names of new tensors absent from ``old``; raise PlanError for changed or (unless allowed) new ones."""
+    changed = [f"{name!r} {list(old.tensors[name].shape)} {old.tensors[name].dtype} -> "
+               f"{list(spec.shape)} {spec.dtype}"
+               for name, spec in sorted(new.tensors.items()) if name in old.tensors and old.tensors[name] != spec]
+    if changed:
+        raise PlanError(f"{len(changed)} tensor(s) change shape or dtype between the layouts, which resharding "
+                        f"cannot do: {'; '.join(changed[:5])}{' …' if len(changed) > 5 else ''}")
+    missing = sorted(set(new.tensors) - set(old.tensors))
+    if missing and not allow_new_tensors:
+        raise PlanError(f"the new layout has {len(missing)} tensor(s) that the old layout lacks: "
+                        f"{', '.join(map(repr, missing[:5]))}{' …' if len(missing) > 5 else ''}; "
+                        f"allow new tensors (they are then left to be initialised) or add them to the old layout")
+    return missing
+
+
+def plan(old: Layout, new: Layout, allow_new_tensors: bool = False) -> Plan:
+    """The transfers that turn ``old`` into ``new`` with minimal data movement (see the module docstring).
+
+    Tensors of ``old`` that ``new`` lacks are dropped. Tensors of ``new`` that
+    ``old`` lacks are a PlanError unless ``allow_new_tensors``; then they get
+    no transfers, their bytes are ``stats.initialized_bytes`` and their names
+    ``plan.new_tensors``.
+    """
+    missing = _check_tensors(old, new, allow_new_tensors)
+    hosts = {d: host_of(d) for d in (*old.devices, *new.devices)}
+    out = _Builder(hosts)
+    lower_bound = initialized = target = 0
+    for name in sorted(new.tensors):
+        itemsize = new.tensors[name].itemsize
+        new_shards = new.shards_of(name)
+        nbytes = sum(box.volume for _, box in new_shards) * itemsize
+        target += nbytes
+        if name in old.tensors:
+            lower_bound += _plan_tensor(out, name, itemsize, old.shards_of(name), new_shards)
+        else:
+            initialized += nbytes
+    stats = PlanStats(
+        target_bytes=target, kept_bytes=out.bytes["kept"], intra_host_bytes=out.bytes["local"],
+        inter_host_bytes=out.bytes["remote"], inter_host_lower_bound=lower_bound,
+        max_host_send_bytes=max(out.host_sent.values(), default=0),
+        max_host_recv_bytes=max(out.host_received.values(), default=0), initialized_bytes=initialized)
+    return Plan(tuple(out.kept + out.local + out.remote + out.fanout), stats, tuple(missing))
