@@ -191,7 +191,9 @@ def _plan_tensor(out: _Builder, name: str, itemsize: int, old: list[tuple[str, B
     seen_on: dict[str, set[Region]] = {}  # host -> new boxes already planned there
     targets = sorted({(box.offsets, box.ends) for _, box in new})
     target_index = _RegionIndex(targets)
-    tiled = all(target_index.overlapping(t) == [j] for j, t in enumerate(targets))
+    # "Tiled": distinct boxes are pairwise disjoint (replicas share boxes, nothing partly overlaps).
+    old_tiled = all(index.overlapping(r) == [i] for i, r in enumerate(regions))
+    tiled = old_tiled and all(target_index.overlapping(t) == [j] for j, t in enumerate(targets))
 
     for dst, box in new:
         h = host[dst]
@@ -204,14 +206,15 @@ def _plan_tensor(out: _Builder, name: str, itemsize: int, old: list[tuple[str, B
             if same in mine:
                 out.add("kept", name, dst, dst, box, nbytes)
                 continue
-            if h in holders_on[same]:
+            if old_tiled and h in holders_on[same]:  # tiled: no other old box, so none of dst's, overlaps it
                 out.add("local", name, out.least_loaded(holders_on[same][h]), dst, box, nbytes)
                 continue
         here = arrived.setdefault(h, {})
         if target in here:
             out.add("fanout", name, here[target], dst, box, nbytes)
             continue
-        # When new boxes never partly overlap, a target not yet seen on h cannot overlap anything arrived there.
+        # When boxes never partly overlap, an exact old box not on h is all remote, and one not yet seen on h
+        # cannot overlap anything that arrived there.
         seen = seen_on.setdefault(h, set())
         if same is not None and tiled and target not in seen:
             out.add("remote", name, out.least_loaded_remote(holders[same]), dst, box, nbytes)

@@ -1,0 +1,110 @@
+"""Property tests of the box algebra (tenplex.box)."""
+
+import itertools
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from tenplex.box import Box, subtract_all, union_volume
+from tenplex.errors import BoxError
+
+SETTINGS = settings(max_examples=100, deadline=None)
+
+
+@st.composite
+def boxes(draw, ndim=None, extent=8):
+    n = draw(st.integers(0, 3)) if ndim is None else ndim
+    offsets = draw(st.lists(st.integers(0, extent), min_size=n, max_size=n))
+    lengths = draw(st.lists(st.integers(0, extent), min_size=n, max_size=n))
+    return Box(tuple(offsets), tuple(lengths))
+
+
+@st.composite
+def box_pairs(draw):
+    n = draw(st.integers(0, 3))
+    return draw(boxes(n)), draw(boxes(n))
+
+
+def cells(box):
+    """The set of integer points inside a box (small boxes only)."""
+    return set(itertools.product(*(range(o, o + n) for o, n in zip(box.offsets, box.lengths))))
+
+
+@SETTINGS
+@given(box_pairs())
+def test_intersect_is_the_common_points(pair):
+    a, b = pair
+    common = a.intersect(b)
+    expected = cells(a) & cells(b)
+    assert (cells(common) if common else set()) == expected
+    assert a.overlaps(b) == bool(expected)
+    if common:
+        assert a.contains(common) and b.contains(common)
+
+
+@SETTINGS
+@given(box_pairs())
+def test_subtract_pieces_are_disjoint_and_conserve_volume(pair):
+    a, b = pair
+    pieces = a.subtract(b)
+    assert len(pieces) <= 2 * a.ndim or a.ndim == 0
+    assert all(not p.is_empty() and a.contains(p) for p in pieces)
+    for p, q in itertools.combinations(pieces, 2):
+        assert not p.overlaps(q)
+    common = a.intersect(b)
+    assert sum(p.volume for p in pieces) + (common.volume if common else 0) == a.volume
+    assert set().union(*map(cells, pieces)) == cells(a) - cells(b)
+
+
+@SETTINGS
+@given(st.integers(1, 3).flatmap(lambda n: st.tuples(boxes(n), st.lists(boxes(n), max_size=4))))
+def test_subtract_all_and_union_volume(args):
+    box, others = args
+    rest = subtract_all(box, others)
+    covered = set().union(*map(cells, others)) if others else set()
+    assert set().union(*map(cells, rest)) == cells(box) - covered
+    assert sum(p.volume for p in rest) == len(cells(box) - covered)
+    everything = [box, *others]
+    assert union_volume(everything) == len(set().union(*map(cells, everything)))
+
+
+@SETTINGS
+@given(box_pairs())
+def test_containment_matches_points(pair):
+    a, b = pair
+    assert a.contains(b) == (cells(b) <= cells(a) or b.is_empty())
+
+
+@SETTINGS
+@given(box_pairs())
+def test_local_and_shift_round_trip(pair):
+    outer, inner = pair
+    common = outer.intersect(inner)
+    if common is None:
+        return
+    local = common.local(outer)
+    assert all(o >= 0 for o in local.offsets)
+    assert Box.whole(outer.lengths).contains(local)
+    assert local.shift(outer) == common
+
+
+def test_local_outside_origin_is_an_error():
+    with pytest.raises(BoxError, match="does not lie inside"):
+        Box((4,), (2,)).local(Box((0,), (5,)))
+
+
+def test_invalid_boxes_are_rejected():
+    with pytest.raises(BoxError):
+        Box((0, 0), (1,))
+    with pytest.raises(BoxError):
+        Box((0,), (-1,))
+    with pytest.raises(BoxError):
+        Box((1,), (1,)).intersect(Box((1, 1), (1, 1)))
+
+
+def test_scalar_box_has_volume_one_and_slices_index_numpy():
+    import numpy as np
+    assert Box((), ()).volume == 1
+    array = np.arange(24).reshape(4, 6)
+    assert (array[Box((1, 2), (2, 3)).slices()] == array[1:3, 2:5]).all()
+    assert Box.trusted((1,), (2,)) == Box((1,), (2,))
