@@ -1,0 +1,263 @@
+"""A tiny GPT and the PyTorch-native ways to parallelize it: dp, FSDP2, tp (DTensor), pp (pipelining).
+
+Used by ``train.py`` in this folder, by tenplex's tests and by ``tenplex bench restore``.
+
+Ranks form a (pp, dp, tp) mesh, tp varying fastest (so tp groups share a host).
+Every rank builds the whole model from the same seed first, so that every
+configuration starts from identical weights, then:
+
+* **tp**: ``parallelize_module`` shards attention (q, k, v column-wise, output
+  row-wise), the MLP and the LM head (column-wise over the vocabulary, which
+  is odd on purpose: uneven shards) as DTensors;
+* **pp**: each stage keeps only its layers (``layers`` is a ModuleDict keyed
+  by the global layer index, so parameter names stay global) and runs under
+  ``torch.distributed.pipelining`` (GPipe);
+* **dp**: gradients are averaged over the dp group after backward, or, with
+  ``fsdp=True``, every block and the root are ``fully_shard``-ed over dp
+  (FSDP2; dims that dp does not divide give uneven shards).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 37
+    seq: int = 8
+    hidden: int = 16
+    heads: int = 4
+    layers: int = 4
+    ffn: int = 32
+
+
+@dataclass(frozen=True)
+class Parallel:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    fsdp: bool = False
+    microbatches: int = 2
+
+    @classmethod
+    def parse(cls, text: str) -> "Parallel":
+        """``"dp=2,tp=2,pp=2"`` (add ``fsdp=1`` for FSDP2 over dp)."""
+        values = {}
+        for item in filter(None, text.split(",")):
+            key, _, value = item.partition("=")
+            values[key.strip()] = int(value)
+        return cls(**{k: (bool(v) if k == "fsdp" else v) for k, v in values.items()})
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.head_dim = cfg.hidden // cfg.heads
+        self.wq = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.wk = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.wv = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # (b, t, local heads * head_dim) -> (b, local heads, t, head_dim); under tp a rank has heads/tp heads.
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.hidden, cfg.ffn)
+        self.down = nn.Linear(cfg.ffn, cfg.hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.hidden)
+        self.attn = Attention(cfg)
+        self.norm2 = nn.LayerNorm(cfg.hidden)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, ``layers`` blocks, final norm, LM head. Stages set missing parts to None."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos = nn.Embedding(cfg.seq, cfg.hidden)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
+        self.norm = nn.LayerNorm(cfg.hidden)
+        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok is not None:  # first stage: token ids (b, t) -> hidden (b, t, h)
+            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        for block in self.layers.values():
+            x = block(x)
+        if self.head is not None:  # last stage: hidden -> logits (b, t, vocab)
+            x = self.head(self.norm(x))
+        return x
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def batch(cfg: GPTConfig, step: int, global_batch: int, seed: int = 1234) -> torch.Tensor:
+    """The global batch of ``step``: (global_batch, seq + 1) token ids, the same under every configuration."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    return torch.randint(0, cfg.vocab, (global_batch, cfg.seq + 1), generator=gen)
+
+
+def stage_layers(cfg: GPTConfig, pp: int, stage: int) -> range:
+    base, extra = divmod(cfg.layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))
+
+
+class Trainer:
+    """One rank of the parallel job: its model part, optimizer, scheduler and the training step."""
+
+    def __init__(self, cfg: GPTConfig, par: Parallel, global_batch: int, lr: float = 1e-2, seed: int = 0,
+                 device: str = "cpu"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if dist.get_world_size() != par.world:
+            raise ValueError(f"{par} needs {par.world} ranks, the job has {dist.get_world_size()}")
+        if global_batch % (par.dp * par.microbatches):
+            raise ValueError(f"global batch {global_batch} must divide by dp*microbatches")
+        self.cfg, self.par, self.global_batch, self.device = cfg, par, global_batch, torch.device(device)
+        self.mesh = init_device_mesh(self.device.type, (par.pp, par.dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.coords = {name: self.mesh.get_local_rank(name) for name in ("pp", "dp", "tp")}
+        torch.manual_seed(seed)
+        model = GPT(cfg).to(self.device)
+        if par.pp > 1:
+            keep = stage_layers(cfg, par.pp, self.coords["pp"])
+            for i in range(cfg.layers):
+                if i not in keep:
+                    del model.layers[str(i)]
+            if self.coords["pp"] > 0:
+                model.tok = model.pos = None
+            if self.coords["pp"] < par.pp - 1:
+                model.norm = model.head = None
+        if par.tp > 1:
+            self._tensor_parallel(model)
+        if par.fsdp:
+            from torch.distributed.fsdp import fully_shard
+            for block in model.layers.values():
+                fully_shard(block, mesh=self.mesh["dp"])
+            fully_shard(model, mesh=self.mesh["dp"])
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+        self.scheduler = torch.optim.lr_scheduler.LinearLR(self.optimizer, start_factor=0.5, total_iters=10)
+        self.schedule = self._pipeline() if par.pp > 1 else None
+
+    def _tensor_parallel(self, model: GPT) -> None:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {}
+        for i in model.layers:
+            plan.update({f"layers.{i}.attn.wq": ColwiseParallel(), f"layers.{i}.attn.wk": ColwiseParallel(),
+                         f"layers.{i}.attn.wv": ColwiseParallel(), f"layers.{i}.attn.wo": RowwiseParallel(),
+                         f"layers.{i}.mlp.up": ColwiseParallel(), f"layers.{i}.mlp.down": RowwiseParallel()})
+        if model.head is not None:
+            plan["head"] = ColwiseParallel(output_layouts=Replicate())
+        parallelize_module(model, self.mesh["tp"], plan)
+
+    def _pipeline(self):
+        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+        stage = self.coords["pp"]
+        micro = self.global_batch // self.par.dp // self.par.microbatches
+        # Activations between stages need requires_grad, or no gradient would be sent back.
+        hidden = torch.zeros(micro, self.cfg.seq, self.cfg.hidden, device=self.device, requires_grad=True)
+        # Static shapes: nothing about the activations needs to be exchanged (or pickled) at run time.
+        first, last = stage == 0, stage == self.par.pp - 1
+        inputs = torch.zeros(micro, self.cfg.seq, dtype=torch.long, device=self.device) if first else hidden
+        outputs = torch.zeros(micro, self.cfg.seq, self.cfg.vocab, device=self.device) if last else hidden
+        pipe = PipelineStage(self.model, stage, self.par.pp, self.device, input_args=inputs, output_args=outputs,
+                             group=self.mesh.get_group("pp"))
+        return ScheduleGPipe(pipe, n_microbatches=self.par.microbatches, loss_fn=loss_fn)
+
+    def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = batch(self.cfg, step, self.global_batch)
+        per = self.global_batch // self.par.dp
+        mine = tokens[self.coords["dp"] * per:(self.coords["dp"] + 1) * per].to(self.device)
+        return mine[:, :-1], mine[:, 1:]
+
+    def train_step(self, step: int) -> float:
+        """One optimizer step on the global batch of ``step``; returns the global mean loss on every rank."""
+        x, y = self.local_batch(step)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = torch.zeros((), device=self.device)
+        if self.schedule is None:
+            loss = loss_fn(self.model(x), y)
+            loss.backward()
+            loss = loss.detach()
+        else:
+            losses: list[torch.Tensor] = []
+            first, last = self.coords["pp"] == 0, self.coords["pp"] == self.par.pp - 1
+            self.schedule.step(*((x,) if first else ()), target=y if last else None, losses=losses if last else None)
+            if last:
+                loss = torch.stack(losses).mean().detach()
+        if not self.par.fsdp and self.par.dp > 1:
+            group = self.mesh.get_group("dp")
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                    dist.all_reduce(g, group=group)
+                    g.div_(self.par.dp)
+        self.optimizer.step()
+        self.scheduler.step()
+        # Every rank reports the same number: the mean over dp of the last stage's loss.
+        total = loss.reshape(1).clone()
+        if self.coords["pp"] != self.par.pp - 1 or self.coords["tp"] != 0:
+            total.zero_()
+        dist.all_reduce(total)
+        return total.item() / self.par.dp
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and Adam moments as full (unsharded) tensors. Collective over the mesh."""
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        state = {}
+        for name, value in self.model.state_dict().items():
+            state[name] = _full(value)
+        for p, s in self.optimizer.state.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[f"optim.{key}.{names[id(p)]}"] = _full(s[key])
+        return state
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
+
+
+def count_params(cfg: GPTConfig) -> int:
+    per_layer = 4 * cfg.hidden ** 2 + 2 * cfg.hidden * cfg.ffn + cfg.ffn + cfg.hidden + 4 * cfg.hidden
+    return cfg.vocab * cfg.hidden * 2 + cfg.seq * cfg.hidden + cfg.layers * per_layer + 2 * cfg.hidden
+
+
+__all__ = ["GPTConfig", "Parallel", "GPT", "Trainer", "batch", "loss_fn", "stage_layers", "count_params"]

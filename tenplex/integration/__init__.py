@@ -1,0 +1,63 @@
+"""PyTorch integration: save a parallel job's state into the tensor stores and restore it under another configuration.
+
+May import: every lower layer (``tenplex.store``, ``tenplex.transform``,
+``tenplex.planner``, ``tenplex.ptc``, ``tenplex.layout``, ``tenplex.box``, …),
+torch and torch.distributed. Nothing below imports this package.
+
+Use::
+
+    ckpt = tenplex.Checkpointer()            # store dir, host, device from the environment
+    step = tenplex.restore(model, optimizer, scheduler=sched, checkpointer=ckpt) or 0
+    ...
+    tenplex.save(model, optimizer, step=step, scheduler=sched, checkpointer=ckpt)
+
+Modules: :mod:`.pieces` (state -> named global tensors with boxes),
+:mod:`.annotate` (plain local tensors), :mod:`.nontensor` (RNG, scheduler,
+scaler, optimizer hyper-parameters as JSON), :mod:`.exchange` (JSON between
+ranks without pickles), :mod:`.shardio` (pieces <-> store files),
+:mod:`.checkpointer` (the collective save and restore).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .annotate import Annotation, ShardMap, annotations_from_layout, annotations_from_ptc
+from .checkpointer import Checkpointer, RestoreInfo
+from .exchange import CollectiveError
+from .nontensor import StateMismatchError
+
+__all__ = ["Checkpointer", "RestoreInfo", "save", "restore", "Annotation", "ShardMap", "annotations_from_layout",
+           "annotations_from_ptc", "StateMismatchError", "CollectiveError"]
+
+_default: Checkpointer | None = None
+
+
+def _checkpointer(given: Checkpointer | None) -> Checkpointer:
+    global _default
+    if given is not None:
+        return given
+    if _default is None:
+        _default = Checkpointer()
+    return _default
+
+
+def save(model, optimizer=None, *, step: int, extra: Any = None, scheduler=None, scaler=None,
+         annotations=None, rng: bool = True, checkpointer: Checkpointer | None = None) -> int:
+    """Save model, optimizer and training state at ``step`` as a new version; returns the version.
+
+    Collective: every rank of the job calls it. See :meth:`Checkpointer.save`.
+    """
+    return _checkpointer(checkpointer).save(model, optimizer, step=step, extra=extra, scheduler=scheduler,
+                                            scaler=scaler, annotations=annotations, rng=rng)
+
+
+def restore(model, optimizer=None, *, extra: dict | None = None, scheduler=None, scaler=None, annotations=None,
+            rng: bool = True, layout=None, version: int | None = None,
+            checkpointer: Checkpointer | None = None) -> int | None:
+    """Restore the newest saved state in place, under this job's configuration; returns its step (None: nothing saved).
+
+    Collective: every rank of the job calls it. See :meth:`Checkpointer.restore`.
+    """
+    return _checkpointer(checkpointer).restore(model, optimizer, extra=extra, scheduler=scheduler, scaler=scaler,
+                                               annotations=annotations, rng=rng, layout=layout, version=version)

@@ -1,0 +1,389 @@
+"""Save and restore a parallel PyTorch job's state through the per-host tensor stores.
+
+May import: every layer below it (``tenplex.store``, ``tenplex.transform``,
+``tenplex.planner``, ``tenplex.layout``, …), torch and torch.distributed.
+
+Save (every rank, collectively):
+
+1. map model and optimizer state to pieces (:mod:`.pieces`);
+2. all-gather every rank's tensor specs and boxes as JSON (no pickles); within
+   a host, only the first rank holding a given box writes it (replicas on one
+   host would be identical copies);
+3. each rank stages its shards as one part of version N+1 in its host's store
+   (memory-mapped, no network); the first rank of each host adds the whole
+   layout and the non-tensor state (``tenplex.torch_state``);
+4. once every rank prepared its part, each host commits. A failure anywhere
+   aborts the staged version everywhere and raises on every rank.
+
+Restore (every rank, collectively):
+
+1. the new layout comes from the ranks' own model and optimizer (or is given);
+2. the newest version committed on every host of its layout is chosen; its
+   layout and state document are broadcast from a rank whose host has it;
+3. mismatches (a tensor missing on either side, a shape or dtype change, an
+   optimizer of another kind) raise StateMismatchError on every rank;
+4. if every box a rank needs lies inside a box stored on its own host, the
+   rank reads it straight from the store; otherwise rank 0 plans the change
+   (``tenplex.planner``) and runs it across the store processes
+   (``tenplex.transform``), and every rank reads from the new version;
+5. non-tensor state is applied (see :data:`SEMANTICS` and the README).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..devices import host_of
+from ..layout import Layout, Shard, TensorSpec, from_dict as layout_from_dict
+from ..box import Box
+from ..store import LAYOUT_DOC, Store
+from .annotate import Annotations
+from .exchange import agree, all_gather_json, broadcast_json
+from .nontensor import (StateMismatchError, apply_optimizer_doc, apply_rng, capture_rng, derived_seed, from_json,
+                        optimizer_doc, seed_rng, to_json)
+from .pieces import (Piece, init_optimizer_state, model_pieces, optimizer_pieces, optimizer_scalars,
+                     set_optimizer_scalars)
+from .shardio import read_piece, write_piece
+
+STATE_DOC = "tenplex.torch_state"
+STATE_FORMAT = "tenplex.torch_state/1"
+
+
+@dataclass
+class RestoreInfo:
+    """What the last :meth:`Checkpointer.restore` did (for logs and tests)."""
+
+    version: int | None = None        # the version restored from (after a transformation: the new one)
+    saved_version: int | None = None  # the version that was saved
+    transformed: bool = False
+    plan_stats: dict = field(default_factory=dict)
+
+
+class Checkpointer:
+    """Where this rank's state goes: its host's store directory, its device id, the other hosts' stores.
+
+    Every argument has an environment default, so that a launcher (``tenplex
+    run``, the Kubernetes controller, or a torchrun wrapper) configures the job
+    and the training script only calls :func:`tenplex.save` / :func:`tenplex.restore`:
+
+    * ``store_root``: ``TENPLEX_STORE_ROOT`` — this host's store directory;
+    * ``host``: ``TENPLEX_HOST`` (default ``h0``);
+    * ``device``: ``TENPLEX_DEVICE`` (default ``HOST/LOCAL_RANK``);
+    * ``stores``: ``TENPLEX_STORES`` = ``h0=127.0.0.1:5000,h1=…`` — gRPC addresses of
+      every host's store process; needed only when a restore must move data
+      between devices (a change of configuration);
+    * ``coords``: this rank's parallel coordinates, for example
+      ``{"pp": 0, "dp": 1, "tp": 0}``; RNG states are keyed by them (default: the rank);
+    * ``keep``: committed versions kept per store after a save (default 2);
+    * ``group``: the process group (default: the world).
+    """
+
+    def __init__(self, store_root: str | os.PathLike | None = None, host: str | None = None,
+                 device: str | None = None, stores: Mapping[str, str] | None = None,
+                 coords: Mapping[str, int] | None = None, keep: int = 2, group=None, token: str | None = None):
+        env = os.environ
+        root = store_root or env.get("TENPLEX_STORE_ROOT")
+        if not root:
+            raise StateMismatchError("no store directory: pass store_root= or set TENPLEX_STORE_ROOT")
+        self.host = host or env.get("TENPLEX_HOST", "h0")
+        self.device = device or env.get("TENPLEX_DEVICE") or f"{self.host}/{env.get('LOCAL_RANK', '0')}"
+        if host_of(self.device) != self.host:
+            raise StateMismatchError(f"device {self.device} is not on host {self.host}")
+        self.store = Store(root, self.host)
+        self.stores = dict(stores) if stores is not None else _parse_stores(env.get("TENPLEX_STORES", ""))
+        self.coords = dict(coords) if coords is not None else None
+        self.keep = keep
+        self.group = group
+        self.token = token or env.get("TENPLEX_TOKEN")
+        self.last_restore = RestoreInfo()
+
+    # ------------------------------------------------------------------ save
+    def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int,
+             extra: Any = None, scheduler=None, scaler=None, annotations: Annotations | None = None,
+             rng: bool = True) -> int:
+        """Save the state at ``step`` as a new version on every host; returns the version. Collective."""
+        rank = dist.get_rank(self.group)
+        pieces = [p for p in _pieces(model, optimizer, annotations) if not p.box.is_empty()]
+        mine = {"device": self.device, "host": self.host, "latest": self.store.latest(),
+                "tensors": _specs(pieces), "boxes": [[p.name, list(p.box.offsets), list(p.box.lengths)]
+                                                    for p in pieces],
+                "coord": self._coord_key(rank), "rng": capture_rng() if rng else None,
+                "scalars": optimizer_scalars(model, optimizer) if optimizer is not None else {},
+                "groups": _group_names(model, optimizer)}
+        docs = all_gather_json(mine, self.group)
+        tensors = agree("save: check tensors", lambda: _merge_specs(docs), self.group)
+        writers = _first_holder_per_host(docs)
+        version = 1 + max((d["latest"] for d in docs if d["latest"] is not None), default=0)
+        leader = min(r for r, d in enumerate(docs) if d["host"] == self.host)
+
+        def stage():
+            with self.store.begin(version, part=f"rank{rank}") as writer:
+                for piece in pieces:
+                    if writers[(self.host, piece.name, piece.box)] == rank:
+                        write_piece(writer, self.device, piece)
+                if rank == leader:
+                    writer.put_layout(_saved_layout(tensors, docs, writers))
+                    writer.put_json(STATE_DOC, self._state_doc(docs, step, extra, scheduler, scaler, optimizer))
+                writer.prepare()
+
+        try:
+            agree(f"save of step {step} (staging version {version})", stage, self.group)
+            agree(f"save of step {step} (committing version {version})",
+                  lambda: self.store.commit(version) if rank == leader else None, self.group)
+        except Exception:
+            if rank == leader:
+                self.store.abort(version)
+            raise
+        if rank == leader:
+            self.store.gc(self.keep)
+        return version
+
+    def _coord_key(self, rank: int) -> str:
+        coords = self.coords if self.coords is not None else {"rank": rank}
+        return ",".join(f"{k}={v}" for k, v in sorted(coords.items()))
+
+    def _state_doc(self, docs, step, extra, scheduler, scaler, optimizer) -> dict:
+        rng = {}
+        for d in docs:
+            if d["rng"] is not None:
+                rng.setdefault(d["coord"], d["rng"])
+        scalars: dict = {}
+        for d in docs:
+            scalars.update(d["scalars"])
+        doc = {"format": STATE_FORMAT, "step": int(step), "extra": to_json(extra, "extra"), "rng": rng,
+               "scheduler": None if scheduler is None else to_json(scheduler.state_dict(), "the LR scheduler's state"),
+               "scaler": None if scaler is None else to_json(scaler.state_dict(), "the gradient scaler's state"),
+               "optimizer": None, "scalars": scalars}
+        if optimizer is not None:
+            names = [sorted({n for d in docs for n in d["groups"][i]}) for i in range(len(optimizer.param_groups))]
+            doc["optimizer"] = optimizer_doc(optimizer, names)
+        return doc
+
+    # --------------------------------------------------------------- restore
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, extra: dict | None = None,
+                scheduler=None, scaler=None, annotations: Annotations | None = None, rng: bool = True,
+                layout: Layout | None = None, version: int | None = None) -> int | None:
+        """Load the newest saved state into ``model`` and ``optimizer`` (in place); return its step. Collective.
+
+        Returns None (and changes nothing) when no state was saved yet. ``extra``,
+        if given, is updated with the saved ``extra`` dict. ``layout`` is a new
+        layout made in advance (by partition rules) to plan with instead of
+        the one gathered from the ranks; it must give every rank what it needs.
+        """
+        rank = dist.get_rank(self.group)
+        if optimizer is not None:
+            init_optimizer_state(optimizer)
+        pieces = [p for p in _pieces(model, optimizer, annotations) if not p.box.is_empty()]
+        mine = {"device": self.device, "host": self.host, "versions": self.store.versions(),
+                "tensors": _specs(pieces), "boxes": [[p.name, list(p.box.offsets), list(p.box.lengths)]
+                                                    for p in pieces]}
+        docs = all_gather_json(mine, self.group)
+        found = self._find_version(docs, version)
+        if found is None:
+            return None
+        saved_version, old, state = found
+        new = agree("restore: check the new layout",
+                    lambda: _check_and_build(old, docs, layout, self.device, pieces), self.group)
+        if optimizer is not None:
+            agree("restore: check the optimizer", lambda: _check_optimizer(optimizer, model, state), self.group)
+        info = RestoreInfo(version=saved_version, saved_version=saved_version)
+        sources = _local_sources(old, new)
+        if sources is None:
+            info.version, info.plan_stats = self._transform(old, new, saved_version, docs, state)
+            info.transformed = True
+            sources = {d: {(s.tensor, s.box): d for s in shards} for d, shards in new.devices.items()}
+
+        def load():
+            reader = self.store.open(info.version)
+            for piece in pieces:
+                read_piece(reader, sources[self.device][(piece.name, piece.box)], piece)
+        agree(f"restore: reading version {info.version}", load, self.group)
+        self._apply_state(state, model, optimizer, scheduler, scaler, extra, rng, rank)
+        self.last_restore = info
+        return state["step"]
+
+    def _find_version(self, docs, wanted):
+        """(version, old layout, state doc) of the newest version committed on every host that holds it."""
+        job_hosts = {d["host"]: set(d["versions"]) for d in docs}
+        candidates = sorted({v for d in docs for v in d["versions"]}, reverse=True)
+        if wanted is not None:
+            if wanted not in candidates:
+                raise StateMismatchError(f"version {wanted} is committed on none of this job's hosts "
+                                         f"({', '.join(sorted(job_hosts))}); committed: {candidates or 'none'}")
+            candidates = [wanted]
+        for v in candidates:
+            src = min(r for r, d in enumerate(docs) if v in d["versions"])
+            payload = None
+            if dist.get_rank(self.group) == src:
+                reader = self.store.open(v)
+                payload = {"layout": reader.get_json(LAYOUT_DOC), "state": reader.get_json(STATE_DOC)}
+            payload = broadcast_json(payload, src=_global_rank(src, self.group), group=self.group)
+            old = layout_from_dict(payload["layout"], source=f"version {v}")
+            # A host of the job that should hold v but does not: v's commit did not finish there.
+            if all(v in job_hosts[h] for h in old.hosts() if h in job_hosts):
+                return v, old, payload["state"]
+        return None
+
+    def _transform(self, old: Layout, new: Layout, saved_version: int, docs, state) -> tuple[int, dict]:
+        from ..planner import plan as make_plan
+        from ..transform import transform
+
+        def run():
+            if dist.get_rank(self.group) != 0:
+                return None
+            missing = sorted((set(old.hosts()) | set(new.hosts())) - set(self.stores))
+            if missing:
+                raise StateMismatchError(
+                    f"restoring into this configuration moves state between devices, which needs the store "
+                    f"process of every host; no address for host(s) {', '.join(missing)}: pass stores= or set "
+                    f"TENPLEX_STORES=h0=HOST:PORT,…")
+            plan = make_plan(old, new)
+            target = 1 + max(v for d in docs for v in d["versions"])
+            # The transformer carries the JSON documents (the state doc included) into the new version.
+            transform(plan, old, new, stores=self.stores, old_version=saved_version, new_version=target,
+                      token=self.token)
+            return {"version": target, "stats": plan.to_dict()["stats"]}
+
+        result = broadcast_json(agree("restore: transforming the stored state", run, self.group),
+                                src=_global_rank(0, self.group), group=self.group)
+        return result["version"], result["stats"]
+
+    def _apply_state(self, state, model, optimizer, scheduler, scaler, extra, rng, rank) -> None:
+        if optimizer is not None:
+            set_optimizer_scalars(model, optimizer, state["scalars"])
+        if scheduler is not None and state["scheduler"] is not None:
+            scheduler.load_state_dict(from_json(state["scheduler"]))
+        if scaler is not None and state["scaler"] is not None:
+            scaler.load_state_dict(from_json(state["scaler"]))
+        if extra is not None and isinstance(state["extra"], dict):
+            extra.update(from_json(state["extra"]))
+        if rng:
+            coord = self._coord_key(rank)
+            if coord in state["rng"]:
+                apply_rng(state["rng"][coord])
+            else:
+                seed_rng(derived_seed(state["step"], coord))
+
+
+# ---------------------------------------------------------------- helpers
+def _parse_stores(text: str) -> dict[str, str]:
+    stores = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        host, sep, address = item.partition("=")
+        if not sep or not host or not address:
+            raise StateMismatchError(f"TENPLEX_STORES entry {item!r} is not HOST=ADDRESS, e.g. h0=127.0.0.1:7070")
+        stores[host] = address
+    return stores
+
+
+def _global_rank(group_rank: int, group) -> int:
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def _pieces(model, optimizer, annotations) -> list[Piece]:
+    pieces = model_pieces(model, annotations)
+    if optimizer is not None:
+        pieces += optimizer_pieces(model, optimizer, annotations)
+    return pieces
+
+
+def _specs(pieces: list[Piece]) -> dict[str, list]:
+    return {p.name: [list(p.spec.shape), p.spec.dtype] for p in pieces}
+
+
+def _group_names(model, optimizer) -> list[list[str]]:
+    if optimizer is None:
+        return []
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[names[id(p)] for p in g["params"] if id(p) in names] for g in optimizer.param_groups]
+
+
+def _merge_specs(docs) -> dict[str, TensorSpec]:
+    """One spec per tensor; ranks that disagree on a global shape or dtype are an error naming both."""
+    merged: dict[str, tuple[TensorSpec, str]] = {}
+    for d in docs:
+        for name, (shape, dtype) in d["tensors"].items():
+            spec = TensorSpec(tuple(shape), dtype)
+            seen = merged.setdefault(name, (spec, d["device"]))
+            if seen[0] != spec:
+                raise StateMismatchError(f"tensor {name!r} has global shape {list(seen[0].shape)} {seen[0].dtype} on "
+                                         f"{seen[1]} but {list(shape)} {dtype} on {d['device']}; every rank must agree")
+    return {name: spec for name, (spec, _) in merged.items()}
+
+
+def _first_holder_per_host(docs) -> dict[tuple[str, str, Box], int]:
+    """(host, tensor, box) -> the lowest rank on that host holding exactly that box: the one that writes it."""
+    writers: dict[tuple[str, str, Box], int] = {}
+    for rank, d in enumerate(docs):
+        for name, offsets, lengths in d["boxes"]:
+            writers.setdefault((d["host"], name, Box(tuple(offsets), tuple(lengths))), rank)
+    return writers
+
+
+def _saved_layout(tensors, docs, writers) -> Layout:
+    devices: dict[str, list[Shard]] = {}
+    for (host, name, box), rank in sorted(writers.items(), key=lambda kv: (kv[1], kv[0][1], kv[0][2])):
+        devices.setdefault(docs[rank]["device"], []).append(Shard(name, box))
+    return Layout.build(tensors, devices)
+
+
+def _needed_layout(docs) -> Layout:
+    tensors = _merge_specs(docs)
+    devices = {d["device"]: [Shard(name, Box(tuple(o), tuple(n))) for name, o, n in d["boxes"]] for d in docs}
+    return Layout.build(tensors, devices)
+
+
+def _check_and_build(old: Layout, docs, given: Layout | None, device: str, pieces: list[Piece]) -> Layout:
+    """The new layout, after checking it against the saved one; StateMismatchError names what differs."""
+    needed = _needed_layout(docs)
+    problems = []
+    for name, spec in sorted(needed.tensors.items()):
+        saved = old.tensors.get(name)
+        if saved is None:
+            problems.append(f"tensor {name!r} (shape {list(spec.shape)}, {spec.dtype}) is not in the saved state")
+        elif saved.shape != spec.shape or saved.dtype != spec.dtype:
+            problems.append(f"tensor {name!r} has shape {list(spec.shape)} {spec.dtype} in the restored job but "
+                            f"{list(saved.shape)} {saved.dtype} in the saved state")
+    for name in sorted(set(old.tensors) - set(needed.tensors)):
+        problems.append(f"tensor {name!r} (shape {list(old.tensors[name].shape)}) was saved but the restored job "
+                        f"has no such tensor")
+    if problems:
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise StateMismatchError("the restored job does not match the saved state: " + "; ".join(problems[:10]) + more)
+    if given is None:
+        return needed
+    held = {(s.tensor, s.box) for s in given.devices.get(device, ())}
+    lacking = [f"{p.name} {p.box}" for p in pieces if (p.name, p.box) not in held]
+    if lacking:
+        raise StateMismatchError(f"the given layout does not give device {device} what its model needs: "
+                                 f"{', '.join(lacking[:5])}{' …' if len(lacking) > 5 else ''}")
+    return given
+
+
+def _check_optimizer(optimizer, model, state) -> None:
+    if state["optimizer"] is None:
+        raise StateMismatchError("the state was saved without an optimizer; restore without one, or save with it")
+    apply_optimizer_doc(optimizer, state["optimizer"], _group_names(model, optimizer))
+
+
+def _local_sources(old: Layout, new: Layout) -> dict[str, dict[tuple[str, Box], str]] | None:
+    """For each new device and needed box, an old device on the same host whose stored box contains it;
+    None if some box is not available that way (then the state has to be transformed)."""
+    by_host: dict[tuple[str, str], list[tuple[Box, str]]] = {}
+    for device, shard in old.iter_shards():
+        by_host.setdefault((host_of(device), shard.tensor), []).append((shard.box, device))
+    sources: dict[str, dict[tuple[str, Box], str]] = {}
+    for device, shards in new.devices.items():
+        for shard in shards:
+            candidates = by_host.get((host_of(device), shard.tensor), [])
+            # Prefer the device itself: after a same-configuration restart nothing is shared.
+            found = [d for box, d in candidates if box.contains(shard.box)]
+            if not found:
+                return None
+            sources.setdefault(device, {})[(shard.tensor, shard.box)] = device if device in found else found[0]
+    return sources

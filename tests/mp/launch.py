@@ -1,0 +1,99 @@
+"""Start real processes for multi-process tests: tensor store servers and torch.distributed jobs (gloo).
+
+Nothing crosses a process boundary as a pickle: jobs read a JSON spec and
+write JSON/safetensors files; store servers are found through port files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+CLI = "import sys; from tenplex.cli import main; sys.exit(main())"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StoreServers:
+    """``tenplex store serve`` processes, one per (root, host); ``addresses`` maps root -> {host: address}."""
+
+    def __init__(self, roots: dict[str, dict[str, Path]]):
+        self.procs: list[subprocess.Popen] = []
+        self.addresses: dict[str, dict[str, str]] = {}
+        pending = []
+        for key, hosts in roots.items():
+            for host, root in hosts.items():
+                root.mkdir(parents=True, exist_ok=True)
+                port_file = root.parent / f".{host}.port"
+                port_file.unlink(missing_ok=True)
+                proc = subprocess.Popen([PYTHON, "-c", CLI, "store", "serve", "--root", str(root), "--host", host,
+                                         "--port", "0", "--port-file", str(port_file)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+                self.procs.append(proc)
+                pending.append((key, host, port_file, proc))
+        deadline = time.monotonic() + 120
+        for key, host, port_file, proc in pending:
+            while not (port_file.exists() and port_file.read_text().strip()):
+                if proc.poll() is not None:
+                    raise RuntimeError(f"store server for {host} exited: {proc.stderr.read().decode()[-2000:]}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"store server for {host} did not start within 120 s")
+                time.sleep(0.05)
+            self.addresses.setdefault(key, {})[host] = f"127.0.0.1:{int(port_file.read_text())}"
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def run_job(world: int, spec: dict, workdir: Path, script: Path | None = None, timeout: float = 400) -> None:
+    """Run ``world`` ranks of ``script`` (default: gpt_worker.py) on ``spec``; raise with every rank's log on failure."""
+    script = script or Path(__file__).with_name("gpt_worker.py")
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec_path = workdir / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
+    spec_path.write_text(json.dumps(spec))
+    port = free_port()
+    procs, logs = [], []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        log = open(workdir / f"{spec_path.stem}-rank{rank}.log", "w+")
+        logs.append(log)
+        procs.append(subprocess.Popen([PYTHON, str(script), str(spec_path)], env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, cwd=ROOT))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        text = []
+        for r in failed[:3]:
+            logs[r].seek(0)
+            text.append(f"--- rank {r} (exit {procs[r].returncode}) ---\n{logs[r].read()[-4000:]}")
+        raise RuntimeError(f"job of {world} ranks failed on ranks {failed}:\n" + "\n".join(text))
+    for log in logs:
+        log.close()
