@@ -13,7 +13,7 @@ carries the status code and names the store address.
 from __future__ import annotations
 
 import json
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -118,17 +118,17 @@ class StoreClient:
     def _read_deadline(self, nbytes: int) -> float:
         return self.timeout + nbytes / (self.min_read_gbps * 1e9)
 
-    def read_box_into(self, version: int, device: str, tensor: str, box: Box, out: np.ndarray) -> int:
-        """Fill ``out`` (shape ``box.lengths``) with the region ``box`` of ``device``'s shard; return bytes read."""
-        if tuple(out.shape) != tuple(box.lengths):
-            raise StoreError(f"output shape {list(out.shape)} differs from box lengths {list(box.lengths)}")
+    def read_box_to(self, version: int, device: str, tensor: str, box: Box, itemsize: int,
+                    sink: Callable[[Box, memoryview], None]) -> int:
+        """Stream the region ``box`` of ``device``'s shard: ``sink(sub_box, c_order_bytes)`` receives every
+        verified chunk (global coordinates). Corrupted chunks are fetched again. Returns the bytes delivered."""
         pending = [box]
         attempts = 0
         total = 0
         while pending:
             bad: list[Box] = []
             for region in pending:
-                total += self._stream_box(version, device, tensor, region, box, out, bad)
+                total += self._stream_box(version, device, tensor, region, itemsize, sink, bad)
             if bad:
                 attempts += 1
                 if attempts > self.retries:
@@ -137,21 +137,30 @@ class StoreClient:
             pending = bad
         return total
 
-    def _stream_box(self, version, device, tensor, region: Box, origin: Box, out: np.ndarray, bad: list) -> int:
+    def read_box_into(self, version: int, device: str, tensor: str, box: Box, out: np.ndarray) -> int:
+        """Fill ``out`` (shape ``box.lengths``) with the region ``box`` of ``device``'s shard; return bytes read."""
+        if tuple(out.shape) != tuple(box.lengths):
+            raise StoreError(f"output shape {list(out.shape)} differs from box lengths {list(box.lengths)}")
+
+        def sink(sub: Box, data: memoryview) -> None:
+            out[sub.local(box).slices()] = np.frombuffer(data, out.dtype).reshape(sub.lengths)
+
+        return self.read_box_to(version, device, tensor, box, out.itemsize, sink)
+
+    def _stream_box(self, version, device, tensor, region: Box, itemsize: int, sink, bad: list) -> int:
         request = pb.ReadBoxRequest(version=version, device=device, tensor=tensor, box=wire.to_pb_box(region),
                                     chunk_bytes=self.chunk_bytes)
-        nbytes = region.volume * out.itemsize
         got = 0
         try:
-            for sub, digest, data in self._read_box(request, timeout=self._read_deadline(nbytes),
+            for sub, digest, data in self._read_box(request, timeout=self._read_deadline(region.volume * itemsize),
                                                     metadata=self._metadata):
-                if not region.contains(sub) or sub.volume * out.itemsize != len(data):
+                if not region.contains(sub) or sub.volume * itemsize != len(data):
                     raise StoreError(f"store {self.address} sent chunk {sub} ({len(data)} bytes) that does not "
                                      f"fit the requested region {region}")
                 if xxhash.xxh3_64_intdigest(data) != digest:
                     bad.append(sub)
                     continue
-                out[sub.local(origin).slices()] = np.frombuffer(data, out.dtype).reshape(sub.lengths)
+                sink(sub, data)
                 got += len(data)
         except grpc.RpcError as e:
             raise self._error(e, f"ReadBox({version}, {device}, {tensor!r}, {region})") from None

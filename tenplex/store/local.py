@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Iterator
 
 import numpy as np
-import xxhash
 
 from . import _safetensors as st
+from .target import ShardTarget, checksum
 from ..box import Box
 from ..dtypes import itemsize, numpy_storage
 from ..errors import LayoutError, StoreError
@@ -46,11 +46,6 @@ MANIFEST_FORMAT = "tenplex.store.manifest/1"
 PART_FORMAT = "tenplex.store.part/1"
 LAYOUT_DOC = "layout"  # version-level JSON doc holding the whole tenplex.layout/1
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
-
-
-def checksum(data) -> str:
-    """xxh3_64 of a bytes-like object, as 16 hex digits (used for shards and chunks)."""
-    return f"{xxhash.xxh3_64_intdigest(data):016x}"
 
 
 def _check_name(kind: str, name: str) -> str:
@@ -259,7 +254,7 @@ class VersionWriter:
             shutil.rmtree(self.dir)
         (self.dir / "json").mkdir(parents=True)
         self._entries: list[ShardEntry] = []
-        self._pending: dict[int, np.ndarray] = {}  # entry index -> writable map awaiting its checksum
+        self._pending: dict[int, ShardTarget] = {}  # entry index -> shard being filled, checksummed at prepare
         self._json: dict[str, str] = {}
         self._boxes: dict[tuple[str, str], list[Box]] = {}
         self._state = "open"
@@ -311,15 +306,20 @@ class VersionWriter:
         self._entries.append(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel,
                                         checksum(data), data.nbytes))
 
-    def allocate(self, device: str, tensor: str, box: Box, dtype: str,
-                 shape: tuple[int, ...] | None = None) -> np.ndarray:
-        """A writable, zero-filled memory map for a new shard; fill it before ``prepare``."""
+    def create(self, device: str, tensor: str, box: Box, dtype: str,
+               shape: tuple[int, ...] | None = None) -> ShardTarget:
+        """A new zero-filled shard to fill region by region (``target.write``) before ``prepare``."""
         rel, path = self._new_entry(device, tensor, box, dtype, shape)
         offset, nbytes = st.create(path, tensor, dtype, box.lengths, self._metadata(device, tensor, box, shape))
-        array = st.map_array(path, offset, dtype, box.lengths, writable=True)
-        self._pending[len(self._entries)] = array
+        target = ShardTarget(path, offset, box, dtype)
+        self._pending[len(self._entries)] = target
         self._entries.append(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel, "", nbytes))
-        return array
+        return target
+
+    def allocate(self, device: str, tensor: str, box: Box, dtype: str,
+                 shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """A writable, zero-filled memory map of a new shard; fill it before ``prepare``."""
+        return self.create(device, tensor, box, dtype, shape).array
 
     def link(self, device: str, reader: "VersionReader", entry: ShardEntry) -> None:
         """Make ``entry`` (a committed shard of ``reader``'s version on this host) ``device``'s shard, by hard link."""
@@ -351,13 +351,10 @@ class VersionWriter:
             return
         if self._state != "open":
             raise StoreError(f"version {self.version} part {self.part} is {self._state}; cannot prepare")
-        for index, array in self._pending.items():
+        for index, target in self._pending.items():
             entry = self._entries[index]
-            digest = checksum(memoryview(array).cast("B")) if array.size else checksum(b"")
             self._entries[index] = ShardEntry(entry.device, entry.tensor, entry.box, entry.dtype, entry.shape,
-                                              entry.file, digest, entry.nbytes)
-            with open(self.staging / entry.file, "rb+") as f:
-                os.fsync(f.fileno())  # on Linux this also writes pages dirtied through the shared map
+                                              entry.file, target.finish(), entry.nbytes)
         self._pending.clear()
         _fsync_dir(self.dir)
         _fsync_dir(self.dir / "json")
@@ -379,6 +376,8 @@ class VersionWriter:
 
     def abort(self) -> None:
         """Forget this part (other parts of the version are untouched)."""
+        for target in self._pending.values():
+            target.close()
         self._pending.clear()
         (self.staging / f"{self.part}.part.json").unlink(missing_ok=True)
         shutil.rmtree(self.dir, ignore_errors=True)

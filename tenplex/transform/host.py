@@ -40,6 +40,7 @@ from ..errors import StoreError, TransformError
 from ..layout import Layout, from_dict as layout_from_dict
 from ..plan import Transfer, plan_from_dict
 from ..store import LAYOUT_DOC, Store, VersionReader
+from ..store.target import ShardTarget
 from ..store import wire
 from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient
@@ -101,17 +102,17 @@ class _Sources:
             for client in pool:
                 client.close()
 
-    def read_into(self, device: str, tensor: str, box: Box, out: np.ndarray) -> int:
-        """Fill ``out`` with ``box`` of ``device``'s old shard; return the bytes that came from other replicas."""
+    def read_into(self, device: str, tensor: str, box: Box, target: ShardTarget) -> int:
+        """Write ``box`` of ``device``'s old shard into ``target``; return the bytes that came from other replicas."""
         try:
-            self._read_from(device, tensor, box, out)
+            self._read_from(device, tensor, box, target)
             return 0
         except Exception as first:  # noqa: BLE001 - any source failure: try the replicas
             self._mark_failed(host_of(device), first)
             causes = [f"{device}: {first}"]
         remaining = [box]
         refetched = 0
-        itemsize = out.itemsize
+        itemsize = target.itemsize
         # This host's replicas first (no network), then the others in layout order.
         candidates = sorted(self.old.shards_of(tensor), key=lambda db: host_of(db[0]) != self.host)
         for other, held in candidates:
@@ -124,7 +125,7 @@ class _Sources:
                     next_remaining.append(region)
                     continue
                 try:
-                    self._read_from(other, tensor, common, out[common.local(box).slices()])
+                    self._read_from(other, tensor, common, target)
                     refetched += common.volume * itemsize
                     next_remaining.extend(region.subtract(common))
                 except Exception as e:  # noqa: BLE001
@@ -138,16 +139,16 @@ class _Sources:
                                  + "; ".join(causes))
         return refetched
 
-    def _read_from(self, device: str, tensor: str, box: Box, out: np.ndarray) -> None:
+    def _read_from(self, device: str, tensor: str, box: Box, target: ShardTarget) -> None:
         source_host = host_of(device)
         if source_host in self.failed:
             raise StoreError(f"host {source_host} already failed: {self.failed[source_host]}")
         if source_host == self.host:
             if self.reader is None:
                 raise StoreError(f"host {self.host} has no committed version {self.version}")
-            np.copyto(out, self.reader.read(device, tensor, box))
+            target.write(box, self.reader.read(device, tensor, box))
             return
-        self.client(source_host).read_box_into(self.version, device, tensor, box, out)
+        self.client(source_host).read_box_to(self.version, device, tensor, box, target.itemsize, target.write)
 
     def _mark_failed(self, host: str, error: Exception) -> None:
         with self._lock:
@@ -212,7 +213,8 @@ def _stage(host, transfers, old: Layout, new: Layout, writer, reader, sources: _
                 last[0], last[1] = counters.done, now
                 progress(counters.message())
 
-    outputs: dict[tuple[str, str, Box], np.ndarray] = {}
+    targets: dict[tuple[str, str, Box], ShardTarget] = {}
+    linked: dict[tuple[str, str, Box], np.ndarray] = {}  # fan-out sources that were hard-linked
     jobs: list[Callable[[], None]] = []
     fan_out: list[tuple[Transfer, tuple]] = []
     for key, fills in by_shard.items():
@@ -225,18 +227,18 @@ def _stage(host, transfers, old: Layout, new: Layout, writer, reader, sources: _
         linkable = _linkable(host, fills, box, reader)
         if linkable is not None:
             writer.link(device, reader, linkable)
-            outputs[key] = reader.array(linkable)  # may be a fan-out source below
+            linked[key] = reader.array(linkable)
             advance(box.volume * spec.itemsize, "linked")
             continue
-        out = writer.allocate(device, tensor, box, spec.dtype, spec.shape)
-        outputs[key] = out
+        target = writer.create(device, tensor, box, spec.dtype, spec.shape)
+        targets[key] = target
         for t in fills:
             if t.source == "new":
                 fan_out.append((t, key))
                 continue
             kind = "kept" if t.kept else ("local" if host_of(t.src) == host else "remote")
             for piece in wire.split_box(t.box, spec.itemsize, PIECE_BYTES):
-                jobs.append(_job(sources, t, piece, out[piece.local(box).slices()], kind, advance, cancelled))
+                jobs.append(_job(sources, t, piece, target, kind, advance, cancelled))
     with ThreadPoolExecutor(max_workers=max(1, streams), thread_name_prefix=f"pull-{host}") as pool:
         running = [pool.submit(job) for job in jobs]
         done, _ = wait(running, return_when=FIRST_EXCEPTION)
@@ -247,24 +249,23 @@ def _stage(host, transfers, old: Layout, new: Layout, writer, reader, sources: _
     for t, key in fan_out:
         if cancelled.is_set():
             raise TransformError(f"host {host}: transformation cancelled")
-        source = _containing(outputs, t.src, t.tensor, t.box)
-        source_key, source_out = source
-        np.copyto(outputs[key][t.box.local(key[2]).slices()], source_out[t.box.local(source_key[2]).slices()])
+        source_key, source = _containing(targets, linked, t.src, t.tensor, t.box)
+        targets[key].write(t.box, source[t.box.local(source_key[2]).slices()])
         advance(t.box.volume * new.tensors[t.tensor].itemsize, "local")
     with counters.lock:
         progress(counters.message())
 
 
-def _job(sources: _Sources, t: Transfer, piece: Box, out: np.ndarray, kind: str, advance, cancelled):
+def _job(sources: _Sources, t: Transfer, piece: Box, target: ShardTarget, kind: str, advance, cancelled):
     def run() -> None:
         if cancelled.is_set():
             return
-        refetched = sources.read_into(t.src, t.tensor, piece, out)
+        refetched = sources.read_into(t.src, t.tensor, piece, target)
+        nbytes = piece.volume * target.itemsize
         if refetched:
             advance(refetched, "refetched")
-            advance(out.nbytes - refetched, kind)
-        else:
-            advance(out.nbytes, kind)
+        if nbytes > refetched:
+            advance(nbytes - refetched, kind)
     return run
 
 
@@ -283,10 +284,14 @@ def _linkable(host: str, fills: list[Transfer], box: Box, reader: VersionReader 
     return entry if entry.box == box else None
 
 
-def _containing(outputs: dict, device: str, tensor: str, box: Box):
-    for key, out in outputs.items():
+def _containing(targets: dict, linked: dict, device: str, tensor: str, box: Box):
+    """(new shard key, its array) of ``device``'s new shard of ``tensor`` that contains ``box``."""
+    for key, target in targets.items():
         if key[0] == device and key[1] == tensor and key[2].contains(box):
-            return key, out
+            return key, target.array
+    for key, array in linked.items():
+        if key[0] == device and key[1] == tensor and key[2].contains(box):
+            return key, array
     raise TransformError(f"plan fans out {tensor!r} {box} from {device}'s new shards, but this host stages no such "
                          f"shard; the plan does not match the new layout")
 
