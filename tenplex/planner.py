@@ -1,7 +1,7 @@
 """The minimal-movement planner: ``plan(old_layout, new_layout) -> Plan``.
 
 May import: ``tenplex.box``, ``tenplex.layout``, ``tenplex.plan``,
-``tenplex.devices``, ``tenplex.errors`` and the standard library. Pure and
+``tenplex.devices``, ``tenplex.errors``, ``tenplex._gc`` and the standard library. Pure and
 deterministic: the same two layouts always give the same plan.
 
 For every box B of the new layout on device d (host h), in order of tensor
@@ -38,9 +38,9 @@ from __future__ import annotations
 
 import operator
 from bisect import bisect_left, bisect_right
-from collections import Counter
 from typing import Callable, Iterable
 
+from ._gc import paused_gc
 from .box import Box
 from .devices import host_of
 from .errors import PlanError
@@ -147,9 +147,10 @@ class _Builder:
         self.remote: list[Transfer] = []
         self.fanout: list[Transfer] = []
         self.bytes = {"kept": 0, "local": 0, "remote": 0}
-        self.device_sent: Counter[str] = Counter()
-        self.host_sent: Counter[str] = Counter()
-        self.host_received: Counter[str] = Counter()
+        # Every device and host starts at 0, so loads are plain dict lookups in the hot loop.
+        self.device_sent = dict.fromkeys(hosts, 0)
+        self.host_sent = dict.fromkeys(hosts.values(), 0)
+        self.host_received = dict.fromkeys(hosts.values(), 0)
 
     def add(self, kind: str, tensor: str, src: str, dst: str, region: Region | Box, nbytes: int) -> None:
         box = region if isinstance(region, Box) else _box(region)
@@ -165,11 +166,13 @@ class _Builder:
     def least_loaded(self, devices: list[str]) -> str:
         return devices[0] if len(devices) == 1 else min(devices, key=self.device_sent.__getitem__)
 
-    def least_loaded_remote(self, devices: list[str]) -> str:
-        if len(devices) == 1:
-            return devices[0]
-        loads = [(self.host_sent[self.host[d]], self.device_sent[d]) for d in devices]
-        return devices[loads.index(min(loads))]
+    def least_loaded_remote(self, holders_on: dict[str, list[str]]) -> str:
+        """The least-loaded device of the host that has sent least; ``holders_on`` maps host -> devices."""
+        hosts = list(holders_on)
+        if len(hosts) > 1:
+            loads = list(map(self.host_sent.__getitem__, hosts))
+            return self.least_loaded(holders_on[hosts[loads.index(min(loads))]])
+        return self.least_loaded(holders_on[hosts[0]])
 
 
 def _plan_tensor(out: _Builder, name: str, itemsize: int, old: list[tuple[str, Box]],
@@ -178,12 +181,10 @@ def _plan_tensor(out: _Builder, name: str, itemsize: int, old: list[tuple[str, B
     host = out.host
     regions = sorted({(box.offsets, box.ends) for _, box in old})
     number = {r: i for i, r in enumerate(regions)}
-    holders: list[list[str]] = [[] for _ in regions]
     holders_on: list[dict[str, list[str]]] = [{} for _ in regions]
     own: dict[str, set[int]] = {}
     for device, box in old:
         i = number[(box.offsets, box.ends)]
-        holders[i].append(device)
         holders_on[i].setdefault(host[device], []).append(device)
         own.setdefault(device, set()).add(i)
     index = _RegionIndex(regions)
@@ -217,7 +218,7 @@ def _plan_tensor(out: _Builder, name: str, itemsize: int, old: list[tuple[str, B
         # cannot overlap anything that arrived there.
         seen = seen_on.setdefault(h, set())
         if same is not None and tiled and target not in seen:
-            out.add("remote", name, out.least_loaded_remote(holders[same]), dst, box, nbytes)
+            out.add("remote", name, out.least_loaded_remote(holders_on[same]), dst, box, nbytes)
             here[target] = dst
             seen.add(target)
             continue
@@ -241,7 +242,7 @@ def _plan_tensor(out: _Builder, name: str, itemsize: int, old: list[tuple[str, B
             pieces = _cover(pieces, region, emit("fanout", src))
         for i in found:
             if pieces and h not in holders_on[i]:
-                src = out.least_loaded_remote(holders[i])
+                src = out.least_loaded_remote(holders_on[i])
 
                 def receive(r: Region, src: str = src) -> None:
                     out.add("remote", name, src, dst, r, _volume(r) * itemsize)
@@ -250,20 +251,25 @@ def _plan_tensor(out: _Builder, name: str, itemsize: int, old: list[tuple[str, B
         if pieces:
             raise PlanError(f"no device of the old layout holds region {_box(pieces[0])} of tensor {name!r}, "
                             f"which {dst} needs; the old layout must cover every tensor it shares with the new one")
-    return _lower_bound(regions, holders_on, index, targets, target_index, new, host) * itemsize
+    return _lower_bound(regions, holders_on, index, targets, target_index, tiled, new, host) * itemsize
 
 
 def _lower_bound(regions: list[Region], holders_on: list[dict[str, list[str]]], index: _RegionIndex,
-                 targets: list[Region], target_index: _RegionIndex, new: Iterable[tuple[str, Box]],
+                 targets: list[Region], target_index: _RegionIndex, tiled: bool, new: Iterable[tuple[str, Box]],
                  host: dict[str, str]) -> int:
     """Sum over hosts h of |union of new boxes on h - union of old boxes on h| (elements)."""
     number = {r: j for j, r in enumerate(targets)}
+    old_number = {r: i for i, r in enumerate(regions)}
     wanted: dict[str, set[int]] = {}
     for device, box in new:
         wanted.setdefault(host[device], set()).add(number[(box.offsets, box.ends)])
     total = 0
     for h, on_host in wanted.items():
         for j in sorted(on_host):
+            same = old_number.get(targets[j]) if tiled else None
+            if same is not None:  # disjoint from every other box: all of it is missing on h, or none
+                total += 0 if h in holders_on[same] else _volume(targets[j])
+                continue
             pieces = [targets[j]]
             # Count each element once: drop what earlier new boxes on h already counted, then what h has.
             for k in target_index.overlapping(targets[j]):
@@ -300,6 +306,11 @@ def plan(old: Layout, new: Layout, allow_new_tensors: bool = False) -> Plan:
     no transfers, their bytes are ``stats.initialized_bytes`` and their names
     ``plan.new_tensors``.
     """
+    with paused_gc():
+        return _plan(old, new, allow_new_tensors)
+
+
+def _plan(old: Layout, new: Layout, allow_new_tensors: bool) -> Plan:
     missing = _check_tensors(old, new, allow_new_tensors)
     hosts = {d: host_of(d) for d in (*old.devices, *new.devices)}
     out = _Builder(hosts)

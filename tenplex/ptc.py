@@ -1,8 +1,8 @@
 """The parallelizable tensor collection (PTC): named global tensors and the rules that partition them.
 
 May import: ``tenplex.box``, ``tenplex.partition``, ``tenplex.parallel``,
-``tenplex.layout``, ``tenplex.dtypes``, ``tenplex.errors`` and the standard
-library. Pure.
+``tenplex.layout``, ``tenplex.dtypes``, ``tenplex.errors``, ``tenplex._gc`` and
+the standard library. Pure.
 
 A :class:`TensorRule` says how any :class:`~tenplex.parallel.ParallelConfig`
 partitions one tensor:
@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
+from ._gc import paused_gc
 from .box import Box
 from .dtypes import ITEMSIZE
 from .errors import ConfigError
@@ -251,6 +252,11 @@ def iter_local_shards(ptc: PTC, config: ParallelConfig) -> Iterator[tuple[int, l
 
 def layout(ptc: PTC, config: ParallelConfig) -> Layout:
     """The layout of ``ptc`` under ``config``: for each device, the global boxes its rank holds."""
+    with paused_gc():
+        return _layout(ptc, config)
+
+
+def _layout(ptc: PTC, config: ParallelConfig) -> Layout:
     devices: dict[str, tuple[Shard, ...]] = {}
     shard_cache: dict[int, tuple[Shard, ...]] = {}
     for rank, shards in iter_local_shards(ptc, config):
