@@ -13,7 +13,7 @@ import importlib
 import json
 
 # Benchmark modules under tenplex.bench.
-BENCHMARKS: tuple[str, ...] = ()
+BENCHMARKS: tuple[str, ...] = ("plan",)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
