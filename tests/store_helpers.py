@@ -152,3 +152,16 @@ def tiny_layout(tensors: dict[str, tuple[tuple[int, ...], str]], devices: dict[s
     from tenplex.layout import Shard, TensorSpec
     return Layout.build({n: TensorSpec(shape, dtype) for n, (shape, dtype) in tensors.items()},
                         {d: [Shard(t, Box(o, l)) for t, o, l in shards] for d, shards in devices.items()})
+
+
+def gpt_layout(dp: int, tp: int, pp: int, hosts: int, per_host: int, sharding: str = "none",
+               dtype: str = "float32", layers: int = 2, hidden: int = 16, vocab: int = 50, host_names=None) -> Layout:
+    """A small GPT (with Adam states) laid out by the built-in rules under (dp, tp, pp) on hosts x per_host devices."""
+    from tenplex.gpt import gpt
+    from tenplex.parallel import ParallelConfig
+    from tenplex.ptc import layout
+
+    names = host_names or [f"h{i}" for i in range(hosts)]
+    devices = tuple(f"{h}/{i}" for h in names for i in range(per_host))
+    model = gpt(layers, hidden, 4, vocab, dtype=dtype, optimizer="adam", optim_dtype="float32")
+    return layout(model, ParallelConfig(dp, tp, pp, devices, sharding=sharding))

@@ -59,10 +59,10 @@ class OutOfRange(StoreError, IndexError):
 
 # ---------------------------------------------------------------- errors --
 def _status_of(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, IndexError):  # before LookupError, its base class
+        return grpc.StatusCode.OUT_OF_RANGE
     if isinstance(exc, LookupError):
         return grpc.StatusCode.NOT_FOUND
-    if isinstance(exc, IndexError):
-        return grpc.StatusCode.OUT_OF_RANGE
     if isinstance(exc, PermissionError):
         return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):

@@ -1,0 +1,208 @@
+"""The gRPC store service in a real server process: reads, writes, bad input, tokens, corruption, dataset files."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+
+from tenplex.box import Box
+from tenplex.store import Store
+from tenplex.store.client import ChecksumError, RemoteStoreError, StoreClient
+
+from store_helpers import StoreProcess
+
+SHAPE = (64, 48)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """One store process holding version 1: h0/0 has rows 0:32 of w (float32), h0/1 a bf16 vector."""
+    base = tmp_path_factory.mktemp("grpc")
+    rng = np.random.default_rng(7)
+    w = rng.random(SHAPE, dtype=np.float32)
+    b = rng.integers(0, 2**16, size=(1000,), dtype=np.uint16)
+    store = Store(base / "h0", "h0")
+    with store.begin(1) as writer:
+        writer.put("h0/0", "w", Box((0, 0), (32, 48)), w[:32], "float32", shape=SHAPE)
+        writer.put("h0/1", "b", Box((0,), (1000,)), b, "bfloat16", shape=(1000,))
+        writer.put_json("step", {"step": 3})
+        writer.commit()
+    data = base / "h0" / "datasets"
+    (data / "train").mkdir(parents=True)
+    (data / "train" / "part-0.bin").write_bytes(bytes(range(256)) * 100)
+    (base / "secret.txt").write_text("outside")
+    os.symlink(base / "secret.txt", data / "escape")
+    proc = StoreProcess(base / "h0", "h0")
+    yield proc, w, b, base
+    proc.stop()
+
+
+def _code(info) -> grpc.StatusCode:
+    return info.value.code
+
+
+def test_read_boxes_in_many_chunks(served):
+    proc, w, b, _ = served
+    with StoreClient(proc.address, chunk_bytes=4096) as client:  # forces many chunks per read
+        client.wait_ready()
+        assert client.versions() == [1]
+        box = Box((3, 5), (20, 40))
+        np.testing.assert_array_equal(client.read_box(1, "h0/0", "w", box, "float32"), w[3:23, 5:45])
+        whole = client.read_box(1, "h0/1", "b", Box((0,), (1000,)), "bfloat16")
+        assert whole.tobytes() == b.tobytes()
+        manifest = client.manifest(1)
+        assert {row["device"] for row in manifest["shards"]} == {"h0/0", "h0/1"}
+        assert client.get_json(1, "step") == {"step": 3}
+        assert client.health()["host"] == "h0"
+
+
+@pytest.mark.parametrize("call, code, message", [
+    (lambda c: c.read_box(9, "h0/0", "w", Box((0, 0), (1, 1)), "float32"), grpc.StatusCode.NOT_FOUND,
+     "no committed version 9"),
+    (lambda c: c.read_box(1, "h0/0", "w", Box((30, 0), (8, 48)), "float32"), grpc.StatusCode.OUT_OF_RANGE,
+     "lies inside no box device h0/0 stores"),
+    (lambda c: c.read_box(1, "h0/7", "w", Box((0, 0), (1, 1)), "float32"), grpc.StatusCode.NOT_FOUND,
+     "holds nothing for device h0/7"),
+    (lambda c: c.read_box(1, "h0/0", "nope", Box((0, 0), (1, 1)), "float32"), grpc.StatusCode.NOT_FOUND,
+     "no box of tensor 'nope'"),
+    (lambda c: c.get_json(1, "missing"), grpc.StatusCode.NOT_FOUND, "no JSON document 'missing'"),
+    (lambda c: c.manifest(42), grpc.StatusCode.NOT_FOUND, "no committed version 42"),
+    (lambda c: c.gc(0), grpc.StatusCode.FAILED_PRECONDITION, "at least one version"),
+    (lambda c: c.commit(77), grpc.StatusCode.FAILED_PRECONDITION, "nothing was prepared"),
+    (lambda c: c.prepare(5, "ghost"), grpc.StatusCode.NOT_FOUND, "no open part 'ghost'"),
+])
+def test_bad_requests_get_clear_statuses_and_the_server_keeps_serving(served, call, code, message):
+    proc, *_ = served
+    with StoreClient(proc.address) as client:
+        with pytest.raises(RemoteStoreError) as info:
+            call(client)
+        assert _code(info) == code, str(info.value)
+        assert message in str(info.value)
+        assert client.versions() == [1]
+
+
+def test_malformed_requests(served):
+    proc, *_ = served
+    from tenplex.store._proto import store_pb2 as pb
+    channel = grpc.insecure_channel(proc.address)
+    # offsets and lengths of different rank: the box itself is malformed
+    read = channel.unary_stream("/tenplex.v1.Store/ReadBox", request_serializer=pb.ReadBoxRequest.SerializeToString,
+                                response_deserializer=pb.Chunk.FromString)
+    bad_box = pb.ReadBoxRequest(version=1, device="h0/0", tensor="w", box=pb.Box(offsets=[0], lengths=[1, 2]))
+    with pytest.raises(grpc.RpcError) as info:
+        list(read(bad_box, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "differ in rank" in info.value.details()
+    negative = pb.ReadBoxRequest(version=1, device="h0/0", tensor="w", box=pb.Box(offsets=[-1, 0], lengths=[1, 2]))
+    with pytest.raises(grpc.RpcError) as info:
+        list(read(negative, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "non-negative" in info.value.details()
+    # bytes that are no protobuf message at all
+    raw = channel.unary_unary("/tenplex.v1.Store/GetManifest", request_serializer=lambda b: b,
+                              response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as info:
+        raw(b"\xff\xff\xff\xff\x0f", timeout=10)
+    assert info.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT)
+    # a WriteShard stream that starts with a chunk instead of its header
+    write = channel.stream_unary("/tenplex.v1.Store/WriteShard",
+                                 request_serializer=pb.WriteShardRequest.SerializeToString,
+                                 response_deserializer=pb.WriteShardReply.FromString)
+    with pytest.raises(grpc.RpcError) as info:
+        write(iter([pb.WriteShardRequest(chunk=pb.Chunk(data=b"x"))]), timeout=10)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "header" in info.value.details()
+    channel.close()
+    with StoreClient(proc.address) as client:
+        assert client.versions() == [1]
+
+
+def test_remote_write_commit_and_delete(served):
+    proc, w, _, base = served
+    with StoreClient(proc.address, chunk_bytes=4096) as client:
+        new = np.arange(32 * 48, dtype=np.float32).reshape(32, 48)
+        assert client.write_shard(2, "remote", "h0/0", "w", Box((32, 0), (32, 48)), new, "float32", SHAPE) == new.nbytes
+        client.put_json(2, "remote", "step", {"step": 4})
+        assert client.versions() == [1]  # staged only
+        client.prepare(2, "remote")
+        client.commit(2)
+        assert client.versions() == [1, 2]
+        np.testing.assert_array_equal(client.read_box(2, "h0/0", "w", Box((40, 0), (2, 48)), "float32"), new[8:10])
+        assert Store(base / "h0", "h0").open(2).verify() == []
+        assert client.delete(2) is True
+        assert client.versions() == [1]
+        with pytest.raises(RemoteStoreError, match="no committed version 2"):
+            client.manifest(2)
+
+
+def test_dataset_files(served):
+    proc, *_ = served
+    expected = bytes(range(256)) * 100
+    with StoreClient(proc.address, chunk_bytes=4096) as client:
+        assert client.stat_file("train/part-0.bin")["size"] == len(expected)
+        assert client.read_file("train/part-0.bin") == expected
+        assert client.read_file("train/part-0.bin", 1000, 9000) == expected[1000:10000]
+        assert client.read_file("train/part-0.bin", len(expected) - 5, 100) == expected[-5:]
+        for path, code in [("../secret.txt", grpc.StatusCode.INVALID_ARGUMENT),
+                           ("/etc/passwd", grpc.StatusCode.INVALID_ARGUMENT),
+                           ("train/../../secret.txt", grpc.StatusCode.INVALID_ARGUMENT),
+                           ("escape", grpc.StatusCode.PERMISSION_DENIED),
+                           ("train/missing.bin", grpc.StatusCode.NOT_FOUND),
+                           ("train", grpc.StatusCode.NOT_FOUND)]:
+            with pytest.raises(RemoteStoreError) as info:
+                client.read_file(path)
+            assert _code(info) == code, (path, str(info.value))
+            with pytest.raises(RemoteStoreError):
+                client.stat_file(path)
+        with pytest.raises(RemoteStoreError) as info:
+            client.read_file("train/part-0.bin", -1, 10)
+        assert _code(info) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_corrupted_chunks_are_refetched_and_never_returned(tmp_path):
+    data = np.random.default_rng(3).random((50, 40), dtype=np.float32)
+    store = Store(tmp_path / "h0", "h0")
+    with store.begin(1) as writer:
+        writer.put("h0/0", "x", Box((0, 0), (50, 40)), data, "float32")
+        writer.commit()
+    # The first 3 chunks the server sends have a flipped byte after their checksum was computed.
+    proc = StoreProcess(tmp_path / "h0", "h0", env={"TENPLEX_STORE_TEST_HOOKS": "corrupt_chunks=3"})
+    try:
+        with StoreClient(proc.address, chunk_bytes=4096) as client:
+            got = client.read_box(1, "h0/0", "x", Box((0, 0), (50, 40)), "float32")
+            assert got.tobytes() == data.tobytes()
+    finally:
+        proc.stop()
+    proc = StoreProcess(tmp_path / "h0", "h0", env={"TENPLEX_STORE_TEST_HOOKS": "corrupt_chunks=100000"})
+    try:
+        with StoreClient(proc.address, chunk_bytes=4096, retries=2) as client:
+            with pytest.raises(ChecksumError, match="arrived corrupted 3 times"):
+                client.read_box(1, "h0/0", "x", Box((0, 0), (50, 40)), "float32")
+    finally:
+        proc.stop()
+
+
+def test_token_required_off_loopback_and_checked_on_every_call(tmp_path):
+    Store(tmp_path / "h0", "h0")
+    refused = subprocess.run([sys.executable, "-m", "tenplex.cli.store", "serve", "--root", str(tmp_path / "h0"),
+                              "--host", "h0", "--bind", "0.0.0.0", "--port", "0"], capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and "without a token" in refused.stderr
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    proc = StoreProcess(tmp_path / "h0", "h0", token_file=token_file, bind="0.0.0.0")
+    try:
+        for token in (None, "wrong"):
+            with StoreClient(proc.address, token=token) as client:
+                with pytest.raises(RemoteStoreError) as info:
+                    client.versions()
+                assert _code(info) == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(RemoteStoreError) as info:  # streaming calls are checked too
+                    client.read_file("anything")
+                assert _code(info) == grpc.StatusCode.UNAUTHENTICATED
+        with StoreClient(proc.address, token="s3cret-token") as client:
+            assert client.versions() == []
+    finally:
+        proc.stop()

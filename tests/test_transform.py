@@ -1,0 +1,80 @@
+"""The transformer across real store server processes: every new shard equals the global slice, byte for byte."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from tenplex.planner import plan
+from tenplex.store import Store
+from tenplex.transform import transform
+
+from store_helpers import Cluster, assert_version_matches, gpt_layout, random_globals, write_version
+
+_versions = itertools.count(10, 10)
+
+CASES = {
+    # name: (old (dp, tp, pp, hosts, per_host, sharding, dtype), new (...))
+    "tp change": ((2, 2, 1, 2, 2, "none", "float32"), (1, 4, 1, 2, 2, "none", "float32")),
+    "pp change": ((2, 1, 2, 2, 2, "none", "float32"), (2, 2, 1, 2, 2, "none", "float32")),
+    "dp change, more hosts": ((2, 2, 1, 2, 2, "none", "float32"), (3, 2, 1, 3, 2, "none", "float32")),
+    "fewer hosts": ((2, 2, 1, 2, 2, "none", "float32"), (1, 2, 1, 1, 2, "none", "float32")),
+    "sharded dp": ((4, 1, 1, 2, 2, "optimizer", "float32"), (2, 2, 1, 2, 2, "optimizer", "float32")),
+    "bf16 tp+pp": ((1, 2, 2, 2, 2, "none", "bfloat16"), (1, 4, 1, 2, 2, "none", "bfloat16")),
+    "hosts renamed": ((2, 2, 1, 2, 2, "none", "float32"), (2, 2, 1, 2, 2, "none", "float32")),
+}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with Cluster(tmp_path_factory.mktemp("transform"), ["h0", "h1", "h2"]) as c:
+        yield c
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_transformation_produces_exact_slices(cluster, case):
+    (o_dp, o_tp, o_pp, o_hosts, o_per, o_sh, dtype), (n_dp, n_tp, n_pp, n_hosts, n_per, n_sh, _) = CASES[case]
+    old = gpt_layout(o_dp, o_tp, o_pp, o_hosts, o_per, o_sh, dtype)
+    names = ["h2", "h0"] if case == "hosts renamed" else None  # new device order across hosts
+    new = gpt_layout(n_dp, n_tp, n_pp, n_hosts, n_per, n_sh, dtype, host_names=names)
+    arrays = random_globals(old, seed=len(case))
+    v = next(_versions)
+    write_version(cluster.roots, old, v, arrays, docs={"step": {"step": v}, "rng": {"seed": 1234}})
+    the_plan = plan(old, new)
+    seen = {}
+    report = transform(the_plan, old, new, cluster.addresses, v, v + 1, streams=3,
+                       progress=lambda host, done, total: seen.__setitem__(host, (done, total)))
+    assert_version_matches(cluster.roots, new, v + 1, arrays)
+    assert_version_matches(cluster.roots, old, v, arrays)  # the old version is untouched
+    for host in new.hosts():
+        reader = Store(cluster.roots[host], host).open(v + 1)
+        assert reader.get_json("step") == {"step": v} and reader.get_json("rng") == {"seed": 1234}
+    for host in set(cluster.roots) - set(new.hosts()):
+        assert v + 1 not in Store(cluster.roots[host], host).versions()
+    # progress reached the total on every destination host
+    assert set(seen) == set(new.hosts()) and all(done == total > 0 for done, total in seen.values())
+    # bytes per category agree with the plan's statistics
+    hosts = report["hosts"]
+    stats = the_plan.stats
+    assert sum(h["remote_bytes"] for h in hosts.values()) == stats.inter_host_bytes
+    assert sum(h["kept_bytes"] + h["linked_bytes"] for h in hosts.values()) + \
+        sum(h["local_bytes"] for h in hosts.values()) == stats.kept_bytes + stats.intra_host_bytes
+    assert sum(h["bytes_total"] for h in hosts.values()) == stats.target_bytes
+    assert all(h["refetched_bytes"] == 0 for h in hosts.values())
+
+
+def test_whole_kept_shards_are_hard_linked_not_copied(cluster):
+    old = gpt_layout(2, 2, 1, 2, 2)
+    new = gpt_layout(1, 2, 1, 2, 1, host_names=["h0", "h1"])  # h0/0 and h1/0 keep exactly their old shards
+    arrays = random_globals(old, seed=5)
+    v = next(_versions)
+    write_version(cluster.roots, old, v, arrays)
+    report = transform(plan(old, new), old, new, cluster.addresses, v, v + 1)
+    assert_version_matches(cluster.roots, new, v + 1, arrays)
+    assert all(h["linked_bytes"] == h["bytes_total"] and h["remote_bytes"] == 0 for h in report["hosts"].values())
+    old_reader = Store(cluster.roots["h0"], "h0").open(v)
+    new_reader = Store(cluster.roots["h0"], "h0").open(v + 1)
+    entry = new_reader.entries_of("h0/0")[0]
+    same = old_reader.find("h0/0", entry.tensor, entry.box)
+    assert (new_reader.path / entry.file).stat().st_ino == (old_reader.path / same.file).stat().st_ino
