@@ -13,7 +13,7 @@ import importlib
 import json
 
 # Benchmark modules under tenplex.bench.
-BENCHMARKS: tuple[str, ...] = ("plan",)
+BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "plan")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

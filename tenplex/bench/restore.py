@@ -1,0 +1,196 @@
+"""``tenplex bench restore``: save and restore the reference GPT's state across a configuration change, vs DCP.
+
+May import: every tenplex layer, torch and the standard library. Needs a
+source checkout (the reference model lives in ``examples/01-gpt-train``).
+
+One run, two ranks (gloo, CPU), one ``tenplex store serve`` process:
+
+the model under the old configuration (default ``tp=2``) takes one training
+step so that Adam's moments are real; a second copy is built under the new
+configuration (default FSDP2 over dp=2). Then, in this order:
+
+* ``tenplex_save_s``: ``tenplex.save`` of the old model into the host's store (tmpfs);
+* ``tenplex_restore_s``: ``tenplex.restore`` into the new model: plan, the
+  transformation through the store process, loading every rank's boxes;
+* ``dcp_tmpfs_save_s`` / ``dcp_tmpfs_load_s``: ``dcp.save`` of
+  ``get_state_dict(model, optimizer)`` into a tmpfs directory, then
+  ``dcp.load`` with resharding plus ``set_state_dict`` into the new model;
+* ``dcp_disk_save_s`` / ``dcp_disk_load_s``: the same on disk.
+
+Each store or DCP directory is deleted once measured, so that tmpfs holds one
+copy of the state at a time.
+
+Each timed step is preceded by a barrier and ends with one, so it measures the
+slowest rank. ``state_bytes`` is the global size of parameters and Adam states.
+The disk checkpoint's page cache is dropped (``posix_fadvise``) before loading,
+so that the disk load reads the disk, as after a restart on another machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DESCRIPTION = "save + restore of the reference GPT's state (>= 1 GB) across a config change, vs torch DCP"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-gpt-train"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=7)
+    parser.add_argument("--ffn", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--old", default="tp=2", help="configuration that saves (default tp=2)")
+    parser.add_argument("--new", default="dp=2,fsdp=1", help="configuration that restores (default dp=2,fsdp=1)")
+    parser.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"), help="tmpfs directory (tenplex store, DCP)")
+    parser.add_argument("--disk", type=Path, default=Path("/var/tmp"), help="disk directory for DCP")
+
+
+def run(args: argparse.Namespace) -> dict:
+    if not (EXAMPLE / "gpt.py").is_file():
+        raise FileNotFoundError(f"{EXAMPLE}/gpt.py not found: run the benchmark from a source checkout of tenplex")
+    work = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.tmpfs))
+    disk = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.disk))
+    store = None
+    try:
+        port_file = work / "store.port"
+        store = subprocess.Popen([sys.executable, "-c", "import sys; from tenplex.cli import main; sys.exit(main())",
+                                  "store", "serve", "--root", str(work / "store"), "--host", "h0", "--port", "0",
+                                  "--port-file", str(port_file)], stdout=subprocess.DEVNULL)
+        while not (port_file.exists() and port_file.read_text().strip()):
+            if store.poll() is not None:
+                raise RuntimeError("the store server exited before serving")
+            time.sleep(0.05)
+        spec = {"model": {"hidden": args.hidden, "layers": args.layers, "ffn": args.ffn, "vocab": args.vocab,
+                          "heads": 16, "seq": 8},
+                "old": args.old, "new": args.new, "store": str(work / "store"),
+                "stores": {"h0": f"127.0.0.1:{int(port_file.read_text())}"},
+                "dcp_tmpfs": str(work / "dcp"), "dcp_disk": str(disk / "dcp"), "result": str(work / "result.json")}
+        (work / "spec.json").write_text(json.dumps(spec))
+        _launch(2, work / "spec.json")
+        return json.loads((work / "result.json").read_text())
+    finally:
+        if store is not None:
+            store.terminate()
+            store.wait()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+
+
+def _launch(world: int, spec: Path) -> None:
+    """Run ``world`` ranks of this module's worker (gloo on loopback); raise with the failing rank's output."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tenplex.bench.restore", str(spec)], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = [p.communicate()[0].decode(errors="replace") for p in procs]
+    for rank, (p, out) in enumerate(zip(procs, outputs)):
+        if p.returncode:
+            raise RuntimeError(f"benchmark rank {rank} failed (exit {p.returncode}):\n{out[-3000:]}")
+
+
+# ------------------------------------------------------------------ worker
+def _worker(spec_path: str) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    sys.path.insert(0, str(EXAMPLE))
+    import tenplex
+    from gpt import GPTConfig, Parallel, Trainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cfg = GPTConfig(**spec["model"])
+    result: dict = {"old": spec["old"], "new": spec["new"], "model": spec["model"]}
+
+    def timed(key, fn):
+        dist.barrier()
+        start = time.perf_counter()
+        out = fn()
+        dist.barrier()
+        result[key] = round(time.perf_counter() - start, 3)
+        return out
+
+    old = Trainer(cfg, Parallel.parse(spec["old"]), global_batch=2 * 2 * 2)
+    old.train_step(0)
+    ckpt = tenplex.Checkpointer(store_root=spec["store"], host="h0", device=f"h0/{rank}", stores=spec["stores"])
+    result["state_bytes"] = _state_bytes(old)
+    new = Trainer(cfg, Parallel.parse(spec["new"]), global_batch=2 * 2 * 2)
+    timed("tenplex_save_s", lambda: tenplex.save(old.model, old.optimizer, step=1, scheduler=old.scheduler,
+                                                 checkpointer=ckpt))
+    timed("tenplex_restore_s", lambda: tenplex.restore(new.model, new.optimizer, scheduler=new.scheduler,
+                                                       checkpointer=ckpt))
+    result["tenplex_transformed"] = ckpt.last_restore.transformed
+    if rank == 0:  # free the tmpfs before DCP writes there (the machine's memory is the limit)
+        for version in ckpt.store.versions():
+            ckpt.store.delete(version)
+    for where in ("tmpfs", "disk"):
+        model_sd, optim_sd = get_state_dict(old.model, old.optimizer)
+        timed(f"dcp_{where}_save_s", lambda: dcp.save({"model": model_sd, "optim": optim_sd},
+                                                      checkpoint_id=spec[f"dcp_{where}"]))
+        del model_sd, optim_sd
+        if rank == 0 and where == "disk":
+            _drop_page_cache(Path(spec["dcp_disk"]))
+
+        def load():
+            model_sd, optim_sd = get_state_dict(new.model, new.optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=spec[f"dcp_{where}"])
+            set_state_dict(new.model, new.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        timed(f"dcp_{where}_load_s", load)
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(spec[f"dcp_{where}"], ignore_errors=True)
+    if rank == 0:
+        for what in ("save", "restore"):
+            key = "load" if what == "restore" else "save"
+            for where in ("tmpfs", "disk"):
+                result[f"dcp_{where}_{key}_over_tenplex"] = round(result[f"dcp_{where}_{key}_s"]
+                                                                 / max(result[f"tenplex_{what}_s"], 1e-9), 2)
+        Path(spec["result"]).write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _state_bytes(trainer) -> int:
+    """Global bytes of parameters and optimizer moments (each global tensor once; a DTensor's numel is global)."""
+    from ..integration.exchange import all_gather_json
+
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    sizes = {n: p.numel() * p.element_size() for n, p in trainer.model.named_parameters()}
+    for p, state in trainer.optimizer.state.items():
+        for key, value in state.items():
+            if value.dim() > 0:
+                sizes[f"{key}.{names[id(p)]}"] = value.numel() * value.element_size()
+    merged: dict = {}
+    for d in all_gather_json(sizes):  # pipeline stages hold different tensors
+        merged.update(d)
+    return sum(merged.values())
+
+
+def _drop_page_cache(directory: Path) -> None:
+    for path in directory.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

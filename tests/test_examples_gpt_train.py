@@ -1,0 +1,38 @@
+"""Run examples/01-gpt-train shortened: train under tp=2, save, resume under pp=2 through a real store process."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from mp.launch import ROOT, StoreServers, free_port
+
+EXAMPLE = ROOT / "examples" / "01-gpt-train"
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+def _train(nproc: int, parallel: str, steps: int, env: dict) -> str:
+    result = subprocess.run([str(TORCHRUN), "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+                             str(EXAMPLE / "train.py"), "--parallel", parallel, "--steps", str(steps)],
+                            env=env, capture_output=True, text=True, timeout=300, cwd=EXAMPLE)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_example_trains_saves_and_resumes_under_another_configuration(tmp_path):
+    servers = StoreServers({"job": {"h0": tmp_path / "h0"}})
+    try:
+        env = dict(os.environ, TENPLEX_STORE_ROOT=str(tmp_path / "h0"), TENPLEX_HOST="h0",
+                   TENPLEX_STORES=f"h0={servers.addresses['job']['h0']}", OMP_NUM_THREADS="1")
+        first = _train(2, "tp=2", 2, env)
+        assert "fresh start" in first and "saved step 2 as version 1" in first
+        second = _train(2, "pp=2", 4, env)
+    finally:
+        servers.close()
+    assert "restored step 2 (transformed: True)" in second
+    steps = [int(s) for s in re.findall(r"^step\s+(\d+)", second, flags=re.M)]
+    assert steps == [3, 4]
+    assert "saved step 4 as version 3" in second  # version 2 is the transformed state
