@@ -34,6 +34,7 @@ the layer count, the first ``layers % pp`` stages hold one layer more.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterable, Iterator
 
 from ._gc import paused_gc
@@ -207,23 +208,33 @@ def _tp_runs(rule: TensorRule, tp: int, index: int):
 
 
 def _local_shard(rule: TensorRule, config: ParallelConfig, dp: int, tp: int) -> LocalShard:
-    shape = rule.shape
-    if rule.tp_dim is None:
+    sharded = config.sharding == "full" or (config.sharding == "optimizer" and rule.optimizer_state)
+    if rule.tp_dim is not None:
+        _tp_runs(rule, config.tp, tp)  # raises a ConfigError that names the tensor
+    shape, pieces = _geometry(rule.split_key(), config.tp, tp, config.dp if sharded else 1, dp if sharded else 0)
+    return LocalShard(rule.name, shape, pieces)
+
+
+@lru_cache(maxsize=1 << 16)
+def _geometry(split_key: tuple, tp_degree: int, tp: int, dp_degree: int, dp: int
+              ) -> tuple[tuple[int, ...], tuple[Piece, ...]]:
+    """(local shape, pieces) of a tensor split like ``split_key``; all layers' alike tensors share one result."""
+    shape, tp_dim, split, unit, pad_multiple, blocks = split_key
+    if tp_dim is None:
         local_shape = shape
         pieces = [Piece(Box.whole(shape), Box.whole(shape))]
     else:
-        d = rule.tp_dim
-        local_len, runs = _tp_runs(rule, config.tp, tp)
+        d = tp_dim
+        local_len, runs = split_dim(shape[d], tp_degree, tp, split, unit, pad_multiple, blocks)
         local_shape = shape[:d] + (local_len,) + shape[d + 1:]
         pieces = [Piece(Box((0,) * d + (run.local,) + (0,) * (len(shape) - d - 1),
                             shape[:d] + (run.length,) + shape[d + 1:]),
                         Box((0,) * d + (run.start,) + (0,) * (len(shape) - d - 1),
                             shape[:d] + (run.length,) + shape[d + 1:]))
                   for run in runs]
-    sharded = config.sharding == "full" or (config.sharding == "optimizer" and rule.optimizer_state)
-    if sharded and config.dp > 1 and shape:
+    if dp_degree > 1 and shape:
         # dim-0 torch.chunk of the local tensor (padding included), like FSDP2's fully_shard.
-        lo, hi = chunk_range(local_shape[0], config.dp, dp)
+        lo, hi = chunk_range(local_shape[0], dp_degree, dp)
         window = Box((lo,) + (0,) * (len(shape) - 1), (hi - lo,) + local_shape[1:])
         cut = []
         for piece in pieces:
@@ -233,7 +244,7 @@ def _local_shard(rule: TensorRule, config: ParallelConfig, dp: int, tp: int) -> 
                 cut.append(Piece(Box((part.offsets[0] - lo,) + part.offsets[1:], part.lengths),
                                  Box(at_global, part.lengths)))
         pieces, local_shape = cut, (hi - lo,) + local_shape[1:]
-    return LocalShard(rule.name, local_shape, tuple(p for p in pieces if not p.box.is_empty()))
+    return local_shape, tuple(p for p in pieces if not p.box.is_empty())
 
 
 def iter_local_shards(ptc: PTC, config: ParallelConfig) -> Iterator[tuple[int, list[LocalShard]]]:
