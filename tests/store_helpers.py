@@ -30,6 +30,7 @@ class StoreProcess:
     def __init__(self, root: Path, host: str, env: dict[str, str] | None = None, token_file: Path | None = None,
                  bind: str = "127.0.0.1"):
         self.root, self.host = Path(root), host
+        self.root.parent.mkdir(parents=True, exist_ok=True)
         self.port_file = self.root.parent / f".{host}.port"
         self.port_file.unlink(missing_ok=True)
         self.log = open(self.root.parent / f".{host}.log", "ab")

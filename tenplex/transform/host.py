@@ -174,7 +174,7 @@ def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable
     writer = store.begin(request.new_version, part=PART)
     try:
         _stage(host, plan.transfers, old, new, writer, reader, sources, counters, progress, cancelled, streams)
-        _carry_json(host, request, writer, reader, sources)
+        _carry_json(host, request, old, writer, reader, sources)
         writer.put_layout(new)
         writer.prepare()
     except BaseException:
@@ -296,18 +296,34 @@ def _containing(targets: dict, linked: dict, device: str, tensor: str, box: Box)
                          f"shard; the plan does not match the new layout")
 
 
-def _carry_json(host: str, request: pb.TransformRequest, writer, reader: VersionReader | None,
+def _carry_json(host: str, request: pb.TransformRequest, old: Layout, writer, reader: VersionReader | None,
                 sources: _Sources) -> None:
-    """Copy the old version's JSON documents (step, RNG, dataset position…) into the new version."""
+    """Copy the old version's JSON documents (step, RNG, dataset position…) into the new version.
+
+    They come from ``request.json_from_host`` (this host itself when it held
+    old state); if that host fails, from the other old hosts in turn."""
     origin = request.json_from_host or host
-    if origin == host:
-        if reader is None:
-            return
-        docs = {name: reader.get_json(name) for name in reader.json_names()}
-    else:
-        client = sources.client(origin)
-        names = sorted(client.manifest(request.old_version)["json"])
-        docs = {name: client.get_json(request.old_version, name) for name in names}
-    for name, doc in docs.items():
-        if name != LAYOUT_DOC:
-            writer.put_json(name, doc)
+    candidates = [origin] + [h for h in old.hosts() if h != origin]
+    causes = []
+    for candidate in candidates:
+        try:
+            if candidate == host:
+                if reader is None:
+                    continue
+                docs = {name: reader.get_json(name) for name in reader.json_names()}
+            else:
+                if candidate in sources.failed:
+                    continue
+                client = sources.client(candidate)
+                names = sorted(client.manifest(request.old_version)["json"])
+                docs = {name: client.get_json(request.old_version, name) for name in names}
+        except Exception as e:  # noqa: BLE001 - try the next host that held the old version
+            causes.append(f"{candidate}: {e}")
+            continue
+        for name, doc in docs.items():
+            if name != LAYOUT_DOC:
+                writer.put_json(name, doc)
+        return
+    if causes:
+        raise TransformError(f"host {host}: could not read the JSON documents of version {request.old_version} "
+                             f"from any old host: " + "; ".join(causes))

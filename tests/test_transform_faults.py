@@ -1,0 +1,167 @@
+"""Fault injection on real store processes: dying, hanging and corrupting sources, crashes between prepare and
+commit, full or read-only destination disks. Nothing committed is ever lost and errors say what happened."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tenplex.errors import TransformError
+from tenplex.files import save_layout, save_plan
+from tenplex.planner import plan
+from tenplex.store import Store
+from tenplex.transform import transform
+
+from store_helpers import Cluster, StoreProcess, assert_version_matches, gpt_layout, random_globals, write_version
+
+# Small chunks so that every pull takes many chunks and a fault lands mid-transfer.
+CHUNK = 1024
+DIE_SOON = {"TENPLEX_STORE_TEST_HOOKS": "exit_after_chunks=3"}
+
+
+def _setup(cluster, old, seed=0, version=1):
+    arrays = random_globals(old, seed=seed)
+    write_version(cluster.roots, old, version, arrays, docs={"step": {"step": 41}})
+    return arrays
+
+
+def test_source_dies_mid_transfer_and_replicas_take_over(tmp_path):
+    old = gpt_layout(2, 2, 1, 2, 2)                       # h0 and h1 each hold a full replica
+    new = gpt_layout(1, 2, 1, 1, 2, host_names=["h2"])    # h2 pulls everything
+    with Cluster(tmp_path, ["h0", "h1", "h2"], env={"h0": DIE_SOON}) as cluster:
+        arrays = _setup(cluster, old)
+        report = transform(plan(old, new), old, new, cluster.addresses, 1, 2, chunk_bytes=CHUNK)
+        assert not cluster.procs["h0"].alive(), "the fault was not injected"
+        assert report["hosts"]["h2"]["refetched_bytes"] > 0
+        assert_version_matches(cluster.roots, new, 2, arrays)
+        assert Store(cluster.roots["h2"], "h2").open(2).get_json("step") == {"step": 41}
+
+
+def test_source_dies_without_replica_fails_cleanly(tmp_path):
+    old = gpt_layout(1, 2, 1, 1, 2)                       # only h0 holds the state
+    new = gpt_layout(1, 2, 1, 2, 1)                       # h0/0 and h1/0
+    with Cluster(tmp_path, ["h0", "h1"], env={"h0": DIE_SOON}) as cluster:
+        arrays = _setup(cluster, old)
+        with pytest.raises(TransformError) as info:
+            transform(plan(old, new), old, new, cluster.addresses, 1, 2, chunk_bytes=CHUNK)
+        message = str(info.value)
+        assert "h1" in info.value.failures
+        assert "no surviving replica" in info.value.failures["h1"] and "UNAVAILABLE" in info.value.failures["h1"]
+        assert "version 1 is unchanged" in message
+        assert Store(cluster.roots["h1"], "h1").versions() == []
+        assert list((cluster.roots["h1"] / "staging").iterdir()) == [], "the failed host's staging was not aborted"
+        # h0 died, but what it had committed is intact when it comes back
+        cluster.procs["h0"] = StoreProcess(cluster.roots["h0"], "h0")
+        assert cluster.client("h0").versions() == [1]
+        assert_version_matches(cluster.roots, old, 1, arrays)
+
+
+def test_hung_source_times_out_and_replicas_take_over(tmp_path):
+    old = gpt_layout(2, 2, 1, 2, 2)
+    new = gpt_layout(1, 2, 1, 1, 2, host_names=["h2"])
+    with Cluster(tmp_path, ["h0", "h1", "h2"]) as cluster:
+        arrays = _setup(cluster, old)
+        cluster.procs["h0"].proc.send_signal(signal.SIGSTOP)  # accepts connections, never answers
+        try:
+            report = transform(plan(old, new), old, new, cluster.addresses, 1, 2, pull_timeout=2.0)
+        finally:
+            cluster.procs["h0"].proc.send_signal(signal.SIGCONT)
+        assert report["hosts"]["h2"]["refetched_bytes"] > 0
+        assert_version_matches(cluster.roots, new, 2, arrays)
+
+
+def test_corrupted_chunks_in_flight_are_refetched(tmp_path):
+    old = gpt_layout(1, 2, 1, 1, 2)
+    new = gpt_layout(1, 4, 1, 2, 2)
+    env = {"h0": {"TENPLEX_STORE_TEST_HOOKS": "corrupt_chunks=5"}}
+    with Cluster(tmp_path, ["h0", "h1"], env=env) as cluster:
+        arrays = _setup(cluster, old)
+        transform(plan(old, new), old, new, cluster.addresses, 1, 2, chunk_bytes=CHUNK)
+        assert_version_matches(cluster.roots, new, 2, arrays)
+
+
+def test_destination_crash_between_prepare_and_commit(tmp_path):
+    old = gpt_layout(2, 2, 1, 2, 2)
+    new = gpt_layout(1, 4, 1, 2, 2)
+    with Cluster(tmp_path, ["h0", "h1"]) as cluster:
+        arrays = _setup(cluster, old)
+        the_plan = plan(old, new)
+        with pytest.raises(TransformError) as info:
+            transform(the_plan, old, new, cluster.addresses, 1, 2, before_commit=cluster.procs["h1"].kill)
+        assert "commit phase" in str(info.value) and "UNAVAILABLE" in info.value.failures["h1"]
+        # h0 may have committed before h1 was found dead: it was rolled back
+        assert Store(cluster.roots["h0"], "h0").versions() == [1]
+        assert Store(cluster.roots["h1"], "h1").versions() == [1]
+        assert Store(cluster.roots["h1"], "h1").staged_parts(2) == ["transform"]  # prepared, never visible
+        cluster.procs["h1"] = StoreProcess(cluster.roots["h1"], "h1")
+        assert_version_matches(cluster.roots, old, 1, arrays)
+        # a retry after the host came back succeeds
+        transform(the_plan, old, new, cluster.addresses, 1, 2)
+        assert_version_matches(cluster.roots, new, 2, arrays)
+
+
+_COORDINATOR = textwrap.dedent("""
+    import json, os, sys
+    from tenplex.files import load_layout, load_plan
+    from tenplex.transform import transform
+    plan, old, new = load_plan(sys.argv[1]), load_layout(sys.argv[2]), load_layout(sys.argv[3])
+    transform(plan, old, new, json.loads(sys.argv[4]), 1, 2, before_commit=lambda: os._exit(3))
+""")
+
+
+def test_coordinator_crash_between_prepare_and_commit(tmp_path):
+    old = gpt_layout(2, 2, 1, 2, 2)
+    new = gpt_layout(2, 1, 2, 2, 2)
+    with Cluster(tmp_path / "c", ["h0", "h1"]) as cluster:
+        arrays = _setup(cluster, old)
+        the_plan = plan(old, new)
+        save_plan(the_plan, tmp_path / "plan.json")
+        save_layout(old, tmp_path / "old.json")
+        save_layout(new, tmp_path / "new.json")
+        crashed = subprocess.run([sys.executable, "-c", _COORDINATOR, str(tmp_path / "plan.json"),
+                                  str(tmp_path / "old.json"), str(tmp_path / "new.json"),
+                                  json.dumps(cluster.addresses)], timeout=300)
+        assert crashed.returncode == 3
+        for host in ("h0", "h1"):
+            assert cluster.client(host).versions() == [1]
+            assert Store(cluster.roots[host], host).staged_parts(2) == ["transform"]
+        assert_version_matches(cluster.roots, old, 1, arrays)
+        transform(the_plan, old, new, cluster.addresses, 1, 2)  # a new coordinator redoes it
+        assert_version_matches(cluster.roots, new, 2, arrays)
+
+
+@pytest.mark.parametrize("fault", ["disk full", "read-only"])
+def test_full_or_read_only_destination_aborts_everywhere(tmp_path, fault):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a tiny tmpfs")
+    old = gpt_layout(1, 2, 1, 1, 2)
+    new = gpt_layout(1, 2, 1, 2, 1)
+    mount = tmp_path / "h1"
+    mount.mkdir()
+    size = "64k" if fault == "disk full" else "1m"
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=True)
+    try:
+        with Cluster(tmp_path, ["h0", "h1"]) as cluster:
+            arrays = _setup(cluster, old)
+            if fault == "read-only":
+                subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
+            with pytest.raises(TransformError) as info:
+                transform(plan(old, new), old, new, cluster.addresses, 1, 2)
+            cause = info.value.failures["h1"]
+            if fault == "disk full":
+                assert "RESOURCE_EXHAUSTED" in cause and "No space left" in cause
+                assert list((mount / "staging").iterdir()) == []
+            else:
+                assert "PERMISSION_DENIED" in cause and "Read-only file system" in cause
+            assert set(info.value.failures) == {"h1"}
+            assert Store(cluster.roots["h0"], "h0").versions() == [1]
+            assert Store(cluster.roots["h0"], "h0").staged_parts(2) == []  # aborted on the healthy host too
+            assert_version_matches(cluster.roots, old, 1, arrays)
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
