@@ -50,6 +50,7 @@ def results(tmp_path_factory):
     for name, (_, devs_a, _, devs_b) in SCENARIOS.items():
         hosts = sorted({d.split("/")[0] for d in devs_a + devs_b})
         roots[name] = {h: base / name / "stores" / h for h in hosts}
+    roots["annotated"] = {"h0": base / "annotated" / "stores" / "h0"}
     servers = StoreServers(roots)
     try:
         def phase(kind: str, name: str, par: dict, devices: list[str], **more) -> dict:
@@ -70,10 +71,13 @@ def results(tmp_path_factory):
         for m in mismatches:
             m["name"] = m.pop("name_")
         # Order: every save first (world 2 then 4 covers all), then the restores that depend on them.
-        run_job(2, {"phases": launches[2][0]}, base / "logs")
+        annotated = {"name": "annotated", "out": str(base / "annotated"), "devices": ["h0/0", "h0/1"],
+                     "roots": {"h0": str(roots["annotated"]["h0"])}, "stores": servers.addresses["annotated"]}
+        run_job(2, {"phases": launches[2][0] + [dict(annotated, kind="annotated_save")]}, base / "logs")
         run_job(4, {"phases": launches[4][0] + launches[4][1]}, base / "logs")
         run_job(2, {"phases": launches[2][1]}, base / "logs")
-        run_job(1, {"phases": mismatches + launches[1][1]}, base / "logs")
+        run_job(1, {"phases": mismatches + launches[1][1] + [dict(annotated, kind="annotated_restore")]},
+                base / "logs")
     finally:
         servers.close()
     return base
@@ -146,3 +150,18 @@ def test_mismatch_errors_name_tensor_and_shapes(results, case, words):
     assert result["error_type"] == "StateMismatchError", result
     for word in words:
         assert word in result["error"], result["error"]
+
+
+def test_megatron_style_annotated_shards_with_padding_and_fused_blocks(results):
+    """tp=2 plain local shards (vocabulary 37 padded to 2 x 19, fused q|k blocks) restored whole on one rank."""
+    r0, r1 = (load_file(str(results / "annotated" / f"local_r{r}.safetensors")) for r in (0, 1))
+    whole = load_file(str(results / "annotated" / "restored_whole.safetensors"))
+    assert json.loads((results / "annotated" / "annotated_restore.json").read_text())["transformed"]
+    for prefix in ("", "exp_avg.", "exp_avg_sq."):
+        embed = torch.cat([r0[prefix + "embed"][:19], r1[prefix + "embed"][:18]])  # rank 1's last row is padding
+        assert torch.equal(whole[prefix + "embed"], embed), prefix
+        # Each rank holds rows [q part | k part]; the global tensor is [q0 q1 | k0 k1].
+        fused = torch.cat([r0[prefix + "fused"][:2], r1[prefix + "fused"][:2],
+                           r0[prefix + "fused"][2:], r1[prefix + "fused"][2:]])
+        assert torch.equal(whole[prefix + "fused"], fused), prefix
+    assert whole["embed"].shape == (37, 4)  # the padding row was never part of the state

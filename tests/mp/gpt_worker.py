@@ -16,7 +16,10 @@ Phase kinds:
   ``distribute_tensor`` and plain copies, the saved scheduler state and step),
   and train the same steps: the reference run;
 * ``mismatch``: restore a model that differs from the saved one and record
-  the error's type and message.
+  the error's type and message;
+* ``annotated_save`` / ``annotated_restore``: a Megatron-style model of plain
+  local tensors (padded vocabulary, fused q|k weight) saved under tp=world with
+  annotations, restored whole by one rank.
 """
 
 from __future__ import annotations
@@ -137,11 +140,65 @@ def run_mismatch(phase: dict, rank: int) -> dict:
     return {"error_type": None, "error": None}
 
 
+class Megatron(torch.nn.Module):
+    """Plain local shards, Megatron style: a vocabulary padded to a multiple of tp and a fused (q|k) weight."""
+
+    VOCAB, HIDDEN, BLOCK = 37, 4, 4  # embedding [37, 4]; fused [2 * BLOCK, 3]
+
+    def __init__(self, tp: int, rank: int):
+        super().__init__()
+        rows = -(-self.VOCAB // tp)  # padded vocabulary / tp
+        self.embed = torch.nn.Parameter(torch.full((rows, self.HIDDEN), -1.0))
+        self.fused = torch.nn.Parameter(torch.zeros(2 * self.BLOCK // tp, 3))
+        real = min(rows, self.VOCAB - rank * rows)
+        gen = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            self.embed[:real] = torch.randn(real, self.HIDDEN, generator=gen)  # rows past ``real`` are padding
+            self.fused.copy_(torch.randn(self.fused.shape, generator=gen))
+
+    def annotations(self, tp: int, rank: int) -> dict:
+        from tenplex.box import Box
+        from tenplex.integration import annotations_from_layout
+        from tenplex.layout import Layout, Shard, TensorSpec
+
+        rows, part = self.embed.shape[0], self.BLOCK // tp
+        fused = {f"h0/{r}": [Shard("fused", Box((r * part, 0), (part, 3))),
+                             Shard("fused", Box((self.BLOCK + r * part, 0), (part, 3)))] for r in range(tp)}
+        layout = Layout.build({"fused": TensorSpec((2 * self.BLOCK, 3), "float32")}, fused)
+        return {"embed": tenplex.Annotation((self.VOCAB, self.HIDDEN), (rank * rows, 0)),
+                **annotations_from_layout(layout, f"h0/{rank}")}
+
+
+def run_annotated(phase: dict, rank: int) -> dict:
+    """Save plain local shards (tp=world) with annotations, or restore them into whole tensors (world 1)."""
+    out = Path(phase["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    tp = dist.get_world_size()
+    model = Megatron(tp, rank)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ckpt = checkpointer(phase, None, rank)
+    annotations = model.annotations(tp, rank) if tp > 1 else None
+    if phase["kind"] == "annotated_save":
+        (model.embed.square().sum() + model.fused.pow(3).sum()).backward()
+        optimizer.step()
+        tenplex.save(model, optimizer, step=1, annotations=annotations, checkpointer=ckpt)
+        state = {"embed": model.embed, "fused": model.fused, **{f"{k}.{n}": optimizer.state[p][k]
+                 for n, p in model.named_parameters() for k in ("exp_avg", "exp_avg_sq")}}
+        save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / f"local_r{rank}.safetensors"))
+        return {}
+    tenplex.restore(model, optimizer, checkpointer=ckpt)
+    state = {"embed": model.embed, "fused": model.fused, **{f"{k}.{n}": optimizer.state[p][k]
+             for n, p in model.named_parameters() for k in ("exp_avg", "exp_avg_sq")}}
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(out / "restored_whole.safetensors"))
+    return {"transformed": ckpt.last_restore.transformed}
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    kinds = {"save": run_save, "restore": run_restore, "mismatch": run_mismatch}
+    kinds = {"save": run_save, "restore": run_restore, "mismatch": run_mismatch,
+             "annotated_save": run_annotated, "annotated_restore": run_annotated}
     for phase in spec["phases"]:
         try:
             result = kinds[phase["kind"]](phase, rank)
@@ -152,6 +209,7 @@ def main() -> None:
         out = Path(phase["out"])
         out.mkdir(parents=True, exist_ok=True)
         name = f"{phase['kind']}.json" if phase["kind"] != "mismatch" else f"mismatch-{phase['name']}.json"
+
         if rank == 0:
             (out / name).write_text(json.dumps(result))
         dist.barrier()
