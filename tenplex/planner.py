@@ -30,8 +30,14 @@ filled its source; transfers from old shards can run in any order.
 
 Speed: boxes are handled as (lo, hi) tuples; for each tensor the distinct old
 boxes (replicas share one) go into a bisection/bitmask index that finds the
-boxes overlapping a query in O(ndim log n), so the cost is about linear in the
-number of (device, box) entries of the two layouts.
+boxes overlapping a query in O(ndim log n). When the distinct boxes of each
+layout are pairwise disjoint (always so for layouts made by partition rules),
+a new box splits into one fragment per old box it overlaps, the same on every
+device, so fragments are computed once per distinct box and the per-device
+work is a few dictionary lookups. The cost is about linear in the number of
+(device, box) entries of the two layouts. Hand-written layouts with partly
+overlapping boxes take the general path (box subtraction) and still plan
+correctly, only slower.
 """
 
 from __future__ import annotations
@@ -188,59 +194,59 @@ def _plan_tensor(out: _Builder, name: str, itemsize: int, old: list[tuple[str, B
         holders_on[i].setdefault(host[device], []).append(device)
         own.setdefault(device, set()).add(i)
     index = _RegionIndex(regions)
-    arrived: dict[str, dict[Region, str]] = {}  # host -> regions brought in from other hosts -> device holding it
-    seen_on: dict[str, set[Region]] = {}  # host -> new boxes already planned there
     targets = sorted({(box.offsets, box.ends) for _, box in new})
     target_index = _RegionIndex(targets)
-    # "Tiled": distinct boxes are pairwise disjoint (replicas share boxes, nothing partly overlaps).
-    old_tiled = all(index.overlapping(r) == [i] for i, r in enumerate(regions))
-    tiled = old_tiled and all(target_index.overlapping(t) == [j] for j, t in enumerate(targets))
+    # "Tiled": the distinct boxes of each layout are pairwise disjoint (replicas share boxes, nothing partly
+    # overlaps), as in every layout made by partition rules.
+    tiled = (all(index.overlapping(r) == [i] for i, r in enumerate(regions))
+             and all(target_index.overlapping(t) == [j] for j, t in enumerate(targets)))
+    arrived: dict[str, dict[Region, str]] = {}  # host -> regions brought in from other hosts -> device holding it
+    fragments: dict[Region, list[tuple[Region, Box, int, int]] | None] = {}  # target -> fragments, old box, bytes
 
     for dst, box in new:
         h = host[dst]
         target = (box.offsets, box.ends)
         mine = own.get(dst, ())
-        nbytes = box.volume * itemsize
-        # Fast paths: with unchanged splits most new boxes equal an old box exactly.
-        same = number.get(target)
-        if same is not None:
-            if same in mine:
-                out.add("kept", name, dst, dst, box, nbytes)
-                continue
-            if old_tiled and h in holders_on[same]:  # tiled: no other old box, so none of dst's, overlaps it
-                out.add("local", name, out.least_loaded(holders_on[same][h]), dst, box, nbytes)
-                continue
         here = arrived.setdefault(h, {})
-        if target in here:
-            out.add("fanout", name, here[target], dst, box, nbytes)
-            continue
-        # When boxes never partly overlap, an exact old box not on h is all remote, and one not yet seen on h
-        # cannot overlap anything that arrived there.
-        seen = seen_on.setdefault(h, set())
-        if same is not None and tiled and target not in seen:
-            out.add("remote", name, out.least_loaded_remote(holders_on[same]), dst, box, nbytes)
-            here[target] = dst
-            seen.add(target)
-            continue
-        seen.add(target)
+        if tiled:
+            # Disjoint old boxes cut the target into the same fragments on every device (one per old box it
+            # overlaps), and disjoint new boxes mean a fragment arrives on a host whole or not at all.
+            if target not in fragments:
+                found = [(r, box if r == target else _box(r), i, _volume(r) * itemsize)
+                         for i in index.overlapping(target) for r in [_intersect(target, regions[i])]]
+                complete = sum(nbytes for *_, nbytes in found) == box.volume * itemsize
+                fragments[target] = found if complete else None  # None: let the general path name the gap
+            found = fragments[target]
+            if found is not None:
+                for r, piece, i, nbytes in found:
+                    if i in mine:
+                        out.add("kept", name, dst, dst, piece, nbytes)
+                    elif h in holders_on[i]:
+                        out.add("local", name, out.least_loaded(holders_on[i][h]), dst, piece, nbytes)
+                    elif r in here:
+                        out.add("fanout", name, here[r], dst, piece, nbytes)
+                    else:
+                        out.add("remote", name, out.least_loaded_remote(holders_on[i]), dst, piece, nbytes)
+                        here[r] = dst
+                continue
 
-        found = index.overlapping(target)
+        overlapping = index.overlapping(target)
         pieces = [target]
 
         def emit(kind: str, src: str) -> Callable[[Region], None]:
             return lambda r: out.add(kind, name, src, dst, r, _volume(r) * itemsize)
 
-        for i in found:
+        for i in overlapping:
             if i in mine and pieces:
                 pieces = _cover(pieces, regions[i], emit("kept", dst))
-        for i in found:
+        for i in overlapping:
             if pieces and i not in mine and h in holders_on[i]:
                 pieces = _cover(pieces, regions[i], emit("local", out.least_loaded(holders_on[i][h])))
         for region, src in list(here.items()):
             if not pieces:
                 break
             pieces = _cover(pieces, region, emit("fanout", src))
-        for i in found:
+        for i in overlapping:
             if pieces and h not in holders_on[i]:
                 src = out.least_loaded_remote(holders_on[i])
 
@@ -259,16 +265,18 @@ def _lower_bound(regions: list[Region], holders_on: list[dict[str, list[str]]], 
                  host: dict[str, str]) -> int:
     """Sum over hosts h of |union of new boxes on h - union of old boxes on h| (elements)."""
     number = {r: j for j, r in enumerate(targets)}
-    old_number = {r: i for i, r in enumerate(regions)}
     wanted: dict[str, set[int]] = {}
     for device, box in new:
         wanted.setdefault(host[device], set()).add(number[(box.offsets, box.ends)])
     total = 0
+    overlaps: dict[int, list[tuple[int, int]]] = {}  # target -> (old box, elements in common), when tiled
     for h, on_host in wanted.items():
         for j in sorted(on_host):
-            same = old_number.get(targets[j]) if tiled else None
-            if same is not None:  # disjoint from every other box: all of it is missing on h, or none
-                total += 0 if h in holders_on[same] else _volume(targets[j])
+            if tiled:  # disjoint boxes: the union is a plain sum
+                if j not in overlaps:
+                    overlaps[j] = [(i, _volume(_intersect(targets[j], regions[i])))
+                                   for i in index.overlapping(targets[j])]
+                total += _volume(targets[j]) - sum(n for i, n in overlaps[j] if h in holders_on[i])
                 continue
             pieces = [targets[j]]
             # Count each element once: drop what earlier new boxes on h already counted, then what h has.
