@@ -49,6 +49,10 @@ except ImportError:  # pragma: no cover - the unmaintained fusepy has the same A
     import fuse  # type: ignore[no-redef]
 
 ROOT_FORMAT = "tenplex.vfs/1"
+MAX_READ = 1 << 20
+# Sizes and the rank directories change on a switch: the kernel must never cache them.
+MOUNT_OPTIONS = {"ro": True, "fsname": "tenplex", "max_read": MAX_READ,
+                 "attr_timeout": 0, "entry_timeout": 0, "negative_timeout": 0}
 _RANK_DIR = re.compile(r"^rank(0|[1-9][0-9]{0,8})$")
 
 # struct fuse_buf / fuse_bufvec (fuse_common.h); the bufvec ends in an inline array of bufs.
@@ -260,7 +264,6 @@ class TenplexFS(fuse.Operations):
 
     # -- lifecycle --------------------------------------------------------------------------------
     def init_with_config(self, conn: Any, config: Any) -> None:
-        if config is not None:
-            # Sizes and the rank directories change on a switch: never let the kernel cache them.
-            config.entry_timeout = config.attr_timeout = config.negative_timeout = 0.0
+        if conn is not None and hasattr(conn, "max_read"):
+            conn.max_read = MAX_READ  # libfuse3 refuses to start unless this matches the max_read option
         threading.Thread(target=self._on_init, name="tenplex-vfs-watch", daemon=True).start()

@@ -117,8 +117,8 @@ class Server:
             self.check_dataset()
 
     def run(self, allow_other: bool = False, debug: bool = False) -> None:
-        from .fs import fuse
-        options: dict[str, Any] = {"ro": True, "fsname": "tenplex", "max_read": 1 << 20}
+        from .fs import MOUNT_OPTIONS, fuse
+        options: dict[str, Any] = dict(MOUNT_OPTIONS)
         if allow_other:
             options["allow_other"] = True
         try:

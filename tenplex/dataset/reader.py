@@ -29,6 +29,7 @@ from .view import DATA_NAME, INDEX_NAME, STATE_NAME, VIEW_FORMAT, build_view
 
 
 class RankReader:
+    state: DatasetState
     sample_ids: np.ndarray
     micro_batches: np.ndarray
     decode_info: dict[str, Any]
@@ -64,6 +65,7 @@ class FallbackRankReader(RankReader):
                                f"{self.info.num_samples}")
         self.source = source or LocalRecords(self.info)
         self.view = build_view(self.info, state, dp, rank)
+        self.state = state
         self.sample_ids, self.micro_batches = self.view.sample_ids, self.view.micro_batches
         self.decode_info = self.view.decode_info
 
@@ -97,6 +99,7 @@ class MountedRankReader(RankReader):
             raise DatasetError(f"{self.dir}: unexpected view format {doc.get('format')!r} / index {index.shape}")
         self.doc, self.index = doc, index
         self.generation = doc["generation"]
+        self.state = DatasetState.from_dict(doc["state"], source=str(self.dir / STATE_NAME))
         self.sample_ids = index[:, 0]
         self.micro_batches = np.asarray(doc["micro_batches"], dtype=np.int64)
         self.decode_info = {k: doc[k] for k in ("kind", "dtype", "shape") if k in doc}
