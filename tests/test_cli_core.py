@@ -71,3 +71,15 @@ def test_console_script_exits_non_zero_without_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "lies outside its shape [2]" in proc.stderr
+
+
+def test_bench_plan_prints_json_rows_with_baselines(capsys):
+    assert main(["bench", "plan", "--json", "--devices", "256", "--layers", "16", "--hidden", "64", "--heads", "8",
+                 "--vocab", "300", "--series-devices", "128", "--series-layers", ""]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["scenario"] for r in rows] == ["dp/pp change", "tp/dp change", "ZeRO-1 on", "lose one dp replica",
+                                             "series: 128 devices"]
+    for row in rows:
+        assert row["inter_host_bytes"] == row["inter_host_lower_bound"] <= row["baseline"]["reload_bytes"]
+        assert row["transfers"] > 0 and row["plan_seconds"] >= 0
+    assert rows[0]["baseline"]["floor_cpu_seconds"] >= 0 and rows[0]["inter_host_bytes"] > 0
