@@ -1,8 +1,9 @@
 """Reading and writing tenplex JSON documents (layouts, plans) on disk.
 
-May import: ``tenplex.layout``, ``tenplex.plan``, ``tenplex.errors`` and the
-standard library. Writes are atomic: a temporary file in the same directory
-is renamed over the target, so a reader never sees half a file.
+May import: ``tenplex.layout``, ``tenplex.plan``, ``tenplex.errors``,
+``tenplex._gc`` and the standard library. Writes are atomic: a temporary file
+in the same directory is renamed over the target, so a reader never sees half
+a file.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ._gc import paused_gc
 from .errors import LayoutError, PlanError
 from .layout import Layout, from_dict as layout_from_dict
 from .plan import Plan, plan_from_dict
@@ -22,6 +24,7 @@ def write_json_atomic(path: str | os.PathLike, doc: Any) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes the file private; layouts and plans are for sharing
         with os.fdopen(fd, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
             f.flush()
@@ -43,7 +46,8 @@ def _read_json(path: str | os.PathLike, error: type[Exception]) -> Any:
 
 
 def load_layout(path: str | os.PathLike) -> Layout:
-    return layout_from_dict(_read_json(path, LayoutError), source=str(path))
+    with paused_gc():  # a 1,024-device layout is millions of small JSON objects
+        return layout_from_dict(_read_json(path, LayoutError), source=str(path))
 
 
 def save_layout(layout: Layout, path: str | os.PathLike) -> None:

@@ -80,7 +80,9 @@ class Layout:
                 raise LayoutError(f"tensor {name!r} has a negative dimension in shape {list(spec.shape)}")
         held: set[str] = set()
         whole = {name: Box.whole(spec.shape) for name, spec in self.tensors.items()}
-        checked: set[int] = set()  # devices often share one tuple of shards (replicas); check it once
+        # Replicas usually share one tuple of shards, and shards share Box objects: check each once.
+        checked: set[int] = set()
+        inside: set[tuple[str, int]] = set()
         for device, shards in self.devices.items():
             try:
                 parse_device(device)
@@ -91,14 +93,19 @@ class Layout:
             checked.add(id(shards))
             by_tensor: dict[str, list[Box]] = {}
             for shard in shards:
-                if shard.tensor not in whole:
-                    raise LayoutError(f"device {device} holds a box of tensor {shard.tensor!r}, "
-                                      f"which the layout's 'tensors' does not declare")
-                spec = self.tensors[shard.tensor]
-                if shard.box.ndim != len(spec.shape) or not whole[shard.tensor].contains(shard.box):
-                    raise LayoutError(f"device {device}: box {shard.box} of tensor {shard.tensor!r} lies outside "
-                                      f"its shape {list(spec.shape)}")
-                same = by_tensor.setdefault(shard.tensor, [])
+                if (shard.tensor, id(shard.box)) not in inside:
+                    if shard.tensor not in whole:
+                        raise LayoutError(f"device {device} holds a box of tensor {shard.tensor!r}, "
+                                          f"which the layout's 'tensors' does not declare")
+                    shape = self.tensors[shard.tensor].shape
+                    if shard.box.ndim != len(shape) or not whole[shard.tensor].contains(shard.box):
+                        raise LayoutError(f"device {device}: box {shard.box} of tensor {shard.tensor!r} lies "
+                                          f"outside its shape {list(shape)}")
+                    inside.add((shard.tensor, id(shard.box)))
+                same = by_tensor.get(shard.tensor)
+                if same is None:
+                    by_tensor[shard.tensor] = [shard.box]
+                    continue
                 for other in same:
                     if other.overlaps(shard.box):
                         raise LayoutError(f"device {device} holds overlapping boxes {other} and {shard.box} "
@@ -157,15 +164,28 @@ def from_dict(doc: Any, source: str = "layout") -> Layout:
         for name, spec in _require(doc, "tensors", dict).items():
             tensors[name] = TensorSpec(tuple(_require(spec, "shape", list)), _require(spec, "dtype", str))
         devices = {}
+        shared: dict[tuple, Shard] = {}  # replicas' identical entries become one Shard (and Box) object
         for device, shards in _require(doc, "devices", dict).items():
             if not isinstance(shards, list):
                 raise LayoutError(f"device {device}: expected a list of boxes, found {type(shards).__name__}")
-            devices[device] = tuple(
-                Shard(_require(s, "tensor", str), Box(tuple(_require(s, "offsets", list)), tuple(_require(s, "lengths", list))))
-                for s in shards)
+            devices[device] = tuple(_shard(s, shared) for s in shards)
         return Layout.build(tensors, devices)
     except (LayoutError, BoxError, TypeError, ValueError) as e:
         raise LayoutError(f"{source}: {e}") from None
+
+
+def _shard(entry: Any, shared: dict[tuple, Shard]) -> Shard:
+    try:
+        key = (entry["tensor"], tuple(entry["offsets"]), tuple(entry["lengths"]))
+        shard = shared.get(key)
+    except (KeyError, TypeError):
+        shard = key = None
+    if shard is None:
+        shard = Shard(_require(entry, "tensor", str),
+                      Box(tuple(_require(entry, "offsets", list)), tuple(_require(entry, "lengths", list))))
+        if key is not None:
+            shared[key] = shard
+    return shard
 
 
 def _require(obj: Any, key: str, kind: type) -> Any:
