@@ -140,6 +140,10 @@ class MountedRankReader(RankReader):
                 os.close(self._fd)
             self._fd = None
 
+    def __del__(self):
+        if getattr(self, "_lock", None) is not None:
+            self.close()
+
     def __getstate__(self):
         state = dict(self.__dict__)
         state.update(_fd=None, _pid=-1, _lock=None)
