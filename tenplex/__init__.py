@@ -5,7 +5,7 @@ Modules whose names start with ``_`` are internal.
 """
 
 from .box import Box
-from .errors import BoxError, ConfigError, LayoutError, PlanError, TenplexError
+from .errors import BoxError, ConfigError, LayoutError, PlanError, StoreError, TenplexError, TransformError
 from .layout import Layout, Shard, TensorSpec
 from .plan import Plan, PlanStats, Transfer
 from .parallel import ParallelConfig
@@ -20,6 +20,7 @@ __all__ = [
     "TenplexError", "BoxError", "ConfigError", "LayoutError", "PlanError",
     "__version__",
     "Checkpointer", "save", "restore", "Annotation", "StateMismatchError",
+    "Store", "StoreError", "TransformError",
 ]
 
 # The PyTorch integration imports torch: load it on first use so that `import tenplex` and the CLI stay fast.
@@ -30,4 +31,7 @@ def __getattr__(name: str):
     if name in _INTEGRATION:
         from . import integration
         return getattr(integration, name)
+    if name == "Store":  # numpy-backed: also loaded on first use
+        from .store import Store
+        return Store
     raise AttributeError(f"module 'tenplex' has no attribute {name!r}")

@@ -13,7 +13,7 @@ import importlib
 import json
 
 # Benchmark modules under tenplex.bench.
-BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "plan")
+BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "plan", "transfer", "reconfig")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

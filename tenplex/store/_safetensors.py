@@ -12,6 +12,7 @@ spaces so the data starts at a 64-byte boundary (aligned memory maps).
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -52,6 +53,14 @@ def create(path: Path, key: str, dtype: str, shape: tuple[int, ...], metadata: d
     with open(path, "xb") as f:
         f.write(head)
         f.truncate(len(head) + nbytes)
+        if nbytes:
+            try:
+                # Reserve the space now: a full disk fails here, before any data moved, and
+                # the pages are allocated in one call rather than one fault at a time.
+                os.posix_fallocate(f.fileno(), 0, len(head) + nbytes)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
     return len(head), nbytes
 
 

@@ -40,7 +40,9 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
     is called from worker threads as bytes arrive. ``before_commit`` runs after
     every host prepared and before any commits (orchestration and tests use it).
     Returns a report: seconds and, per host, the bytes kept, linked, copied
-    locally, pulled remotely and re-fetched from replicas.
+    locally, pulled remotely and re-fetched from replicas. Tensors the old
+    layout lacks (``plan.new_tensors``) get no shards in the new version: the
+    job initialises them.
     """
     if new_version == old_version:
         raise TransformError(f"new version {new_version} must differ from the old version")
@@ -64,8 +66,8 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
         json_from = host if host in old_hosts else next((h for h in old_hosts if h in stores), "")
         request = pb.TransformRequest(
             host=host, old_version=old_version, new_version=new_version,
-            plan_json=json.dumps({"format": "tenplex.plan/1", "transfers": plan_by_host[host],
-                                  "stats": {}}),
+            plan_json=json.dumps({"format": "tenplex.plan/1", "transfers": plan_by_host[host], "stats": {},
+                                  "new_tensors": list(plan.new_tensors)}),
             old_layout_json=json.dumps(old_layout.to_dict()), new_layout_json=json.dumps(new_layout.to_dict()),
             peers=stores, streams=streams, chunk_bytes=chunk_bytes, json_from_host=json_from,
             timeout_s=pull_timeout)

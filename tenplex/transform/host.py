@@ -173,7 +173,8 @@ def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable
     store.abort(request.new_version)  # leftovers of an earlier, interrupted attempt
     writer = store.begin(request.new_version, part=PART)
     try:
-        _stage(host, plan.transfers, old, new, writer, reader, sources, counters, progress, cancelled, streams)
+        _stage(host, plan.transfers, set(plan.new_tensors), new, writer, reader, sources, counters, progress,
+               cancelled, streams)
         _carry_json(host, request, old, writer, reader, sources)
         writer.put_layout(new)
         writer.prepare()
@@ -185,15 +186,16 @@ def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable
     return counters.message()
 
 
-def _stage(host, transfers, old: Layout, new: Layout, writer, reader, sources: _Sources, counters: _Counters,
-           progress, cancelled: threading.Event, streams: int) -> None:
+def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, reader, sources: _Sources,
+           counters: _Counters, progress, cancelled: threading.Event, streams: int) -> None:
     mine = [t for t in transfers if host_of(t.dst) == host]
-    # new shard (device, tensor, box) -> transfers filling it
+    # new shard (device, tensor, box) -> transfers filling it; tensors new to this layout are the job's to initialise
     by_shard: dict[tuple[str, str, Box], list[Transfer]] = {}
     for device, shards in new.devices.items():
         if host_of(device) == host:
             for shard in shards:
-                by_shard[(device, shard.tensor, shard.box)] = []
+                if shard.tensor not in uninitialised:
+                    by_shard[(device, shard.tensor, shard.box)] = []
     for t in mine:
         owner = next((k for k in by_shard if k[0] == t.dst and k[1] == t.tensor and k[2].contains(t.box)), None)
         if owner is None:
