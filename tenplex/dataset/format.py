@@ -32,7 +32,7 @@ import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -105,10 +105,18 @@ class DatasetInfo:
         return {k: self.metadata[k] for k in ("kind", "dtype", "shape") if k in self.metadata}
 
 
-def _load_metadata(root: Path) -> dict[str, Any]:
+def _local_bytes(path: Path) -> bytes:
+    return path.read_bytes()
+
+
+def _local_size(path: Path) -> int:
+    return path.stat().st_size
+
+
+def _load_metadata(root: Path, read_bytes: Callable[[Path], bytes]) -> dict[str, Any]:
     path = root / METADATA_NAME
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(read_bytes(path))
     except FileNotFoundError:
         raise DatasetError(f"{path}: not a tenplex dataset (no {METADATA_NAME}); "
                            "build one with `tenplex data pack`") from None
@@ -125,12 +133,12 @@ def _load_metadata(root: Path) -> dict[str, Any]:
     return meta
 
 
-def _load_index(root: Path, meta: dict[str, Any]) -> np.ndarray:
+def _load_index(root: Path, meta: dict[str, Any], read_bytes: Callable[[Path], bytes]) -> np.ndarray:
     entry = meta["index"]
     name = safe_name(entry.get("name", ""), "index file name")
     path = root / name
     try:
-        raw = path.read_bytes()
+        raw = read_bytes(path)
     except FileNotFoundError:
         raise DatasetError(f"{path}: index file is missing") from None
     if len(raw) != entry.get("bytes"):
@@ -148,19 +156,24 @@ def _load_index(root: Path, meta: dict[str, Any]) -> np.ndarray:
     return index
 
 
-def open_dataset(root: str | os.PathLike) -> DatasetInfo:
-    """Load and validate a dataset directory (metadata, index digest, record file sizes and bounds)."""
+def open_dataset(root: str | os.PathLike, read_bytes: Callable[[Path], bytes] = _local_bytes,
+                 file_size: Callable[[Path], int] = _local_size) -> DatasetInfo:
+    """Load and validate a dataset directory (metadata, index digest, record file sizes and bounds).
+
+    ``read_bytes`` and ``file_size`` fetch a whole file and stat one; they default to the local
+    filesystem and are replaced for a dataset that lives on a remote store (FileNotFoundError: missing).
+    """
     root = Path(root)
-    meta = _load_metadata(root)
+    meta = _load_metadata(root, read_bytes)
     files = []
     for entry in meta["files"]:
         name = safe_name(entry.get("name", "") if isinstance(entry, dict) else "", "record file name")
         files.append(RecordFile(name, int(entry.get("bytes", -1))))
-    index = _load_index(root, meta)
+    index = _load_index(root, meta, read_bytes)
     for f in files:
         path = root / f.name
         try:
-            size = path.stat().st_size
+            size = file_size(path)
         except FileNotFoundError:
             raise DatasetError(f"{path}: record file is missing") from None
         if size != f.bytes:
