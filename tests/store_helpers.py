@@ -28,14 +28,17 @@ class StoreProcess:
     """A ``tenplex store serve`` process for one host."""
 
     def __init__(self, root: Path, host: str, env: dict[str, str] | None = None, token_file: Path | None = None,
-                 bind: str = "127.0.0.1"):
+                 bind: str = "127.0.0.1", extra_args: tuple[str, ...] = (), full_cli: bool = False):
         self.root, self.host = Path(root), host
         self.root.parent.mkdir(parents=True, exist_ok=True)
         self.port_file = self.root.parent / f".{host}.port"
         self.port_file.unlink(missing_ok=True)
         self.log = open(self.root.parent / f".{host}.log", "ab")
-        cmd = [sys.executable, "-m", "tenplex.cli.store", "serve", "--root", str(root), "--host", host,
-               "--bind", bind, "--port", "0", "--port-file", str(self.port_file)]
+        # full_cli: through the `tenplex` entry point; else the store-only module (what store hosts run)
+        entry = [str(Path(sys.executable).with_name("tenplex")), "store"] if full_cli else \
+            [sys.executable, "-m", "tenplex.cli.store"]
+        cmd = [*entry, "serve", "--root", str(root), "--host", host,
+               "--bind", bind, "--port", "0", "--port-file", str(self.port_file), *extra_args]
         if token_file is not None:
             cmd += ["--token-file", str(token_file)]
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=self.log, stderr=self.log)

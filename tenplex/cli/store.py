@@ -60,6 +60,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _token_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-file", type=Path, help="file holding the shared store token")
+    parser.add_argument("--tls-ca", type=Path,
+                        help="PEM certificate(s) to trust: connect to stores with TLS (serve: when pulling from peers)")
+
+
+def _client_options(args) -> dict:
+    ca = getattr(args, "tls_ca", None)
+    return {"token": _token(args), "root_certificates": ca.read_bytes() if ca else None}
 
 
 def _token(args) -> str | None:
@@ -80,8 +87,10 @@ def _serve(args) -> int:
     tls_cert = args.tls_cert.read_bytes() if args.tls_cert else None
     tls_key = args.tls_key.read_bytes() if args.tls_key else None
     store = Store(args.root, args.host)
-    server, port = serve(store, bind=args.bind, port=args.port, token=_token(args), tls_cert=tls_cert,
-                         tls_key=tls_key, transformer=run_host_part)
+    options = _client_options(args)
+    server, port = serve(store, bind=args.bind, port=args.port, token=options["token"], tls_cert=tls_cert,
+                         tls_key=tls_key, transformer=run_host_part,
+                         peer_root_certificates=options["root_certificates"])
     if args.port_file:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{port}\n")
@@ -98,7 +107,7 @@ def _serve(args) -> int:
 def _ls(args) -> int:
     from ..store.client import StoreClient
 
-    with StoreClient(args.address, token=_token(args)) as client:
+    with StoreClient(args.address, **_client_options(args)) as client:
         if args.version is None:
             print(json.dumps(client.health()))
             return 0
@@ -113,7 +122,7 @@ def _ls(args) -> int:
 def _gc(args) -> int:
     from ..store.client import StoreClient
 
-    with StoreClient(args.address, token=_token(args)) as client:
+    with StoreClient(args.address, **_client_options(args)) as client:
         print(json.dumps({"deleted": client.gc(args.keep)}))
     return 0
 
@@ -139,7 +148,7 @@ def _transform(args) -> int:
 
     try:
         report = transform(plan, old, new, stores, args.old_version, args.new_version, progress=progress,
-                           streams=args.streams, token=_token(args))
+                           streams=args.streams, **_client_options(args))
     finally:
         for bar in bars.values():
             bar.close()

@@ -130,10 +130,12 @@ class _TestHooks:
 
 # --------------------------------------------------------------- service --
 class StoreService:
-    def __init__(self, store: Store, transformer: Callable | None = None, token: str | None = None):
+    def __init__(self, store: Store, transformer: Callable | None = None, token: str | None = None,
+                 peer_root_certificates: bytes | None = None):
         self.store = store
         self.transformer = transformer
         self.token = token
+        self.peer_root_certificates = peer_root_certificates
         self._readers: dict[int, VersionReader] = {}
         self._writers: dict[tuple[int, str], VersionWriter] = {}
         self._lock = threading.Lock()
@@ -291,7 +293,8 @@ class StoreService:
         def work():
             try:
                 result = self.transformer(self.store, request, lambda p: updates.put(("progress", p)),
-                                          cancelled=cancelled, token=self.token)
+                                          cancelled=cancelled, token=self.token,
+                                          root_certificates=self.peer_root_certificates)
                 updates.put(("done", result))
             except BaseException as e:  # noqa: BLE001 - reported to the coordinator below
                 updates.put(("error", e))
@@ -435,15 +438,20 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbe
 
 def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | None = None,
           tls_cert: bytes | None = None, tls_key: bytes | None = None, transformer: Callable | None = None,
-          max_workers: int = 32) -> tuple[grpc.Server, int]:
-    """Start serving ``store``; return (server, bound port). Non-loopback binds need ``token``."""
+          peer_root_certificates: bytes | None = None, max_workers: int = 32) -> tuple[grpc.Server, int]:
+    """Start serving ``store``; return (server, bound port). Non-loopback binds need ``token``.
+
+    ``transformer(store, request, progress, cancelled=, token=, root_certificates=)`` runs
+    the Transform RPC; it pulls from peers with this server's token and ``peer_root_certificates``
+    (TLS when given)."""
     if bind not in LOOPBACK and not token:
         raise StoreError(f"refusing to serve store {store.root} on {bind} without a token: anything that reaches "
                          f"the port could read and overwrite state. Pass a token (--token-file) or bind 127.0.0.1")
     if (tls_cert is None) != (tls_key is None):
         raise StoreError("TLS needs both a certificate and its private key")
     _keep_freed_chunk_memory()
-    service = StoreService(store, transformer=transformer, token=token)
+    service = StoreService(store, transformer=transformer, token=token,
+                           peer_root_certificates=peer_root_certificates)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store"),
                          interceptors=[_TokenCheck(token)] if token else None,
                          options=wire.channel_options())

@@ -73,12 +73,13 @@ class _Sources:
     """Reads regions of old shards: locally from disk, or from peer stores, with replica fallback."""
 
     def __init__(self, host: str, old: Layout, version: int, reader: VersionReader | None,
-                 peers: dict[str, str], token: str | None, streams: int, chunk_bytes: int, timeout: float):
+                 peers: dict[str, str], token: str | None, root_certificates: bytes | None, streams: int,
+                 chunk_bytes: int, timeout: float):
         self.host, self.old, self.version, self.reader = host, old, version, reader
         self.failed: dict[str, str] = {}  # host -> first failure, not asked again
         self._lock = threading.Lock()
         self._clients: dict[str, list[StoreClient]] = {}
-        self._peers, self._token, self._streams = peers, token, streams
+        self._peers, self._token, self._roots, self._streams = peers, token, root_certificates, streams
         self._chunk_bytes, self._timeout = chunk_bytes, timeout
         self._turn = 0
 
@@ -91,7 +92,8 @@ class _Sources:
                     raise StoreError(f"no store address for host {host} (peers: {sorted(self._peers)})")
                 # One connection per stream: streams sharing a connection share one socket and one
                 # receiving thread in gRPC, which caps throughput well below the link's.
-                pool = [StoreClient(address, token=self._token, chunk_bytes=self._chunk_bytes,
+                pool = [StoreClient(address, token=self._token, root_certificates=self._roots,
+                                    chunk_bytes=self._chunk_bytes,
                                     timeout=self._timeout, own_connection=True) for _ in range(self._streams)]
                 self._clients[host] = pool
             self._turn += 1
@@ -156,7 +158,8 @@ class _Sources:
 
 
 def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable[[pb.TransformProgress], None],
-                  cancelled: threading.Event | None = None, token: str | None = None) -> pb.TransformProgress:
+                  cancelled: threading.Event | None = None, token: str | None = None,
+                  root_certificates: bytes | None = None) -> pb.TransformProgress:
     """Stage ``request.new_version`` on this host and prepare it (the coordinator commits). Returns final counters."""
     host = request.host or store.host
     if host != store.host:
@@ -167,8 +170,8 @@ def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable
     cancelled = cancelled or threading.Event()
     streams = request.streams or DEFAULT_STREAMS
     reader = store.open(request.old_version) if request.old_version in store.versions() else None
-    sources = _Sources(host, old, request.old_version, reader, dict(request.peers), token, streams,
-                       request.chunk_bytes or wire.DEFAULT_CHUNK_BYTES, request.timeout_s or 60.0)
+    sources = _Sources(host, old, request.old_version, reader, dict(request.peers), token, root_certificates,
+                       streams, request.chunk_bytes or wire.DEFAULT_CHUNK_BYTES, request.timeout_s or 60.0)
     counters = _Counters()
     store.abort(request.new_version)  # leftovers of an earlier, interrupted attempt
     writer = store.begin(request.new_version, part=PART)
