@@ -1,7 +1,7 @@
 """``tenplex plan OLD NEW``: plan the transfers that turn one layout into another and summarise them.
 
-May import: ``tenplex.files``, ``tenplex.planner``, ``tenplex.plan``, ``tenplex.errors``
-and the standard library.
+May import: ``tenplex.files``, ``tenplex.planner``, ``tenplex.plan``, ``tenplex.errors``,
+tqdm and the standard library.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import argparse
 import json
 import sys
 import time
+
+from tqdm import tqdm
 
 from ..files import load_layout, save_plan
 from ..plan import Plan
@@ -32,10 +34,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    old, new = load_layout(args.old), load_layout(args.new)
-    started = time.perf_counter()
-    result = plan(old, new, allow_new_tensors=args.allow_new_tensors)
-    seconds = time.perf_counter() - started
+    # Large layouts (1,024 devices) take seconds per step; show the steps on a terminal.
+    with tqdm(total=3, desc="tenplex plan", unit="step", leave=False, disable=None) as progress:
+        progress.set_postfix_str(f"reading {args.old}")
+        old = load_layout(args.old)
+        progress.update()
+        progress.set_postfix_str(f"reading {args.new}")
+        new = load_layout(args.new)
+        progress.update()
+        progress.set_postfix_str("planning")
+        started = time.perf_counter()
+        result = plan(old, new, allow_new_tensors=args.allow_new_tensors)
+        seconds = time.perf_counter() - started
+        progress.update()
     if args.output:
         save_plan(result, args.output)
     if args.json:
