@@ -181,7 +181,10 @@ def gpt_configs(draw):
     n = dp * tp * pp
     per_host = draw(st.sampled_from([k for k in (1, 2, 3, 4, 6) if n % k == 0]))
     stages = draw(st.sampled_from([None, (1, 2) if pp == 2 else None]))
-    return ParallelConfig.on_hosts(dp, tp, pp, n // per_host, per_host, stage_layers=stages,
+    # Sometimes an explicit rank order, which may spread a tp group over hosts.
+    grid = [(p, d, t) for p in range(pp) for d in range(dp) for t in range(tp)]
+    mapping = draw(st.one_of(st.none(), st.permutations(grid)))
+    return ParallelConfig.on_hosts(dp, tp, pp, n // per_host, per_host, stage_layers=stages, mapping=mapping,
                                    sharding=draw(st.sampled_from(["none", "optimizer", "full"])))
 
 

@@ -204,3 +204,44 @@ def test_hand_built_layout_validates():
         Layout.build(spec, {"h0/0": [Shard("w", Box((0,), (3,))), Shard("w", Box((1,), (3,)))]})
     ok = Layout.build(spec, {"h0/0": [Shard("w", Box((0,), (2,))), Shard("w", Box((2,), (2,)))]})
     assert ok.device_bytes("h0/0") == 4 and ok.hosts() == ["h0"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tp_dim=2, anchors=("first",)), "tp_dim 2 is not a dimension of a 2-d tensor"),
+    (dict(layer=0, anchors=("first",)), "either a layer index or anchors"),
+    (dict(), "either a layer index or anchors"),
+    (dict(anchors=("middle",)), "anchors .* must be among"),
+    (dict(dtype="float17", anchors=("first",)), "unknown dtype 'float17'"),
+    (dict(tp_dim=0, blocks=(2, 3), anchors=("first",)), r"fused blocks \[2, 3\] must sum to the size of tp_dim"),
+    (dict(tp_dim=0, split="ragged", anchors=("first",)), "split 'ragged' is not one of"),
+])
+def test_bad_rules_name_the_tensor(kwargs, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        TensorRule("w", (4, 6), **kwargs)
+    assert "'w'" in str(info.value)
+
+
+def test_duplicate_tensor_and_layer_out_of_range():
+    rule = TensorRule("w", (2,), layer=3)
+    with pytest.raises(ConfigError, match="defined twice"):
+        PTC([rule, rule])
+    with pytest.raises(ConfigError, match="belongs to layer 3, but the model has 2 layers"):
+        PTC([rule], layers=2)
+
+
+def test_gpt_rejects_bad_sizes():
+    with pytest.raises(ConfigError, match="hidden 10 is not divisible by heads 4"):
+        gpt(1, 10, 4, 16)
+    with pytest.raises(ConfigError, match="layers must be a positive integer"):
+        gpt(0, 8, 2, 16)
+    with pytest.raises(ConfigError, match="unknown optimizer 'sgd'"):
+        gpt(1, 8, 2, 16, optimizer="sgd")
+
+
+def test_gpt_names_and_counts():
+    ptc = gpt(2, 8, 2, 16, optimizer="adam", max_seq=32, bias=False)
+    params = [n for n in ptc.rules if not n.startswith("optim.")]
+    assert params[:2] == ["embed.weight", "pos_embed.weight"] and params[-2:] == ["norm.weight", "head.weight"]
+    assert "layers.1.mlp.fc2.weight" in params and not any(n.endswith(".bias") for n in params)
+    assert len(ptc.rules) == 3 * len(params)
+    assert ptc.rules["optim.exp_avg_sq.layers.0.attn.qkv.weight"].optimizer_state
