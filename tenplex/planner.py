@@ -1,8 +1,9 @@
 """The minimal-movement planner: ``plan(old_layout, new_layout) -> Plan``.
 
 May import: ``tenplex.box``, ``tenplex.layout``, ``tenplex.plan``,
-``tenplex.devices``, ``tenplex.errors``, ``tenplex._gc`` and the standard library. Pure and
-deterministic: the same two layouts always give the same plan.
+``tenplex.devices``, ``tenplex.errors``, ``tenplex._gc`` and the standard
+library. Pure and deterministic: the same two layouts always give the same
+plan.
 
 For every box B of the new layout on device d (host h), in order of tensor
 name, then device, B is covered piece by piece:
@@ -17,7 +18,7 @@ name, then device, B is covered piece by piece:
 A region crosses into host h only in step 4, and only if neither h's old
 shards nor earlier transfers into h have it, so each region crosses once per
 destination host and ``inter_host_bytes == inter_host_lower_bound`` always.
-The lower bound is computed separately, straight from its definition.
+The lower bound is computed from the layouts alone, not from the transfers.
 
 Sender balancing is greedy: each remote piece comes from the replica whose
 host has sent the fewest bytes so far (then the least-loaded device, then the
