@@ -48,19 +48,18 @@ def test_hand_framed_chunk_is_standard_protobuf(data, offsets, digest):
     assert (sub, got_digest, bytes(view)) == (box, digest, data)
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 9)), min_size=0, max_size=4),
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 6)), min_size=0, max_size=4),
        st.sampled_from([1, 2, 4, 8]), st.integers(1, 400))
 def test_split_box_covers_the_box_exactly_in_small_chunks(dims, itemsize, max_bytes):
     box = Box(tuple(d[0] for d in dims), tuple(d[1] for d in dims))
     pieces = list(wire.split_box(box, itemsize, max_bytes))
-    assert sum(p.volume for p in pieces) == box.volume
     assert all(box.contains(p) for p in pieces)
-    for i, p in enumerate(pieces):
-        assert p.volume * itemsize <= max(max_bytes, itemsize) or p.volume == 1
-        assert all(not p.overlaps(q) for q in pieces[:i] if not p.is_empty() and not q.is_empty())
+    assert all(p.volume * itemsize <= max_bytes or p.volume == 1 for p in pieces)
     if box.volume:
         marks = np.zeros(box.lengths, dtype=int)
         for p in pieces:
             marks[p.local(box).slices()] += 1
-        assert (marks == 1).all()
+        assert (marks == 1).all()  # every element exactly once: disjoint and complete
+    else:
+        assert pieces == [box]

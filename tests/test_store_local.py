@@ -9,7 +9,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +16,6 @@ import pytest
 from tenplex.box import Box
 from tenplex.errors import StoreError
 from tenplex.store import Store, layout_from_manifests
-from tenplex.store.target import ShardTarget
 
 from store_helpers import tiny_layout
 

@@ -21,7 +21,6 @@ import argparse
 import os
 import shutil
 import tempfile
-import time
 import zlib
 from pathlib import Path
 

@@ -26,6 +26,8 @@ import ctypes
 import errno
 import functools
 import hmac
+import inspect
+import json
 import logging
 import os
 import queue
@@ -102,7 +104,6 @@ def _guard(method):
                 context.abort(_status_of(e), _message(e))
             raise
 
-    import inspect
     return streaming if inspect.isgeneratorfunction(method) else unary
 
 
@@ -187,12 +188,10 @@ class StoreService:
 
     @_guard
     def GetManifest(self, request, context):
-        import json
         return pb.GetManifestReply(manifest_json=json.dumps(self._reader(request.version).manifest))
 
     @_guard
     def GetJson(self, request, context):
-        import json
         reader = self._reader(request.version)
         try:
             doc = reader.get_json(request.name)
@@ -243,7 +242,6 @@ class StoreService:
 
     @_guard
     def PutJson(self, request, context):
-        import json
         try:
             doc = json.loads(request.json)
         except json.JSONDecodeError as e:

@@ -25,7 +25,6 @@ part fail, naming the tensor, region and every cause.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -194,13 +193,15 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
     mine = [t for t in transfers if host_of(t.dst) == host]
     # new shard (device, tensor, box) -> transfers filling it; tensors new to this layout are the job's to initialise
     by_shard: dict[tuple[str, str, Box], list[Transfer]] = {}
+    boxes_of: dict[tuple[str, str], list[Box]] = {}  # (device, tensor) -> its new boxes
     for device, shards in new.devices.items():
         if host_of(device) == host:
             for shard in shards:
                 if shard.tensor not in uninitialised:
                     by_shard[(device, shard.tensor, shard.box)] = []
+                    boxes_of.setdefault((device, shard.tensor), []).append(shard.box)
     for t in mine:
-        owner = next((k for k in by_shard if k[0] == t.dst and k[1] == t.tensor and k[2].contains(t.box)), None)
+        owner = next(((t.dst, t.tensor, b) for b in boxes_of.get((t.dst, t.tensor), ()) if b.contains(t.box)), None)
         if owner is None:
             raise TransformError(f"plan sends {t.tensor!r} {t.box} to {t.dst}, but no box of {t.dst} in the new "
                                  f"layout contains it; the plan does not match the new layout")
