@@ -206,3 +206,21 @@ def test_token_required_off_loopback_and_checked_on_every_call(tmp_path):
             assert client.versions() == []
     finally:
         proc.stop()
+
+
+def test_concurrent_remote_writes_into_one_part(served):
+    from concurrent.futures import ThreadPoolExecutor
+
+    proc, _, _, base = served
+    rows = [np.full((4, 48), i, dtype=np.float32) for i in range(16)]
+    with StoreClient(proc.address, chunk_bytes=4096) as client:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda i: client.write_shard(3, "many", f"h0/{i}", "w", Box((4 * i, 0), (4, 48)), rows[i],
+                                                       "float32", SHAPE), range(16)))
+        client.prepare(3, "many")
+        client.commit(3)
+        reader = Store(base / "h0", "h0").open(3)
+        assert reader.verify() == [] and len(reader.devices()) == 16
+        for i in range(16):
+            np.testing.assert_array_equal(reader.read(f"h0/{i}", "w", Box((4 * i, 0), (4, 48))), rows[i])
+        assert client.delete(3)

@@ -51,6 +51,7 @@ class StoreClient:
         self.chunk_bytes = chunk_bytes
         self.retries = retries
         self.min_read_gbps = min_read_gbps  # deadline of a read = timeout + bytes / this rate
+        wire.keep_freed_chunk_memory()
         options = wire.channel_options()
         if own_connection:
             # By default channels to one address share a connection; parallel pulls want their own.

@@ -23,13 +23,15 @@ Deletion renames a version into ``trash/`` before removing it for the same reaso
 from __future__ import annotations
 
 import fcntl
+import itertools
 import json
 import os
 import re
 import shutil
+import threading
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -254,9 +256,11 @@ class VersionWriter:
             shutil.rmtree(self.dir)
         (self.dir / "json").mkdir(parents=True)
         self._entries: list[ShardEntry] = []
-        self._pending: dict[int, ShardTarget] = {}  # entry index -> shard being filled, checksummed at prepare
+        self._pending: dict[str, ShardTarget] = {}  # file -> shard being filled, checksummed at prepare
         self._json: dict[str, str] = {}
         self._boxes: dict[tuple[str, str], list[Box]] = {}
+        self._names = itertools.count()
+        self._lock = threading.Lock()  # the server's WriteShard calls may fill one part concurrently
         self._state = "open"
 
     def __enter__(self) -> "VersionWriter":
@@ -270,20 +274,29 @@ class VersionWriter:
             raise StoreError(f"version {self.version} part {self.part}: the with-block ended without commit() "
                              f"or prepare(); nothing was stored")
 
-    def _new_entry(self, device: str, tensor: str, box: Box, dtype: str, shape) -> tuple[str, Path]:
-        if self._state != "open":
-            raise StoreError(f"version {self.version} part {self.part} is {self._state}; it takes no more shards")
+    def _claim(self, device: str, tensor: str, box: Box, dtype: str, shape) -> tuple[str, Path]:
+        """Check and reserve (device, tensor, box); return a fresh file name for it."""
         itemsize(dtype)
         if dtype not in st.SAFETENSORS_DTYPE:
             raise StoreError(f"dtype {dtype!r} cannot be stored in safetensors")
         if shape is not None and not Box.whole(shape).contains(box):
             raise StoreError(f"box {box} of tensor {tensor!r} lies outside its global shape {list(shape)}")
-        boxes = self._boxes.setdefault((device, tensor), [])
-        if any(b.overlaps(box) for b in boxes):
-            raise StoreError(f"device {device} already has a box of tensor {tensor!r} overlapping {box} in this part")
-        boxes.append(box)
-        rel = f"{self.part}/{len(self._entries):05d}.safetensors"
+        with self._lock:
+            if self._state != "open":
+                raise StoreError(f"version {self.version} part {self.part} is {self._state}; it takes no more shards")
+            boxes = self._boxes.setdefault((device, tensor), [])
+            if any(b.overlaps(box) for b in boxes):
+                raise StoreError(f"device {device} already has a box of tensor {tensor!r} overlapping {box} "
+                                 f"in this part")
+            boxes.append(box)
+            rel = f"{self.part}/{next(self._names):05d}.safetensors"
         return rel, self.staging / rel
+
+    def _add(self, entry: ShardEntry, target: ShardTarget | None = None) -> None:
+        with self._lock:
+            self._entries.append(entry)
+            if target is not None:
+                self._pending[entry.file] = target
 
     @staticmethod
     def _metadata(device: str, tensor: str, box: Box, shape) -> dict[str, str]:
@@ -301,19 +314,17 @@ class VersionWriter:
         if array.dtype != np.dtype(numpy_storage(dtype)):
             raise StoreError(f"tensor {tensor!r} on {device}: array dtype {array.dtype} cannot hold {dtype} "
                              f"(expected numpy {numpy_storage(dtype)})")
-        rel, path = self._new_entry(device, tensor, box, dtype, shape)
+        rel, path = self._claim(device, tensor, box, dtype, shape)
         data = st.write(path, tensor, dtype, array, self._metadata(device, tensor, box, shape))
-        self._entries.append(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel,
-                                        checksum(data), data.nbytes))
+        self._add(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel, checksum(data), data.nbytes))
 
     def create(self, device: str, tensor: str, box: Box, dtype: str,
                shape: tuple[int, ...] | None = None) -> ShardTarget:
         """A new zero-filled shard to fill region by region (``target.write``) before ``prepare``."""
-        rel, path = self._new_entry(device, tensor, box, dtype, shape)
+        rel, path = self._claim(device, tensor, box, dtype, shape)
         offset, nbytes = st.create(path, tensor, dtype, box.lengths, self._metadata(device, tensor, box, shape))
         target = ShardTarget(path, offset, box, dtype)
-        self._pending[len(self._entries)] = target
-        self._entries.append(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel, "", nbytes))
+        self._add(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel, "", nbytes), target)
         return target
 
     def allocate(self, device: str, tensor: str, box: Box, dtype: str,
@@ -323,10 +334,9 @@ class VersionWriter:
 
     def link(self, device: str, reader: "VersionReader", entry: ShardEntry) -> None:
         """Make ``entry`` (a committed shard of ``reader``'s version on this host) ``device``'s shard, by hard link."""
-        rel, path = self._new_entry(device, entry.tensor, entry.box, entry.dtype, entry.shape)
+        rel, path = self._claim(device, entry.tensor, entry.box, entry.dtype, entry.shape)
         os.link(reader.path / entry.file, path)
-        self._entries.append(ShardEntry(device, entry.tensor, entry.box, entry.dtype, entry.shape, rel,
-                                        entry.xxh3, entry.nbytes))
+        self._add(replace(entry, device=device, file=rel))
 
     def put_json(self, name: str, doc) -> None:
         """A version-level JSON document (step, RNG state, layout, dataset position, …)."""
@@ -351,10 +361,10 @@ class VersionWriter:
             return
         if self._state != "open":
             raise StoreError(f"version {self.version} part {self.part} is {self._state}; cannot prepare")
-        for index, target in self._pending.items():
-            entry = self._entries[index]
-            self._entries[index] = ShardEntry(entry.device, entry.tensor, entry.box, entry.dtype, entry.shape,
-                                              entry.file, target.finish(), entry.nbytes)
+        with self._lock:
+            self._state = "preparing"
+        self._entries = [replace(e, xxh3=self._pending[e.file].finish()) if e.file in self._pending else e
+                         for e in self._entries]
         self._pending.clear()
         _fsync_dir(self.dir)
         _fsync_dir(self.dir / "json")

@@ -22,7 +22,6 @@ costs nothing.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import functools
 import hmac
@@ -414,26 +413,6 @@ def _handlers(service: StoreService) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(SERVICE, table)
 
 
-def _keep_freed_chunk_memory() -> None:
-    """Ask glibc to recycle freed multi-MiB buffers instead of returning them to the kernel.
-
-    Every received or sent chunk is a fresh multi-MiB bytes object. By default
-    glibc maps each one anew and unmaps it when freed, so every chunk costs a
-    page fault (and a page of zeroing) per 4 KiB; measured here, raising the
-    thresholds cuts the pulling process's page faults about 20-fold and its
-    kernel time about in half. Not glibc: nothing to do.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, wire.MAX_CHUNK_BYTES * 4)
-        libc.mallopt(_M_TRIM_THRESHOLD, 1 << 30)
-    except (OSError, AttributeError):
-        pass
-
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
-
-
 def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | None = None,
           tls_cert: bytes | None = None, tls_key: bytes | None = None, transformer: Callable | None = None,
           peer_root_certificates: bytes | None = None, max_workers: int = 32) -> tuple[grpc.Server, int]:
@@ -447,7 +426,7 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
                          f"the port could read and overwrite state. Pass a token (--token-file) or bind 127.0.0.1")
     if (tls_cert is None) != (tls_key is None):
         raise StoreError("TLS needs both a certificate and its private key")
-    _keep_freed_chunk_memory()
+    wire.keep_freed_chunk_memory()
     service = StoreService(store, transformer=transformer, token=token,
                            peer_root_certificates=peer_root_certificates)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store"),
