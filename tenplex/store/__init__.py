@@ -11,7 +11,8 @@ Local API (workers on the same host; no network)::
     store.versions() -> [int]; store.latest() -> int | None
     with store.begin(version) as w:           # VersionWriter; an exception inside aborts (nothing visible)
         w.put(device, tensor, box, array, dtype, shape=None)   # array.shape == box.lengths; bf16 as uint16 bits
-        m = w.allocate(device, tensor, box, dtype, shape=None) # writable memory map, fill in place
+        t = w.create(device, tensor, box, dtype, shape=None)   # ShardTarget: t.write(sub_box, bytes_or_array)
+        m = w.allocate(device, tensor, box, dtype, shape=None) # or a writable memory map to fill in place
         w.put_json(name, doc); w.put_layout(layout)
         w.commit()                            # atomic; visible only after this
     # several writers (e.g. one per worker) may stage parts of one version:
@@ -21,14 +22,23 @@ Local API (workers on the same host; no network)::
     r.read(device, tensor, box) -> np.ndarray # read-only memory-mapped view of only that region
     r.get_json(name); r.json_names(); r.layout(); r.verify()
     store.abort(version); store.delete(version); store.gc(keep) -> deleted versions
+    layout_from_manifests([manifest of every host]) -> Layout   # when no layout was recorded
 
-Remote API: ``serve(store, bind="127.0.0.1", port=0, token=None)`` starts the
-gRPC service (``tenplex store serve`` runs it as a process) and
-``StoreClient(address, token=None)`` talks to it: ``versions``, ``manifest``,
+Every shard is a standard single-tensor safetensors file; the manifest
+(``tenplex.store.manifest/1``) lists device, tensor, box, dtype, global
+shape, file and xxh3 checksum per shard, and the version's JSON documents.
+Commit renames the fsynced staging directory into ``versions/``: atomic, so a
+crash at any moment leaves every committed version whole (see ``local``).
+
+Remote API (imports grpc, so not loaded by ``import tenplex.store``):
+``tenplex.store.server.serve(store, bind="127.0.0.1", port=0, token=None)``
+starts the gRPC service (``tenplex store serve`` runs it as a process) and
+``tenplex.store.client.StoreClient(address, token=None)`` talks to it: ``versions``, ``manifest``,
 ``get_json``, ``read_box`` (verified chunks, re-fetched on a checksum
 mismatch), ``read_box_into``, ``write_shard``/``put_json``/``prepare``/``commit``/
 ``abort``/``delete``/``gc``, ``health``, ``read_file``/``stat_file`` (files
 under ``<root>/datasets/``) and ``transform`` (this host's part of a plan).
+``wire`` holds the chunking, chunk framing and channel options both ends use.
 """
 
 from ..errors import StoreError
