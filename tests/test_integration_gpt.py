@@ -38,6 +38,9 @@ SCENARIOS = {
                         ["h0/0", "h0/1", "h0/2", "h0/3"]),
 }
 
+# Scenarios whose new ranks find every box they need on their own host (read directly, no transformation).
+LOCAL = {"fsdp4-to-tp2dp2"}
+
 
 def world(par: dict) -> int:
     return par.get("dp", 1) * par.get("tp", 1) * par.get("pp", 1)
@@ -126,12 +129,17 @@ def test_non_tensor_state_comes_back(results, name):
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_configuration_change_went_through_the_store_processes(results, name):
+def test_state_moves_through_the_store_processes_when_a_host_lacks_it(results, name):
     restore = json.loads((results / name / "restore.json").read_text())
-    assert restore["transformed"], "every scenario's new layout needs data moved, so a transformation must run"
+    _, devs_a, _, devs_b = SCENARIOS[name]
+    if name in LOCAL:
+        # Every new box can be assembled from shards on the same host: ranks read the store files directly.
+        assert not restore["transformed"] and restore["version"] == restore["saved_version"]
+        return
+    assert restore["transformed"], "some host needs state it does not hold, so the stores must transform it"
     assert restore["version"] > restore["saved_version"]
     stats = restore["plan_stats"]
-    assert stats["target_bytes"] > 0 and stats["inter_host_bytes"] == stats["inter_host_lower_bound"]
+    assert stats["inter_host_bytes"] > 0 and stats["inter_host_bytes"] == stats["inter_host_lower_bound"]
 
 
 def test_host_count_changes_are_covered():
@@ -156,7 +164,8 @@ def test_megatron_style_annotated_shards_with_padding_and_fused_blocks(results):
     """tp=2 plain local shards (vocabulary 37 padded to 2 x 19, fused q|k blocks) restored whole on one rank."""
     r0, r1 = (load_file(str(results / "annotated" / f"local_r{r}.safetensors")) for r in (0, 1))
     whole = load_file(str(results / "annotated" / "restored_whole.safetensors"))
-    assert json.loads((results / "annotated" / "annotated_restore.json").read_text())["transformed"]
+    # One host: the whole tensors are assembled straight from both ranks' stored shards.
+    assert not json.loads((results / "annotated" / "annotated_restore.json").read_text())["transformed"]
     for prefix in ("", "exp_avg.", "exp_avg_sq."):
         embed = torch.cat([r0[prefix + "embed"][:19], r1[prefix + "embed"][:18]])  # rank 1's last row is padding
         assert torch.equal(whole[prefix + "embed"], embed), prefix

@@ -80,7 +80,7 @@ def test_pieces_round_trip_through_a_real_store_bit_for_bit(tmp_path, dtype):
         writer.commit()
     target = torch.full((10, 4), 7.0, dtype=dtype)
     for piece in tensor_pieces("embed", target, Annotation((37, 4), (30, 0))):
-        read_piece(store.open(1), "h0/0", piece)
+        read_piece(store.open(1), [("h0/0", piece.box)], piece)
     assert torch.equal(target[:7].view(torch.uint8), local[:7].view(torch.uint8))
     assert torch.all(target[7:] == 7.0)  # padding is neither saved nor overwritten
 
@@ -131,14 +131,28 @@ def test_mismatch_errors_name_the_tensor_and_both_shapes():
     assert "'gone' (shape [2]) was saved but the restored job has no such tensor" in message
 
 
-def test_boxes_inside_a_shard_on_the_same_host_are_read_directly_others_need_a_transformation():
+def test_boxes_assembled_from_shards_on_the_same_host_are_read_directly_others_need_a_transformation():
     spec = {"w": TensorSpec((4, 4), "float32")}
     old = Layout.build(spec, {"h0/0": [Shard("w", Box((0, 0), (2, 4)))], "h0/1": [Shard("w", Box((2, 0), (2, 4)))]})
-    inside = Layout.build(spec, {"h0/2": [Shard("w", Box((2, 0), (1, 4)))], "h0/0": [Shard("w", Box((0, 0), (2, 4)))],
-                                 "h0/1": [Shard("w", Box((3, 0), (1, 4)))]})
-    assert _local_sources(old, inside) == {"h0/2": {("w", Box((2, 0), (1, 4))): "h0/1"},
-                                           "h0/0": {("w", Box((0, 0), (2, 4))): "h0/0"},
-                                           "h0/1": {("w", Box((3, 0), (1, 4))): "h0/1"}}
-    spanning = Layout.build(spec, {"h0/0": [Shard("w", Box.whole((4, 4)))]})
+    new = Layout.build(spec, {"h0/2": [Shard("w", Box((1, 0), (2, 4)))], "h0/0": [Shard("w", Box((0, 0), (2, 4)))],
+                              "h0/1": [Shard("w", Box((3, 0), (1, 4)))]})
+    assert _local_sources(old, new) == {
+        "h0/2": {("w", Box((1, 0), (2, 4))): [("h0/0", Box((1, 0), (1, 4))), ("h0/1", Box((2, 0), (1, 4)))]},
+        "h0/0": {("w", Box((0, 0), (2, 4))): [("h0/0", Box((0, 0), (2, 4)))]},
+        "h0/1": {("w", Box((3, 0), (1, 4))): [("h0/1", Box((3, 0), (1, 4)))]}}
     other_host = Layout.build(spec, {"h1/0": [Shard("w", Box((0, 0), (2, 4)))], "h0/0": [Shard("w", Box((2, 0), (2, 4)))]})
-    assert _local_sources(old, spanning) is None and _local_sources(old, other_host) is None
+    assert _local_sources(old, other_host) is None
+
+
+def test_regions_are_read_into_tensors_from_several_shards(tmp_path):
+    store = Store(tmp_path, "h0")
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    with store.begin(1) as writer:  # two column halves: a row range of one is not contiguous in its file
+        for d, cols in (("h0/0", (0, 3)), ("h0/1", (3, 3))):
+            write_piece(writer, d, tensor_pieces("w", full[:, cols[0]:cols[0] + cols[1]].contiguous(),
+                                                 Annotation((4, 6), (0, cols[0])))[0])
+        writer.commit()
+    target = torch.zeros(2, 6)
+    piece, = tensor_pieces("w", target, Annotation((4, 6), (1, 0)))
+    read_piece(store.open(1), [("h0/0", Box((1, 0), (2, 3))), ("h0/1", Box((1, 3), (2, 3)))], piece)
+    assert torch.equal(target, full[1:3])

@@ -6,8 +6,9 @@ source checkout (the reference model lives in ``examples/01-gpt-train``).
 One run, two ranks (gloo, CPU), one ``tenplex store serve`` process:
 
 the model under the old configuration (default ``tp=2``) takes one training
-step so that Adam's moments are real; a second copy is built under the new
-configuration (default FSDP2 over dp=2). Then, in this order:
+step so that Adam's moments are real. Every restore goes into a fresh model
+and optimizer under the new configuration (default FSDP2 over dp=2), as after a
+restart, so each one also creates the optimizer's state. In this order:
 
 * ``tenplex_save_s``: ``tenplex.save`` of the old model into the host's store (tmpfs);
 * ``tenplex_restore_s``: ``tenplex.restore`` into the new model: plan, the
@@ -131,12 +132,14 @@ def _worker(spec_path: str) -> None:
     old.train_step(0)
     ckpt = tenplex.Checkpointer(store_root=spec["store"], host="h0", device=f"h0/{rank}", stores=spec["stores"])
     result["state_bytes"] = _state_bytes(old)
-    new = Trainer(cfg, Parallel.parse(spec["new"]), global_batch=2 * 2 * 2)
     timed("tenplex_save_s", lambda: tenplex.save(old.model, old.optimizer, step=1, scheduler=old.scheduler,
                                                  checkpointer=ckpt))
+    # Every restore gets a fresh model and optimizer under the new configuration, as after a restart.
+    new = Trainer(cfg, Parallel.parse(spec["new"]), global_batch=2 * 2 * 2)
     timed("tenplex_restore_s", lambda: tenplex.restore(new.model, new.optimizer, scheduler=new.scheduler,
                                                        checkpointer=ckpt))
     result["tenplex_transformed"] = ckpt.last_restore.transformed
+    del new
     if rank == 0:  # free the tmpfs before DCP writes there (the machine's memory is the limit)
         for version in ckpt.store.versions():
             ckpt.store.delete(version)
@@ -147,13 +150,16 @@ def _worker(spec_path: str) -> None:
         del model_sd, optim_sd
         if rank == 0 and where == "disk":
             _drop_page_cache(Path(spec["dcp_disk"]))
+        new = Trainer(cfg, Parallel.parse(spec["new"]), global_batch=2 * 2 * 2)
 
         def load():
+            # get_state_dict creates the fresh optimizer's state (DCP's own initialisation) inside the timing.
             model_sd, optim_sd = get_state_dict(new.model, new.optimizer)
             state = {"model": model_sd, "optim": optim_sd}
             dcp.load(state, checkpoint_id=spec[f"dcp_{where}"])
             set_state_dict(new.model, new.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         timed(f"dcp_{where}_load_s", load)
+        del new
         dist.barrier()
         if rank == 0:
             shutil.rmtree(spec[f"dcp_{where}"], ignore_errors=True)

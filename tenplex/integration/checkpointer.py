@@ -22,8 +22,8 @@ Restore (every rank, collectively):
    layout and state document are broadcast from a rank whose host has it;
 3. mismatches (a tensor missing on either side, a shape or dtype change, an
    optimizer of another kind) raise StateMismatchError on every rank;
-4. if every box a rank needs lies inside a box stored on its own host, the
-   rank reads it straight from the store; otherwise rank 0 plans the change
+4. if every box a rank needs can be assembled from shards stored on its own
+   host, the rank reads them straight from the store files; otherwise rank 0 plans the change
    (``tenplex.planner``) and runs it across the store processes
    (``tenplex.transform``), and every rank reads from the new version;
 5. non-tensor state is applied (see :data:`SEMANTICS` and the README).
@@ -196,7 +196,7 @@ class Checkpointer:
         if sources is None:
             info.version, info.plan_stats = self._transform(old, new, saved_version, docs, state)
             info.transformed = True
-            sources = {d: {(s.tensor, s.box): d for s in shards} for d, shards in new.devices.items()}
+            sources = {d: {(s.tensor, s.box): [(d, s.box)] for s in shards} for d, shards in new.devices.items()}
 
         def load():
             reader = self.store.open(info.version)
@@ -371,19 +371,31 @@ def _check_optimizer(optimizer, model, state) -> None:
     apply_optimizer_doc(optimizer, state["optimizer"], _group_names(model, optimizer))
 
 
-def _local_sources(old: Layout, new: Layout) -> dict[str, dict[tuple[str, Box], str]] | None:
-    """For each new device and needed box, an old device on the same host whose stored box contains it;
-    None if some box is not available that way (then the state has to be transformed)."""
+def _local_sources(old: Layout, new: Layout) -> dict[str, dict[tuple[str, Box], list[tuple[str, Box]]]] | None:
+    """For each new device and box it needs, (old device on the same host, region) pairs that tile the box;
+    None if some box cannot be assembled from its own host's shards (then the state must be transformed)."""
     by_host: dict[tuple[str, str], list[tuple[Box, str]]] = {}
     for device, shard in old.iter_shards():
         by_host.setdefault((host_of(device), shard.tensor), []).append((shard.box, device))
-    sources: dict[str, dict[tuple[str, Box], str]] = {}
+    sources: dict[str, dict[tuple[str, Box], list[tuple[str, Box]]]] = {}
     for device, shards in new.devices.items():
         for shard in shards:
-            candidates = by_host.get((host_of(device), shard.tensor), [])
-            # Prefer the device itself: after a same-configuration restart nothing is shared.
-            found = [d for box, d in candidates if box.contains(shard.box)]
-            if not found:
+            # The device's own old shards first: after a same-configuration restart nothing is shared.
+            candidates = sorted(by_host.get((host_of(device), shard.tensor), []), key=lambda c: c[1] != device)
+            remaining, tiles = [shard.box], []
+            for box, src in candidates:
+                if not remaining:
+                    break
+                left = []
+                for piece in remaining:
+                    common = piece.intersect(box)
+                    if common is None:
+                        left.append(piece)
+                        continue
+                    tiles.append((src, common))
+                    left += piece.subtract(common)
+                remaining = left
+            if remaining:
                 return None
-            sources.setdefault(device, {})[(shard.tensor, shard.box)] = device if device in found else found[0]
+            sources.setdefault(device, {})[(shard.tensor, shard.box)] = tiles
     return sources

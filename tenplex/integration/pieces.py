@@ -76,7 +76,8 @@ def tensor_pieces(name: str, tensor: torch.Tensor, annotation=None) -> list[Piec
             raise LayoutError(f"tensor {name!r} is a DTensor, which carries its own mesh and placements; "
                               f"remove its annotation")
         global_shape = tuple(tensor.shape)
-        local = tensor.to_local()
+        with torch.no_grad():  # the local tensor itself, not an autograd alias that in-place copies would break
+            local = tensor.to_local()
         local_shape, offsets = compute_local_shape_and_global_offset(global_shape, tensor.device_mesh,
                                                                      tensor.placements)
         spec = TensorSpec(global_shape, dtype_name(tensor.dtype))
@@ -169,11 +170,26 @@ def set_optimizer_scalars(model: torch.nn.Module, optimizer: torch.optim.Optimiz
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state tensors so that they can be filled in place.
 
-    Steps once with zero gradients and a learning rate of zero, like
-    torch.distributed.checkpoint does: with lr 0 neither Adam nor weight
-    decay changes a parameter. Gradients are cleared afterwards.
+    Adam and AdamW get their documented state directly (``step``, zeroed
+    ``exp_avg`` and ``exp_avg_sq``, plus ``max_exp_avg_sq`` with amsgrad), as
+    their first ``step()`` would create it, without computing an update. Any
+    other optimizer steps once with zero gradients and a learning rate of zero,
+    as torch.distributed.checkpoint does (neither Adam-like updates nor weight
+    decay change a parameter at lr 0); gradients are cleared afterwards.
     """
     if optimizer.state:
+        return
+    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        for group in optimizer.param_groups:
+            on_device = group.get("capturable") or group.get("fused")
+            for param in group["params"]:
+                state = {"step": torch.zeros((), dtype=scalar, device=param.device if on_device else "cpu"),
+                         "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                         "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+                if group.get("amsgrad"):
+                    state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                optimizer.state[param] = state
         return
     for group in optimizer.param_groups:
         for param in group["params"]:
