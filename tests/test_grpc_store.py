@@ -224,3 +224,26 @@ def test_concurrent_remote_writes_into_one_part(served):
         for i in range(16):
             np.testing.assert_array_equal(reader.read(f"h0/{i}", "w", Box((4 * i, 0), (4, 48))), rows[i])
         assert client.delete(3)
+
+
+def test_many_regions_in_one_call(served):
+    proc, w, b, _ = served
+    regions = [("h0/0", "w", Box((i, 2 * i), (3, 5)), 4) for i in range(10)] + [("h0/1", "b", Box((7,), (500,)), 2)]
+    got: dict[int, dict] = {i: {} for i in range(len(regions))}
+
+    def sink(i):
+        return lambda sub, data: got[i].__setitem__(sub, bytes(data))
+
+    with StoreClient(proc.address, chunk_bytes=4096) as client:
+        n = client.read_boxes_to(1, [(d, t, box, size, sink(i)) for i, (d, t, box, size) in enumerate(regions)])
+        assert n == sum(box.volume * size for _, _, box, size in regions)
+        for i, (_, tensor, box, _) in enumerate(regions):
+            source = w if tensor == "w" else b
+            joined = np.zeros(box.lengths, dtype=source.dtype)
+            for sub, data in got[i].items():
+                joined[sub.local(box).slices()] = np.frombuffer(data, source.dtype).reshape(sub.lengths)
+            np.testing.assert_array_equal(joined, source[box.slices()])
+        with pytest.raises(RemoteStoreError) as info:  # one bad region fails the call before any data
+            client.read_boxes_to(1, [(d, t, box, size, sink(0)) for d, t, box, size in regions[:2]] +
+                                 [("h0/0", "w", Box((40, 0), (1, 1)), 4, sink(0))])
+        assert info.value.code == grpc.StatusCode.OUT_OF_RANGE

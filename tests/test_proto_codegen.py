@@ -39,13 +39,15 @@ def test_generated_grpc_module_imports_the_package_local_messages():
 @given(st.binary(max_size=300), st.lists(st.integers(0, 2**40), min_size=0, max_size=4), st.integers(0, 2**64 - 1))
 def test_hand_framed_chunk_is_standard_protobuf(data, offsets, digest):
     box = Box(tuple(offsets), tuple(o % 7 for o in offsets))
-    head = pb.Chunk(box=wire.to_pb_box(box), xxh3=digest).SerializeToString()
+    index = len(offsets)
+    head = pb.Chunk(box=wire.to_pb_box(box), xxh3=digest, index=index).SerializeToString()
     raw = wire.encode_with_data(head, data)
     parsed = pb.Chunk.FromString(raw)  # what any generated stub would see
     assert parsed.data == data and parsed.xxh3 == digest and wire.from_pb_box(parsed.box) == box
-    sub, got_digest, view = wire.decode_chunk(pb.Chunk(box=wire.to_pb_box(box), xxh3=digest, data=data)
-                                              .SerializeToString())
-    assert (sub, got_digest, bytes(view)) == (box, digest, data)
+    assert parsed.index == index
+    sub, got_digest, view, got_index = wire.decode_chunk(
+        pb.Chunk(box=wire.to_pb_box(box), xxh3=digest, data=data, index=index).SerializeToString())
+    assert (sub, got_digest, bytes(view), got_index) == (box, digest, data, index)
 
 
 @settings(max_examples=100, deadline=None)

@@ -18,7 +18,8 @@ from tenplex.planner import plan
 from tenplex.store import Store
 from tenplex.transform import transform
 
-from store_helpers import Cluster, StoreProcess, assert_version_matches, gpt_layout, random_globals, write_version
+from store_helpers import (Cluster, StoreProcess, assert_version_matches, gpt_layout, random_globals, tiny_layout,
+                           write_version)
 
 # Small chunks so that every pull takes many chunks and a fault lands mid-transfer.
 CHUNK = 1024
@@ -31,9 +32,23 @@ def _setup(cluster, old, seed=0, version=1):
     return arrays
 
 
-def test_source_dies_mid_transfer_and_replicas_take_over(tmp_path):
-    old = gpt_layout(2, 2, 1, 2, 2)                       # h0 and h1 each hold a full replica
-    new = gpt_layout(1, 2, 1, 1, 2, host_names=["h2"])    # h2 pulls everything
+def _big_layouts():
+    """Two 3 MiB tensors (pulled as streamed pieces, not batches), replicated on h0 and h1; h2 pulls all."""
+    tensors = {"a": ((1024, 768), "float32"), "b": ((768, 1024), "float32")}
+    old = tiny_layout(tensors, {f"{h}/0": [("a", (0, 0), (1024, 768)), ("b", (0, 0), (768, 1024))]
+                                for h in ("h0", "h1")})
+    new = tiny_layout(tensors, {"h2/0": [("a", (0, 0), (512, 768)), ("b", (0, 0), (768, 512))],
+                                "h2/1": [("a", (512, 0), (512, 768)), ("b", (0, 512), (768, 512))]})
+    return old, new
+
+
+@pytest.mark.parametrize("size", ["small regions, batched", "large regions, streamed"])
+def test_source_dies_mid_transfer_and_replicas_take_over(tmp_path, size):
+    if size.startswith("small"):
+        old = gpt_layout(2, 2, 1, 2, 2)                       # h0 and h1 each hold a full replica
+        new = gpt_layout(1, 2, 1, 1, 2, host_names=["h2"])    # h2 pulls everything
+    else:
+        old, new = _big_layouts()
     with Cluster(tmp_path, ["h0", "h1", "h2"], env={"h0": DIE_SOON}) as cluster:
         arrays = _setup(cluster, old)
         report = transform(plan(old, new), old, new, cluster.addresses, 1, 2, chunk_bytes=CHUNK)

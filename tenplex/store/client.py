@@ -65,6 +65,9 @@ class StoreClient:
         self._read_box = self._channel.unary_stream(
             "/tenplex.v1.Store/ReadBox", request_serializer=pb.ReadBoxRequest.SerializeToString,
             response_deserializer=wire.decode_chunk)
+        self._read_boxes = self._channel.unary_stream(
+            "/tenplex.v1.Store/ReadBoxes", request_serializer=pb.ReadBoxesRequest.SerializeToString,
+            response_deserializer=wire.decode_chunk)
         self._read_file = self._channel.unary_stream(
             "/tenplex.v1.Store/ReadFile", request_serializer=pb.ReadFileRequest.SerializeToString,
             response_deserializer=wire.decode_file_chunk)
@@ -153,8 +156,8 @@ class StoreClient:
                                     chunk_bytes=self.chunk_bytes)
         got = 0
         try:
-            for sub, digest, data in self._read_box(request, timeout=self._read_deadline(region.volume * itemsize),
-                                                    metadata=self._metadata):
+            for sub, digest, data, _ in self._read_box(request, timeout=self._read_deadline(region.volume * itemsize),
+                                                       metadata=self._metadata):
                 if not region.contains(sub) or sub.volume * itemsize != len(data):
                     raise StoreError(f"store {self.address} sent chunk {sub} ({len(data)} bytes) that does not "
                                      f"fit the requested region {region}")
@@ -165,6 +168,37 @@ class StoreClient:
                 got += len(data)
         except grpc.RpcError as e:
             raise self._error(e, f"ReadBox({version}, {device}, {tensor!r}, {region})") from None
+        return got
+
+    def read_boxes_to(self, version: int, regions: list[tuple[str, str, Box, int, Callable[[Box, memoryview], None]]]
+                      ) -> int:
+        """Read many (usually small) regions in one call: ``regions`` holds (device, tensor, box, itemsize,
+        sink) and each sink receives its region's verified chunks. Corrupted chunks are fetched again one
+        by one. Returns the bytes delivered."""
+        request = pb.ReadBoxesRequest(version=version, chunk_bytes=self.chunk_bytes, boxes=[
+            pb.BoxRef(device=device, tensor=tensor, box=wire.to_pb_box(box)) for device, tensor, box, _, _ in regions])
+        nbytes = sum(box.volume * itemsize for _, _, box, itemsize, _ in regions)
+        got = 0
+        bad: list[tuple[int, Box]] = []
+        try:
+            for sub, digest, data, index in self._read_boxes(request, timeout=self._read_deadline(nbytes),
+                                                             metadata=self._metadata):
+                if not 0 <= index < len(regions):
+                    raise StoreError(f"store {self.address} sent a chunk for region #{index} of {len(regions)}")
+                device, tensor, box, itemsize, sink = regions[index]
+                if not box.contains(sub) or sub.volume * itemsize != len(data):
+                    raise StoreError(f"store {self.address} sent chunk {sub} ({len(data)} bytes) that does not "
+                                     f"fit the requested region {box} of {tensor!r}")
+                if xxhash.xxh3_64_intdigest(data) != digest:
+                    bad.append((index, sub))
+                    continue
+                sink(sub, data)
+                got += len(data)
+        except grpc.RpcError as e:
+            raise self._error(e, f"ReadBoxes({version}, {len(regions)} regions)") from None
+        for index, sub in bad:
+            device, tensor, _, itemsize, sink = regions[index]
+            got += self.read_box_to(version, device, tensor, sub, itemsize, sink)
         return got
 
     def read_box(self, version: int, device: str, tensor: str, box: Box, dtype: str) -> np.ndarray:

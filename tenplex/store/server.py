@@ -14,8 +14,8 @@ when a certificate and key are given.
 Test hooks (fault injection, used by the test suite only): the environment
 variable ``TENPLEX_STORE_TEST_HOOKS`` of a *server process* may hold
 comma-separated ``exit_after_chunks=N`` (the process exits abruptly once it has
-sent N ReadBox chunks, simulating a host dying mid-transfer) and
-``corrupt_chunks=N`` (the first N ReadBox chunks get one payload byte flipped
+sent N ReadBox/ReadBoxes chunks, simulating a host dying mid-transfer) and
+``corrupt_chunks=N`` (the first N such chunks get one payload byte flipped
 after their checksum was computed, simulating corruption in flight). Unset, it
 costs nothing.
 """
@@ -204,13 +204,25 @@ class StoreService:
         box = wire.from_pb_box(request.box)
         reader = self._reader(request.version)
         entry = self._find(reader, request.device, request.tensor, box)
-        array = reader.array(entry)
+        yield from self._chunks(reader.array(entry), entry.box, box, _chunk_bytes(request.chunk_bytes))
+
+    @_guard
+    def ReadBoxes(self, request, context):
+        reader = self._reader(request.version)
+        regions = []
+        for ref in request.boxes:  # all checked before any data is sent
+            box = wire.from_pb_box(ref.box)
+            regions.append((box, self._find(reader, ref.device, ref.tensor, box)))
         chunk_bytes = _chunk_bytes(request.chunk_bytes)
+        for index, (box, entry) in enumerate(regions):
+            yield from self._chunks(reader.array(entry), entry.box, box, chunk_bytes, index)
+
+    def _chunks(self, array: np.ndarray, stored: Box, box: Box, chunk_bytes: int, index: int = 0):
         for sub in wire.split_box(box, array.itemsize, chunk_bytes):
-            data = np.ascontiguousarray(array[sub.local(entry.box).slices()])
+            data = np.ascontiguousarray(array[sub.local(stored).slices()])
             view = memoryview(data.reshape(-1)).cast("B")
-            head = pb.Chunk(box=wire.to_pb_box(sub), xxh3=xxhash.xxh3_64_intdigest(view)).SerializeToString()
-            payload = wire.encode_with_data(head, view)
+            head = pb.Chunk(box=wire.to_pb_box(sub), xxh3=xxhash.xxh3_64_intdigest(view), index=index)
+            payload = wire.encode_with_data(head.SerializeToString(), view)
             yield self._hooks.before_send(payload) if self._hooks else payload
 
     @_guard
@@ -382,13 +394,14 @@ class _TokenCheck(grpc.ServerInterceptor):
 
 
 # ---------------------------------------------------------------- server --
-_RAW = {"ReadBox", "ReadFile"}  # handlers that yield pre-encoded bytes (see wire.py)
+_RAW = {"ReadBox", "ReadBoxes", "ReadFile"}  # handlers that yield pre-encoded bytes (see wire.py)
 _METHODS = {
     "Health": ("uu", pb.HealthRequest, pb.HealthReply),
     "ListVersions": ("uu", pb.ListVersionsRequest, pb.ListVersionsReply),
     "GetManifest": ("uu", pb.GetManifestRequest, pb.GetManifestReply),
     "GetJson": ("uu", pb.GetJsonRequest, pb.GetJsonReply),
     "ReadBox": ("us", pb.ReadBoxRequest, pb.Chunk),
+    "ReadBoxes": ("us", pb.ReadBoxesRequest, pb.Chunk),
     "WriteShard": ("su", pb.WriteShardRequest, pb.WriteShardReply),
     "PutJson": ("uu", pb.PutJsonRequest, pb.PutJsonReply),
     "Prepare": ("uu", pb.PrepareRequest, pb.PrepareReply),

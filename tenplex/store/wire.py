@@ -139,11 +139,11 @@ def split_data(raw: bytes) -> tuple[bytes, memoryview]:
     return bytes(raw), memoryview(b"")
 
 
-def decode_chunk(raw: bytes) -> tuple[Box, int, memoryview]:
-    """(box, xxh3, data view) of a serialised Chunk."""
+def decode_chunk(raw: bytes) -> tuple[Box, int, memoryview, int]:
+    """(box, xxh3, data view, index) of a serialised Chunk."""
     rest, data = split_data(raw)
     msg = pb.Chunk.FromString(rest)
-    return Box(tuple(msg.box.offsets), tuple(msg.box.lengths)), msg.xxh3, data
+    return Box(tuple(msg.box.offsets), tuple(msg.box.lengths)), msg.xxh3, data, msg.index
 
 
 def decode_file_chunk(raw: bytes) -> tuple[int, int, memoryview]:

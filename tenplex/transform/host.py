@@ -29,7 +29,7 @@ import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -47,6 +47,9 @@ from ..store.client import StoreClient
 PART = "transform"
 DEFAULT_STREAMS = 4
 PIECE_BYTES = 64 << 20          # one pull call; several chunks each
+SMALL_BYTES = 1 << 20           # remote regions below this travel in batches (ReadBoxes): one call for many
+BATCH_BYTES = 16 << 20
+BATCH_REGIONS = 512
 PROGRESS_EVERY_BYTES = 64 << 20  # progress messages are throttled to this granularity
 PROGRESS_EVERY_S = 0.25
 
@@ -140,6 +143,20 @@ class _Sources:
                                  + "; ".join(causes))
         return refetched
 
+    def read_batch(self, items: list[tuple[str, str, Box, ShardTarget]]) -> list[int]:
+        """``read_into`` for many small regions of old shards on one remote host, in one call when it works;
+        returns the re-fetched bytes per item."""
+        source_host = host_of(items[0][0])
+        if source_host not in self.failed:
+            try:
+                self.client(source_host).read_boxes_to(
+                    self.version, [(device, tensor, box, target.itemsize, target.write)
+                                   for device, tensor, box, target in items])
+                return [0] * len(items)
+            except Exception as e:  # noqa: BLE001 - each region then goes its own way, replicas included
+                self._mark_failed(source_host, e)
+        return [self.read_into(device, tensor, box, target) for device, tensor, box, target in items]
+
     def _read_from(self, device: str, tensor: str, box: Box, target: ShardTarget) -> None:
         source_host = host_of(device)
         if source_host in self.failed:
@@ -223,6 +240,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
     linked: dict[tuple[str, str, Box], np.ndarray] = {}  # fan-out sources that were hard-linked
     jobs: list[Callable[[], None]] = []
     fan_out: list[tuple[Transfer, tuple]] = []
+    small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = {}  # source host -> small remote regions
     for key, fills in by_shard.items():
         device, tensor, box = key
         spec = new.tensors[tensor]
@@ -244,7 +262,12 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
                 continue
             kind = "kept" if t.kept else ("local" if host_of(t.src) == host else "remote")
             for piece in wire.split_box(t.box, spec.itemsize, PIECE_BYTES):
-                jobs.append(_job(sources, t, piece, target, kind, advance, cancelled))
+                if kind == "remote" and piece.volume * spec.itemsize < SMALL_BYTES:
+                    small.setdefault(host_of(t.src), []).append((t.src, t.tensor, piece, target))
+                else:
+                    jobs.append(_job(sources, t, piece, target, kind, advance, cancelled))
+    for items in small.values():
+        jobs.extend(_batch_job(sources, batch, advance, cancelled) for batch in _batches(items))
     with ThreadPoolExecutor(max_workers=max(1, streams), thread_name_prefix=f"pull-{host}") as pool:
         running = [pool.submit(job) for job in jobs]
         done, _ = wait(running, return_when=FIRST_EXCEPTION)
@@ -272,6 +295,32 @@ def _job(sources: _Sources, t: Transfer, piece: Box, target: ShardTarget, kind: 
             advance(refetched, "refetched")
         if nbytes > refetched:
             advance(nbytes - refetched, kind)
+    return run
+
+
+def _batches(items: list) -> Iterator[list]:
+    """Consecutive groups of at most BATCH_REGIONS regions and about BATCH_BYTES bytes."""
+    batch, nbytes = [], 0
+    for item in items:
+        batch.append(item)
+        nbytes += item[2].volume * item[3].itemsize
+        if len(batch) >= BATCH_REGIONS or nbytes >= BATCH_BYTES:
+            yield batch
+            batch, nbytes = [], 0
+    if batch:
+        yield batch
+
+
+def _batch_job(sources: _Sources, batch: list, advance, cancelled):
+    def run() -> None:
+        if cancelled.is_set():
+            return
+        for (_, _, piece, target), refetched in zip(batch, sources.read_batch(batch)):
+            nbytes = piece.volume * target.itemsize
+            if refetched:
+                advance(refetched, "refetched")
+            if nbytes > refetched:
+                advance(nbytes - refetched, "remote")
     return run
 
 

@@ -59,6 +59,11 @@ class StoreStub:
                 request_serializer=tenplex_dot_v1_dot_store__pb2.ReadBoxRequest.SerializeToString,
                 response_deserializer=tenplex_dot_v1_dot_store__pb2.Chunk.FromString,
                 _registered_method=True)
+        self.ReadBoxes = channel.unary_stream(
+                '/tenplex.v1.Store/ReadBoxes',
+                request_serializer=tenplex_dot_v1_dot_store__pb2.ReadBoxesRequest.SerializeToString,
+                response_deserializer=tenplex_dot_v1_dot_store__pb2.Chunk.FromString,
+                _registered_method=True)
         self.WriteShard = channel.stream_unary(
                 '/tenplex.v1.Store/WriteShard',
                 request_serializer=tenplex_dot_v1_dot_store__pb2.WriteShardRequest.SerializeToString,
@@ -139,6 +144,12 @@ class StoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReadBox(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadBoxes(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -230,6 +241,11 @@ def add_StoreServicer_to_server(servicer, server):
             'ReadBox': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadBox,
                     request_deserializer=tenplex_dot_v1_dot_store__pb2.ReadBoxRequest.FromString,
+                    response_serializer=tenplex_dot_v1_dot_store__pb2.Chunk.SerializeToString,
+            ),
+            'ReadBoxes': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBoxes,
+                    request_deserializer=tenplex_dot_v1_dot_store__pb2.ReadBoxesRequest.FromString,
                     response_serializer=tenplex_dot_v1_dot_store__pb2.Chunk.SerializeToString,
             ),
             'WriteShard': grpc.stream_unary_rpc_method_handler(
@@ -417,6 +433,33 @@ class Store:
             target,
             '/tenplex.v1.Store/ReadBox',
             tenplex_dot_v1_dot_store__pb2.ReadBoxRequest.SerializeToString,
+            tenplex_dot_v1_dot_store__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBoxes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tenplex.v1.Store/ReadBoxes',
+            tenplex_dot_v1_dot_store__pb2.ReadBoxesRequest.SerializeToString,
             tenplex_dot_v1_dot_store__pb2.Chunk.FromString,
             options,
             channel_credentials,
