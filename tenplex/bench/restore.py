@@ -3,7 +3,7 @@
 May import: every tenplex layer, torch and the standard library. Needs a
 source checkout (the reference model lives in ``examples/01-gpt-train``).
 
-One run, two ranks (gloo, CPU), one ``tenplex store serve`` process:
+One run, two ranks (gloo, CPU), one ``tenplex store serve`` process per host:
 
 the model under the old configuration (default ``tp=2``) takes one training
 step so that Adam's moments are real. Every restore goes into a fresh model
@@ -18,7 +18,10 @@ restart, so each one also creates the optimizer's state. In this order:
   ``dcp.load`` with resharding plus ``set_state_dict`` into the new model;
 * ``dcp_disk_save_s`` / ``dcp_disk_load_s``: the same on disk.
 
-Each store or DCP directory is deleted once measured, so that tmpfs holds one
+With ``--new-hosts 2`` the new configuration's second rank runs on another
+(simulated) host whose store is empty, so the restore includes a
+transformation through the two store processes. Each store or DCP directory
+is deleted once measured, so that tmpfs holds one
 copy of the state at a time.
 
 Each timed step is preceded by a barrier and ends with one, so it measures the
@@ -52,33 +55,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new", default="dp=2,fsdp=1", help="configuration that restores (default dp=2,fsdp=1)")
     parser.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"), help="tmpfs directory (tenplex store, DCP)")
     parser.add_argument("--disk", type=Path, default=Path("/var/tmp"), help="disk directory for DCP")
+    parser.add_argument("--new-hosts", type=int, default=1,
+                        help="1: both ranks on host h0 throughout (default); 2: the new configuration's rank 1 runs "
+                             "on a second host h1, whose empty store must receive its state through a transformation")
 
 
 def run(args: argparse.Namespace) -> dict:
     if not (EXAMPLE / "gpt.py").is_file():
         raise FileNotFoundError(f"{EXAMPLE}/gpt.py not found: run the benchmark from a source checkout of tenplex")
+    if args.new_hosts not in (1, 2):
+        raise ValueError(f"--new-hosts must be 1 or 2 (the benchmark has 2 ranks), got {args.new_hosts}")
     work = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.tmpfs))
     disk = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.disk))
-    store = None
+    hosts = [f"h{i}" for i in range(args.new_hosts)]
+    stores = []
     try:
-        port_file = work / "store.port"
-        store = subprocess.Popen([sys.executable, "-c", "import sys; from tenplex.cli import main; sys.exit(main())",
-                                  "store", "serve", "--root", str(work / "store"), "--host", "h0", "--port", "0",
-                                  "--port-file", str(port_file)], stdout=subprocess.DEVNULL)
-        while not (port_file.exists() and port_file.read_text().strip()):
-            if store.poll() is not None:
-                raise RuntimeError("the store server exited before serving")
-            time.sleep(0.05)
+        for host in hosts:
+            port_file = work / f"{host}.port"
+            stores.append(subprocess.Popen([sys.executable, "-c", "import sys; from tenplex.cli import main; "
+                                            "sys.exit(main())", "store", "serve", "--root", str(work / host),
+                                            "--host", host, "--port", "0", "--port-file", str(port_file)],
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            while not (port_file.exists() and port_file.read_text().strip()):
+                if stores[-1].poll() is not None:
+                    raise RuntimeError(f"the store server of {host} exited before serving")
+                time.sleep(0.05)
         spec = {"model": {"hidden": args.hidden, "layers": args.layers, "ffn": args.ffn, "vocab": args.vocab,
                           "heads": 16, "seq": 8},
-                "old": args.old, "new": args.new, "store": str(work / "store"),
-                "stores": {"h0": f"127.0.0.1:{int(port_file.read_text())}"},
+                "old": args.old, "new": args.new, "roots": {h: str(work / h) for h in hosts},
+                "stores": {h: f"127.0.0.1:{int((work / f'{h}.port').read_text())}" for h in hosts},
                 "dcp_tmpfs": str(work / "dcp"), "dcp_disk": str(disk / "dcp"), "result": str(work / "result.json")}
         (work / "spec.json").write_text(json.dumps(spec))
         _launch(2, work / "spec.json")
         return json.loads((work / "result.json").read_text())
     finally:
-        if store is not None:
+        for store in stores:
             store.terminate()
             store.wait()
         shutil.rmtree(work, ignore_errors=True)
@@ -130,19 +141,24 @@ def _worker(spec_path: str) -> None:
 
     old = Trainer(cfg, Parallel.parse(spec["old"]), global_batch=2 * 2 * 2)
     old.train_step(0)
-    ckpt = tenplex.Checkpointer(store_root=spec["store"], host="h0", device=f"h0/{rank}", stores=spec["stores"])
+    ckpt = tenplex.Checkpointer(store_root=spec["roots"]["h0"], host="h0", device=f"h0/{rank}", stores=spec["stores"])
+    host = f"h{rank % len(spec['roots'])}"
+    new_ckpt = tenplex.Checkpointer(store_root=spec["roots"][host], host=host, stores=spec["stores"],
+                                    device=f"{host}/{rank // len(spec['roots'])}")
     result["state_bytes"] = _state_bytes(old)
     timed("tenplex_save_s", lambda: tenplex.save(old.model, old.optimizer, step=1, scheduler=old.scheduler,
                                                  checkpointer=ckpt))
     # Every restore gets a fresh model and optimizer under the new configuration, as after a restart.
     new = Trainer(cfg, Parallel.parse(spec["new"]), global_batch=2 * 2 * 2)
     timed("tenplex_restore_s", lambda: tenplex.restore(new.model, new.optimizer, scheduler=new.scheduler,
-                                                       checkpointer=ckpt))
-    result["tenplex_transformed"] = ckpt.last_restore.transformed
+                                                       checkpointer=new_ckpt))
+    result["tenplex_transformed"] = new_ckpt.last_restore.transformed
+    result["tenplex_new_hosts"] = len(spec["roots"])
     del new
-    if rank == 0:  # free the tmpfs before DCP writes there (the machine's memory is the limit)
-        for version in ckpt.store.versions():
-            ckpt.store.delete(version)
+    dist.barrier()
+    if rank < len(spec["roots"]):  # free the tmpfs before DCP writes there (the machine's memory is the limit)
+        for version in new_ckpt.store.versions():
+            new_ckpt.store.delete(version)
     for where in ("tmpfs", "disk"):
         model_sd, optim_sd = get_state_dict(old.model, old.optimizer)
         timed(f"dcp_{where}_save_s", lambda: dcp.save({"model": model_sd, "optim": optim_sd},
