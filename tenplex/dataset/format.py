@@ -163,7 +163,8 @@ def open_dataset(root: str | os.PathLike, read_bytes: Callable[[Path], bytes] = 
     ``read_bytes`` and ``file_size`` fetch a whole file and stat one; they default to the local
     filesystem and are replaced for a dataset that lives on a remote store (FileNotFoundError: missing).
     """
-    root = Path(root)
+    # Absolute: a FUSE server (libfuse3) changes its working directory to "/" once mounted.
+    root = Path(root).absolute() if read_bytes is _local_bytes else Path(root)
     meta = _load_metadata(root, read_bytes)
     files = []
     for entry in meta["files"]:
