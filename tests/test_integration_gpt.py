@@ -2,7 +2,7 @@
 
 Real multi-process torch.distributed jobs (gloo) run the reference GPT of
 examples/01-gpt-train; real ``tenplex store serve`` processes hold each
-simulated host's state. Four job launches run every scenario (one launch per
+simulated host's state. Five job launches run every scenario (one launch per
 world size and order of dependency); the tests then check the files they wrote:
 
 * the restored parameters and Adam moments equal the saved ones bit for bit
@@ -36,6 +36,8 @@ SCENARIOS = {
                       ["h0/0", "h0/1", "h0/2", "h0/3"]),
     "fsdp4-to-tp2dp2": ({"dp": 4, "fsdp": True}, ["h0/0", "h0/1", "h0/2", "h0/3"], {"tp": 2, "dp": 2},
                         ["h0/0", "h0/1", "h0/2", "h0/3"]),
+    "tp2pp2dp2-to-fsdp2": ({"tp": 2, "pp": 2, "dp": 2}, [f"h{h}/{i}" for h in (0, 1) for i in range(4)],
+                           {"dp": 2, "fsdp": True}, ["h0/0", "h1/0"]),
 }
 
 # Scenarios whose new ranks find every box they need on their own host (read directly, no transformation).
@@ -73,10 +75,11 @@ def results(tmp_path_factory):
             {"name_": "optimizer", "optimizer": "adam"})]
         for m in mismatches:
             m["name"] = m.pop("name_")
-        # Order: every save first (world 2 then 4 covers all), then the restores that depend on them.
+        # Order: every save first (worlds 2, 8, 4), then the restores that depend on them.
         annotated = {"name": "annotated", "out": str(base / "annotated"), "devices": ["h0/0", "h0/1"],
                      "roots": {"h0": str(roots["annotated"]["h0"])}, "stores": servers.addresses["annotated"]}
         run_job(2, {"phases": launches[2][0] + [dict(annotated, kind="annotated_save")]}, base / "logs")
+        run_job(8, {"phases": launches[8][0]}, base / "logs")
         run_job(4, {"phases": launches[4][0] + launches[4][1]}, base / "logs")
         run_job(2, {"phases": launches[2][1]}, base / "logs")
         run_job(1, {"phases": mismatches + launches[1][1] + [dict(annotated, kind="annotated_restore")]},
