@@ -5,16 +5,20 @@ May import: mfusepy (or fusepy), numpy, the standard library and ``tenplex.datas
 Tree::
 
     /state.json               the mount: generation, dataset, state, dp, state file, pid, error
-    /rank{r}/data             rank r's remaining samples of the epoch, back to back (zero-copy view)
-    /rank{r}/index.npy        (n, 4) int64: sample id, offset in data, length, crc32
-    /rank{r}/state.json       the rank's view: state, dp, rank, generation, micro-batch sizes
+    /rank{r}                  symlink to .g{N}/rank{r}, N the current generation
+    /.g{N}/rank{r}/data       rank r's remaining samples of the epoch, back to back (zero-copy view)
+    /.g{N}/rank{r}/index.npy  (n, 4) int64: sample id, offset in data, length, crc32
+    /.g{N}/rank{r}/state.json the rank's view: state, dp, rank, generation, micro-batch sizes
 
 A *generation* is one immutable view (state + dp degree). Switching replaces the
 current generation with one assignment, so a lookup sees either the old or the
-new tree. A file handle belongs to the generation it was opened in: once a newer
-one is current, its reads fail with ESTALE, so a reader gets the old view
-consistently up to the switch and then a clear error, never bytes of both. If
-the dataset changes under the mount, every open and read fails with EIO and
+new tree, and ``.g{N}`` of older generations disappears. Because every
+generation has its own paths, it has its own inodes and page cache: the kernel
+may cache a view's bytes, and a cached page is always of the generation its
+file was opened in. A file handle belongs to that generation: once a newer one
+is current, reads that reach this process fail with ESTALE, so a reader of an
+old handle gets old bytes or a clear error, never a mix. If the dataset changes
+under the mount, every open and uncached read fails with EIO and
 ``/state.json`` says why.
 
 Reads of ``data`` return a ``fuse_bufvec`` of (record file descriptor, offset,
@@ -54,6 +58,10 @@ MAX_READ = 1 << 20
 MOUNT_OPTIONS = {"ro": True, "fsname": "tenplex", "max_read": MAX_READ,
                  "attr_timeout": 0, "entry_timeout": 0, "negative_timeout": 0}
 _RANK_DIR = re.compile(r"^rank(0|[1-9][0-9]{0,8})$")
+
+
+def _gen_dir(gen: "Generation") -> str:
+    return f".g{gen.number}"
 
 # struct fuse_buf / fuse_bufvec (fuse_common.h); the bufvec ends in an inline array of bufs.
 _BUF = np.dtype({"names": ["size", "flags", "mem", "fd", "pos"],
@@ -143,20 +151,34 @@ class TenplexFS(fuse.Operations):
         self.error = why
 
     # -- lookups -----------------------------------------------------------------------------------
-    def _parse(self, path: str, gen: Generation) -> tuple[int | None, str | None]:
-        """(rank, file) for a path of the tree; rank None is the root. ENOENT for anything else."""
+    def _parse(self, path: str, gen: Generation) -> tuple[str, int | None, str | None]:
+        """(kind, rank, file) of a path of the current tree; ENOENT for anything else.
+
+        kind: "root" (the root or its state.json), "link" (``rank{r}`` -> ``.g{N}/rank{r}``),
+        "gen" (``.g{N}``), or "view" (``.g{N}/rank{r}`` and its files). Only the current N exists.
+        """
         parts = path.strip("/").split("/") if path != "/" else []
         if not parts:
-            return None, None
-        if len(parts) == 1 and parts[0] == STATE_NAME:
-            return None, STATE_NAME
-        match = _RANK_DIR.match(parts[0])
-        if match and int(match.group(1)) < gen.dp:
+            return "root", None, None
+        if parts == [STATE_NAME]:
+            return "root", None, STATE_NAME
+        rank = self._rank(parts[0], gen)
+        if rank is not None and len(parts) == 1:
+            return "link", rank, None
+        if parts[0] == _gen_dir(gen):
             if len(parts) == 1:
-                return int(match.group(1)), None
-            if len(parts) == 2 and parts[1] in RANK_FILES:
-                return int(match.group(1)), parts[1]
+                return "gen", None, None
+            rank = self._rank(parts[1], gen)
+            if rank is not None and len(parts) == 2:
+                return "view", rank, None
+            if rank is not None and len(parts) == 3 and parts[2] in RANK_FILES:
+                return "view", rank, parts[2]
         raise fuse.FuseOSError(errno.ENOENT)
+
+    @staticmethod
+    def _rank(name: str, gen: Generation) -> int | None:
+        match = _RANK_DIR.match(name)
+        return int(match.group(1)) if match and int(match.group(1)) < gen.dp else None
 
     def _size(self, gen: Generation, rank: int | None, name: str) -> int:
         if rank is None:
@@ -169,22 +191,43 @@ class TenplexFS(fuse.Operations):
         return json.dumps(self._root_doc(), separators=(",", ":")).encode()
 
     def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
-        gen = self.generation
-        rank, name = self._parse(path, gen)
+        handle = self._handles.get(fh.fh) if fh is not None and hasattr(fh, "fh") else None
+        if handle is not None and handle.rank is not None:  # fstat of an open file: its own generation
+            gen, kind, rank, name = handle.generation, "view", handle.rank, handle.name
+        else:
+            gen = self.generation
+            kind, rank, name = self._parse(path, gen)
         times = {"st_mtime": gen.created_ns, "st_ctime": gen.created_ns, "st_atime": gen.created_ns}
         owner = {"st_uid": self._uid, "st_gid": self._gid}
+        if kind == "link":
+            target = self._link_target(gen, rank)
+            return {"st_mode": stat.S_IFLNK | 0o777, "st_nlink": 1, "st_size": len(target), **times, **owner}
         if name is None:
             return {"st_mode": stat.S_IFDIR | 0o555, "st_nlink": 2, **times, **owner}
         return {"st_mode": stat.S_IFREG | 0o444, "st_nlink": 1, "st_size": self._size(gen, rank, name),
                 **times, **owner}
 
+    @staticmethod
+    def _link_target(gen: Generation, rank: int) -> str:
+        return f"{_gen_dir(gen)}/rank{rank}"
+
+    def readlink(self, path: str) -> str:
+        gen = self.generation
+        kind, rank, _ = self._parse(path, gen)
+        if kind != "link":
+            raise fuse.FuseOSError(errno.EINVAL)
+        return self._link_target(gen, rank)
+
     def readdir(self, path: str, fh: Any) -> list[str]:
         gen = self.generation
-        rank, name = self._parse(path, gen)
-        if name is not None:
+        kind, rank, name = self._parse(path, gen)
+        if name is not None or kind == "link":
             raise fuse.FuseOSError(errno.ENOTDIR)
-        if rank is None:
-            return [".", "..", STATE_NAME, *(f"rank{r}" for r in range(gen.dp))]
+        ranks = [f"rank{r}" for r in range(gen.dp)]
+        if kind == "root":   # the generation directory stays out of listings: ranks are what users see
+            return [".", "..", STATE_NAME, *ranks]
+        if kind == "gen":
+            return [".", "..", *ranks]
         return [".", "..", *RANK_FILES]
 
     def statfs(self, path: str) -> dict[str, int]:
@@ -196,7 +239,7 @@ class TenplexFS(fuse.Operations):
         if fi.flags & os.O_ACCMODE != os.O_RDONLY or fi.flags & (os.O_TRUNC | os.O_CREAT):
             raise fuse.FuseOSError(errno.EROFS)
         gen = self.generation
-        rank, name = self._parse(path, gen)
+        kind, rank, name = self._parse(path, gen)
         if name is None:
             raise fuse.FuseOSError(errno.EISDIR)
         if rank is not None and self.error:
@@ -210,10 +253,11 @@ class TenplexFS(fuse.Operations):
         fh = next(self._ids)
         self._handles[fh] = _Handle(gen, rank, name, content)
         fi.fh = fh
-        # No page cache: a handle's bytes always come from its own generation, and a switch can
-        # never leave stale pages of an old view behind under the same path.
-        fi.direct_io = 1
-        fi.keep_cache = 0
+        # A view file's path names its generation and its bytes never change, so the kernel may keep
+        # its pages across opens (warm re-reads never reach this process); a newer generation has
+        # other paths, hence other inodes and caches. The root state.json changes: never cache it.
+        fi.keep_cache = int(rank is not None)
+        fi.direct_io = int(rank is None)
         return 0
 
     def _handle(self, fi: Any) -> _Handle:

@@ -131,23 +131,37 @@ def test_exactly_once_across_switches_and_epochs(mounted):
         assert len(ids) == len(set(ids)) == 90
 
 
-def test_open_handle_of_old_generation_gets_estale(mounted):
+def test_switch_is_atomic_for_open_handles(mounted, dataset):
+    info, _ = dataset
     mnt = mounted.mountpoint
     reader = open_mounted(mnt, 2)
-    reader.read(0)
-    raw = os.open(mnt / "rank2" / "data", os.O_RDONLY)
+    old = [reader.read(i) for i in range(3)]     # rank 2's pages of generation 1 are now in the page cache
+    untouched = os.open(mnt / "rank1" / "data", os.O_RDONLY)   # opened, nothing read: no cached pages
     try:
         root = switch(mnt, dp=2, position=20)
         assert root["generation"] == 2 and sorted(os.listdir(mnt)) == ["rank0", "rank1", "state.json"]
+        assert os.readlink(mnt / "rank1") == ".g2/rank1" and not os.path.exists(mnt / ".g1")
+        # An old handle gets its own generation's bytes or ESTALE, never the new view's bytes.
         with pytest.raises(OSError) as e:
-            os.pread(raw, 10, 0)
+            os.pread(untouched, 10, 0)
         assert e.value.errno == errno.ESTALE
-        with pytest.raises(DatasetError, match="switched to a new view"):
-            reader.read(1)
-        assert not os.path.exists(mnt / "rank2")
+        for i in range(len(reader)):
+            try:
+                data = reader.read(i)             # crc-checked against generation 1's index
+            except DatasetError as err:
+                assert "switched to a new view" in str(err)
+                break
+            if i < 3:
+                assert data == old[i]
+        with pytest.raises(DatasetError, match="no such rank directory"):
+            open_mounted(mnt, 2)
+        new = open_mounted(mnt, 1)
+        fb = open_fallback(info.root, DatasetState(info.identity, N, 7, 20, B), 2, 1)
+        assert new.sample_ids.tolist() == fb.sample_ids.tolist() and new.read(5) == fb.read(5)
         assert json.loads((mnt / "rank1" / "state.json").read_text())["state"]["position"] == 20
+        new.close()
     finally:
-        os.close(raw)
+        os.close(untouched)
         reader.close()
 
 
@@ -176,11 +190,18 @@ def test_dataset_changed_under_the_mount(mounted, dataset):
     while not fuse_vfs.read_root(mounted.mountpoint)["error"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "records-00001.bin" in fuse_vfs.read_root(mounted.mountpoint)["error"]
-    with pytest.raises(DatasetError, match="dataset may have changed"):
-        reader.read(1)
     with pytest.raises(OSError) as e:
         open(mounted.mountpoint / "rank1" / "data", "rb")
     assert e.value.errno == errno.EIO
+    with pytest.raises(DatasetError, match="dataset may have changed"):
+        open_mounted(mounted.mountpoint, 2)
+    # A reader opened before the change still sees only verified bytes of the old view, or the error.
+    for i in range(len(reader)):
+        try:
+            reader.read(i)
+        except DatasetError as err:
+            assert "dataset may have changed" in str(err)
+            break
     reader.close()
 
 
@@ -189,7 +210,11 @@ def test_paths_outside_the_view_are_rejected(mounted):
     for bad in ("rank3", "rank01", "rank-1", "rank", "rank0/../../etc/passwd", "rank0/data/x", "rank0/..data",
                 ".tenplex", "rank0/%2e%2e", "rank99999999999"):
         assert not os.path.exists(mnt / bad), bad
-    assert os.path.realpath(mnt / "rank0" / ".." / "..") == str(mnt.parent)  # ".." never reaches the server
+    for bad in (".g0", ".g2", ".g1/rank3", ".g1/state.json", ".g01", ".g1/rank0/../../.."):
+        assert not os.path.exists(mnt / bad) or os.path.realpath(mnt / bad) == str(mnt.parent), bad
+    # ".." is resolved by the kernel and never reaches the server: rank0 -> .g1/rank0, then up twice.
+    assert os.path.realpath(mnt / "rank0" / ".." / "..") == str(mnt)
+    assert os.path.realpath(mnt / "rank0") == str(mnt / ".g1" / "rank0")
     with pytest.raises(OSError) as e:
         open(mnt / "rank0" / "data", "r+b")
     assert e.value.errno in (errno.EROFS, errno.EACCES)

@@ -82,17 +82,21 @@ class MountedRankReader(RankReader):
 
     def __init__(self, rank_dir: str | os.PathLike):
         self.dir = Path(rank_dir)
-        # Open data first: index and state are then of the same or a newer generation, and a newer one
-        # makes every read of this (older) data handle fail with ESTALE, so a mix is never returned.
+        # rank{r} links to the current generation's directory: resolve it once and read data, index
+        # and state all from there, so they belong to one generation even if the mount switches now.
+        if not self.dir.exists():
+            raise DatasetError(f"{self.dir}: no such rank directory in the mount (the dp degree may have "
+                               "changed; reopen with a valid rank)")
+        self.view_dir = Path(os.path.realpath(self.dir))
         self._fd: int | None = None
         self._pid = -1
         self._lock = threading.Lock()
         self._open()
         try:
-            doc = json.loads((self.dir / STATE_NAME).read_bytes())
-            index = np.load(self.dir / INDEX_NAME, allow_pickle=False)
+            doc = json.loads((self.view_dir / STATE_NAME).read_bytes())
+            index = np.load(self.view_dir / INDEX_NAME, allow_pickle=False)
         except FileNotFoundError as e:
-            raise DatasetError(f"{self.dir}: not a rank directory of a tenplex mount ({e.filename} missing)") from None
+            raise self._error(e) from None
         except OSError as e:
             raise self._error(e) from None
         if doc.get("format") != VIEW_FORMAT or index.ndim != 2 or index.shape[1] != 4:
@@ -108,15 +112,14 @@ class MountedRankReader(RankReader):
         with self._lock:
             if self._fd is None or self._pid != os.getpid():
                 try:
-                    self._fd = os.open(self.dir / DATA_NAME, os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    raise DatasetError(f"{self.dir}: no such rank directory in the mount (the dp degree may "
-                                       "have changed; reopen with a valid rank)") from None
+                    self._fd = os.open(self.view_dir / DATA_NAME, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as e:
+                    raise self._error(e) from None
                 self._pid = os.getpid()
             return self._fd
 
     def _error(self, e: OSError) -> Exception:
-        if e.errno == errno.ESTALE:
+        if e.errno in (errno.ESTALE, errno.ENOENT):
             return DatasetError(f"{self.dir}: the mount switched to a new view (dp degree or position changed) "
                                 "after this reader opened it; reopen the rank directory")
         if e.errno == errno.EIO:
