@@ -156,3 +156,49 @@ def test_regions_are_read_into_tensors_from_several_shards(tmp_path):
     piece, = tensor_pieces("w", target, Annotation((4, 6), (1, 0)))
     read_piece(store.open(1), [("h0/0", Box((1, 0), (2, 3))), ("h0/1", Box((1, 3), (2, 3)))], piece)
     assert torch.equal(target, full[1:3])
+
+
+def test_a_layout_made_in_advance_must_give_each_device_what_its_model_needs():
+    old = Layout.build({"w": TensorSpec((4, 4), "float32")}, {"h0/0": [Shard("w", Box.whole((4, 4)))]})
+    docs = [_doc("h0/0", {"w": [[4, 4], "float32"]}, [["w", [0, 0], [2, 4]]])]
+    piece, = tensor_pieces("w", torch.zeros(2, 4), Annotation((4, 4), (0, 0)))
+    given = Layout.build(old.tensors, {"h0/0": [Shard("w", Box((0, 0), (2, 4)))],
+                                       "h0/1": [Shard("w", Box((2, 0), (2, 4)))]})
+    assert _check_and_build(old, docs, given, "h0/0", [piece]) is given
+    wrong = Layout.build(old.tensors, {"h0/0": [Shard("w", Box((2, 0), (2, 4)))],
+                                       "h0/1": [Shard("w", Box((0, 0), (2, 4)))]})
+    with pytest.raises(StateMismatchError, match=r"does not give device h0/0 .*w \[0:2, 0:4\]"):
+        _check_and_build(old, docs, wrong, "h0/0", [piece])
+
+
+def test_gradient_scaler_and_scheduler_state_round_trip_as_json():
+    import json
+    from tenplex.integration.nontensor import from_json
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    docs = json.loads(json.dumps([to_json(scheduler.state_dict(), "s"), to_json(scaler.state_dict(), "g")]))
+    fresh_scheduler = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(model.parameters(), lr=1.0), step_size=2)
+    fresh_scheduler.load_state_dict(from_json(docs[0]))
+    fresh_scaler = torch.amp.GradScaler("cpu")
+    fresh_scaler.load_state_dict(from_json(docs[1]))
+    assert fresh_scheduler.state_dict() == scheduler.state_dict()
+    assert fresh_scaler.state_dict() == scaler.state_dict() and fresh_scaler.get_scale() == 1024.0
+
+
+def test_a_model_only_restore_ignores_saved_optimizer_tensors_but_not_missing_parameters():
+    old = Layout.build({"w": TensorSpec((2,), "float32"), "optim.exp_avg.w": TensorSpec((2,), "float32"),
+                        "b": TensorSpec((1,), "float32")},
+                       {"h0/0": [Shard("w", Box.whole((2,))), Shard("optim.exp_avg.w", Box.whole((2,))),
+                                 Shard("b", Box.whole((1,)))]})
+    docs = [_doc("h0/0", {"w": [[2], "float32"], "b": [[1], "float32"]}, [["w", [0], [2]], ["b", [0], [1]]])]
+    assert set(_check_and_build(old, docs, None, "h0/0", [], with_optimizer=False).tensors) == {"w", "b"}
+    with pytest.raises(StateMismatchError, match="'optim.exp_avg.w'"):
+        _check_and_build(old, docs, None, "h0/0", [])
+    docs = [_doc("h0/0", {"w": [[2], "float32"]}, [["w", [0], [2]]])]
+    with pytest.raises(StateMismatchError, match="'b' \\(shape \\[1\\]\\) was saved"):
+        _check_and_build(old, docs, None, "h0/0", [], with_optimizer=False)

@@ -46,7 +46,7 @@ from .annotate import Annotations
 from .exchange import agree, all_gather_json, broadcast_json
 from .nontensor import (StateMismatchError, apply_optimizer_doc, apply_rng, capture_rng, derived_seed, from_json,
                         optimizer_doc, seed_rng, to_json)
-from .pieces import (Piece, init_optimizer_state, model_pieces, optimizer_pieces, optimizer_scalars,
+from .pieces import (OPTIMIZER_PREFIX, Piece, init_optimizer_state, model_pieces, optimizer_pieces, optimizer_scalars,
                      set_optimizer_scalars)
 from .shardio import read_piece, write_piece
 
@@ -133,8 +133,10 @@ class Checkpointer:
 
         try:
             agree(f"save of step {step} (staging version {version})", stage, self.group)
+            # Name the parts: a crashed earlier attempt may have left other ranks' parts of this version staged.
+            parts = [f"rank{r}" for r, d in enumerate(docs) if d["host"] == self.host]
             agree(f"save of step {step} (committing version {version})",
-                  lambda: self.store.commit(version) if rank == leader else None, self.group)
+                  lambda: self.store.commit(version, parts=parts) if rank == leader else None, self.group)
         except Exception:
             if rank == leader:
                 self.store.abort(version)
@@ -170,8 +172,10 @@ class Checkpointer:
                 layout: Layout | None = None, version: int | None = None) -> int | None:
         """Load the newest saved state into ``model`` and ``optimizer`` (in place); return its step. Collective.
 
-        Returns None (and changes nothing) when no state was saved yet. ``extra``,
-        if given, is updated with the saved ``extra`` dict. ``layout`` is a new
+        Returns None when no state was saved yet (the optimizer then holds its
+        fresh, zeroed state). ``extra``, if given, is updated with the saved
+        ``extra`` dict. Without an optimizer only the model is restored and the
+        saved optimizer state is ignored. ``layout`` is a new
         layout made in advance (by partition rules) to plan with instead of
         the one gathered from the ranks; it must give every rank what it needs.
         """
@@ -188,7 +192,8 @@ class Checkpointer:
             return None
         saved_version, old, state = found
         new = agree("restore: check the new layout",
-                    lambda: _check_and_build(old, docs, layout, self.device, pieces), self.group)
+                    lambda: _check_and_build(old, docs, layout, self.device, pieces,
+                                             with_optimizer=optimizer is not None), self.group)
         if optimizer is not None:
             agree("restore: check the optimizer", lambda: _check_optimizer(optimizer, model, state), self.group)
         info = RestoreInfo(version=saved_version, saved_version=saved_version)
@@ -220,9 +225,14 @@ class Checkpointer:
             src = min(r for r, d in enumerate(docs) if v in d["versions"])
             payload = None
             if dist.get_rank(self.group) == src:
-                reader = self.store.open(v)
-                payload = {"layout": reader.get_json(LAYOUT_DOC), "state": reader.get_json(STATE_DOC)}
+                try:
+                    reader = self.store.open(v)
+                    payload = {"layout": reader.get_json(LAYOUT_DOC), "state": reader.get_json(STATE_DOC)}
+                except Exception as e:  # noqa: BLE001 -- every rank raises it after the broadcast
+                    payload = {"error": f"{type(e).__name__}: {e}"}
             payload = broadcast_json(payload, src=_global_rank(src, self.group), group=self.group)
+            if "error" in payload:
+                raise StateMismatchError(f"cannot read version {v} on host {docs[src]['host']}: {payload['error']}")
             old = layout_from_dict(payload["layout"], source=f"version {v}")
             # A host of the job that should hold v but does not: v's commit did not finish there.
             if all(v in job_hosts[h] for h in old.hosts() if h in job_hosts):
@@ -338,8 +348,10 @@ def _needed_layout(docs) -> Layout:
     return Layout.build(tensors, devices)
 
 
-def _check_and_build(old: Layout, docs, given: Layout | None, device: str, pieces: list[Piece]) -> Layout:
-    """The new layout, after checking it against the saved one; StateMismatchError names what differs."""
+def _check_and_build(old: Layout, docs, given: Layout | None, device: str, pieces: list[Piece],
+                     with_optimizer: bool = True) -> Layout:
+    """The new layout, after checking it against the saved one; StateMismatchError names what differs.
+    Without an optimizer, saved optimizer tensors are not expected."""
     needed = _needed_layout(docs)
     problems = []
     for name, spec in sorted(needed.tensors.items()):
@@ -350,6 +362,8 @@ def _check_and_build(old: Layout, docs, given: Layout | None, device: str, piece
             problems.append(f"tensor {name!r} has shape {list(spec.shape)} {spec.dtype} in the restored job but "
                             f"{list(saved.shape)} {saved.dtype} in the saved state")
     for name in sorted(set(old.tensors) - set(needed.tensors)):
+        if not with_optimizer and name.startswith(OPTIMIZER_PREFIX):
+            continue
         problems.append(f"tensor {name!r} (shape {list(old.tensors[name].shape)}) was saved but the restored job "
                         f"has no such tensor")
     if problems:

@@ -64,6 +64,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+OPTIMIZER_PREFIX = optimizer_state_name("STATE", "P").split("STATE")[0]  # "optim.": starts every optimizer tensor
+
+
 def optimizer_tensor_name(param_name: str, key: str) -> str:
     """``optim.exp_avg.layers.0.attn.wq.weight``: the PTC core's name, so partition-rule layouts match."""
     return optimizer_state_name(key, param_name)
