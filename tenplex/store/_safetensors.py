@@ -46,22 +46,32 @@ def header_bytes(key: str, dtype: str, shape: tuple[int, ...], metadata: dict[st
     return struct.pack("<Q", len(text)) + text
 
 
-def create(path: Path, key: str, dtype: str, shape: tuple[int, ...], metadata: dict[str, str]) -> tuple[int, int]:
-    """Create a zero-filled file for one tensor; return (data offset, data bytes)."""
+def create(path: Path, key: str, dtype: str, shape: tuple[int, ...], metadata: dict[str, str],
+           reserve: bool = True) -> tuple[int, int]:
+    """Create a zero-filled file for one tensor; return (data offset, data bytes).
+
+    ``reserve`` allocates the file's space now (see :func:`reserve`); without
+    it the file is sparse until written."""
     head = header_bytes(key, dtype, shape, metadata)
     nbytes = itemsize(dtype) * int(np.prod(shape, dtype=np.int64))
     with open(path, "xb") as f:
         f.write(head)
         f.truncate(len(head) + nbytes)
-        if nbytes:
-            try:
-                # Reserve the space now: a full disk fails here, before any data moved, and
-                # the pages are allocated in one call rather than one fault at a time.
-                os.posix_fallocate(f.fileno(), 0, len(head) + nbytes)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
+        if reserve:
+            reserve_space(f.fileno(), len(head) + nbytes)
     return len(head), nbytes
+
+
+def reserve_space(fd: int, size: int) -> None:
+    """Allocate ``size`` bytes of the file now: a full disk fails here, before any data moved, and the
+    pages are allocated in one call rather than one page fault at a time. Existing data is untouched."""
+    if not size:
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate: stay sparse
+            raise
 
 
 def write(path: Path, key: str, dtype: str, array: np.ndarray, metadata: dict[str, str]) -> memoryview:

@@ -319,10 +319,13 @@ class VersionWriter:
         self._add(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel, checksum(data), data.nbytes))
 
     def create(self, device: str, tensor: str, box: Box, dtype: str,
-               shape: tuple[int, ...] | None = None) -> ShardTarget:
-        """A new zero-filled shard to fill region by region (``target.write``) before ``prepare``."""
+               shape: tuple[int, ...] | None = None, reserve: bool = True) -> ShardTarget:
+        """A new zero-filled shard to fill region by region (``target.write``) before ``prepare``.
+        ``reserve=False`` defers allocating its space to ``target.reserve()`` (which may run while
+        other threads already write)."""
         rel, path = self._claim(device, tensor, box, dtype, shape)
-        offset, nbytes = st.create(path, tensor, dtype, box.lengths, self._metadata(device, tensor, box, shape))
+        offset, nbytes = st.create(path, tensor, dtype, box.lengths, self._metadata(device, tensor, box, shape),
+                                   reserve=reserve)
         target = ShardTarget(path, offset, box, dtype)
         self._add(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel, "", nbytes), target)
         return target

@@ -78,6 +78,10 @@ class ShardTarget:
             offset = base + sum(j * s for j, s in zip(index, self._strides))
             self._pwrite(buffer[i * run:(i + 1) * run], offset)
 
+    def reserve(self) -> None:
+        """Allocate the file's space now (fails early on a full disk); safe while others write."""
+        st.reserve_space(self._fd, self.data_offset + self.box.volume * self.itemsize)
+
     def _pwrite(self, view: memoryview, offset: int) -> None:
         while view.nbytes:
             written = os.pwrite(self._fd, view, offset)

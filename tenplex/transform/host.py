@@ -241,6 +241,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
     jobs: list[Callable[[], None]] = []
     fan_out: list[tuple[Transfer, tuple]] = []
     small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = {}  # source host -> small remote regions
+    reserves: list[Callable[[], None]] = []
     for key, fills in by_shard.items():
         device, tensor, box = key
         spec = new.tensors[tensor]
@@ -254,8 +255,10 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
             linked[key] = reader.array(linkable)
             advance(box.volume * spec.itemsize, "linked")
             continue
-        target = writer.create(device, tensor, box, spec.dtype, spec.shape)
+        # Space is reserved by the first jobs (below) so allocation overlaps the first pulls.
+        target = writer.create(device, tensor, box, spec.dtype, spec.shape, reserve=False)
         targets[key] = target
+        reserves.append(target.reserve)
         for t in fills:
             if t.source == "new":
                 fan_out.append((t, key))
@@ -269,7 +272,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
     for items in small.values():
         jobs.extend(_batch_job(sources, batch, advance, cancelled) for batch in _batches(items))
     with ThreadPoolExecutor(max_workers=max(1, streams), thread_name_prefix=f"pull-{host}") as pool:
-        running = [pool.submit(job) for job in jobs]
+        running = [pool.submit(job) for job in (*reserves, *jobs)]
         done, _ = wait(running, return_when=FIRST_EXCEPTION)
         for future in done:
             if future.exception() is not None:
