@@ -21,6 +21,7 @@ __all__ = [
     "__version__",
     "Checkpointer", "save", "restore", "Annotation", "StateMismatchError",
     "Store", "StoreError", "TransformError",
+    "DatasetState", "DatasetError",
 ]
 
 # The PyTorch integration imports torch: load it on first use so that `import tenplex` and the CLI stay fast.
@@ -31,6 +32,9 @@ def __getattr__(name: str):
     if name in _INTEGRATION:
         from . import integration
         return getattr(integration, name)
+    if name in ("DatasetState", "DatasetError"):  # numpy-backed: loaded on first use
+        from . import dataset
+        return getattr(dataset, name)
     if name == "Store":  # numpy-backed: also loaded on first use
         from .store import Store
         return Store

@@ -110,3 +110,28 @@ def test_orders_are_seeded_per_epoch():
     a, b = epoch_order(1000, 3, 0), epoch_order(1000, 3, 1)
     assert sorted(a.tolist()) == list(range(1000)) and not np.array_equal(a, b)
     assert np.array_equal(a, epoch_order(1000, 3, 0)) and not np.array_equal(a, epoch_order(1000, 4, 0))
+
+
+def test_state_module_is_pure_and_dataset_never_imports_fuse_vfs():
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import tenplex.dataset.state as state_module
+    tree = ast.parse(Path(state_module.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {("." * n.level) + (n.module or "") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported <= {"__future__", "dataclasses", "typing", "numpy", "..errors"}, imported
+    code = ("import sys, tenplex.dataset, tenplex.dataset.reader, tenplex.dataset.remote, tenplex.cli.data; "
+            "print(sorted(m for m in sys.modules if m.startswith(('fuse_vfs', 'mfusepy', 'fuse', 'torch'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_keep_last_with_more_ranks_than_the_tail_batch():
+    from tenplex.dataset.state import remaining_in_epoch
+    s = DatasetState("", 23, 0, 20, 10, drop_last=False)   # the tail batch holds 3 samples
+    parts = [remaining_in_epoch(s, 5, r) for r in range(5)]
+    assert [p[1].tolist() for p in parts] == [[1], [1], [1], [0], [0]]
+    assert sorted(i for p in parts for i in p[0].tolist()) == sorted(epoch_order(23, 0, 0)[20:].tolist())
