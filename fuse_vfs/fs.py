@@ -308,6 +308,11 @@ class TenplexFS(fuse.Operations):
 
     # -- lifecycle --------------------------------------------------------------------------------
     def init_with_config(self, conn: Any, config: Any) -> None:
+        """mfusepy's init: size the connection, then start the watcher."""
         if conn is not None and hasattr(conn, "max_read"):
             conn.max_read = MAX_READ  # libfuse3 refuses to start unless this matches the max_read option
+        self.init("/")
+
+    def init(self, path: str) -> None:
+        """fusepy's init (mfusepy calls init_with_config instead): start the watcher once mounted."""
         threading.Thread(target=self._on_init, name="tenplex-vfs-watch", daemon=True).start()

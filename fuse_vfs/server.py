@@ -30,6 +30,7 @@ from .fs import ROOT_FORMAT, Generation, TenplexFS, build_generation
 from .preflight import check_fuse, check_mountpoint
 
 POLL_S = 0.05
+DATASET_CHECK_EVERY = 10  # polls between checks that the dataset is unchanged (0.5 s)
 
 
 def load_state_file(path: Path, info: DatasetInfo) -> tuple[DatasetState, int]:
@@ -109,12 +110,15 @@ class Server:
 
     def watch(self) -> None:
         """Follow the state file and the dataset until the mount goes away (runs in a daemon thread)."""
+        polls = 0
         while not self.stop.wait(POLL_S):
             key = _stat_key(self.state_file)
             if key != self._state_key:
                 self._state_key = key
                 self.reload()
-            self.check_dataset()
+            polls += 1
+            if polls % DATASET_CHECK_EVERY == 0:  # a stat per record file: not at every poll
+                self.check_dataset()
 
     def run(self, allow_other: bool = False, debug: bool = False) -> None:
         from .fs import MOUNT_OPTIONS, fuse
