@@ -42,8 +42,12 @@ under ``<root>/datasets/``) and ``transform`` (this host's part of a plan).
 """
 
 from ..errors import StoreError
-from .local import (LAYOUT_DOC, MANIFEST_FORMAT, ShardEntry, Store, VersionReader, VersionWriter, checksum,
-                    layout_from_manifests)
+from .local import Store
+from .manifest import LAYOUT_DOC, MANIFEST_FORMAT, NotFound, OutOfRange, ShardEntry
+from .reader import VersionReader, layout_from_manifests
+from .target import ShardTarget, checksum
+from .writer import VersionWriter
 
-__all__ = ["Store", "VersionWriter", "VersionReader", "ShardEntry", "StoreError", "checksum",
+__all__ = ["Store", "VersionWriter", "VersionReader", "ShardEntry", "ShardTarget", "StoreError", "NotFound",
+           "OutOfRange", "checksum",
            "layout_from_manifests", "MANIFEST_FORMAT", "LAYOUT_DOC"]

@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import errno
 import functools
-import hmac
 import inspect
 import json
 import logging
 import os
 import queue
-import stat
 import threading
 from concurrent import futures
-from pathlib import Path
 from typing import Callable
 
 import grpc
@@ -44,19 +41,16 @@ from ..box import Box
 from ..errors import StoreError, TenplexError
 from . import wire
 from ._proto import store_pb2 as pb
-from .local import Store, VersionReader, VersionWriter
+from .datasets import resolve_dataset_path
+from .manifest import NotFound, OutOfRange
+from .auth import TokenCheck
+from .local import Store
+from .reader import VersionReader
+from .writer import VersionWriter
 
 log = logging.getLogger(__name__)
 SERVICE = "tenplex.v1.Store"
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
-
-
-class NotFound(StoreError, LookupError):
-    """Unknown version, device, tensor, JSON document or file."""
-
-
-class OutOfRange(StoreError, IndexError):
-    """A region outside what is stored."""
 
 
 # ---------------------------------------------------------------- errors --
@@ -150,10 +144,7 @@ class StoreService:
                 del self._readers[version]  # deleted or garbage-collected since
                 reader = None
         if reader is None:
-            try:
-                reader = self.store.open(version)
-            except StoreError as e:
-                raise NotFound(str(e)) from None
+            reader = self.store.open(version)
             with self._lock:
                 self._readers[version] = reader
         return reader
@@ -166,14 +157,6 @@ class StoreService:
                 writer = self.store.begin(key[0], key[1])
                 self._writers[key] = writer
             return writer
-
-    def _find(self, reader: VersionReader, device: str, tensor: str, box: Box):
-        try:
-            return reader.find(device, tensor, box)
-        except StoreError as e:
-            if "lies inside no box" in str(e):
-                raise OutOfRange(str(e)) from None
-            raise NotFound(str(e)) from None
 
     # -- metadata
     @_guard
@@ -191,19 +174,14 @@ class StoreService:
 
     @_guard
     def GetJson(self, request, context):
-        reader = self._reader(request.version)
-        try:
-            doc = reader.get_json(request.name)
-        except StoreError as e:
-            raise NotFound(str(e)) from None
-        return pb.GetJsonReply(json=json.dumps(doc))
+        return pb.GetJsonReply(json=json.dumps(self._reader(request.version).get_json(request.name)))
 
     # -- data
     @_guard
     def ReadBox(self, request, context):
         box = wire.from_pb_box(request.box)
         reader = self._reader(request.version)
-        entry = self._find(reader, request.device, request.tensor, box)
+        entry = reader.find(request.device, request.tensor, box)
         yield from self._chunks(reader.array(entry), entry.box, box, _chunk_bytes(request.chunk_bytes))
 
     @_guard
@@ -212,7 +190,7 @@ class StoreService:
         regions = []
         for ref in request.boxes:  # all checked before any data is sent
             box = wire.from_pb_box(ref.box)
-            regions.append((box, self._find(reader, ref.device, ref.tensor, box)))
+            regions.append((box, reader.find(ref.device, ref.tensor, box)))
         chunk_bytes = _chunk_bytes(request.chunk_bytes)
         for index, (box, entry) in enumerate(regions):
             yield from self._chunks(reader.array(entry), entry.box, box, chunk_bytes, index)
@@ -321,26 +299,9 @@ class StoreService:
                 raise value
 
     # -- dataset files
-    def _dataset_path(self, relative: str) -> Path:
-        if not relative or relative.startswith("/") or "\\" in relative or "\0" in relative:
-            raise ValueError(f"dataset path {relative!r} must be a non-empty relative path")
-        if any(part in ("..", "") for part in relative.split("/")):
-            raise ValueError(f"dataset path {relative!r} may not contain '..' or empty components")
-        base = (self.store.root / "datasets").resolve()
-        path = (base / relative).resolve()
-        if base != path and base not in path.parents:
-            raise PermissionError(f"dataset path {relative!r} leads outside the datasets directory (symlink?)")
-        try:
-            st = path.stat()
-        except FileNotFoundError:
-            raise NotFound(f"no dataset file {relative!r} on host {self.store.host}") from None
-        if not stat.S_ISREG(st.st_mode):
-            raise NotFound(f"dataset path {relative!r} on host {self.store.host} is not a regular file")
-        return path
-
     @_guard
     def StatFile(self, request, context):
-        st = self._dataset_path(request.path).stat()
+        st = resolve_dataset_path(self.store.root / "datasets", request.path, self.store.host).stat()
         return pb.StatFileReply(size=st.st_size, mtime=st.st_mtime)
 
     @_guard
@@ -348,7 +309,7 @@ class StoreService:
         if request.offset < 0 or request.length < -1:
             raise ValueError(f"ReadFile {request.path!r}: offset {request.offset} and length {request.length} "
                              f"must be >= 0 (length -1 = to the end)")
-        path = self._dataset_path(request.path)
+        path = resolve_dataset_path(self.store.root / "datasets", request.path, self.store.host)
         chunk_bytes = _chunk_bytes(request.chunk_bytes)
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -367,30 +328,6 @@ def _chunk_bytes(requested: int) -> int:
     if requested <= 0:
         return wire.DEFAULT_CHUNK_BYTES
     return max(4096, min(int(requested), wire.MAX_CHUNK_BYTES))
-
-
-# ------------------------------------------------------------------ auth --
-class _TokenCheck(grpc.ServerInterceptor):
-    def __init__(self, token: str):
-        self._expected = f"Bearer {token}".encode()
-
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        presented = dict(details.invocation_metadata or ()).get("authorization", "")
-        if handler is None or hmac.compare_digest(str(presented).encode(), self._expected):
-            return handler
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong store token (send metadata 'authorization: Bearer TOKEN')")
-
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(deny)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(deny)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
 
 
 # ---------------------------------------------------------------- server --
@@ -443,7 +380,7 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
     service = StoreService(store, transformer=transformer, token=token,
                            peer_root_certificates=peer_root_certificates)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store"),
-                         interceptors=[_TokenCheck(token)] if token else None,
+                         interceptors=[TokenCheck(token)] if token else None,
                          options=wire.channel_options())
     server.add_generic_rpc_handlers((_handlers(service),))
     address = f"[{bind.strip('[]')}]:{port}" if ":" in bind.strip("[]") else f"{bind}:{port}"

@@ -1,0 +1,79 @@
+"""The on-disk records of a store: manifest rows, formats, names, and durable JSON writes.
+
+May import: ``tenplex.box``, ``tenplex.errors`` and the standard library.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..box import Box
+from ..errors import StoreError
+
+class NotFound(StoreError, LookupError):
+    """Unknown version, device, tensor, JSON document or dataset file (gRPC NOT_FOUND)."""
+
+
+class OutOfRange(StoreError, IndexError):
+    """A region outside what is stored (gRPC OUT_OF_RANGE)."""
+
+
+MANIFEST_FORMAT = "tenplex.store.manifest/1"
+PART_FORMAT = "tenplex.store.part/1"
+LAYOUT_DOC = "layout"  # version-level JSON doc holding the whole tenplex.layout/1
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_name(kind: str, name: str) -> str:
+    if not isinstance(name, str) or not NAME_PATTERN.match(name):
+        raise StoreError(f"{kind} name {name!r} is not a simple identifier (letters, digits, '_', '.', '-'; "
+                         f"not starting with '.' or '-')")
+    return name
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_durable(path: Path, doc) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        json.dump(doc, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One stored shard of a version: manifest row."""
+
+    device: str
+    tensor: str
+    box: Box
+    dtype: str
+    shape: tuple[int, ...] | None  # global shape when the writer knew it
+    file: str                      # relative to the version directory
+    xxh3: str
+    nbytes: int
+
+    def to_dict(self) -> dict:
+        return {"device": self.device, "tensor": self.tensor, "offsets": list(self.box.offsets),
+                "lengths": list(self.box.lengths), "dtype": self.dtype,
+                "shape": None if self.shape is None else list(self.shape),
+                "file": self.file, "xxh3": self.xxh3, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardEntry":
+        return cls(d["device"], d["tensor"], Box(tuple(d["offsets"]), tuple(d["lengths"])), d["dtype"],
+                   None if d.get("shape") is None else tuple(d["shape"]), d["file"], d["xxh3"], int(d["nbytes"]))

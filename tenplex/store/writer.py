@@ -1,0 +1,190 @@
+"""Staging one part of a version: shard files, JSON documents, prepare (durable), commit.
+
+May import: numpy, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``,
+``tenplex.layout``, this package's ``_safetensors``, ``manifest`` and ``target``,
+and the standard library.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import shutil
+import threading
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import _safetensors as st
+from .manifest import LAYOUT_DOC, PART_FORMAT, ShardEntry, check_name, fsync_dir, write_json_durable
+from .target import ShardTarget, checksum
+from ..box import Box
+from ..dtypes import itemsize, numpy_storage
+from ..errors import StoreError
+from ..layout import Layout
+
+if TYPE_CHECKING:
+    from .local import Store
+    from .reader import VersionReader
+
+
+class VersionWriter:
+    """Stages one part of a version. Use as a context manager: an exception inside aborts the part.
+
+    ``put`` writes a complete shard; ``allocate`` returns a writable memory map of
+    a new shard to be filled in place (its checksum is computed at ``prepare``);
+    ``link`` reuses an already committed shard file without copying.
+    """
+
+    def __init__(self, store: Store, version: int, part: str):
+        self.store, self.version, self.part = store, version, part
+        self.staging = store.root / "staging" / str(version)
+        self.dir = self.staging / part
+        if self.dir.exists() or (self.staging / f"{part}.part.json").exists():
+            # A writer of the same name crashed earlier: its files are stale.
+            (self.staging / f"{part}.part.json").unlink(missing_ok=True)
+            shutil.rmtree(self.dir)
+        (self.dir / "json").mkdir(parents=True)
+        self._entries: list[ShardEntry] = []
+        self._pending: dict[str, ShardTarget] = {}  # file -> shard being filled, checksummed at prepare
+        self._json: dict[str, str] = {}
+        self._boxes: dict[tuple[str, str], list[Box]] = {}
+        self._names = itertools.count()
+        self._lock = threading.Lock()  # the server's WriteShard calls may fill one part concurrently
+        self._state = "open"
+
+    def __enter__(self) -> "VersionWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif self._state == "open":
+            self.abort()
+            raise StoreError(f"version {self.version} part {self.part}: the with-block ended without commit() "
+                             f"or prepare(); nothing was stored")
+
+    def _claim(self, device: str, tensor: str, box: Box, dtype: str, shape) -> tuple[str, Path]:
+        """Check and reserve (device, tensor, box); return a fresh file name for it."""
+        itemsize(dtype)
+        if dtype not in st.SAFETENSORS_DTYPE:
+            raise StoreError(f"dtype {dtype!r} cannot be stored in safetensors")
+        if shape is not None and not Box.whole(shape).contains(box):
+            raise StoreError(f"box {box} of tensor {tensor!r} lies outside its global shape {list(shape)}")
+        with self._lock:
+            if self._state != "open":
+                raise StoreError(f"version {self.version} part {self.part} is {self._state}; it takes no more shards")
+            boxes = self._boxes.setdefault((device, tensor), [])
+            if any(b.overlaps(box) for b in boxes):
+                raise StoreError(f"device {device} already has a box of tensor {tensor!r} overlapping {box} "
+                                 f"in this part")
+            boxes.append(box)
+            rel = f"{self.part}/{next(self._names):05d}.safetensors"
+        return rel, self.staging / rel
+
+    def _add(self, entry: ShardEntry, target: ShardTarget | None = None) -> None:
+        with self._lock:
+            self._entries.append(entry)
+            if target is not None:
+                self._pending[entry.file] = target
+
+    @staticmethod
+    def _metadata(device: str, tensor: str, box: Box, shape) -> dict[str, str]:
+        return {"tenplex.device": device, "tenplex.tensor": tensor,
+                "tenplex.offsets": json.dumps(list(box.offsets)),
+                "tenplex.global_shape": json.dumps(None if shape is None else list(shape))}
+
+    def put(self, device: str, tensor: str, box: Box, array: np.ndarray, dtype: str,
+            shape: tuple[int, ...] | None = None) -> None:
+        """Store ``array`` (shape == box.lengths; bfloat16 as uint16 bits) as ``device``'s box of ``tensor``."""
+        array = np.asarray(array)
+        if tuple(array.shape) != tuple(box.lengths):
+            raise StoreError(f"tensor {tensor!r} on {device}: array shape {list(array.shape)} differs from "
+                             f"box lengths {list(box.lengths)}")
+        if array.dtype != np.dtype(numpy_storage(dtype)):
+            raise StoreError(f"tensor {tensor!r} on {device}: array dtype {array.dtype} cannot hold {dtype} "
+                             f"(expected numpy {numpy_storage(dtype)})")
+        rel, path = self._claim(device, tensor, box, dtype, shape)
+        data = st.write(path, tensor, dtype, array, self._metadata(device, tensor, box, shape))
+        self._add(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel, checksum(data), data.nbytes))
+
+    def create(self, device: str, tensor: str, box: Box, dtype: str,
+               shape: tuple[int, ...] | None = None, reserve: bool = True) -> ShardTarget:
+        """A new zero-filled shard to fill region by region (``target.write``) before ``prepare``.
+        ``reserve=False`` defers allocating its space to ``target.reserve()`` (which may run while
+        other threads already write)."""
+        rel, path = self._claim(device, tensor, box, dtype, shape)
+        offset, nbytes = st.create(path, tensor, dtype, box.lengths, self._metadata(device, tensor, box, shape),
+                                   reserve=reserve)
+        target = ShardTarget(path, offset, box, dtype)
+        self._add(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel, "", nbytes), target)
+        return target
+
+    def allocate(self, device: str, tensor: str, box: Box, dtype: str,
+                 shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """A writable, zero-filled memory map of a new shard; fill it before ``prepare``."""
+        return self.create(device, tensor, box, dtype, shape).array
+
+    def link(self, device: str, reader: "VersionReader", entry: ShardEntry) -> None:
+        """Make ``entry`` (a committed shard of ``reader``'s version on this host) ``device``'s shard, by hard link."""
+        rel, path = self._claim(device, entry.tensor, entry.box, entry.dtype, entry.shape)
+        os.link(reader.path / entry.file, path)
+        self._add(replace(entry, device=device, file=rel))
+
+    def put_json(self, name: str, doc) -> None:
+        """A version-level JSON document (step, RNG state, layout, dataset position, …)."""
+        check_name("JSON document", name)
+        if self._state != "open":
+            raise StoreError(f"version {self.version} part {self.part} is {self._state}; it takes no more documents")
+        rel = f"{self.part}/json/{name}.json"
+        path = self.staging / rel
+        with open(path, "w") as f:
+            json.dump(doc, f, separators=(",", ":"))
+            f.flush()
+            os.fsync(f.fileno())
+        self._json[name] = rel
+
+    def put_layout(self, layout: Layout) -> None:
+        """Record the whole layout so that ``VersionReader.layout()`` can recover it."""
+        self.put_json(LAYOUT_DOC, layout.to_dict())
+
+    def prepare(self) -> None:
+        """Make this part durable (files synced, part manifest written); it can then be committed."""
+        if self._state == "prepared":
+            return
+        if self._state != "open":
+            raise StoreError(f"version {self.version} part {self.part} is {self._state}; cannot prepare")
+        with self._lock:
+            self._state = "preparing"
+        self._entries = [replace(e, xxh3=self._pending[e.file].finish()) if e.file in self._pending else e
+                         for e in self._entries]
+        self._pending.clear()
+        fsync_dir(self.dir)
+        fsync_dir(self.dir / "json")
+        doc = {"format": PART_FORMAT, "part": self.part, "shards": [e.to_dict() for e in self._entries],
+               "json": dict(self._json)}
+        write_json_durable(self.staging / f"{self.part}.part.json", doc)
+        fsync_dir(self.staging.parent)
+        self._state = "prepared"
+
+    def commit(self) -> None:
+        """Prepare this part and publish the version with every prepared part (atomic)."""
+        self.prepare()
+        try:
+            self.store.commit(self.version)
+        except BaseException:
+            self._state = "failed"
+            raise
+        self._state = "committed"
+
+    def abort(self) -> None:
+        """Forget this part (other parts of the version are untouched)."""
+        for target in self._pending.values():
+            target.close()
+        self._pending.clear()
+        (self.staging / f"{self.part}.part.json").unlink(missing_ok=True)
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self._state = "aborted"
