@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..devices import host_of
+from ..errors import ConfigError
 from ..layout import Layout, Shard, TensorSpec, from_dict as layout_from_dict
 from ..box import Box
 from ..store import LAYOUT_DOC, Store
@@ -89,11 +90,11 @@ class Checkpointer:
         env = os.environ
         root = store_root or env.get("TENPLEX_STORE_ROOT")
         if not root:
-            raise StateMismatchError("no store directory: pass store_root= or set TENPLEX_STORE_ROOT")
+            raise ConfigError("no store directory: pass store_root= or set TENPLEX_STORE_ROOT")
         self.host = host or env.get("TENPLEX_HOST", "h0")
         self.device = device or env.get("TENPLEX_DEVICE") or f"{self.host}/{env.get('LOCAL_RANK', '0')}"
         if host_of(self.device) != self.host:
-            raise StateMismatchError(f"device {self.device} is not on host {self.host}")
+            raise ConfigError(f"device {self.device} is not on host {self.host}; device ids are HOST/INDEX")
         self.store = Store(root, self.host)
         self.stores = dict(stores) if stores is not None else _parse_stores(env.get("TENPLEX_STORES", ""))
         self.coords = dict(coords) if coords is not None else None
@@ -286,7 +287,7 @@ def _parse_stores(text: str) -> dict[str, str]:
     for item in filter(None, (s.strip() for s in text.split(","))):
         host, sep, address = item.partition("=")
         if not sep or not host or not address:
-            raise StateMismatchError(f"TENPLEX_STORES entry {item!r} is not HOST=ADDRESS, e.g. h0=127.0.0.1:7070")
+            raise ConfigError(f"TENPLEX_STORES entry {item!r} is not HOST=ADDRESS, e.g. h0=127.0.0.1:7070")
         stores[host] = address
     return stores
 
