@@ -68,6 +68,7 @@ _BUF = np.dtype({"names": ["size", "flags", "mem", "fd", "pos"],
                  "formats": ["<u8", "<i4", "<u8", "<i4", "<i8"],
                  "offsets": [0, 8, 16, 24, 32], "itemsize": 40})
 _BUFVEC_HEADER = 24                        # size_t count, idx, off
+_CAP_AUTO_INVAL_DATA = 1 << 12            # FUSE_CAP_AUTO_INVAL_DATA (fuse_common.h)
 _FD_FLAGS = (1 << 1) | (1 << 2) | (1 << 3)  # FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY
 if hasattr(fuse, "fuse_buf"):
     assert ctypes.sizeof(fuse.fuse_buf) == _BUF.itemsize, "unexpected struct fuse_buf layout"
@@ -311,6 +312,10 @@ class TenplexFS(fuse.Operations):
         """mfusepy's init: size the connection, then start the watcher."""
         if conn is not None and hasattr(conn, "max_read"):
             conn.max_read = MAX_READ  # libfuse3 refuses to start unless this matches the max_read option
+        if conn is not None:
+            # libfuse3 turns this on: with attr_timeout=0 every read would then ask us for attributes.
+            # A view file never changes (its path names its generation), so its cache needs no checks.
+            conn.want &= ~_CAP_AUTO_INVAL_DATA
         self.init("/")
 
     def init(self, path: str) -> None:

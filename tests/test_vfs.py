@@ -313,3 +313,14 @@ def test_cli_mount_switch_status_unmount(dataset, tmp_path):
         out = run("vfs", "unmount", tmp_path / "m")
     assert out.returncode == 0, out.stderr
     assert not os.path.ismount(tmp_path / "m")
+
+
+def test_mounting_a_truncated_index_fails_clearly(dataset, tmp_path):
+    info, _ = dataset
+    write_state_file(tmp_path / "state.json", DatasetState(info.identity, N, 7, 0, B), dp=2)
+    index = info.root / "index.npy"
+    index.write_bytes(index.read_bytes()[:100])
+    (tmp_path / "m").mkdir()
+    with pytest.raises(VfsError, match=r"index\.npy: 100 bytes.*truncated"):
+        mount(info.root, tmp_path / "m", tmp_path / "state.json", log_path=tmp_path / "log")
+    assert not os.path.ismount(tmp_path / "m")
