@@ -10,6 +10,8 @@ world size and order of dependency); the tests then check the files they wrote:
 * every loss after the change matches a reference run under the new
   configuration that was given the same state independently of tenplex;
 * step, scheduler, ``extra`` and the RNG of a surviving coordinate come back;
+* when a new host lacks state, it went through a transformation by the store
+  processes; on one host, ranks assembled their boxes from the store files;
 * mismatching models and optimizers fail with errors naming the tensor and shapes.
 """
 
@@ -27,7 +29,8 @@ from mp.launch import StoreServers, run_job
 
 STEPS, MORE = 3, 3
 
-# name: (config A, devices A, config B, devices B, hosts that need a store)
+# name: (config A, its devices, config B, its devices); the hosts of the device ids are simulated hosts,
+# each with its own store process.
 SCENARIOS = {
     "dp4-to-dp2": ({"dp": 4}, ["h0/0", "h0/1", "h0/2", "h0/3"], {"dp": 2}, ["h0/0", "h1/0"]),
     "tp2-to-tp4": ({"tp": 2}, ["h0/0", "h0/1"], {"tp": 4}, ["h0/0", "h0/1", "h1/0", "h1/1"]),
