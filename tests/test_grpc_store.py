@@ -168,6 +168,7 @@ def test_corrupted_chunks_are_refetched_and_never_returned(tmp_path):
         writer.put("h0/0", "x", Box((0, 0), (50, 40)), data, "float32")
         writer.commit()
     # The first 3 chunks the server sends have a flipped byte after their checksum was computed.
+    (tmp_path / "h0" / "datasets" / "f.bin").write_bytes(bytes(range(256)) * 64)
     proc = StoreProcess(tmp_path / "h0", "h0", env={"TENPLEX_STORE_TEST_HOOKS": "corrupt_chunks=3"})
     try:
         with StoreClient(proc.address, chunk_bytes=4096) as client:
@@ -175,11 +176,19 @@ def test_corrupted_chunks_are_refetched_and_never_returned(tmp_path):
             assert got.tobytes() == data.tobytes()
     finally:
         proc.stop()
+    proc = StoreProcess(tmp_path / "h0", "h0", env={"TENPLEX_STORE_TEST_HOOKS": "corrupt_chunks=1"})
+    try:
+        with StoreClient(proc.address, chunk_bytes=4096) as client:
+            assert client.read_file("f.bin") == bytes(range(256)) * 64  # its first chunk arrived corrupted
+    finally:
+        proc.stop()
     proc = StoreProcess(tmp_path / "h0", "h0", env={"TENPLEX_STORE_TEST_HOOKS": "corrupt_chunks=100000"})
     try:
         with StoreClient(proc.address, chunk_bytes=4096, retries=2) as client:
             with pytest.raises(ChecksumError, match="arrived corrupted 3 times"):
                 client.read_box(1, "h0/0", "x", Box((0, 0), (50, 40)), "float32")
+            with pytest.raises(ChecksumError, match="corrupted 3 times"):
+                client.read_file("f.bin")
     finally:
         proc.stop()
 

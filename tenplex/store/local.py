@@ -1,7 +1,7 @@
 """The local tensor store of one host: versioned, atomically committed shard files in one directory.
 
-May import: this package's ``manifest``, ``reader`` and ``writer``, ``tenplex.errors``
-and the standard library. No network: workers on the host use this module
+May import: this package's ``manifest``, ``reader`` and ``writer``, ``tenplex.box``,
+``tenplex.errors`` and the standard library. No network: workers on the host use this module
 directly (writing: ``writer``; reading: ``reader``).
 
 Directory layout under ``root``::

@@ -14,7 +14,7 @@ when a certificate and key are given.
 Test hooks (fault injection, used by the test suite only): the environment
 variable ``TENPLEX_STORE_TEST_HOOKS`` of a *server process* may hold
 comma-separated ``exit_after_chunks=N`` (the process exits abruptly once it has
-sent N ReadBox/ReadBoxes chunks, simulating a host dying mid-transfer) and
+sent N ReadBox/ReadBoxes/ReadFile chunks, simulating a host dying mid-transfer) and
 ``corrupt_chunks=N`` (the first N such chunks get one payload byte flipped
 after their checksum was computed, simulating corruption in flight). Unset, it
 costs nothing.
@@ -320,7 +320,8 @@ class StoreService:
                 if not data:
                     break
                 head = pb.FileChunk(offset=offset, xxh3=xxhash.xxh3_64_intdigest(data)).SerializeToString()
-                yield wire.encode_with_data(head, data)
+                payload = wire.encode_with_data(head, data)
+                yield self._hooks.before_send(payload) if self._hooks else payload
                 offset += len(data)
 
 
