@@ -63,6 +63,7 @@ _RANK_DIR = re.compile(r"^rank(0|[1-9][0-9]{0,8})$")
 def _gen_dir(gen: "Generation") -> str:
     return f".g{gen.number}"
 
+
 # struct fuse_buf / fuse_bufvec (fuse_common.h); the bufvec ends in an inline array of bufs.
 _BUF = np.dtype({"names": ["size", "flags", "mem", "fd", "pos"],
                  "formats": ["<u8", "<i4", "<u8", "<i4", "<i8"],
