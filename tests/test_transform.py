@@ -78,3 +78,17 @@ def test_whole_kept_shards_are_hard_linked_not_copied(cluster):
     entry = new_reader.entries_of("h0/0")[0]
     same = old_reader.find("h0/0", entry.tensor, entry.box)
     assert (new_reader.path / entry.file).stat().st_ino == (old_reader.path / same.file).stat().st_ino
+
+
+def test_host_that_lost_its_old_version_is_refilled_from_replicas(cluster):
+    """h1's store lost version v (a wiped disk); its new shards come from h0's replica instead."""
+    old = gpt_layout(2, 2, 1, 2, 2)   # h0 and h1 each hold a full replica
+    new = gpt_layout(1, 4, 1, 2, 2)
+    arrays = random_globals(old, seed=21)
+    v = next(_versions)
+    write_version(cluster.roots, old, v, arrays, docs={"step": {"step": v}})
+    assert Store(cluster.roots["h1"], "h1").delete(v)
+    report = transform(plan(old, new), old, new, cluster.addresses, v, v + 1)
+    assert report["hosts"]["h1"]["refetched_bytes"] > 0
+    assert_version_matches(cluster.roots, new, v + 1, arrays)
+    assert Store(cluster.roots["h1"], "h1").open(v + 1).get_json("step") == {"step": v}
