@@ -9,10 +9,12 @@ Order of work, per new shard of this host's devices:
 
 1. A shard kept whole (same device, or another device of this host, same
    box) is hard-linked to the old file: no bytes are copied.
-2. Every other ``"from": "old"`` region is filled in place (into the new
-   shard's memory-mapped file): from this host's old files by memcpy, or
-   pulled from the source host in pieces by ``streams`` concurrent gRPC
-   streams (one connection each).
+2. Every other ``"from": "old"`` region is written straight into the new
+   shard's file (``ShardTarget``): from this host's old files (memory-mapped)
+   without gRPC, or pulled from the source host by ``streams`` concurrent
+   gRPC streams (one connection each): large regions in pieces of up to
+   64 MiB, small ones batched many to a call (``ReadBoxes``). The new files'
+   space is reserved by the first jobs, so a full disk fails early.
 3. ``"from": "new"`` regions (the local fan-out) are copied in plan order
    from new shards that step 2 filled.
 
@@ -38,9 +40,7 @@ from ..devices import host_of
 from ..errors import StoreError, TransformError
 from ..layout import Layout, from_dict as layout_from_dict
 from ..plan import Transfer, plan_from_dict
-from ..store import LAYOUT_DOC, Store, VersionReader
-from ..store.target import ShardTarget
-from ..store import wire
+from ..store import LAYOUT_DOC, ShardTarget, Store, VersionReader, wire
 from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient
 
