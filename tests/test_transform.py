@@ -92,3 +92,17 @@ def test_host_that_lost_its_old_version_is_refilled_from_replicas(cluster):
     assert report["hosts"]["h1"]["refetched_bytes"] > 0
     assert_version_matches(cluster.roots, new, v + 1, arrays)
     assert Store(cluster.roots["h1"], "h1").open(v + 1).get_json("step") == {"step": v}
+
+
+def test_plan_for_other_layouts_or_missing_stores_fail_before_touching_hosts(cluster):
+    from tenplex.errors import TransformError
+
+    old, new = gpt_layout(2, 2, 1, 2, 2), gpt_layout(1, 4, 1, 2, 2)
+    other = gpt_layout(1, 2, 1, 1, 2, host_names=["h2"])
+    v = next(_versions)
+    with pytest.raises(TransformError, match="the plan does not match the layouts"):
+        transform(plan(old, other), old, new, cluster.addresses, v, v + 1)
+    with pytest.raises(TransformError, match="no store address for destination host\\(s\\) \\['h1'\\]") as info:
+        transform(plan(old, new), old, new, {"h0": cluster.addresses["h0"]}, v, v + 1)
+    assert info.value.failures == {"h1": "no store address"}
+    assert all(v + 1 not in Store(root, h).versions() for h, root in cluster.roots.items())

@@ -46,6 +46,11 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
     """
     if new_version == old_version:
         raise TransformError(f"new version {new_version} must differ from the old version")
+    for t in plan.transfers:  # a plan made for other layouts: fail before any host is touched
+        if t.dst not in new_layout.devices or (t.source == "old" and t.src not in old_layout.devices):
+            raise TransformError(f"the plan does not match the layouts: transfer {t.to_dict()} names a device "
+                                 f"that the {'new' if t.dst not in new_layout.devices else 'old'} layout lacks; "
+                                 f"plan again with tenplex.planner.plan(old_layout, new_layout)")
     destinations = new_layout.hosts()
     missing = sorted(set(destinations) - set(stores))
     if missing:
