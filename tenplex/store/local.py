@@ -88,7 +88,10 @@ class Store:
         return sorted(p.name[: -len(".part.json")] for p in staging.glob("*.part.json"))
 
     def commit(self, version: int, parts: list[str] | None = None, expect_new: bool = True) -> None:
-        """Publish staged ``version`` atomically from its prepared parts (all of them, or exactly ``parts``)."""
+        """Publish staged ``version`` atomically from its prepared parts (all of them, or exactly ``parts``).
+
+        A writer or coordinator that died after preparing leaves its part staged; name the ``parts``
+        you expect (or ``abort`` the version first) so that such leftovers are never published."""
         version = int(version)
         staging = self.root / "staging" / str(version)
         with self._locked():
