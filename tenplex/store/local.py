@@ -87,7 +87,7 @@ class Store:
             return []
         return sorted(p.name[: -len(".part.json")] for p in staging.glob("*.part.json"))
 
-    def commit(self, version: int, parts: list[str] | None = None, expect_new: bool = True) -> None:
+    def commit(self, version: int, parts: list[str] | None = None) -> None:
         """Publish staged ``version`` atomically from its prepared parts (all of them, or exactly ``parts``).
 
         A writer or coordinator that died after preparing leaves its part staged; name the ``parts``
