@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 DESCRIPTION = "save + restore of the reference GPT's state (>= 1 GB) across a config change, vs torch DCP"
@@ -118,8 +119,6 @@ def _launch(world: int, spec: Path) -> None:
 # ------------------------------------------------------------------ worker
 def _worker(spec_path: str) -> None:
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     sys.path.insert(0, str(EXAMPLE))
     import tenplex
@@ -129,65 +128,72 @@ def _worker(spec_path: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     cfg = GPTConfig(**spec["model"])
-    result: dict = {"old": spec["old"], "new": spec["new"], "model": spec["model"]}
+    result: dict = {"old": spec["old"], "new": spec["new"], "model": spec["model"],
+                    "tenplex_new_hosts": len(spec["roots"])}
 
     def timed(key, fn):
         dist.barrier()
         start = time.perf_counter()
-        out = fn()
+        fn()
         dist.barrier()
         result[key] = round(time.perf_counter() - start, 3)
-        return out
 
-    old = Trainer(cfg, Parallel.parse(spec["old"]), global_batch=2 * 2 * 2)
+    def timed_restore(key, load):
+        """Time ``load(trainer)`` into a fresh model and optimizer under the new configuration, as after a restart."""
+        timed(key, partial(load, Trainer(cfg, Parallel.parse(spec["new"]), global_batch=8)))
+
+    old = Trainer(cfg, Parallel.parse(spec["old"]), global_batch=8)
     old.train_step(0)
+    result["state_bytes"] = _state_bytes(old)
     ckpt = tenplex.Checkpointer(store_root=spec["roots"]["h0"], host="h0", device=f"h0/{rank}", stores=spec["stores"])
     host = f"h{rank % len(spec['roots'])}"
     new_ckpt = tenplex.Checkpointer(store_root=spec["roots"][host], host=host, stores=spec["stores"],
                                     device=f"{host}/{rank // len(spec['roots'])}")
-    result["state_bytes"] = _state_bytes(old)
-    timed("tenplex_save_s", lambda: tenplex.save(old.model, old.optimizer, step=1, scheduler=old.scheduler,
-                                                 checkpointer=ckpt))
-    # Every restore gets a fresh model and optimizer under the new configuration, as after a restart.
-    new = Trainer(cfg, Parallel.parse(spec["new"]), global_batch=2 * 2 * 2)
-    timed("tenplex_restore_s", lambda: tenplex.restore(new.model, new.optimizer, scheduler=new.scheduler,
-                                                       checkpointer=new_ckpt))
+    timed("tenplex_save_s", partial(tenplex.save, old.model, old.optimizer, step=1, scheduler=old.scheduler,
+                                    checkpointer=ckpt))
+    timed_restore("tenplex_restore_s", lambda new: tenplex.restore(new.model, new.optimizer, scheduler=new.scheduler,
+                                                                   checkpointer=new_ckpt))
     result["tenplex_transformed"] = new_ckpt.last_restore.transformed
-    result["tenplex_new_hosts"] = len(spec["roots"])
-    del new
     dist.barrier()
     if rank < len(spec["roots"]):  # free the tmpfs before DCP writes there (the machine's memory is the limit)
         for version in new_ckpt.store.versions():
             new_ckpt.store.delete(version)
     for where in ("tmpfs", "disk"):
-        model_sd, optim_sd = get_state_dict(old.model, old.optimizer)
-        timed(f"dcp_{where}_save_s", lambda: dcp.save({"model": model_sd, "optim": optim_sd},
-                                                      checkpoint_id=spec[f"dcp_{where}"]))
-        del model_sd, optim_sd
+        path = spec[f"dcp_{where}"]
+        timed(f"dcp_{where}_save_s", partial(_dcp_save, old, path))
         if rank == 0 and where == "disk":
-            _drop_page_cache(Path(spec["dcp_disk"]))
-        new = Trainer(cfg, Parallel.parse(spec["new"]), global_batch=2 * 2 * 2)
-
-        def load():
-            # get_state_dict creates the fresh optimizer's state (DCP's own initialisation) inside the timing.
-            model_sd, optim_sd = get_state_dict(new.model, new.optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=spec[f"dcp_{where}"])
-            set_state_dict(new.model, new.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        timed(f"dcp_{where}_load_s", load)
-        del new
+            _drop_page_cache(Path(path))
+        timed_restore(f"dcp_{where}_load_s", partial(_dcp_load, path=path))
         dist.barrier()
         if rank == 0:
-            shutil.rmtree(spec[f"dcp_{where}"], ignore_errors=True)
+            shutil.rmtree(path, ignore_errors=True)
     if rank == 0:
-        for what in ("save", "restore"):
-            key = "load" if what == "restore" else "save"
+        for what, key in (("save", "save"), ("restore", "load")):
             for where in ("tmpfs", "disk"):
                 result[f"dcp_{where}_{key}_over_tenplex"] = round(result[f"dcp_{where}_{key}_s"]
                                                                  / max(result[f"tenplex_{what}_s"], 1e-9), 2)
         Path(spec["result"]).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _dcp_save(trainer, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+
+
+def _dcp_load(trainer, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    # get_state_dict creates the fresh optimizer's state (DCP's own initialisation), inside the timing like ours.
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _state_bytes(trainer) -> int:

@@ -1,0 +1,24 @@
+"""`tenplex bench restore` runs end to end (shortened: a tiny model) and prints the documented keys."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+KEYS = {"state_bytes", "tenplex_save_s", "tenplex_restore_s", "dcp_tmpfs_save_s", "dcp_tmpfs_load_s",
+        "dcp_disk_save_s", "dcp_disk_load_s"}
+
+
+def test_bench_restore_prints_one_json_object_with_every_key(tmp_path):
+    cli = "import sys; from tenplex.cli import main; sys.exit(main())"
+    proc = subprocess.run([sys.executable, "-c", cli, "bench", "restore", "--json", "--layers", "1", "--hidden", "32",
+                           "--ffn", "64", "--vocab", "50", "--new-hosts", "2", "--tmpfs", str(tmp_path),
+                           "--disk", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert KEYS <= set(result) and result["state_bytes"] > 0
+    assert result["tenplex_transformed"] is True  # the second host's store starts empty
+    assert list(tmp_path.iterdir()) == []  # every store and checkpoint directory was removed
