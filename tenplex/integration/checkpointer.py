@@ -81,7 +81,8 @@ class Checkpointer:
     * ``coords``: this rank's parallel coordinates, for example
       ``{"pp": 0, "dp": 1, "tp": 0}``; RNG states are keyed by them (default: the rank);
     * ``keep``: committed versions kept per store after a save (default 2);
-    * ``group``: the process group (default: the world).
+    * ``group``: the process group (default: the world);
+    * ``token``: ``TENPLEX_TOKEN`` — the shared token of stores bound beyond loopback.
     """
 
     def __init__(self, store_root: str | os.PathLike | None = None, host: str | None = None,
