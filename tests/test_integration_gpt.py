@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file
 
 from mp.launch import StoreServers, run_job
+from tenplex.integration.nontensor import derived_seed
 
 STEPS, MORE = 3, 3
 
@@ -129,9 +130,17 @@ def test_non_tensor_state_comes_back(results, name):
     assert restore["extra"] == {"samples_seen": STEPS * 8}
     assert restore["lr"] == save["lr"]
     assert restore["scheduler"] == save["scheduler"]
-    # Rank 0 has coordinates (pp=0, dp=0, tp=0) in both configurations: its RNG stream continues.
-    assert save["coords"] == restore["coords"] == {"pp": 0, "dp": 0, "tp": 0}
-    assert restore["rand_after_restore"] == save["rand_after_save"]
+    # A coordinate that existed before continues its RNG stream; a new one is seeded from (step, coordinate).
+    before, after = save["rand_after_save"], restore["rand_after_restore"]
+    assert "dp=0,pp=0,tp=0" in before and "dp=0,pp=0,tp=0" in after
+    if name == "tp2-to-tp4":
+        assert set(after) - set(before) == {"dp=0,pp=0,tp=2", "dp=0,pp=0,tp=3"}
+    for coord, values in after.items():
+        if coord in before:
+            assert values == before[coord], coord
+        else:
+            torch.manual_seed(derived_seed(STEPS, coord))
+            assert values == torch.rand(3).tolist(), coord
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

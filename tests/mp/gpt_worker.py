@@ -49,6 +49,14 @@ def checkpointer(phase: dict, trainer: Trainer | None, rank: int) -> tenplex.Che
                                 coords=trainer.coords if trainer else None)
 
 
+def rand_by_coord(trainer: Trainer) -> dict[str, list[float]]:
+    """Every rank's next three torch.rand values, keyed like tenplex keys RNG states ("dp=0,pp=0,tp=1")."""
+    from tenplex.integration.exchange import all_gather_json
+
+    key = ",".join(f"{k}={v}" for k, v in sorted(trainer.coords.items()))
+    return dict(all_gather_json([key, torch.rand(3).tolist()]))
+
+
 def dump_full(trainer: Trainer, path: Path, rank: int) -> None:
     state = trainer.full_state()  # collective: every rank calls it
     if trainer.coords["dp"] == 0 and trainer.coords["tp"] == 0:
@@ -69,7 +77,7 @@ def run_save(phase: dict, rank: int) -> dict:
     losses = [trainer.train_step(s) for s in range(phase["steps"])]
     version = tenplex.save(trainer.model, trainer.optimizer, step=phase["steps"], scheduler=trainer.scheduler,
                            extra={"samples_seen": phase["steps"] * GLOBAL_BATCH}, checkpointer=ckpt)
-    rand_after = torch.rand(3).tolist()
+    rand_after = rand_by_coord(trainer)
     (out / "saved").mkdir(parents=True, exist_ok=True)
     dump_full(trainer, out / "saved", rank)
     meta = {"version": version, "losses": losses, "coords": trainer.coords, "rand_after_save": rand_after,
@@ -111,7 +119,7 @@ def run_restore(phase: dict, rank: int) -> dict:
     extra: dict = {}
     step = tenplex.restore(trainer.model, trainer.optimizer, scheduler=trainer.scheduler, extra=extra,
                            checkpointer=ckpt)
-    rand_after = torch.rand(3).tolist()
+    rand_after = rand_by_coord(trainer)
     lr, scheduler = trainer.optimizer.param_groups[0]["lr"], trainer.scheduler.state_dict()
     (out / "restored").mkdir(parents=True, exist_ok=True)
     dump_full(trainer, out / "restored", rank)
