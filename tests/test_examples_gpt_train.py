@@ -8,14 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mp.launch import ROOT, StoreServers, free_port
+from mp.launch import ROOT, StoreServers
 
 EXAMPLE = ROOT / "examples" / "01-gpt-train"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 def _train(nproc: int, parallel: str, steps: int, env: dict) -> str:
-    result = subprocess.run([str(TORCHRUN), "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+    # --standalone: torchrun picks a free port itself (no race with other processes on this machine).
+    result = subprocess.run([str(TORCHRUN), "--standalone", "--nproc-per-node", str(nproc),
                              str(EXAMPLE / "train.py"), "--parallel", parallel, "--steps", str(steps)],
                             env=env, capture_output=True, text=True, timeout=300, cwd=EXAMPLE)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -2,8 +2,8 @@
 
 Run under torchrun (CPU, gloo)::
 
-    torchrun --nproc-per-node 8 train.py --parallel dp=2,tp=2,pp=2 --steps 10 --store /tmp/tenplex-demo
-    torchrun --nproc-per-node 4 train.py --parallel dp=4 --steps 20 --store /tmp/tenplex-demo
+    torchrun --standalone --nproc-per-node 8 train.py --parallel dp=2,tp=2,pp=2 --steps 10 --store /tmp/tenplex-demo
+    torchrun --standalone --nproc-per-node 4 train.py --parallel dp=4 --steps 20 --store /tmp/tenplex-demo
 
 The second run restores the state the first saved (step 10) and continues to
 step 20. See README.md in this folder for the multi-host form (store processes).
