@@ -1,6 +1,6 @@
 """The read-only FUSE filesystem: one directory per data-parallel rank, served from the record files.
 
-May import: mfusepy (or fusepy), numpy, the standard library and ``tenplex.dataset``.
+May import: mfusepy (or fusepy), numpy, the standard library, ``fuse_vfs.binding`` and ``tenplex.dataset``.
 
 Tree::
 
@@ -47,10 +47,16 @@ from tenplex.dataset.source import RecordSource
 from tenplex.dataset.state import DatasetState
 from tenplex.dataset.view import DATA_NAME, RANK_FILES, STATE_NAME, RankView, build_view
 
+from . import binding
+
+binding.select()  # before the first import of mfusepy: it loads its libfuse when imported
 try:
     import mfusepy as fuse
 except ImportError:  # pragma: no cover - the unmaintained fusepy has the same API
     import fuse  # type: ignore[no-redef]
+
+# "major.minor" of the libfuse in use (fusepy only runs on libfuse2).
+LIBFUSE_VERSION = f"{getattr(fuse, 'fuse_version_major', 2)}.{getattr(fuse, 'fuse_version_minor', 9)}"
 
 ROOT_FORMAT = "tenplex.vfs/1"
 MAX_READ = 1 << 20

@@ -1,6 +1,6 @@
 """Mount, switch and unmount from Python; the server always runs in its own process.
 
-May import: ``fuse_vfs`` (preflight, errors), ``tenplex.dataset``, ``tenplex.files`` and the standard library.
+May import: ``fuse_vfs`` (preflight, errors, binding), ``tenplex.dataset``, ``tenplex.files`` and the standard library.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tenplex.dataset.state import DatasetState
 from tenplex.dataset.view import STATE_NAME as ROOT_STATE
 from tenplex.files import write_json_atomic
 
+from . import binding
 from .errors import VfsError
 from .preflight import check_fuse, check_mountpoint, fusermount
 
@@ -87,8 +88,13 @@ def _is_dead_mount(path: Path) -> bool:
 
 def mount(dataset: str | os.PathLike, mountpoint: str | os.PathLike, state_file: str | os.PathLike, *,
           log_path: str | os.PathLike | None = None, timeout: float = 60, store: str | None = None,
-          cache_dir: str | None = None, allow_other: bool = False) -> MountHandle:
-    """Start ``python -m fuse_vfs.server`` in a new session and return once the mount serves its view."""
+          cache_dir: str | None = None, allow_other: bool = False, libfuse: str | None = None) -> MountHandle:
+    """Start ``python -m fuse_vfs.server`` in a new session and return once the mount serves its view.
+
+    ``libfuse``: "auto" (libfuse3 when installed, else libfuse2), "3" or "2"; None: ``$TENPLEX_LIBFUSE``
+    or auto. ``read_root(mountpoint)["libfuse"]`` says which one the server runs on.
+    """
+    env = binding.server_env(libfuse)
     check_fuse()
     check_mountpoint(mountpoint)
     mountpoint = Path(mountpoint).resolve()
@@ -105,7 +111,8 @@ def mount(dataset: str | os.PathLike, mountpoint: str | os.PathLike, state_file:
         cmd.append("--allow-other")
     with open(log_path, "ab") as log:
         # A new session: the server outlives the caller (the CLI returns) and ignores its Ctrl-C.
-        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        process = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
+                                   env=env)
     handle = MountHandle(mountpoint, process, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

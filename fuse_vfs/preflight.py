@@ -1,6 +1,6 @@
 """Checks that FUSE can be used and that a mount point is free, with errors that say what to do.
 
-May import: ``fuse_vfs.errors`` and the standard library.
+May import: ``fuse_vfs`` (errors, binding) and the standard library.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import errno
 import os
 import shutil
 
+from . import binding
 from .errors import FALLBACK_HINT, FuseUnavailableError, VfsError
 
 
@@ -23,6 +24,10 @@ def fuse_unavailable_reason() -> str | None:
         return "/dev/fuse does not exist (no FUSE kernel support, or a container without --device /dev/fuse)"
     if fusermount() is None:
         return "neither fusermount3 nor fusermount is installed (apt-get install fuse3)"
+    try:
+        binding.select()
+    except ValueError as e:
+        return str(e)
     try:
         import mfusepy  # noqa: F401
     except ImportError:

@@ -1,6 +1,6 @@
 """The FUSE server process: mount, follow the state file, serve until unmounted.
 
-May import: ``fuse_vfs`` (fs, preflight, errors), ``tenplex.dataset``, ``tenplex.files``
+May import: ``fuse_vfs`` (fs, preflight, errors, binding), ``tenplex.dataset``, ``tenplex.files``
 and the standard library. Run as ``python -m fuse_vfs.server DATASET MOUNTPOINT --state FILE``
 (``tenplex vfs mount`` does this); it stays in the foreground until the mount is unmounted.
 
@@ -25,8 +25,9 @@ from tenplex.dataset.format import DatasetError, DatasetInfo, open_dataset
 from tenplex.dataset.source import LocalRecords, RecordSource
 from tenplex.dataset.state import DatasetState, StateError
 
+from . import binding
 from .errors import VfsError
-from .fs import ROOT_FORMAT, Generation, TenplexFS, build_generation
+from .fs import LIBFUSE_VERSION, ROOT_FORMAT, Generation, TenplexFS, build_generation
 from .preflight import check_fuse, check_mountpoint
 
 POLL_S = 0.05
@@ -84,7 +85,7 @@ class Server:
         return {"format": ROOT_FORMAT, "generation": gen.number, "dp": gen.dp, "state": gen.state.to_dict(),
                 "dataset": self.info.identity, "dataset_path": str(self.info.root),
                 "state_file": str(self.state_file), "loads": self.loads, "state_error": self.state_error,
-                "error": self.fs.error, "pid": os.getpid()}
+                "error": self.fs.error, "pid": os.getpid(), "libfuse": LIBFUSE_VERSION}
 
     def reload(self) -> None:
         """Build the generation of the current state file aside, then switch to it (or record why not)."""
@@ -110,6 +111,9 @@ class Server:
 
     def watch(self) -> None:
         """Follow the state file and the dataset until the mount goes away (runs in a daemon thread)."""
+        why = binding.raise_readahead(str(self.mountpoint))
+        if why:
+            print(f"tenplex vfs: {why}", file=sys.stderr, flush=True)
         polls = 0
         while not self.stop.wait(POLL_S):
             key = _stat_key(self.state_file)
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_fuse()
         check_mountpoint(args.mountpoint)
+        binding.keep_read_buffers_on_heap()
         source = info = None
         if args.store:
             from tenplex.dataset.remote import open_remote

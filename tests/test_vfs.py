@@ -324,3 +324,47 @@ def test_mounting_a_truncated_index_fails_clearly(dataset, tmp_path):
     with pytest.raises(VfsError, match=r"index\.npy: 100 bytes.*truncated"):
         mount(info.root, tmp_path / "m", tmp_path / "state.json", log_path=tmp_path / "log")
     assert not os.path.ismount(tmp_path / "m")
+
+
+@pytest.mark.parametrize("libfuse", ["3", "2"])
+def test_each_libfuse_serves_large_reads_and_switches(tmp_path, libfuse):
+    """Both bindings serve whole views in 1 MiB reads (libfuse3: 1 MiB requests), before and after a switch."""
+    from fuse_vfs import binding
+    from tenplex.dataset.pack import write_dataset
+    try:
+        binding.library_path(libfuse)
+    except ValueError as e:
+        pytest.skip(str(e))
+    rng = np.random.default_rng(3)
+    records = [rng.integers(0, 256, int(n), dtype=np.uint8).tobytes() for n in rng.integers(1, 20000, 600)]
+    info = write_dataset(iter(records), tmp_path / "ds", "bytes", file_bytes=1 << 20)
+    state = DatasetState(info.identity, len(records), 5, 0, 8)
+    write_state_file(tmp_path / "state.json", state, dp=2)
+    (tmp_path / "mnt").mkdir()
+    handle = mount(info.root, tmp_path / "mnt", tmp_path / "state.json", log_path=tmp_path / "log",
+                   libfuse=libfuse)
+    try:
+        assert fuse_vfs.read_root(handle.mountpoint)["libfuse"].split(".")[0] == libfuse
+        for dp in (2, 3):
+            if dp == 3:
+                switch(handle.mountpoint, dp=3)
+            for r in range(dp):
+                expected = b"".join(records[i] for i in open_fallback(info.root, state, dp, r).sample_ids)
+                assert len(expected) > 1 << 20   # more than one 1 MiB request, each spanning many records
+                assert _read_all(handle.mountpoint / f"rank{r}" / "data", 1 << 20) == expected
+        if os.geteuid() == 0:  # the server widened the kernel's readahead window for its mount
+            ra = f"/sys/class/bdi/{binding.mount_device(str(handle.mountpoint))}/read_ahead_kb"
+            assert int(open(ra).read()) >= binding.READAHEAD_KB
+    finally:
+        handle.unmount(lazy=True, timeout=20)
+    assert not os.path.ismount(tmp_path / "mnt")
+
+
+def test_libfuse_choice_errors_name_the_fix(monkeypatch):
+    from fuse_vfs import binding
+    with pytest.raises(ValueError, match="expected one of auto, 3, 2"):
+        binding.library_path("4")
+    monkeypatch.setattr(binding.ctypes.util, "find_library", lambda name: None)
+    with pytest.raises(ValueError, match=r"TENPLEX_LIBFUSE=3 but libfuse3 is not installed \(apt-get install fuse3\)"):
+        binding.library_path("3")
+    assert binding.library_path("auto") is None

@@ -26,6 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--store", help="read record files from a remote tenplex store (host:port)")
     p.add_argument("--cache-dir", help="local read cache directory for --store")
     p.add_argument("--allow-other", action="store_true", help="let other users read the mount")
+    p.add_argument("--libfuse", choices=("auto", "3", "2"),
+                   help="libfuse to serve with (default: $TENPLEX_LIBFUSE, else auto: libfuse3 when installed, "
+                        "which reads up to 1 MiB per request, else libfuse2)")
     p.set_defaults(handler=_mount)
 
     p = sub.add_parser("switch", help="switch a mount to a new dp degree and/or position, atomically")
@@ -45,8 +48,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _mount(args: argparse.Namespace) -> int:
+    import os
+
     import fuse_vfs
     if args.foreground:
+        if args.libfuse:
+            os.environ["TENPLEX_LIBFUSE"] = args.libfuse  # read when the server imports mfusepy, just below
         from fuse_vfs.server import main
         argv = [args.dataset, args.mountpoint, "--state", args.state]
         argv += ["--store", args.store] if args.store else []
@@ -54,10 +61,11 @@ def _mount(args: argparse.Namespace) -> int:
         argv += ["--allow-other"] if args.allow_other else []
         return main(argv)
     handle = fuse_vfs.mount(args.dataset, args.mountpoint, args.state, log_path=args.log, store=args.store,
-                            cache_dir=args.cache_dir, allow_other=args.allow_other)
+                            cache_dir=args.cache_dir, allow_other=args.allow_other, libfuse=args.libfuse)
     root = fuse_vfs.read_root(handle.mountpoint)
     print(f"mounted {args.dataset} at {handle.mountpoint}: generation {root['generation']}, dp {root['dp']}, "
-          f"position {root['state']['position']} (server pid {handle.pid}, log {handle.log_path})")
+          f"position {root['state']['position']}, libfuse {root['libfuse']} (server pid {handle.pid}, "
+          f"log {handle.log_path})")
     return 0
 
 
