@@ -1,6 +1,6 @@
 """The read-only FUSE filesystem: one directory per data-parallel rank, served from the record files.
 
-May import: mfusepy (or fusepy), numpy, the standard library, ``fuse_vfs.binding`` and ``tenplex.dataset``.
+May import: mfusepy (or fusepy), numpy, the standard library, ``fuse_vfs`` (binding, bufvec) and ``tenplex.dataset``.
 
 Tree::
 
@@ -22,7 +22,7 @@ under the mount, every open and uncached read fails with EIO and
 ``/state.json`` says why.
 
 Reads of ``data`` return a ``fuse_bufvec`` of (record file descriptor, offset,
-length) pieces: libfuse copies (or splices) straight from the record files, so
+length) pieces (``fuse_vfs.bufvec``): libfuse copies straight from the record files, so
 no sample passes through Python and nothing is duplicated on disk.
 """
 
@@ -37,7 +37,7 @@ import re
 import stat
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -48,6 +48,7 @@ from tenplex.dataset.state import DatasetState
 from tenplex.dataset.view import DATA_NAME, RANK_FILES, STATE_NAME, RankView, build_view
 
 from . import binding
+from .bufvec import BUF, PieceTable, memory_bufvec
 
 binding.select()  # before the first import of mfusepy: it loads its libfuse when imported
 try:
@@ -70,44 +71,9 @@ def _gen_dir(gen: "Generation") -> str:
     return f".g{gen.number}"
 
 
-# struct fuse_buf / fuse_bufvec (fuse_common.h); the bufvec ends in an inline array of bufs.
-_BUF = np.dtype({"names": ["size", "flags", "mem", "fd", "pos"],
-                 "formats": ["<u8", "<i4", "<u8", "<i4", "<i8"],
-                 "offsets": [0, 8, 16, 24, 32], "itemsize": 40})
-_BUFVEC_HEADER = 24                        # size_t count, idx, off
 _CAP_AUTO_INVAL_DATA = 1 << 12            # FUSE_CAP_AUTO_INVAL_DATA (fuse_common.h)
-_FD_FLAGS = (1 << 1) | (1 << 2) | (1 << 3)  # FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY
 if hasattr(fuse, "fuse_buf"):
-    assert ctypes.sizeof(fuse.fuse_buf) == _BUF.itemsize, "unexpected struct fuse_buf layout"
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.malloc.restype = ctypes.c_void_p
-_libc.malloc.argtypes = [ctypes.c_size_t]
-
-
-def _malloc(n: int) -> int:
-    # libfuse frees the bufvec and every memory buf with free(), so they must come from malloc.
-    ptr = _libc.malloc(max(n, 1))
-    if not ptr:
-        raise fuse.FuseOSError(errno.ENOMEM)
-    return ptr
-
-
-def _bufvec(bufs: np.ndarray) -> int:
-    ptr = _malloc(_BUFVEC_HEADER + _BUF.itemsize * max(len(bufs), 1))
-    header = np.array([len(bufs), 0, 0], dtype="<u8")
-    ctypes.memmove(ptr, header.ctypes.data, _BUFVEC_HEADER)
-    if len(bufs):
-        ctypes.memmove(ptr + _BUFVEC_HEADER, bufs.ctypes.data, bufs.nbytes)
-    return ptr
-
-
-def _memory_bufvec(data: bytes) -> int:
-    buf = np.zeros(1 if data else 0, dtype=_BUF)
-    if data:
-        mem = _malloc(len(data))
-        ctypes.memmove(mem, data, len(data))
-        buf["size"], buf["mem"] = len(data), mem
-    return _bufvec(buf)
+    assert ctypes.sizeof(fuse.fuse_buf) == BUF.itemsize, "unexpected struct fuse_buf layout"
 
 
 @dataclass(frozen=True)
@@ -118,6 +84,7 @@ class Generation:
     views: tuple[RankView, ...]
     files: tuple[dict[str, bytes], ...]  # per rank: index.npy and state.json contents
     created_ns: int = field(default_factory=time.time_ns)
+    pieces: tuple[PieceTable, ...] = ()  # per rank, when the records have descriptors (set by TenplexFS)
 
 
 def build_generation(info: DatasetInfo, state: DatasetState, dp: int, number: int) -> Generation:
@@ -140,7 +107,6 @@ class TenplexFS(fuse.Operations):
     def __init__(self, info: DatasetInfo, source: RecordSource, generation: Generation,
                  root_doc: Callable[[], dict[str, Any]], on_init: Callable[[], None] = lambda: None):
         self.info, self.source = info, source
-        self.generation = generation
         self.error: str | None = None  # set when the dataset changed under the mount; never cleared
         self._root_doc, self._on_init = root_doc, on_init
         self._handles: dict[int, _Handle] = {}
@@ -149,11 +115,18 @@ class TenplexFS(fuse.Operations):
         if all(source.fileno(i) is not None for i in range(len(info.files))):
             self._fds = np.array([source.fileno(i) for i in range(len(info.files))], dtype=np.int32)
         self._uid, self._gid = os.getuid(), os.getgid()
+        self.generation = self._with_pieces(generation)
 
     # -- switching -------------------------------------------------------------------------------
     def switch(self, generation: Generation) -> None:
         """Make ``generation`` current: one reference assignment, so lookups see old or new, never both."""
-        self.generation = generation
+        self.generation = self._with_pieces(generation)
+
+    def _with_pieces(self, gen: Generation) -> Generation:
+        # Built before the switch, so the first reads of a new view pay nothing for it.
+        if self._fds is None:
+            return gen
+        return replace(gen, pieces=tuple(PieceTable(view, self._fds) for view in gen.views))
 
     def fail(self, why: str) -> None:
         self.error = why
@@ -282,16 +255,11 @@ class TenplexFS(fuse.Operations):
     def read_buf(self, path: str, bufpp: Any, size: int, offset: int, fi: Any) -> int:
         handle = self._handle(fi)
         if handle.name != DATA_NAME or handle.rank is None:
-            ptr = _memory_bufvec(handle.content[offset:offset + size])
-        else:
-            files, pos, lengths = handle.generation.views[handle.rank].segments(offset, size)
-            if self._fds is not None:
-                bufs = np.zeros(len(lengths), dtype=_BUF)
-                bufs["size"], bufs["flags"] = lengths, _FD_FLAGS
-                bufs["fd"], bufs["pos"] = self._fds[files], pos
-                ptr = _bufvec(bufs)
-            else:  # a remote source has no descriptors: gather the pieces into one buffer
-                ptr = _memory_bufvec(self._gather(files, pos, lengths))
+            ptr = memory_bufvec(handle.content[offset:offset + size])
+        elif handle.generation.pieces:
+            ptr = handle.generation.pieces[handle.rank].bufvec(offset, size)
+        else:  # a remote source has no descriptors: gather the pieces into one buffer
+            ptr = memory_bufvec(self._gather(*handle.generation.views[handle.rank].segments(offset, size)))
         bufpp[0] = ctypes.cast(ptr, ctypes.POINTER(fuse.fuse_bufvec))
         return 0
 
