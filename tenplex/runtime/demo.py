@@ -1,0 +1,193 @@
+"""The ``tenplex demo`` scenario: train, save, rescale onto other hosts and parallelism, restore, continue; check.
+
+May import: numpy, safetensors (numpy API), the standard library, ``tenplex.dataset``
+and this package. Never torch: the training runs in worker processes
+(:mod:`.demo_worker`), and their results come back as JSON and safetensors files.
+
+Phases, each a fresh job of worker processes:
+
+* **A** (configuration A on ``hosts_from`` hosts): train ``steps`` steps, save
+  through tenplex (model, optimizer, scheduler, step and the dataset position),
+  then keep training ``steps`` more steps without stopping. Those later steps
+  are the *reference*: the uninterrupted run under configuration A.
+* **B** (configuration B on ``hosts_to`` hosts; new hosts start with an empty
+  store): restore, which plans and runs the transformation across the store
+  processes, and train ``steps`` more steps.
+
+The elastic run is A's first ``steps`` steps followed by B. Its losses equal the
+reference up to float rounding (tp, pp and dp sum in different orders, so
+results agree to about 1e-6 relative, not bit for bit), and it trains on
+exactly the reference's global batches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..dataset import DatasetState, pack
+from .hosts import Hosts
+from .launch import place, run_job
+
+SEQ, VOCAB = 8, 37  # the example GPT's defaults (examples/01-gpt-train/gpt.py, GPTConfig)
+LOSS_RTOL = 1e-4   # elastic vs reference: different reduction orders, compounded over the steps by AdamW
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    steps: int = 8               # steps before the rescale, and after it
+    parallel_from: str = "tp=2,dp=2"
+    parallel_to: str = "pp=2,dp=2"
+    hosts_from: int = 2
+    hosts_to: int = 3
+    global_batch: int = 8
+    seed: int = 0
+
+
+def world_of(parallel: str) -> int:
+    degrees = {k.strip(): int(v) for k, _, v in (item.partition("=") for item in parallel.split(",") if item)
+               if k.strip() in ("dp", "tp", "pp")}
+    return degrees.get("dp", 1) * degrees.get("tp", 1) * degrees.get("pp", 1)
+
+
+def make_dataset(root: Path, num_samples: int, global_batch: int, seed: int) -> DatasetState:
+    """Pack ``num_samples`` token sequences (learnable: arithmetic progressions mod the vocabulary); its start state."""
+    rng = np.random.default_rng(seed)
+    starts = rng.integers(0, VOCAB, size=(num_samples, 1))
+    strides = rng.integers(1, 4, size=(num_samples, 1))
+    tokens = (starts + strides * np.arange(SEQ + 1)) % VOCAB  # (samples, seq + 1): inputs and shifted targets
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "tokens.bin").write_bytes(tokens.astype(np.uint16).tobytes())
+    info = pack(root / "tokens.bin", root / "dataset", seq_len=SEQ + 1, dtype="uint16")
+    return DatasetState(dataset=info.identity, num_samples=info.num_samples, seed=seed, position=0,
+                        global_batch=global_batch)
+
+
+def run(cfg: DemoConfig, workdir: Path, say: Callable[[str], None]) -> dict:
+    """Run both phases in ``workdir`` and return the summary (see :func:`summarize`); ``say`` prints progress."""
+    world_a, world_b = world_of(cfg.parallel_from), world_of(cfg.parallel_to)
+    devices_a, devices_b = place(world_a, cfg.hosts_from), place(world_b, cfg.hosts_to)
+    # One epoch is exactly the demo's 2 * steps global batches: "every sample once" covers the whole dataset.
+    num_samples = 2 * cfg.steps * cfg.global_batch
+    state = make_dataset(workdir / "data", num_samples, cfg.global_batch, cfg.seed)
+    say(f"dataset: {num_samples} samples of {SEQ + 1} tokens packed in {workdir / 'data' / 'dataset'}")
+    hosts_a = sorted({d.split("/")[0] for d in devices_a})
+    hosts_b = sorted({d.split("/")[0] for d in devices_b})
+    with Hosts(workdir / "stores") as hosts:
+        hosts.start(*hosts_a)
+        say(f"hosts: {', '.join(f'{h} (store {hosts.addresses[h]})' for h in hosts_a)}")
+        base = {"dataset": str(workdir / "data" / "dataset"), "global_batch": cfg.global_batch,
+                "dataset_state": state.to_dict(), "until": 2 * cfg.steps}
+        say(f"phase A: {cfg.parallel_from} on {', '.join(devices_a)}: train {cfg.steps} steps, save, "
+            f"then continue {cfg.steps} steps as the uninterrupted reference")
+        _phase(workdir, "A", {**base, "parallel": cfg.parallel_from, "save_at": cfg.steps, "init_seed": 0},
+               devices_a, hosts, say)
+        joining = [h for h in hosts_b if h not in hosts.addresses]
+        hosts.start(*hosts_b)
+        if joining:
+            say(f"rescale: host(s) {', '.join(joining)} join with empty stores")
+        say(f"phase B: {cfg.parallel_to} on {', '.join(devices_b)}: restore, train steps "
+            f"{cfg.steps + 1}..{2 * cfg.steps}")
+        _phase(workdir, "B", {**base, "parallel": cfg.parallel_to, "init_seed": 1}, devices_b, hosts, say)
+    return summarize(cfg, workdir, num_samples)
+
+
+def _phase(workdir: Path, name: str, spec: dict, devices: list[str], hosts: Hosts, say) -> None:
+    out = workdir / name
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {**spec, "phase": name, "out": str(out)}
+    (out / "spec.json").write_text(json.dumps(spec))
+    progress, shown = out / "progress.jsonl", [0]
+
+    def poll() -> None:
+        if not progress.exists():
+            return
+        lines = progress.read_text().splitlines()
+        for line in lines[shown[0]:]:
+            if line.endswith("}"):  # a line still being written is shown at the next poll
+                p = json.loads(line)
+                say(f"  [{name}] step {p['step']:3d}/{spec['until']}  loss {p['loss']:.6f}")
+                shown[0] += 1
+
+    run_job([sys.executable, "-m", "tenplex.runtime.demo_worker", str(out / "spec.json")], devices,
+            {h: hosts.root(h) for h in hosts.addresses}, dict(hosts.addresses), out / "logs", poll=poll)
+
+
+def _ranks(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"), key=lambda p: int(p.stem[4:]))]
+
+
+def _global_batches(ranks: list[dict]) -> dict[int, list[int]]:
+    """Step -> the global batch's sample ids: the dp ranks' micro-batches in dp order (first pp stage, tp 0)."""
+    readers = sorted((r for r in ranks if r["coords"]["pp"] == 0 and r["coords"]["tp"] == 0),
+                     key=lambda r: r["coords"]["dp"])
+    batches: dict[int, list[int]] = {}
+    for r in readers:
+        for s in r["steps"]:
+            batches.setdefault(s["step"], []).extend(s["ids"])
+    return batches
+
+
+def _params(out: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    full: dict[str, np.ndarray] = {}
+    for f in sorted(out.glob("params-r*.safetensors")):
+        full.update(load_file(str(f)))
+    return full
+
+
+def summarize(cfg: DemoConfig, workdir: Path, num_samples: int) -> dict:
+    """Compare the elastic run (A, then B) with the reference (A throughout) and check the state and the data."""
+    a, b = _ranks(workdir / "A"), _ranks(workdir / "B")
+    ref_loss = {s["step"]: s["loss"] for s in a[0]["steps"]}
+    elastic_loss = {**{k: v for k, v in ref_loss.items() if k <= cfg.steps},
+                    **{s["step"]: s["loss"] for s in b[0]["steps"]}}
+    rows = []
+    for step in sorted(ref_loss):
+        got, want = elastic_loss.get(step), ref_loss[step]
+        diff = abs(got - want) if got is not None else None
+        rows.append({"step": step, "phase": "A" if step <= cfg.steps else "B", "loss": got, "reference": want,
+                     "diff": diff})
+    losses_ok = all(r["loss"] is not None and math.isclose(r["loss"], r["reference"], rel_tol=LOSS_RTOL)
+                    for r in rows)
+
+    ref_batches, a_batches, b_batches = _global_batches(a), _global_batches(a), _global_batches(b)
+    elastic = {**{k: v for k, v in a_batches.items() if k <= cfg.steps}, **b_batches}
+    counts = Counter(i for ids in elastic.values() for i in ids)
+    duplicates = sorted(i for i, n in counts.items() if n > 1)
+    missing = sorted(set(range(num_samples)) - set(counts))
+    samples = {"dataset": num_samples, "seen": sum(counts.values()), "distinct": len(counts),
+               "duplicates": duplicates[:20], "missing": missing[:20],
+               "exactly_once": not duplicates and not missing,
+               "same_batches_as_reference": elastic == ref_batches}
+
+    saved, restored = _params(workdir / "A"), _params(workdir / "B")
+    differ = sorted(k for k in saved.keys() & restored.keys()
+                    if saved[k].dtype != restored[k].dtype or saved[k].shape != restored[k].shape
+                    or saved[k].tobytes() != restored[k].tobytes())
+    params = {"tensors": len(saved), "bytes": int(sum(v.nbytes for v in saved.values())),
+              "missing_after_restore": sorted(saved.keys() - restored.keys()),
+              "unexpected_after_restore": sorted(restored.keys() - saved.keys()), "differ": differ}
+    params["bit_equal"] = bool(saved) and not (differ or params["missing_after_restore"]
+                                               or params["unexpected_after_restore"])
+
+    b0 = b[0]
+    saved_state = next(r["saved_state"] for r in a if "saved_state" in r)
+    restore = {"step": b0["restored_step"], "transformed": b0["transformed"], "plan": b0["plan_stats"],
+               "dataset_state": b0["start_state"],
+               "state_ok": b0["restored_step"] == cfg.steps and b0["start_state"] == saved_state}
+    checks = {"losses_match": losses_ok, "exactly_once": samples["exactly_once"],
+              "same_batches_as_reference": samples["same_batches_as_reference"],
+              "params_bit_equal": params["bit_equal"], "restored_step_and_position": restore["state_ok"]}
+    return {"format": "tenplex.demo/1", "config": asdict(cfg), "loss_rtol": LOSS_RTOL, "steps": rows,
+            "max_loss_diff": max((r["diff"] for r in rows if r["diff"] is not None), default=None),
+            "restore": restore, "samples": samples, "params": params, "checks": checks,
+            "ok": all(checks.values())}

@@ -1,0 +1,109 @@
+"""One rank of the ``tenplex demo`` job: train the example GPT on a packed dataset, save or restore with tenplex.
+
+May import: torch, safetensors, ``tenplex`` (save/restore, dataset) and the example
+model ``examples/01-gpt-train/gpt.py`` of this checkout.
+
+Usage: ``python -m tenplex.runtime.demo_worker SPEC.json`` with the environment
+that :func:`tenplex.runtime.launch.run_job` sets. The spec says the parallel
+configuration, the dataset, ``save_at`` (train to this step, then save) and
+``until`` (keep training to this step without saving: in the first phase this
+is the uninterrupted reference run). Every rank restores first: a fresh job
+starts at the dataset state of the spec, a restarted one from the state it saved
+(``extra["dataset"]``). Results, written to ``out``:
+
+* ``rank{r}.json``: coordinates, restored step and transformation, and per step
+  the loss and the sample ids this rank trained on;
+* ``params-r{r}.safetensors`` (ranks with dp = tp = 0): the full parameters and
+  Adam moments right after the save, or right after the restore;
+* ``progress.jsonl`` (rank 0): one line per step, for the progress display.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+import tenplex
+from tenplex.dataset import DatasetState
+from tenplex.dataset.torch_data import RankBatchSampler, RankDataset
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-gpt-train"
+
+
+def _example():
+    if not (EXAMPLE / "gpt.py").is_file():
+        raise FileNotFoundError(f"{EXAMPLE / 'gpt.py'} not found: the demo trains the example GPT of a tenplex "
+                                "checkout; install tenplex from a checkout (pip install -e .)")
+    sys.path.insert(0, str(EXAMPLE))
+    import gpt  # noqa: PLC0415 -- found only once the example folder is on the path
+    return gpt
+
+
+def main() -> None:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    out = Path(spec["out"])
+    gpt = _example()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    par = gpt.Parallel.parse(spec["parallel"])
+    # A fresh job and a restarted one start from different weights: only a correct restore makes them equal.
+    trainer = gpt.Trainer(gpt.GPTConfig(), par, spec["global_batch"], seed=spec["init_seed"])
+    ckpt = tenplex.Checkpointer(coords=trainer.coords)
+    extra: dict = {}
+    step = tenplex.restore(trainer.model, trainer.optimizer, scheduler=trainer.scheduler, extra=extra,
+                           checkpointer=ckpt)
+    state = DatasetState.from_dict(extra["dataset"] if step is not None else spec["dataset_state"])
+    step = start = step or 0
+    info = ckpt.last_restore
+    record = {"rank": rank, "coords": trainer.coords, "restored_step": step if info.version else None,
+              "transformed": info.transformed, "plan_stats": info.plan_stats, "start_state": state.to_dict(),
+              "steps": []}
+    if info.version is not None:
+        _dump(trainer, out, rank)
+
+    # This rank reads its dp coordinate's micro-batch of every global batch (the tp and pp peers read the same).
+    data = RankDataset.fallback(spec["dataset"], state, par.dp, trainer.coords["dp"])
+    batches = iter(RankBatchSampler(data))
+    current: list[int] = []
+
+    def local_batch(_step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        positions = next(batches)
+        current[:] = data.sample_ids[positions].tolist()
+        tokens = torch.stack([data[i] for i in positions]).long()  # (micro-batch, seq + 1)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    trainer.local_batch = local_batch
+    progress = open(out / "progress.jsonl", "a") if rank == 0 else None
+    while step < spec["until"]:
+        loss = trainer.train_step(step)
+        step += 1
+        record["steps"].append({"step": step, "loss": loss, "ids": list(current)})
+        if progress:
+            progress.write(json.dumps({"phase": spec["phase"], "step": step, "loss": loss}) + "\n")
+            progress.flush()
+        if step == spec.get("save_at"):
+            done = state.advance(step - start)  # the dataset position goes with the state
+            record["saved_version"] = tenplex.save(trainer.model, trainer.optimizer, step=step,
+                                                   scheduler=trainer.scheduler, extra={"dataset": done.to_dict()},
+                                                   checkpointer=ckpt)
+            record["saved_state"] = done.to_dict()
+            _dump(trainer, out, rank)
+    (out / f"rank{rank}.json").write_text(json.dumps(record))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _dump(trainer, out: Path, rank: int) -> None:
+    """Write this pipeline stage's full parameters and Adam moments (collective: every rank calls it)."""
+    state = trainer.full_state()
+    if trainer.coords["dp"] == 0 and trainer.coords["tp"] == 0:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / f"params-r{rank}.safetensors"))
+
+
+if __name__ == "__main__":
+    main()
