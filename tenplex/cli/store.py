@@ -32,6 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _token_arguments(serve)
     serve.add_argument("--tls-cert", type=Path, help="PEM certificate: serve TLS (needs --tls-key)")
     serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    serve.add_argument("--no-data-plane", action="store_true",
+                       help="serve box reads over gRPC only (the plain-TCP data plane is also off with TLS)")
     serve.set_defaults(handler=_serve)
 
     ls = sub.add_parser("ls", help="list a store's versions, or one version's shards")
@@ -90,7 +92,7 @@ def _serve(args) -> int:
     options = _client_options(args)
     server, port = serve(store, bind=args.bind, port=args.port, token=options["token"], tls_cert=tls_cert,
                          tls_key=tls_key, transformer=run_host_part,
-                         peer_root_certificates=options["root_certificates"])
+                         peer_root_certificates=options["root_certificates"], data_plane=not args.no_data_plane)
     if args.port_file:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{port}\n")

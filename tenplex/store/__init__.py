@@ -39,6 +39,10 @@ mismatch), ``read_box_into``, ``write_shard``/``put_json``/``prepare``/``commit`
 ``abort``/``delete``/``gc``, ``health``, ``read_file``/``stat_file`` (files
 under ``<root>/datasets/``) and ``transform`` (this host's part of a plan).
 ``wire`` holds the chunking, chunk framing and channel options both ends use.
+``dataplane`` is the bulk data plane beside gRPC: each server also listens on a
+plain TCP port (advertised in ``Health.data_port``) where large box reads
+travel as checksummed frames, sendfile'd from the shard file and received
+straight into the destination; same token (HMAC of a nonce), off with TLS.
 """
 
 from ..errors import StoreError

@@ -8,11 +8,18 @@ moved for reads), and every received chunk is verified: a checksum mismatch
 re-fetches that chunk's sub-box (up to ``retries`` times) and never returns
 corrupted data. gRPC failures surface as :class:`RemoteStoreError`, which
 carries the status code and names the store address.
+
+Box reads of at least ``data_plane_min_bytes`` go over the server's bulk data
+plane (``dataplane``: plain TCP, sendfile on the server, recv_into the
+destination here) when the server advertises one and TLS is off; everything
+else, and every box read of a TLS client, uses gRPC. Both paths verify every
+frame or chunk and re-fetch corrupted pieces the same way.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from typing import Callable, Iterator
 
 import grpc
@@ -23,8 +30,12 @@ from ..box import Box
 from ..dtypes import numpy_storage
 from ..errors import StoreError
 from . import wire
+from .dataplane import DataPlaneError, DataPool
 from ._proto import store_pb2 as pb
 from ._proto import store_pb2_grpc as pb_grpc
+
+
+DATA_PLANE_MIN_BYTES = 1 << 20  # smaller reads stay on gRPC, where a call costs less than a new connection
 
 
 class RemoteStoreError(StoreError):
@@ -45,8 +56,17 @@ class StoreClient:
 
     def __init__(self, address: str, token: str | None = None, root_certificates: bytes | None = None,
                  timeout: float = 60.0, chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, retries: int = 3,
-                 min_read_gbps: float = 0.02, own_connection: bool = False):
+                 min_read_gbps: float = 0.02, own_connection: bool = False, data_plane: bool = True,
+                 data_plane_min_bytes: int = DATA_PLANE_MIN_BYTES):
         self.address = address
+        # Large box reads use the server's data plane when it runs one (asked once, through Health);
+        # never with TLS, since the data plane is not encrypted.
+        self._data_wanted = data_plane and root_certificates is None
+        self.data_plane_min_bytes = data_plane_min_bytes
+        self._data_pool: DataPool | None = None
+        self._data_checked = False
+        self._data_lock = threading.Lock()
+        self._token = token
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
         self.retries = retries
@@ -73,6 +93,8 @@ class StoreClient:
             response_deserializer=wire.decode_file_chunk)
 
     def close(self) -> None:
+        if self._data_pool is not None:
+            self._data_pool.close()
         self._channel.close()
 
     def __enter__(self) -> "StoreClient":
@@ -96,7 +118,21 @@ class StoreClient:
     # ---- metadata ------------------------------------------------------
     def health(self, timeout: float | None = None) -> dict:
         reply = self._call("Health", pb.HealthRequest(), "Health", timeout)
-        return {"host": reply.host, "root": reply.root, "versions": list(reply.versions), "pid": reply.pid}
+        return {"host": reply.host, "root": reply.root, "versions": list(reply.versions), "pid": reply.pid,
+                "data_port": reply.data_port}
+
+    def data_pool(self) -> DataPool | None:
+        """The server's data plane (connections made on demand), or None when box reads go over gRPC."""
+        if not self._data_wanted:
+            return None
+        with self._data_lock:
+            if not self._data_checked:
+                port = self.health()["data_port"]
+                if port:
+                    host = self.address.rsplit(":", 1)[0].strip("[]")
+                    self._data_pool = DataPool(host, port, self._token, self.timeout)
+                self._data_checked = True
+            return self._data_pool
 
     def wait_ready(self, timeout: float = 30.0) -> dict:
         """Block until the server answers (e.g. right after starting it)."""
@@ -126,13 +162,22 @@ class StoreClient:
                     sink: Callable[[Box, memoryview], None]) -> int:
         """Stream the region ``box`` of ``device``'s shard: ``sink(sub_box, c_order_bytes)`` receives every
         verified chunk (global coordinates). Corrupted chunks are fetched again. Returns the bytes delivered."""
+        return self._read_region(version, device, tensor, box, itemsize, sink, None, box)
+
+    def _read_region(self, version, device, tensor, box: Box, itemsize: int, sink, out: np.ndarray | None,
+                     out_box: Box) -> int:
+        pool = self.data_pool() if box.volume * itemsize >= self.data_plane_min_bytes else None
         pending = [box]
         attempts = 0
         total = 0
         while pending:
             bad: list[Box] = []
             for region in pending:
-                total += self._stream_box(version, device, tensor, region, itemsize, sink, bad)
+                if pool is not None:
+                    total += self._data_box(pool, version, device, tensor, region, itemsize, sink, out, out_box,
+                                            bad)
+                else:
+                    total += self._stream_box(version, device, tensor, region, itemsize, sink, bad)
             if bad:
                 attempts += 1
                 if attempts > self.retries:
@@ -149,7 +194,20 @@ class StoreClient:
         def sink(sub: Box, data: memoryview) -> None:
             out[sub.local(box).slices()] = np.frombuffer(data, out.dtype).reshape(sub.lengths)
 
-        return self.read_box_to(version, device, tensor, box, out.itemsize, sink)
+        return self._read_region(version, device, tensor, box, out.itemsize, sink, out, box)
+
+    def _data_box(self, pool: DataPool, version, device, tensor, region: Box, itemsize: int, sink,
+                  out: np.ndarray | None, out_box: Box, bad: list) -> int:
+        """Read ``region`` over the data plane: frames land in ``out`` directly when given, else go to ``sink``."""
+        try:
+            got, corrupted = pool.read(version, device, tensor, region, itemsize, self.chunk_bytes, sink=sink,
+                                       out=out, out_box=out_box)
+        except DataPlaneError as e:
+            code = getattr(grpc.StatusCode, e.code, grpc.StatusCode.UNKNOWN)
+            raise RemoteStoreError(f"store {self.address}: data-plane read ({version}, {device}, {tensor!r}, "
+                                   f"{region}) failed with {code.name}: {e}", code, self.address) from None
+        bad.extend(corrupted)
+        return got
 
     def _stream_box(self, version, device, tensor, region: Box, itemsize: int, sink, bad: list) -> int:
         request = pb.ReadBoxRequest(version=version, device=device, tensor=tensor, box=wire.to_pb_box(region),

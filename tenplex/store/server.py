@@ -11,13 +11,16 @@ address requires a shared token, which every call must then present as
 ``authorization: Bearer TOKEN`` metadata (else UNAUTHENTICATED). TLS is on
 when a certificate and key are given.
 
-Test hooks (fault injection, used by the test suite only): the environment
-variable ``TENPLEX_STORE_TEST_HOOKS`` of a *server process* may hold
-comma-separated ``exit_after_chunks=N`` (the process exits abruptly once it has
-sent N ReadBox/ReadBoxes/ReadFile chunks, simulating a host dying mid-transfer) and
-``corrupt_chunks=N`` (the first N such chunks get one payload byte flipped
-after their checksum was computed, simulating corruption in flight). Unset, it
-costs nothing.
+Bulk data plane: unless TLS is configured (or ``data_plane=False``),
+:func:`serve` also starts ``tenplex.store.dataplane.DataServer`` on the same
+bind address and advertises its port in ``Health.data_port``; clients read
+large boxes there (plain TCP, checksummed frames, same token) instead of
+through ``ReadBox``. With TLS the data plane stays off, since it is not
+encrypted, and every box travels over gRPC.
+
+Test hooks (fault injection, used by the test suite only) are described in
+``_hooks``: ``TENPLEX_STORE_TEST_HOOKS`` with ``exit_after_chunks=N`` and
+``corrupt_chunks=N`` act on gRPC chunks and data-plane frames alike.
 """
 
 from __future__ import annotations
@@ -39,11 +42,12 @@ import xxhash
 
 from ..box import Box
 from ..errors import StoreError, TenplexError
-from . import wire
+from . import _hooks, wire
 from ._proto import store_pb2 as pb
 from .datasets import resolve_dataset_path
 from .manifest import NotFound, OutOfRange
 from .auth import TokenCheck
+from .dataplane import DataServer
 from .local import Store
 from .reader import VersionReader
 from .writer import VersionWriter
@@ -100,28 +104,6 @@ def _guard(method):
     return streaming if inspect.isgeneratorfunction(method) else unary
 
 
-# ----------------------------------------------------------------- hooks --
-class _TestHooks:
-    def __init__(self, spec: str):
-        values = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
-        self.exit_after = int(values.get("exit_after_chunks", 0))
-        self.corrupt = int(values.get("corrupt_chunks", 0))
-        self.sent = 0
-        self.lock = threading.Lock()
-
-    def before_send(self, payload: bytes) -> bytes:
-        with self.lock:
-            self.sent += 1
-            sent = self.sent
-        if self.exit_after and sent > self.exit_after:
-            os._exit(137)  # a host dying mid-transfer: no cleanup, no goodbye
-        if sent <= self.corrupt:
-            damaged = bytearray(payload)
-            damaged[-1] ^= 0xFF  # last byte is payload: the checksum no longer matches
-            return bytes(damaged)
-        return payload
-
-
 # --------------------------------------------------------------- service --
 class StoreService:
     def __init__(self, store: Store, transformer: Callable | None = None, token: str | None = None,
@@ -133,8 +115,8 @@ class StoreService:
         self._readers: dict[int, VersionReader] = {}
         self._writers: dict[tuple[int, str], VersionWriter] = {}
         self._lock = threading.Lock()
-        spec = os.environ.get("TENPLEX_STORE_TEST_HOOKS", "")
-        self._hooks = _TestHooks(spec) if spec else None
+        self._hooks = _hooks.from_environment()
+        self.data_port = 0  # set by serve() when the data plane runs
 
     # -- helpers
     def _reader(self, version: int) -> VersionReader:
@@ -162,7 +144,7 @@ class StoreService:
     @_guard
     def Health(self, request, context):
         return pb.HealthReply(host=self.store.host, root=str(self.store.root), versions=self.store.versions(),
-                              pid=os.getpid())
+                              pid=os.getpid(), data_port=self.data_port)
 
     @_guard
     def ListVersions(self, request, context):
@@ -366,8 +348,12 @@ def _handlers(service: StoreService) -> grpc.GenericRpcHandler:
 
 def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | None = None,
           tls_cert: bytes | None = None, tls_key: bytes | None = None, transformer: Callable | None = None,
-          peer_root_certificates: bytes | None = None, max_workers: int = 32) -> tuple[grpc.Server, int]:
+          peer_root_certificates: bytes | None = None, max_workers: int = 32,
+          data_plane: bool = True) -> tuple[grpc.Server, int]:
     """Start serving ``store``; return (server, bound port). Non-loopback binds need ``token``.
+
+    ``data_plane``: also serve large box reads on a plain TCP port of the same
+    address (see ``dataplane``); never with TLS, whose clients use ReadBox.
 
     ``transformer(store, request, progress, cancelled=, token=, root_certificates=)`` runs
     the Transform RPC; it pulls from peers with this server's token and ``peer_root_certificates``
@@ -391,6 +377,11 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
         bound = server.add_insecure_port(address)
     if not bound:
         raise StoreError(f"could not bind the store server to {address}")
+    if data_plane and tls_cert is None:
+        data = DataServer(bind, service._reader, lambda e: (_status_of(e).name, _message(e)), token=token)
+        service.data_port = data.port
+        server.data_server = data  # kept alive with the gRPC server; its threads are daemons
     server.start()
-    log.info("store %s (host %s) serving on %s:%d", store.root, store.host, bind, bound)
+    log.info("store %s (host %s) serving on %s:%d (data plane port %d)", store.root, store.host, bind, bound,
+             service.data_port)
     return server, bound

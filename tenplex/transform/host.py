@@ -12,9 +12,11 @@ Order of work, per new shard of this host's devices:
 2. Every other ``"from": "old"`` region is written straight into the new
    shard's file (``ShardTarget``): from this host's old files (memory-mapped)
    without gRPC, or pulled from the source host by ``streams`` concurrent
-   gRPC streams (one connection each): large regions in pieces of up to
-   64 MiB, small ones batched many to a call (``ReadBoxes``). The new files'
-   space is reserved by the first jobs, so a full disk fails early.
+   pulls (one connection each): large regions in pieces of up to 64 MiB over
+   the source's bulk data plane (plain TCP, ``tenplex.store.dataplane``; gRPC
+   ReadBox streams when the source has none or TLS is on), small ones
+   batched many to a gRPC call (``ReadBoxes``). The new files' space is
+   reserved by the first jobs, so a full disk fails early.
 3. ``"from": "new"`` regions (the local fan-out) are copied in plan order
    from new shards that step 2 filled.
 

@@ -1,0 +1,245 @@
+"""The bulk data plane (``tenplex.store.dataplane``) against real store processes: exact bytes, clear errors,
+tokens, corrupted frames, dying and hanging sources, TLS falling back to gRPC, transforms and the benchmark."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from tenplex.box import Box
+from tenplex.planner import plan
+from tenplex.store import Store
+from tenplex.store.client import ChecksumError, RemoteStoreError, StoreClient
+from tenplex.store.dataplane import DataConnection, DataPlaneError
+from tenplex.transform import transform
+
+from store_helpers import StoreProcess, assert_version_matches, random_globals, tiny_layout, write_version
+
+SHAPE = (64, 48)
+
+
+def _write(root: Path) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(11)
+    w = rng.random(SHAPE, dtype=np.float32)
+    b = rng.integers(0, 2**16, size=(1000,), dtype=np.uint16)
+    with Store(root, "h0").begin(1) as writer:
+        writer.put("h0/0", "w", Box((0, 0), SHAPE), w, "float32", shape=SHAPE)
+        writer.put("h0/1", "b", Box((0,), (1000,)), b, "bfloat16", shape=(1000,))
+        writer.commit()
+    return w, b
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    base = tmp_path_factory.mktemp("dataplane")
+    w, b = _write(base / "h0")
+    proc = StoreProcess(base / "h0", "h0")
+    yield proc, w, b
+    proc.stop()
+
+
+def _client(address: str, **kwargs) -> StoreClient:
+    """A client that sends every box read, however small, over the data plane."""
+    return StoreClient(address, chunk_bytes=4096, data_plane_min_bytes=0, **kwargs)
+
+
+def test_reads_are_exact_and_errors_clear(served):
+    proc, w, b = served
+    with _client(proc.address) as client:
+        assert client.data_pool() is not None and client.health()["data_port"] > 0
+        for box in (Box((0, 0), SHAPE),          # whole rows: sent from the file with sendfile
+                    Box((3, 5), (40, 30)),       # strided: gathered, then sent
+                    Box((7, 0), (1, 48))):
+            np.testing.assert_array_equal(client.read_box(1, "h0/0", "w", box, "float32"), w[box.slices()])
+        assert client.read_box(1, "h0/1", "b", Box((0,), (1000,)), "bfloat16").tobytes() == b.tobytes()
+        # into a strided destination (frames go through the scratch buffer) and into a sink
+        out = np.zeros((40, 60), dtype=np.float32)
+        client.read_box_into(1, "h0/0", "w", Box((10, 0), (40, 48)), out[:, 6:54])
+        np.testing.assert_array_equal(out[:, 6:54], w[10:50])
+        pieces = {}
+        n = client.read_box_to(1, "h0/0", "w", Box((0, 0), SHAPE), 4, lambda sub, data: pieces.update({sub: bytes(data)}))
+        assert n == w.nbytes and len(pieces) > 1  # 4 KiB frames
+        joined = np.zeros(SHAPE, dtype=np.float32)
+        for sub, data in pieces.items():
+            joined[sub.slices()] = np.frombuffer(data, np.float32).reshape(sub.lengths)
+        np.testing.assert_array_equal(joined, w)
+        for args, code, text in [((9, "h0/0", "w", Box((0, 0), (1, 1))), grpc.StatusCode.NOT_FOUND, "version 9"),
+                                 ((1, "h0/0", "w", Box((60, 0), (8, 1))), grpc.StatusCode.OUT_OF_RANGE, "inside no box"),
+                                 ((1, "h9/0", "w", Box((0, 0), (1, 1))), grpc.StatusCode.NOT_FOUND, "devices here")]:
+            with pytest.raises(RemoteStoreError) as info:
+                client.read_box(*args, "float32")
+            assert info.value.code == code and "data-plane" in str(info.value) and text in str(info.value)
+        np.testing.assert_array_equal(client.read_box(1, "h0/0", "w", Box((1, 1), (2, 2)), "float32"), w[1:3, 1:3])
+
+
+def _raw_exchange(port: int, body: bytes, closes: bool) -> dict:
+    """Send one raw request body; return the server's reply, checking whether the server then closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        reader = sock.makefile("rb")
+        (n,) = struct.unpack("<I", reader.read(4))
+        hello = json.loads(reader.read(n))
+        assert hello["tenplex_data"] == 1 and hello["auth"] is False
+        sock.sendall(struct.pack("<I", len(body)) + body)
+        (n,) = struct.unpack("<I", reader.read(4))
+        reply = json.loads(reader.read(n))
+        if closes:
+            assert reader.read() == b"", "the server must close the connection after a protocol error"
+        else:  # the connection stays usable
+            sock.sendall(struct.pack("<I", len(body)) + body)
+            (n,) = struct.unpack("<I", reader.read(4))
+            assert json.loads(reader.read(n)) == reply
+        return reply
+
+
+def test_malformed_requests_and_unknown_protocol_versions(served):
+    proc, w, _ = served
+    port = StoreClient(proc.address).health()["data_port"]
+    reply = _raw_exchange(port, b"{not json", closes=True)
+    assert reply["code"] == "INVALID_ARGUMENT" and "malformed" in reply["message"]
+    reply = _raw_exchange(port, json.dumps({"v": 99}).encode(), closes=True)
+    assert reply["code"] == "INVALID_ARGUMENT" and "protocol version 99" in reply["message"]
+    reply = _raw_exchange(port, json.dumps({"v": 1, "version": 1, "device": "h0/0"}).encode(), closes=False)
+    assert reply["code"] == "INVALID_ARGUMENT" and "expected version, device, tensor and box" in reply["message"]
+    reply = _raw_exchange(port, json.dumps({"v": 1, "version": 1, "device": "h0/0", "tensor": "w",
+                                            "box": {"offsets": [0, 0], "lengths": [-1, 2]}}).encode(), closes=False)
+    assert not reply["ok"] and reply["code"] == "INVALID_ARGUMENT", reply
+    with _client(proc.address) as client:  # still serving
+        np.testing.assert_array_equal(client.read_box(1, "h0/0", "w", Box((0, 0), (2, 3)), "float32"), w[:2, :3])
+
+
+def test_data_connections_need_the_token(tmp_path):
+    w, _ = _write(tmp_path / "h0")
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    proc = StoreProcess(tmp_path / "h0", "h0", token_file=token_file, bind="0.0.0.0")
+    try:
+        with StoreClient(proc.address, token="s3cret") as client:
+            port = client.health()["data_port"]
+        box = Box((0, 0), (4, 48))
+        for token in (None, "wrong"):
+            conn = DataConnection("127.0.0.1", port, token, timeout=30)
+            with pytest.raises(DataPlaneError) as info:
+                conn.read(1, "h0/0", "w", box, 4, 4096, out=np.zeros((4, 48), np.float32), out_box=box)
+            assert info.value.code == "UNAUTHENTICATED" and "token" in str(info.value)
+            assert conn._sock.recv(1) == b"", "the server must close a connection that failed authentication"
+            conn.close()
+        with _client(proc.address, token="s3cret") as client:
+            assert client.data_pool() is not None
+            np.testing.assert_array_equal(client.read_box(1, "h0/0", "w", Box((0, 0), SHAPE), "float32"), w)
+    finally:
+        proc.stop()
+
+
+def test_corrupted_frames_are_refetched_and_never_returned(tmp_path):
+    w, _ = _write(tmp_path / "h0")
+    proc = StoreProcess(tmp_path / "h0", "h0", env={"TENPLEX_STORE_TEST_HOOKS": "corrupt_chunks=3"})
+    try:
+        with _client(proc.address) as client:
+            assert client.data_pool() is not None
+            np.testing.assert_array_equal(client.read_box(1, "h0/0", "w", Box((0, 0), SHAPE), "float32"), w)
+    finally:
+        proc.stop()
+    proc = StoreProcess(tmp_path / "h0", "h0", env={"TENPLEX_STORE_TEST_HOOKS": "corrupt_chunks=100000"})
+    try:
+        with _client(proc.address, retries=2) as client:
+            with pytest.raises(ChecksumError, match="arrived corrupted 3 times"):
+                client.read_box(1, "h0/0", "w", Box((0, 0), SHAPE), "float32")
+    finally:
+        proc.stop()
+
+
+def test_source_killed_mid_stream_and_hung_source(tmp_path):
+    _write(tmp_path / "h0")
+    proc = StoreProcess(tmp_path / "h0", "h0", env={"TENPLEX_STORE_TEST_HOOKS": "exit_after_chunks=3"})
+    try:
+        with _client(proc.address) as client:
+            with pytest.raises(RemoteStoreError) as info:
+                client.read_box(1, "h0/0", "w", Box((0, 0), SHAPE), "float32")
+            assert info.value.code == grpc.StatusCode.UNAVAILABLE and "data-plane" in str(info.value)
+        proc.proc.wait(timeout=30)
+        assert proc.proc.returncode == 137
+    finally:
+        proc.stop()
+    proc = StoreProcess(tmp_path / "h0", "h0")
+    try:
+        with _client(proc.address, timeout=1.0) as client:
+            assert client.data_pool() is not None
+            proc.proc.send_signal(signal.SIGSTOP)  # accepts connections, never answers
+            try:
+                with pytest.raises(RemoteStoreError) as info:
+                    client.read_box(1, "h0/0", "w", Box((0, 0), SHAPE), "float32")
+            finally:
+                proc.proc.send_signal(signal.SIGCONT)
+            assert info.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        proc.stop()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a test certificate")
+def test_tls_stores_keep_every_box_on_grpc(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True)
+    w, _ = _write(tmp_path / "h0")
+    proc = StoreProcess(tmp_path / "h0", "h0", extra_args=("--tls-cert", str(cert), "--tls-key", str(key)))
+    try:
+        with _client(proc.address, root_certificates=cert.read_bytes()) as client:
+            assert client.health()["data_port"] == 0  # the server starts no plaintext data plane
+            assert client.data_pool() is None
+            np.testing.assert_array_equal(client.read_box(1, "h0/0", "w", Box((0, 0), SHAPE), "float32"), w)
+    finally:
+        proc.stop()
+    plain = StoreProcess(tmp_path / "h0", "h0")
+    try:  # a TLS client never uses a data plane, even one a server offers
+        assert not StoreClient(plain.address, root_certificates=cert.read_bytes())._data_wanted
+    finally:
+        plain.stop()
+
+
+@pytest.mark.parametrize("source", ["data plane", "gRPC only"])
+def test_transform_source_dies_mid_stream_and_the_replica_takes_over(tmp_path, source):
+    """3 MiB tensors pulled in 1.5 MiB pieces (the data plane's size) from h0, which dies after 3 frames."""
+    tensors = {"a": ((1024, 768), "float32"), "b": ((768, 1024), "float32")}
+    old = tiny_layout(tensors, {f"{h}/0": [("a", (0, 0), (1024, 768)), ("b", (0, 0), (768, 1024))]
+                                for h in ("h0", "h1")})
+    new = tiny_layout(tensors, {"h2/0": [("a", (0, 0), (512, 768)), ("b", (0, 0), (768, 512))],
+                                "h2/1": [("a", (512, 0), (512, 768)), ("b", (0, 512), (768, 512))]})
+    roots = {h: tmp_path / h for h in ("h0", "h1", "h2")}
+    arrays = random_globals(old, seed=5)
+    write_version(roots, old, 1, arrays)
+    extra = () if source == "data plane" else ("--no-data-plane",)
+    procs = {"h0": StoreProcess(roots["h0"], "h0", env={"TENPLEX_STORE_TEST_HOOKS": "exit_after_chunks=3"},
+                                extra_args=extra),
+             "h1": StoreProcess(roots["h1"], "h1", extra_args=extra), "h2": StoreProcess(roots["h2"], "h2")}
+    try:
+        report = transform(plan(old, new), old, new, {h: p.address for h, p in procs.items()}, 1, 2,
+                           chunk_bytes=64 << 10)
+        assert not procs["h0"].alive(), "the fault was not injected"
+        assert report["hosts"]["h2"]["refetched_bytes"] > 0
+        assert_version_matches(roots, new, 2, arrays)
+        served_by_data_plane = "data connection from" in (tmp_path / ".h1.log").read_text()
+        assert served_by_data_plane == (source == "data plane")
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def test_bench_transfer_reports_both_paths_and_baselines():
+    done = subprocess.run([str(Path(sys.executable).with_name("tenplex")), "bench", "transfer", "--json",
+                           "--bytes", str(8 << 20), "--repeat", "1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)
+    assert row["path"] == "dataplane" and row["bytes"] == 8 << 20
+    for key in ("tenplex_gbps", "grpc_gbps", "raw_socket_gbps", "memcpy_gbps", "tenplex_pull_gbps", "grpc_pull_gbps"):
+        assert row[key] > 0, key
