@@ -80,17 +80,17 @@ def run(cfg: DemoConfig, workdir: Path, say: Callable[[str], None]) -> dict:
     say(f"dataset: {num_samples} samples of {SEQ + 1} tokens packed in {workdir / 'data' / 'dataset'}")
     hosts_a = sorted({d.split("/")[0] for d in devices_a})
     hosts_b = sorted({d.split("/")[0] for d in devices_b})
+    joining = [h for h in hosts_b if h not in hosts_a]
     with Hosts(workdir / "stores") as hosts:
-        hosts.start(*hosts_a)
-        say(f"hosts: {', '.join(f'{h} (store {hosts.addresses[h]})' for h in hosts_a)}")
+        hosts.start(*hosts_a, *joining)  # together: the store processes start in parallel
+        say(f"hosts: {', '.join(f'{h} (store {hosts.addresses[h]})' for h in hosts_a)}"
+            + (f"; idle until the rescale: {', '.join(joining)} (empty stores)" if joining else ""))
         base = {"dataset": str(workdir / "data" / "dataset"), "global_batch": cfg.global_batch,
                 "dataset_state": state.to_dict(), "until": 2 * cfg.steps}
         say(f"phase A: {cfg.parallel_from} on {', '.join(devices_a)}: train {cfg.steps} steps, save, "
             f"then continue {cfg.steps} steps as the uninterrupted reference")
         _phase(workdir, "A", {**base, "parallel": cfg.parallel_from, "save_at": cfg.steps, "init_seed": 0},
                devices_a, hosts, say)
-        joining = [h for h in hosts_b if h not in hosts.addresses]
-        hosts.start(*hosts_b)
         if joining:
             say(f"rescale: host(s) {', '.join(joining)} join with empty stores")
         say(f"phase B: {cfg.parallel_to} on {', '.join(devices_b)}: restore, train steps "
@@ -161,6 +161,8 @@ def summarize(cfg: DemoConfig, workdir: Path, num_samples: int) -> dict:
 
     ref_batches, a_batches, b_batches = _global_batches(a), _global_batches(a), _global_batches(b)
     elastic = {**{k: v for k, v in a_batches.items() if k <= cfg.steps}, **b_batches}
+    for r in rows:
+        r["ids"] = elastic.get(r["step"])  # the global batch the elastic run trained on at this step
     counts = Counter(i for ids in elastic.values() for i in ids)
     duplicates = sorted(i for i, n in counts.items() if n > 1)
     missing = sorted(set(range(num_samples)) - set(counts))

@@ -71,9 +71,10 @@ def run_job(argv: Sequence[str], devices: Sequence[str], roots: dict[str, Path],
             logs.append(logdir / f"rank{rank}.log")
             with open(logs[-1], "w") as out:
                 procs.append(subprocess.Popen(list(argv), env=env, stdout=out, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + timeout
+        deadline, timed_out = time.monotonic() + timeout, False
         while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            timed_out = time.monotonic() > deadline
+            if timed_out or any(p.poll() not in (None, 0) for p in procs):
                 break
             if poll:
                 poll()
@@ -91,4 +92,5 @@ def run_job(argv: Sequence[str], devices: Sequence[str], roots: dict[str, Path],
         failed.sort(key=lambda r: procs[r].returncode == -9)
         text = "\n".join(f"--- rank {r} ({devices[r]}, exit {procs[r].returncode}) ---\n"
                          f"{logs[r].read_text()[-3000:]}" for r in failed[:2])
-        raise JobError(f"{len(failed)} of {world} ranks failed (logs in {logdir}):\n{text}")
+        why = f"the job did not finish within {timeout:.0f} s" if timed_out else f"{len(failed)} of {world} ranks failed"
+        raise JobError(f"{why} (logs in {logdir}):\n{text}")
