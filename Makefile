@@ -8,9 +8,7 @@ setup:
 	VENV=$(VENV) scripts/setup.sh
 
 demo: setup
-	$(VENV)/bin/tenplex layout --model gpt --layers 8 --hidden 1024 --heads 16 --vocab 50257 --optimizer adam --parallel dp=2,tp=2,pp=2 --hosts 2 --devices-per-host 4 -o /tmp/tenplex-old.json
-	$(VENV)/bin/tenplex layout --model gpt --layers 8 --hidden 1024 --heads 16 --vocab 50257 --optimizer adam --parallel dp=1,tp=4,pp=3 --hosts 3 --devices-per-host 4 -o /tmp/tenplex-new.json
-	$(VENV)/bin/tenplex plan /tmp/tenplex-old.json /tmp/tenplex-new.json
+	$(VENV)/bin/tenplex demo
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)

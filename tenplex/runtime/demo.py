@@ -84,7 +84,7 @@ def run(cfg: DemoConfig, workdir: Path, say: Callable[[str], None]) -> dict:
     with Hosts(workdir / "stores") as hosts:
         hosts.start(*hosts_a, *joining)  # together: the store processes start in parallel
         say(f"hosts: {', '.join(f'{h} (store {hosts.addresses[h]})' for h in hosts_a)}"
-            + (f"; idle until the rescale: {', '.join(joining)} (empty stores)" if joining else ""))
+            + (f"; idle until the rescale: {', '.join(joining)} (empty store)" if joining else ""))
         base = {"dataset": str(workdir / "data" / "dataset"), "global_batch": cfg.global_batch,
                 "dataset_state": state.to_dict(), "until": 2 * cfg.steps}
         say(f"phase A: {cfg.parallel_from} on {', '.join(devices_a)}: train {cfg.steps} steps, save, "
@@ -113,7 +113,11 @@ def _phase(workdir: Path, name: str, spec: dict, devices: list[str], hosts: Host
         for line in lines[shown[0]:]:
             if line.endswith("}"):  # a line still being written is shown at the next poll
                 p = json.loads(line)
-                say(f"  [{name}] step {p['step']:3d}/{spec['until']}  loss {p['loss']:.6f}")
+                if "saved" in p:
+                    say(f"  [{name}] saved step {p['step']} through tenplex as version {p['saved']}")
+                else:
+                    label = f"{name} ref" if p["step"] > spec.get("save_at", p["step"]) else name
+                    say(f"  [{label}] step {p['step']:3d}/{spec['until']}  loss {p['loss']:.6f}")
                 shown[0] += 1
 
     run_job([sys.executable, "-m", "tenplex.runtime.demo_worker", str(out / "spec.json")], devices,

@@ -92,6 +92,10 @@ def main() -> None:
                                                    scheduler=trainer.scheduler, extra={"dataset": done.to_dict()},
                                                    checkpointer=ckpt)
             record["saved_state"] = done.to_dict()
+            if progress:
+                progress.write(json.dumps({"phase": spec["phase"], "step": step,
+                                           "saved": record["saved_version"]}) + "\n")
+                progress.flush()
             _dump(trainer, out, rank)
     (out / f"rank{rank}.json").write_text(json.dumps(record))
     dist.barrier()
