@@ -3,9 +3,10 @@
 May import: the standard library only (it must run before mfusepy is imported).
 
 mfusepy loads its libfuse once, when it is imported, from ``FUSE_LIBRARY_PATH``
-(else libfuse2, else libfuse3). We prefer libfuse3: it negotiates up to 1 MiB
-per read request with the kernel (FUSE_MAX_PAGES), where libfuse2 stops at
-128 KiB, so each Python call serves 8x the bytes. ``TENPLEX_LIBFUSE`` chooses:
+(else libfuse2, else libfuse3). We prefer libfuse3: it negotiates read
+requests of up to 1 MiB with the kernel (FUSE_MAX_PAGES; we use 896 KiB, see
+``fs.MAX_READ``), where libfuse2 stops at 128 KiB, so each Python call serves
+7x the bytes. ``TENPLEX_LIBFUSE`` chooses:
 ``auto`` (default: libfuse3 when installed, else libfuse2), ``3`` or ``2``. An
 explicit ``FUSE_LIBRARY_PATH`` or ``FUSE_LIBRARY_NAME`` always wins.
 """
@@ -80,9 +81,9 @@ def keep_read_buffers_on_heap() -> None:
         mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
 
 
-# The kernel caps a FUSE mount's readahead at 128 KiB, whatever libfuse asks for; a larger window
-# lets it send full 1 MiB requests (libfuse3) and keep the next one queued while we serve this one.
-READAHEAD_KB = 4096
+# The kernel caps a FUSE mount's readahead at 128 KiB, whatever libfuse asks for; a window of a few
+# full-size requests lets it send them (libfuse3) and keep the next ones queued while we serve one.
+READAHEAD_REQUESTS = 4
 
 
 def _unescape(field: str) -> str:
@@ -101,7 +102,7 @@ def mount_device(mountpoint: str) -> str | None:
     return found
 
 
-def raise_readahead(mountpoint: str, kib: int = READAHEAD_KB) -> str | None:
+def raise_readahead(mountpoint: str, kib: int) -> str | None:
     """Let the kernel read ahead ``kib`` KiB on this mount; returns why it could not, or None."""
     try:
         device = mount_device(mountpoint)

@@ -27,7 +27,7 @@ from tenplex.dataset.state import DatasetState, StateError
 
 from . import binding
 from .errors import VfsError
-from .fs import LIBFUSE_VERSION, ROOT_FORMAT, Generation, TenplexFS, build_generation
+from .fs import LIBFUSE_VERSION, MAX_READ, ROOT_FORMAT, Generation, TenplexFS, build_generation
 from .preflight import check_fuse, check_mountpoint
 
 POLL_S = 0.05
@@ -111,7 +111,7 @@ class Server:
 
     def watch(self) -> None:
         """Follow the state file and the dataset until the mount goes away (runs in a daemon thread)."""
-        why = binding.raise_readahead(str(self.mountpoint))
+        why = binding.raise_readahead(str(self.mountpoint), binding.READAHEAD_REQUESTS * MAX_READ >> 10)
         if why:
             print(f"tenplex vfs: {why}", file=sys.stderr, flush=True)
         polls = 0

@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allow-other", action="store_true", help="let other users read the mount")
     p.add_argument("--libfuse", choices=("auto", "3", "2"),
                    help="libfuse to serve with (default: $TENPLEX_LIBFUSE, else auto: libfuse3 when installed, "
-                        "which reads up to 1 MiB per request, else libfuse2)")
+                        "which reads up to 896 KiB per request, else libfuse2)")
     p.set_defaults(handler=_mount)
 
     p = sub.add_parser("switch", help="switch a mount to a new dp degree and/or position, atomically")
