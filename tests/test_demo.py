@@ -3,7 +3,7 @@
 The test uses 2-rank configurations (tp=2 on one host -> pp=2 on two hosts, so
 the second host's empty store forces a transformation through the stores) to
 stay within about a minute on a loaded 2-core machine; ``make demo`` runs the
-4-rank default.
+4-rank default. Where FUSE works, the workers read through a FUSE view (``--fuse``).
 """
 
 from __future__ import annotations
@@ -25,13 +25,25 @@ STEPS = 2
 ARGS = ["--steps", str(STEPS), "--from", "tp=2", "--to", "pp=2", "--hosts-from", "1", "--hosts-to", "2"]
 
 
+def _fuse_missing() -> str | None:
+    import fuse_vfs
+
+    return fuse_vfs.fuse_unavailable_reason()
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
+    """One shortened run; through a FUSE view of the dataset where FUSE works (the in-process reader
+    computes the same view, and tests/test_vfs.py checks that both give the same samples)."""
     workdir = tmp_path_factory.mktemp("demo")
-    result = subprocess.run([str(TENPLEX), "demo", *ARGS, "--json", "--workdir", str(workdir)],
+    fuse = [] if _fuse_missing() else ["--fuse"]
+    result = subprocess.run([str(TENPLEX), "demo", *ARGS, *fuse, "--json", "--workdir", str(workdir)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return workdir, json.loads(result.stdout), result.stderr
+    summary = json.loads(result.stdout)
+    assert summary["samples"]["readers"] == (["fuse"] if fuse else ["in-process"])
+    assert not (workdir / "mnt").is_mount()
+    return workdir, summary, result.stderr
 
 
 def test_demo_continues_the_reference_run_after_a_rescale(demo):
@@ -90,6 +102,13 @@ def test_checks_fail_on_a_repeated_sample_or_a_changed_parameter(demo, tmp_path)
     assert not summary["checks"]["exactly_once"] and not summary["checks"]["params_bit_equal"]
     assert summary["params"]["differ"] == [name]
     assert len(summary["samples"]["duplicates"]) == 1 and len(summary["samples"]["missing"]) == 1
+
+
+def test_the_demo_command_does_not_load_torch():
+    # The orchestrating process stays light; torch runs in the worker processes only.
+    code = "import sys, tenplex.cli.demo, tenplex.runtime.demo; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert result.stdout.strip() == "False"
 
 
 def test_demo_rejects_more_hosts_than_ranks():

@@ -30,6 +30,8 @@ def register(subparsers) -> None:
                    help="configuration B after the rescale (default pp=2,dp=2)")
     p.add_argument("--hosts-from", type=int, default=2, help="simulated hosts of configuration A (default 2)")
     p.add_argument("--hosts-to", type=int, default=3, help="simulated hosts of configuration B (default 3)")
+    p.add_argument("--fuse", action="store_true",
+                   help="workers read the dataset through a FUSE mount (tenplex vfs) instead of in process")
     p.add_argument("--workdir", type=Path, help="keep everything here (default: a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary (progress on stderr)")
@@ -40,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise ValueError("--steps must be at least 1")
     cfg = DemoConfig(steps=args.steps, parallel_from=args.parallel_from, parallel_to=args.parallel_to,
-                     hosts_from=args.hosts_from, hosts_to=args.hosts_to)
+                     hosts_from=args.hosts_from, hosts_to=args.hosts_to, fuse=args.fuse)
     for flag, parallel, hosts in (("--from", cfg.parallel_from, cfg.hosts_from),
                                   ("--to", cfg.parallel_to, cfg.hosts_to)):
         if not 1 <= hosts <= world_of(parallel):
@@ -97,7 +99,7 @@ def report(s: dict, say) -> None:
         f"relative tolerance {s['loss_rtol']:g})")
     say(f"[{marks[c['exactly_once']]}] every sample seen exactly once: {samples['distinct']} of "
         f"{samples['dataset']} samples, {samples['seen']} reads, duplicates {samples['duplicates'] or 'none'}, "
-        f"missing {samples['missing'] or 'none'}")
+        f"missing {samples['missing'] or 'none'}; read {' and '.join(samples['readers'])}")
     say(f"[{marks[c['same_batches_as_reference']]}] every step trained on the reference's global batch")
     say(f"[{marks[c['params_bit_equal']]}] parameters and Adam moments after restore equal the saved ones bit for "
         f"bit ({params['tensors']} tensors, {human_bytes(params['bytes'])}"

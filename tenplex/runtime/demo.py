@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -33,10 +34,12 @@ from typing import Callable
 import numpy as np
 
 from ..dataset import DatasetState, pack
+from ..errors import TenplexError
 from .hosts import Hosts
 from .launch import place, run_job
 
 SEQ, VOCAB = 8, 37  # the example GPT's defaults (examples/01-gpt-train/gpt.py, GPTConfig)
+CLI = "import sys; from tenplex.cli import main; sys.exit(main())"
 LOSS_RTOL = 1e-4   # elastic vs reference: different reduction orders, compounded over the steps by AdamW
 
 
@@ -49,12 +52,29 @@ class DemoConfig:
     hosts_to: int = 3
     global_batch: int = 8
     seed: int = 0
+    fuse: bool = False           # read the data through a FUSE mount of the dataset instead of in process
+
+
+def degrees(parallel: str) -> dict[str, int]:
+    """``"tp=2,dp=2"`` -> {"dp": 2, "tp": 2, "pp": 1} (other keys, such as fsdp, are the worker's business)."""
+    given = {k.strip(): int(v) for k, _, v in (item.partition("=") for item in parallel.split(",") if item)}
+    return {k: given.get(k, 1) for k in ("dp", "tp", "pp")}
 
 
 def world_of(parallel: str) -> int:
-    degrees = {k.strip(): int(v) for k, _, v in (item.partition("=") for item in parallel.split(",") if item)
-               if k.strip() in ("dp", "tp", "pp")}
-    return degrees.get("dp", 1) * degrees.get("tp", 1) * degrees.get("pp", 1)
+    d = degrees(parallel)
+    return d["dp"] * d["tp"] * d["pp"]
+
+
+class DemoError(TenplexError, RuntimeError):
+    """A step of the demo's orchestration failed (the message says which and why)."""
+
+
+def _vfs(*args: str) -> None:
+    """Run ``tenplex vfs ARGS`` (the FUSE view lives in its own server process)."""
+    result = subprocess.run([sys.executable, "-c", CLI, "vfs", *args], capture_output=True, text=True, timeout=120)
+    if result.returncode != 0:
+        raise DemoError(f"tenplex vfs {args[0]} failed: {(result.stderr or result.stdout).strip()[-2000:]}")
 
 
 def make_dataset(root: Path, num_samples: int, global_batch: int, seed: int) -> DatasetState:
@@ -81,22 +101,49 @@ def run(cfg: DemoConfig, workdir: Path, say: Callable[[str], None]) -> dict:
     hosts_a = sorted({d.split("/")[0] for d in devices_a})
     hosts_b = sorted({d.split("/")[0] for d in devices_b})
     joining = [h for h in hosts_b if h not in hosts_a]
+    mount = workdir / "mnt"
+    if cfg.fuse:
+        view_state = workdir / "data" / "view-state.json"
+        view_state.write_text(json.dumps({**state.to_dict(), "dp": degrees(cfg.parallel_from)["dp"]}))
+        mount.mkdir(exist_ok=True)
+        _vfs("mount", str(workdir / "data" / "dataset"), str(mount), "--state", str(view_state),
+             "--log", str(workdir / "vfs.log"))
+        say(f"dataset mounted at {mount} (FUSE): one directory per data-parallel rank")
+    try:
+        _phases(cfg, workdir, state, devices_a, devices_b, hosts_a, joining, mount if cfg.fuse else None, say)
+    finally:
+        if cfg.fuse:
+            try:
+                _vfs("unmount", str(mount))
+            except DemoError:  # a worker killed mid-read may still hold a file open for a moment
+                _vfs("unmount", "--lazy", str(mount))
+    return summarize(cfg, workdir, num_samples)
+
+
+def _phases(cfg: DemoConfig, workdir: Path, state: DatasetState, devices_a: list[str], devices_b: list[str],
+            hosts_a: list[str], joining: list[str], mount: Path | None, say) -> None:
     with Hosts(workdir / "stores") as hosts:
         hosts.start(*hosts_a, *joining)  # together: the store processes start in parallel
         say(f"hosts: {', '.join(f'{h} (store {hosts.addresses[h]})' for h in hosts_a)}"
             + (f"; idle until the rescale: {', '.join(joining)} (empty store)" if joining else ""))
         base = {"dataset": str(workdir / "data" / "dataset"), "global_batch": cfg.global_batch,
-                "dataset_state": state.to_dict(), "until": 2 * cfg.steps}
+                "dataset_state": state.to_dict(), "until": 2 * cfg.steps, "mount": mount and str(mount)}
         say(f"phase A: {cfg.parallel_from} on {', '.join(devices_a)}: train {cfg.steps} steps, save, "
             f"then continue {cfg.steps} steps as the uninterrupted reference")
         _phase(workdir, "A", {**base, "parallel": cfg.parallel_from, "save_at": cfg.steps, "init_seed": 0},
                devices_a, hosts, say)
         if joining:
             say(f"rescale: host(s) {', '.join(joining)} join with empty stores")
+        if mount:
+            # The view follows the job: the saved position, split over the new dp degree. Each worker checks
+            # that the view's state equals the dataset state it restored from the stores.
+            saved = next(r["saved_state"] for r in _ranks(workdir / "A") if "saved_state" in r)
+            _vfs("switch", str(mount), "--dp", str(degrees(cfg.parallel_to)["dp"]), "--position",
+                 str(saved["position"]))
+            say(f"dataset view switched to dp={degrees(cfg.parallel_to)['dp']} at position {saved['position']}")
         say(f"phase B: {cfg.parallel_to} on {', '.join(devices_b)}: restore, train steps "
             f"{cfg.steps + 1}..{2 * cfg.steps}")
         _phase(workdir, "B", {**base, "parallel": cfg.parallel_to, "init_seed": 1}, devices_b, hosts, say)
-    return summarize(cfg, workdir, num_samples)
 
 
 def _phase(workdir: Path, name: str, spec: dict, devices: list[str], hosts: Hosts, say) -> None:
@@ -173,6 +220,7 @@ def summarize(cfg: DemoConfig, workdir: Path, num_samples: int) -> dict:
     samples = {"dataset": num_samples, "seen": sum(counts.values()), "distinct": len(counts),
                "duplicates": duplicates[:20], "missing": missing[:20],
                "exactly_once": not duplicates and not missing,
+               "readers": sorted({r["reader"] for r in a + b}),
                "same_batches_as_reference": elastic == ref_batches}
 
     saved, restored = _params(workdir / "A"), _params(workdir / "B")

@@ -9,7 +9,10 @@ configuration, the dataset, ``save_at`` (train to this step, then save) and
 ``until`` (keep training to this step without saving: in the first phase this
 is the uninterrupted reference run). Every rank restores first: a fresh job
 starts at the dataset state of the spec, a restarted one from the state it saved
-(``extra["dataset"]``). Results, written to ``out``:
+(``extra["dataset"]``). With ``mount`` in the spec it reads its samples from
+that FUSE view of the dataset, after checking that the view shows exactly the
+restored state; otherwise it computes the same view in process. Results,
+written to ``out``:
 
 * ``rank{r}.json``: coordinates, restored step and transformation, and per step
   the loss and the sample ids this rank trained on;
@@ -67,7 +70,15 @@ def main() -> None:
         _dump(trainer, out, rank)
 
     # This rank reads its dp coordinate's micro-batch of every global batch (the tp and pp peers read the same).
-    data = RankDataset.fallback(spec["dataset"], state, par.dp, trainer.coords["dp"])
+    if spec.get("mount"):
+        data = RankDataset.mounted(spec["mount"], trainer.coords["dp"])
+        if data.reader.state != state or data.reader.doc.get("dp") != par.dp:
+            raise RuntimeError(f"the dataset view at {spec['mount']} shows {data.reader.state} for dp "
+                               f"{data.reader.doc.get('dp')}, but this job restored {state} under dp {par.dp}; "
+                               "switch the view (tenplex vfs switch) before starting the workers")
+    else:
+        data = RankDataset.fallback(spec["dataset"], state, par.dp, trainer.coords["dp"])
+    record["reader"] = "fuse" if spec.get("mount") else "in-process"
     batches = iter(RankBatchSampler(data))
     current: list[int] = []
 
