@@ -210,8 +210,8 @@ def summarize(cfg: DemoConfig, workdir: Path, num_samples: int) -> dict:
     losses_ok = all(r["loss"] is not None and math.isclose(r["loss"], r["reference"], rel_tol=LOSS_RTOL)
                     for r in rows)
 
-    ref_batches, a_batches, b_batches = _global_batches(a), _global_batches(a), _global_batches(b)
-    elastic = {**{k: v for k, v in a_batches.items() if k <= cfg.steps}, **b_batches}
+    ref_batches = _global_batches(a)
+    elastic = {**{k: v for k, v in ref_batches.items() if k <= cfg.steps}, **_global_batches(b)}
     for r in rows:
         r["ids"] = elastic.get(r["step"])  # the global batch the elastic run trained on at this step
     counts = Counter(i for ids in elastic.values() for i in ids)
