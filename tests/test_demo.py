@@ -115,3 +115,13 @@ def test_demo_rejects_more_hosts_than_ranks():
     result = subprocess.run([str(TENPLEX), "demo", "--to", "pp=2", "--hosts-to", "3"], capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 2 and "cannot fill 3 hosts" in result.stderr, result.stderr
+
+
+def test_ranks_fill_hosts_in_rank_order():
+    from tenplex.runtime.launch import place
+
+    assert place(4, 2) == ["h0/0", "h0/1", "h1/0", "h1/1"]
+    assert place(4, 3) == ["h0/0", "h0/1", "h1/0", "h2/0"]
+    assert place(2, 1) == ["h0/0", "h0/1"]
+    with pytest.raises(ValueError, match="cannot spread 2 ranks over 3 hosts"):
+        place(2, 3)

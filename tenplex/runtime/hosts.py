@@ -1,6 +1,6 @@
 """Simulated hosts: one ``tenplex store serve`` process per host, each on a free loopback port.
 
-May import: the standard library only (the store runs in its own process).
+May import: the standard library and ``tenplex.errors`` (the store runs in its own process).
 
 Every host gets its own store directory ``BASE/HOST``; the server reports the
 port it bound (``--port 0``) through a port file, so no two runs race for a port.

@@ -1,6 +1,6 @@
 """Launch one job's worker processes like torchrun does, on simulated hosts of this machine.
 
-May import: the standard library only.
+May import: the standard library and ``tenplex.errors``.
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
 (127.0.0.1) and a free MASTER_PORT, plus what ``tenplex.Checkpointer`` reads:
