@@ -18,7 +18,7 @@ import threading
 ENV = "TENPLEX_STORE_TEST_HOOKS"
 
 
-class TestHooks:
+class FaultHooks:
     def __init__(self, spec: str):
         values = dict(item.split("=", 1) for item in spec.split(",") if "=" in item)
         self.exit_after = int(values.get("exit_after_chunks", 0))
@@ -46,6 +46,6 @@ def damaged(payload) -> bytes:
     return bytes(copy)
 
 
-def from_environment() -> TestHooks | None:
+def from_environment() -> FaultHooks | None:
     spec = os.environ.get(ENV, "")
-    return TestHooks(spec) if spec else None
+    return FaultHooks(spec) if spec else None
