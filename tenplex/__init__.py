@@ -7,10 +7,10 @@ Modules whose names start with ``_`` are internal.
 from .box import Box
 from .errors import BoxError, ConfigError, LayoutError, PlanError, StoreError, TenplexError, TransformError
 from .layout import Layout, Shard, TensorSpec
-from .plan import Plan, PlanStats, Transfer
+from .transfer_plan import Plan, PlanStats, Transfer
 from .parallel import ParallelConfig
 from .ptc import PTC, LocalShard, TensorRule
-from .planner import plan  # the function; the data model stays importable as tenplex.plan's Plan
+from .planner import plan
 
 __version__ = "0.1.0"
 

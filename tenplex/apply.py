@@ -1,7 +1,7 @@
 """An in-memory executor: apply a plan to numpy shards, enforcing the plan contract. Used to prove plans correct.
 
 May import: ``numpy``, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.layout``,
-``tenplex.plan``, ``tenplex.devices``, ``tenplex.errors`` and the standard
+``tenplex.transfer_plan``, ``tenplex.devices``, ``tenplex.errors`` and the standard
 library. Pure: no file, network or torch access.
 
 Shards are ``dict[device, dict[Shard, numpy.ndarray]]``: for each device, each
@@ -22,7 +22,7 @@ from .devices import host_of
 from .dtypes import numpy_storage
 from .errors import PlanError
 from .layout import Layout, Shard
-from .plan import Plan
+from .transfer_plan import Plan
 
 Shards = dict[str, dict[Shard, np.ndarray]]
 

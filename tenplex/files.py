@@ -1,6 +1,6 @@
 """Reading and writing tenplex JSON documents (layouts, plans) on disk.
 
-May import: ``tenplex.layout``, ``tenplex.plan``, ``tenplex.errors``,
+May import: ``tenplex.layout``, ``tenplex.transfer_plan``, ``tenplex.errors``,
 ``tenplex._gc`` and the standard library. Writes are atomic: a temporary file
 in the same directory is renamed over the target, so a reader never sees half
 a file.
@@ -17,7 +17,7 @@ from typing import Any
 from ._gc import paused_gc
 from .errors import LayoutError, PlanError
 from .layout import Layout, from_dict as layout_from_dict
-from .plan import Plan, plan_from_dict
+from .transfer_plan import Plan, plan_from_dict
 
 
 def write_json_atomic(path: str | os.PathLike, doc: Any) -> None:

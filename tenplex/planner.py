@@ -1,6 +1,6 @@
 """The minimal-movement planner: ``plan(old_layout, new_layout) -> Plan``.
 
-May import: ``tenplex.box``, ``tenplex.layout``, ``tenplex.plan``,
+May import: ``tenplex.box``, ``tenplex.layout``, ``tenplex.transfer_plan``,
 ``tenplex.devices``, ``tenplex.errors``, ``tenplex._gc`` and the standard
 library. Pure and deterministic: the same two layouts always give the same
 plan.
@@ -52,7 +52,7 @@ from .box import Box
 from .devices import host_of
 from .errors import PlanError
 from .layout import Layout
-from .plan import Plan, PlanStats, Transfer
+from .transfer_plan import Plan, PlanStats, Transfer
 
 Region = tuple[tuple[int, ...], tuple[int, ...]]  # (lo, hi), half-open
 

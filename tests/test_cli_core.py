@@ -8,7 +8,7 @@ import pytest
 
 from tenplex.cli import main
 from tenplex.files import load_layout
-from tenplex.plan import plan_from_dict
+from tenplex.transfer_plan import plan_from_dict
 
 GPT = ["--layers", "4", "--hidden", "32", "--heads", "4", "--vocab", "50", "--optimizer", "adam"]
 

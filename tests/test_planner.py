@@ -14,7 +14,7 @@ from tenplex.errors import PlanError
 from tenplex.gpt import gpt
 from tenplex.layout import Layout, Shard, TensorSpec
 from tenplex.parallel import ParallelConfig
-from tenplex.plan import Transfer, plan_from_dict
+from tenplex.transfer_plan import Transfer, plan_from_dict
 from tenplex.planner import plan
 from tenplex.ptc import layout
 

@@ -28,7 +28,7 @@ from ..box import Box
 from ..errors import ConfigError
 from ..gpt import gpt
 from ..parallel import ParallelConfig
-from ..plan import Transfer
+from ..transfer_plan import Transfer
 from ..planner import plan
 from ..ptc import layout
 

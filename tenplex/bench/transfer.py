@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     from ..layout import Layout, Shard, TensorSpec
     from ..box import Box
-    from ..plan import Plan, PlanStats, Transfer
+    from ..transfer_plan import Plan, PlanStats, Transfer
     from ..store import Store
     from ..transform import transform
 

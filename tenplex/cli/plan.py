@@ -1,6 +1,6 @@
 """``tenplex plan OLD NEW``: plan the transfers that turn one layout into another and summarise them.
 
-May import: ``tenplex.files``, ``tenplex.planner``, ``tenplex.plan``, ``tenplex.errors``,
+May import: ``tenplex.files``, ``tenplex.planner``, ``tenplex.transfer_plan``, ``tenplex.errors``,
 tqdm and the standard library.
 """
 
@@ -14,7 +14,7 @@ import time
 from tqdm import tqdm
 
 from ..files import load_layout, save_plan
-from ..plan import Plan
+from ..transfer_plan import Plan
 from ..planner import plan
 from .units import human_bytes
 

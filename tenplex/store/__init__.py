@@ -1,7 +1,7 @@
 """Tensor stores: one per host, versioned shard files, served to other hosts over gRPC.
 
 May import: numpy, xxhash, grpc, protobuf, ``tenplex.box``, ``tenplex.layout``,
-``tenplex.plan``, ``tenplex.dtypes``, ``tenplex.devices``, ``tenplex.errors``,
+``tenplex.transfer_plan``, ``tenplex.dtypes``, ``tenplex.devices``, ``tenplex.errors``,
 ``tenplex.files``. Never torch. The gRPC schema is ``proto/tenplex/v1/store.proto``;
 its generated code lives in ``_proto`` (``make proto`` regenerates it).
 

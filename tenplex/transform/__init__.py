@@ -1,6 +1,6 @@
 """Execute transfer plans across the hosts' stores: parallel pulls, local copies, all-or-nothing commit.
 
-May import: ``tenplex.store``, ``tenplex.plan``, ``tenplex.layout``, ``tenplex.box``,
+May import: ``tenplex.store``, ``tenplex.transfer_plan``, ``tenplex.layout``, ``tenplex.box``,
 ``tenplex.devices``, ``tenplex.errors``, numpy and the standard library. Never torch.
 
     report = transform(plan, old_layout, new_layout, stores={"h0": "127.0.0.1:5001", ...},

@@ -1,6 +1,6 @@
 """Run a plan across every host's store with a two-phase commit.
 
-May import: ``tenplex.store`` (client), ``tenplex.plan``, ``tenplex.layout``,
+May import: ``tenplex.store`` (client), ``tenplex.transfer_plan``, ``tenplex.layout``,
 ``tenplex.devices``, ``tenplex.errors`` and the standard library.
 
 Phase 1: every destination host (a host of the new layout) stages and
@@ -22,7 +22,7 @@ from typing import Callable
 from ..devices import host_of
 from ..errors import TransformError
 from ..layout import Layout
-from ..plan import Plan
+from ..transfer_plan import Plan
 from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient
 

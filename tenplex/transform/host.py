@@ -1,6 +1,6 @@
 """One destination host's part of a transformation: stage version N+1 from N and prepare it.
 
-May import: numpy, ``tenplex.store`` (local store and client), ``tenplex.plan``,
+May import: numpy, ``tenplex.store`` (local store and client), ``tenplex.transfer_plan``,
 ``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``, ``tenplex.errors``
 and the standard library. Runs inside the host's store server (the
 ``Transform`` RPC), so it reads this host's old shards straight from disk.
@@ -41,7 +41,7 @@ from ..box import Box, subtract_all
 from ..devices import host_of
 from ..errors import StoreError, TransformError
 from ..layout import Layout, from_dict as layout_from_dict
-from ..plan import Transfer, plan_from_dict
+from ..transfer_plan import Transfer, plan_from_dict
 from ..store import LAYOUT_DOC, ShardTarget, Store, VersionReader, wire
 from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient

@@ -1,0 +1,7 @@
+"""``python -m tenplex.cli``: the same as the ``tenplex`` command."""
+
+import sys
+
+from . import main
+
+sys.exit(main())
