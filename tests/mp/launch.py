@@ -14,9 +14,10 @@ import sys
 import time
 from pathlib import Path
 
+from tenplex.runtime.hosts import Hosts
+
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
-CLI = "import sys; from tenplex.cli import main; sys.exit(main())"
 
 
 def free_port() -> int:
@@ -26,40 +27,30 @@ def free_port() -> int:
 
 
 class StoreServers:
-    """``tenplex store serve`` processes, one per (root, host); ``addresses`` maps root -> {host: address}."""
+    """``tenplex store serve`` processes, one per (root, host); ``addresses`` maps root key -> {host: address}.
+
+    Each key's roots must be ``BASE/HOST`` with one BASE, the layout of :class:`tenplex.runtime.hosts.Hosts`.
+    """
 
     def __init__(self, roots: dict[str, dict[str, Path]]):
-        self.procs: list[subprocess.Popen] = []
+        self.groups: list[Hosts] = []
         self.addresses: dict[str, dict[str, str]] = {}
-        pending = []
-        for key, hosts in roots.items():
-            for host, root in hosts.items():
-                root.mkdir(parents=True, exist_ok=True)
-                port_file = root.parent / f".{host}.port"
-                port_file.unlink(missing_ok=True)
-                proc = subprocess.Popen([PYTHON, "-c", CLI, "store", "serve", "--root", str(root), "--host", host,
-                                         "--port", "0", "--port-file", str(port_file)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
-                self.procs.append(proc)
-                pending.append((key, host, port_file, proc))
-        deadline = time.monotonic() + 120
-        for key, host, port_file, proc in pending:
-            while not (port_file.exists() and port_file.read_text().strip()):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"store server for {host} exited: {proc.stderr.read().decode()[-2000:]}")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"store server for {host} did not start within 120 s")
-                time.sleep(0.05)
-            self.addresses.setdefault(key, {})[host] = f"127.0.0.1:{int(port_file.read_text())}"
+        try:
+            for key, hosts in roots.items():
+                bases = {root.parent for root in hosts.values()}
+                if len(bases) != 1 or any(root.name != host for host, root in hosts.items()):
+                    raise ValueError(f"roots of {key!r} must be BASE/HOST with one BASE, got {hosts}")
+                group = Hosts(bases.pop())
+                self.groups.append(group)
+                group.start(*hosts)
+                self.addresses[key] = dict(group.addresses)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        for group in self.groups:
+            group.stop()
 
 
 def run_job(world: int, spec: dict, workdir: Path, script: Path | None = None, timeout: float = 400) -> None:
