@@ -36,12 +36,14 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
+
+from ..runtime.hosts import Hosts
+from ..runtime.launch import run_job
 
 DESCRIPTION = "save + restore of the reference GPT's state (>= 1 GB) across a config change, vs torch DCP"
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-gpt-train"
@@ -69,51 +71,22 @@ def run(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.tmpfs))
     disk = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.disk))
     hosts = [f"h{i}" for i in range(args.new_hosts)]
-    stores = []
     try:
-        for host in hosts:
-            port_file = work / f"{host}.port"
-            stores.append(subprocess.Popen([sys.executable, "-c", "import sys; from tenplex.cli import main; "
-                                            "sys.exit(main())", "store", "serve", "--root", str(work / host),
-                                            "--host", host, "--port", "0", "--port-file", str(port_file)],
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-            while not (port_file.exists() and port_file.read_text().strip()):
-                if stores[-1].poll() is not None:
-                    raise RuntimeError(f"the store server of {host} exited before serving")
-                time.sleep(0.05)
-        spec = {"model": {"hidden": args.hidden, "layers": args.layers, "ffn": args.ffn, "vocab": args.vocab,
-                          "heads": 16, "seq": 8},
-                "old": args.old, "new": args.new, "roots": {h: str(work / h) for h in hosts},
-                "stores": {h: f"127.0.0.1:{int((work / f'{h}.port').read_text())}" for h in hosts},
-                "dcp_tmpfs": str(work / "dcp"), "dcp_disk": str(disk / "dcp"), "result": str(work / "result.json")}
-        (work / "spec.json").write_text(json.dumps(spec))
-        _launch(2, work / "spec.json")
+        with Hosts(work) as stores:
+            stores.start(*hosts)
+            spec = {"model": {"hidden": args.hidden, "layers": args.layers, "ffn": args.ffn, "vocab": args.vocab,
+                              "heads": 16, "seq": 8},
+                    "old": args.old, "new": args.new, "roots": {h: str(stores.root(h)) for h in hosts},
+                    "stores": dict(stores.addresses), "dcp_tmpfs": str(work / "dcp"), "dcp_disk": str(disk / "dcp"),
+                    "result": str(work / "result.json")}
+            (work / "spec.json").write_text(json.dumps(spec))
+            # Both ranks launch on h0; each worker takes its store root and host from the spec.
+            run_job([sys.executable, "-m", "tenplex.bench.restore", str(work / "spec.json")], ["h0/0", "h0/1"],
+                    {"h0": stores.root("h0")}, dict(stores.addresses), work / "logs")
         return json.loads((work / "result.json").read_text())
     finally:
-        for store in stores:
-            store.terminate()
-            store.wait()
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
-
-
-def _launch(world: int, spec: Path) -> None:
-    """Run ``world`` ranks of this module's worker (gloo on loopback); raise with the failing rank's output."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "tenplex.bench.restore", str(spec)], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outputs = [p.communicate()[0].decode(errors="replace") for p in procs]
-    for rank, (p, out) in enumerate(zip(procs, outputs)):
-        if p.returncode:
-            raise RuntimeError(f"benchmark rank {rank} failed (exit {p.returncode}):\n{out[-3000:]}")
 
 
 # ------------------------------------------------------------------ worker

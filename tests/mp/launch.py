@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from tenplex.runtime import launch
 from tenplex.runtime.hosts import Hosts
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,37 +54,13 @@ class StoreServers:
 
 
 def run_job(world: int, spec: dict, workdir: Path, script: Path | None = None, timeout: float = 400) -> None:
-    """Run ``world`` ranks of ``script`` (default: gpt_worker.py) on ``spec``; raise with every rank's log on failure."""
+    """Run ``world`` ranks of ``script`` (default: gpt_worker.py) on ``spec`` through the runtime's launcher.
+
+    Workers read their store roots and addresses from the spec, so the launch places every rank on h0.
+    """
     script = script or Path(__file__).with_name("gpt_worker.py")
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path = workdir / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
     spec_path.write_text(json.dumps(spec))
-    port = free_port()
-    procs, logs = [], []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        log = open(workdir / f"{spec_path.stem}-rank{rank}.log", "w+")
-        logs.append(log)
-        procs.append(subprocess.Popen([PYTHON, str(script), str(spec_path)], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=ROOT))
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        text = []
-        for r in failed[:3]:
-            logs[r].seek(0)
-            text.append(f"--- rank {r} (exit {procs[r].returncode}) ---\n{logs[r].read()[-4000:]}")
-        raise RuntimeError(f"job of {world} ranks failed on ranks {failed}:\n" + "\n".join(text))
-    for log in logs:
-        log.close()
+    launch.run_job([PYTHON, str(script), str(spec_path)], [f"h0/{r}" for r in range(world)], {"h0": workdir}, {},
+                   workdir / spec_path.stem, timeout=timeout)
