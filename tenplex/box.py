@@ -24,8 +24,8 @@ class Box:
     lengths: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        offsets = tuple(int(o) for o in self.offsets)
-        lengths = tuple(int(n) for n in self.lengths)
+        offsets = tuple(operator.index(o) for o in self.offsets)
+        lengths = tuple(operator.index(n) for n in self.lengths)
         if len(offsets) != len(lengths):
             raise BoxError(f"box offsets {offsets} and lengths {lengths} differ in rank")
         if any(n < 0 for n in lengths):

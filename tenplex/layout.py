@@ -14,6 +14,7 @@ JSON form (``tenplex.layout/1``)::
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
@@ -33,7 +34,7 @@ class TensorSpec:
     dtype: str
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        object.__setattr__(self, "shape", tuple(operator.index(n) for n in self.shape))
 
     @property
     def itemsize(self) -> int:

@@ -83,6 +83,8 @@ class TensorRule:
             raise ConfigError(f"{where}: fused blocks {list(self.blocks)} must sum to the size of tp_dim")
         if (self.layer is None) == (not self.anchors):
             raise ConfigError(f"{where}: give either a layer index or anchors ('first'/'last'), not both or neither")
+        if self.layer is not None and self.layer < 0:
+            raise ConfigError(f"{where}: layer {self.layer} is negative; layers count from 0")
         if any(a not in ANCHORS for a in self.anchors):
             raise ConfigError(f"{where}: anchors {self.anchors} must be among {ANCHORS}")
 
@@ -114,6 +116,11 @@ class LocalShard:
     @property
     def boxes(self) -> tuple[Box, ...]:
         return tuple(p.box for p in self.pieces)
+
+
+def _anchor_stages(rule: TensorRule, pp: int) -> list[int]:
+    """Stages of a rule placed by anchors: 'first' is stage 0, 'last' is stage pp - 1."""
+    return sorted({0 if anchor == "first" else pp - 1 for anchor in rule.anchors})
 
 
 def stage_layer_counts(layers: int, config: ParallelConfig) -> tuple[int, ...]:
@@ -159,7 +166,7 @@ class PTC:
                 below += count
                 if rule.layer < below:
                     return [stage]
-        return sorted({0 if a == "first" else config.pp - 1 for a in rule.anchors})
+        return _anchor_stages(rule, config.pp)
 
     def stage_rules(self, config: ParallelConfig) -> list[list[TensorRule]]:
         """The rules each pipeline stage holds, in definition order."""
@@ -170,7 +177,7 @@ class PTC:
             if rule.layer is not None:
                 stages[stage_of_layer[rule.layer]].append(rule)
             else:
-                for s in sorted({0 if a == "first" else config.pp - 1 for a in rule.anchors}):
+                for s in _anchor_stages(rule, config.pp):
                     stages[s].append(rule)
         return stages
 

@@ -182,6 +182,9 @@ def box(offsets, lengths, tensor="w"):
     (doc({"gpu0": [box([0, 0], [4, 2])]}), "HOST/INDEX"),
     (doc({"h0/0": [{"tensor": "w", "offsets": [0, 0]}]}), "missing key 'lengths'"),
     ({"format": "tenplex.layout/0"}, "expected format 'tenplex.layout/1'"),
+    (doc({"h0/0": [box([0, 0], [4, 2])]}, {"w": {"shape": [4.9, 2], "dtype": "float16"}}),
+     "'float' object cannot be interpreted as an integer"),
+    (doc({"h0/0": [box([0.5, 0], [4, 2])]}), "'float' object cannot be interpreted as an integer"),
 ])
 def test_malformed_layout_files_fail_clearly(tmp_path, document, message):
     path = tmp_path / "bad.json"
@@ -214,6 +217,7 @@ def test_hand_built_layout_validates():
     (dict(dtype="float17", anchors=("first",)), "unknown dtype 'float17'"),
     (dict(tp_dim=0, blocks=(2, 3), anchors=("first",)), r"fused blocks \[2, 3\] must sum to the size of tp_dim"),
     (dict(tp_dim=0, split="ragged", anchors=("first",)), "split 'ragged' is not one of"),
+    (dict(layer=-1), "layer -1 is negative"),
 ])
 def test_bad_rules_name_the_tensor(kwargs, message):
     with pytest.raises(ConfigError, match=message) as info:
