@@ -2,6 +2,7 @@
 
 import os
 import shutil
+from pathlib import PurePosixPath
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ import pytest
 import fuse_vfs
 from tenplex.dataset import DatasetError, DatasetState, pack
 from tenplex.dataset.reader import open_fallback, open_mounted
-from tenplex.dataset.remote import open_remote
+from tenplex.dataset.remote import RemoteRecords, open_remote
 
 from store_helpers import StoreProcess
 
@@ -45,6 +46,20 @@ def test_remote_reads_are_cached_and_survive_the_store_going_away(store, tmp_pat
         np.testing.assert_array_equal(reader.get(i), values[i])
     assert source.remote_reads == fetched
     source.close()
+
+
+def test_remote_reads_span_blocks_and_read_only_the_range_from_the_cache(store, tmp_path):
+    proc, local, _ = store
+    info, opened = open_remote(proc.address, "tok", cache_dir=tmp_path / "cache")
+    source = RemoteRecords(opened.client, info, PurePosixPath("tok"), tmp_path / "small", block_bytes=50)
+    want = (local.root / info.files[0].name).read_bytes()
+    ranges = [(0, 1), (45, 10), (49, 102), (0, len(want)), (100, 50), (len(want) - 7, 7)]
+    for _ in range(2):                                    # first pass fetches blocks, second hits the cache
+        for offset, length in ranges:
+            assert source.read(0, offset, length) == want[offset:offset + length]
+    assert source.remote_reads == -(-len(want) // 50)     # every block fetched exactly once
+    assert not [p for p in source.cache.iterdir() if p.name.startswith(".")]  # no temp files left
+    opened.close()
 
 
 def test_remote_errors(store, tmp_path):

@@ -13,6 +13,8 @@ stale blocks; each sample is still verified against its crc32 by the readers.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import tempfile
 import threading
@@ -38,12 +40,14 @@ class RemoteRecords:
     """Record files read from a store (``StoreClient.read_file``), cached locally in blocks."""
 
     def __init__(self, client, info: DatasetInfo, remote_root: PurePosixPath, cache_dir: Path,
-                 block_bytes: int = BLOCK_BYTES):
+                 block_bytes: int = BLOCK_BYTES, stats: dict[str, tuple[int, int]] | None = None):
+        """``stats`` maps record file names to (size, mtime) already fetched by the caller."""
         self.client, self.info, self.remote_root = client, info, remote_root
         self.block_bytes = block_bytes
         self.cache = cache_dir / info.identity[:32]
         self.cache.mkdir(parents=True, exist_ok=True)
-        self._stats = [self._stat(i) for i in range(len(info.files))]
+        stats = stats or {}
+        self._stats = [stats.get(f.name) or self._stat(i) for i, f in enumerate(info.files)]
         self._checked, self._last_change = time.monotonic(), None
         self._lock = threading.Lock()
         self.remote_reads = 0  # blocks fetched from the store (the rest came from the cache)
@@ -55,30 +59,50 @@ class RemoteRecords:
         st = self.client.stat_file(self._remote(file_no))
         return st["size"], st["mtime"]
 
-    def _block(self, file_no: int, block: int) -> bytes:
-        path = self.cache / f"{self.info.files[file_no].name}.{block}"
-        try:
-            return path.read_bytes()
-        except FileNotFoundError:
-            pass
+    def _fetch_block(self, file_no: int, block: int, path: Path) -> bytes:
+        """Fetch a whole block from the store and cache it (written aside and renamed)."""
         size = self.info.files[file_no].bytes
         start = block * self.block_bytes
         data = self.client.read_file(self._remote(file_no), start, min(self.block_bytes, size - start))
         with self._lock:
             self.remote_reads += 1
         fd, tmp = tempfile.mkstemp(dir=self.cache, prefix=f".{path.name}.")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return data
+
+    def _block_range(self, file_no: int, block: int, start: int, length: int) -> bytes:
+        """Bytes ``[start, start + length)`` of one block: only that range is read on a cache hit."""
+        path = self.cache / f"{self.info.files[file_no].name}.{block}"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            return bytes(memoryview(self._fetch_block(file_no, block, path))[start:start + length])
+        try:
+            data = os.pread(fd, length, start)
+        finally:
+            os.close(fd)
+        if len(data) != length:  # blocks are only ever renamed into place whole, so this is corruption
+            raise OSError(errno.EIO, f"cached block {path} is shorter than expected "
+                                     f"(wanted {length} bytes at {start}, got {len(data)}); delete it")
         return data
 
     def read(self, file_no: int, offset: int, length: int) -> bytes:
         if length <= 0:
             return b""
-        first, last = offset // self.block_bytes, (offset + length - 1) // self.block_bytes
-        data = b"".join(self._block(file_no, b) for b in range(first, last + 1))
-        skip = offset - first * self.block_bytes
-        return data[skip:skip + length]
+        parts, end = [], offset + length
+        while offset < end:
+            block, start = divmod(offset, self.block_bytes)
+            n = min(self.block_bytes - start, end - offset)
+            parts.append(self._block_range(file_no, block, start, n))
+            offset += n
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def fileno(self, file_no: int) -> None:
         return None  # no local descriptor: the FUSE layer gathers the bytes instead
@@ -122,13 +146,17 @@ def open_remote(address: str, dataset: str, cache_dir: str | os.PathLike | None 
     def read_bytes(path: Path) -> bytes:
         return missing_as_file_not_found(lambda: client.read_file(str(remote_root / path.name)))
 
+    stats: dict[str, tuple[int, int]] = {}  # kept so RemoteRecords need not stat every file again
+
     def file_size(path: Path) -> int:
-        return missing_as_file_not_found(lambda: client.stat_file(str(remote_root / path.name))["size"])
+        st = missing_as_file_not_found(lambda: client.stat_file(str(remote_root / path.name)))
+        stats[path.name] = (st["size"], st["mtime"])
+        return st["size"]
 
     try:
         info = open_dataset(Path(f"{address}:{remote_root}"), read_bytes=read_bytes, file_size=file_size)
-    except Exception:
+        cache = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "tenplex-dataset-cache"
+        return info, RemoteRecords(client, info, remote_root, cache, stats=stats)
+    except BaseException:
         client.close()
         raise
-    cache = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "tenplex-dataset-cache"
-    return info, RemoteRecords(client, info, remote_root, cache)
