@@ -144,6 +144,28 @@ def test_gc_and_delete(tmp_path):
         store.gc(0)
 
 
+def test_server_drops_cached_readers_of_deleted_versions(tmp_path):
+    """Delete and Gc must release the server's memory maps of deleted shards (else tmpfs RAM stays in use)."""
+    from tenplex.store._proto import store_pb2 as pb
+    from tenplex.store.server import StoreService
+
+    store = Store(tmp_path / "s", "h0")
+    for v in (1, 2, 3):
+        with store.begin(v) as w:
+            w.put("h0/0", "w", Box((0,), (4,)), _arange((4,)) + v, "float32")
+            w.commit()
+    service = StoreService(store)
+    for v in (1, 2, 3):
+        service.GetManifest(pb.GetManifestRequest(version=v), None)
+        reader = service._reader(v)
+        reader.array(reader.find("h0/0", "w", Box((0,), (4,))))
+    deleted_reader = service._readers[3]
+    assert service.Delete(pb.DeleteRequest(version=3), None).deleted
+    assert 3 not in service._readers and deleted_reader._maps == {}
+    assert list(service.Gc(pb.GcRequest(keep=1), None).deleted) == [1]
+    assert sorted(service._readers) == [2]
+
+
 @pytest.mark.parametrize("region", [((0, 0, 0), (4, 5, 6)), ((1, 0, 0), (2, 5, 6)), ((1, 2, 0), (2, 2, 6)),
                                     ((0, 1, 2), (4, 3, 3)), ((3, 4, 5), (1, 1, 1))])
 def test_shard_target_writes_any_region(tmp_path, region):

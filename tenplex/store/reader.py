@@ -70,6 +70,10 @@ class VersionReader:
             self._maps[entry.file] = mapped
         return mapped
 
+    def close(self) -> None:
+        """Forget this reader's memory maps; each is unmapped once no array handed out still uses it."""
+        self._maps.clear()
+
     def read(self, device: str, tensor: str, box: Box) -> np.ndarray:
         """The region ``box`` (global coordinates) of ``device``'s shard: a read-only view into the memory map;
         only the pages of that region are read. Copy it (``np.array``) to keep it past the reader."""

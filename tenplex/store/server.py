@@ -243,13 +243,25 @@ class StoreService:
         self.store.abort(request.version)
         return pb.AbortReply()
 
+    def _forget_readers(self, versions) -> None:
+        """Drop cached readers of deleted versions so their memory maps (tmpfs RAM) can be freed."""
+        with self._lock:
+            for version in versions:
+                reader = self._readers.pop(int(version), None)
+                if reader is not None:
+                    reader.close()
+
     @_guard
     def Delete(self, request, context):
-        return pb.DeleteReply(deleted=self.store.delete(request.version))
+        deleted = self.store.delete(request.version)
+        self._forget_readers([request.version])
+        return pb.DeleteReply(deleted=deleted)
 
     @_guard
     def Gc(self, request, context):
-        return pb.GcReply(deleted=self.store.gc(request.keep))
+        deleted = self.store.gc(request.keep)
+        self._forget_readers(deleted)
+        return pb.GcReply(deleted=deleted)
 
     @_guard
     def Transform(self, request, context):
