@@ -145,3 +145,22 @@ def test_identity_tracks_content(tmp_path):
     assert a.identity == b.identity != c.identity
     with pytest.raises(DatasetError, match="not empty"):
         pack(tmp_path / "tokens.bin", tmp_path / "a", seq_len=8, dtype="uint16")
+
+
+def test_failed_pack_leaves_nothing_behind_so_a_retry_works(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"a": 1}\nnot json\n')   # one record written before the error
+    with pytest.raises(DatasetError, match="line 2"):
+        pack(tmp_path / "bad.jsonl", tmp_path / "new")
+    assert not (tmp_path / "new").exists()                        # it created the directory: gone
+    (tmp_path / "mine").mkdir()
+    with pytest.raises(DatasetError, match="line 2"):
+        pack(tmp_path / "bad.jsonl", tmp_path / "mine")
+    assert (tmp_path / "mine").is_dir() and not list((tmp_path / "mine").iterdir())  # the user's dir stays
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DatasetError, match="no samples"):
+        pack(tmp_path / "empty.jsonl", tmp_path / "mine")
+    assert not list((tmp_path / "mine").iterdir())
+    (tmp_path / "good.jsonl").write_text('{"a": 1}\n{"a": 2}\n')
+    info = pack(tmp_path / "good.jsonl", tmp_path / "mine")       # the retry into the same output works
+    assert info.num_samples == 2
+    assert decode_sample(read_verified(LocalRecords(info), info, 1), info.decode_info()) == {"a": 2}

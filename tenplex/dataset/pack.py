@@ -11,10 +11,12 @@ interrupted is never mistaken for a dataset.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import os
+import shutil
 import zlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -64,22 +66,38 @@ def write_dataset(records: Iterable[bytes], out: str | os.PathLike, kind: str, *
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise DatasetError(f"{out}: output directory is not empty; choose a new directory")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     writer = _RecordWriter(out, file_bytes)
     try:
-        for record in records:
-            writer.add(record)
-    finally:
-        writer.close()
-    if not writer.rows:
-        raise DatasetError(f"{out}: the input holds no samples")
-    raw_index = index_bytes(np.array(writer.rows, dtype=np.int64).reshape(-1, 4))
-    (out / INDEX_NAME).write_bytes(raw_index)
-    meta = {"format": FORMAT, "num_samples": len(writer.rows), "kind": kind, **(extra or {}),
-            "files": writer.files,
-            "index": {"name": INDEX_NAME, "bytes": len(raw_index), "sha256": hashlib.sha256(raw_index).hexdigest()}}
-    write_json_atomic(out / METADATA_NAME, meta)
-    return open_dataset(out)
+        try:
+            for record in records:
+                writer.add(record)
+        finally:
+            writer.close()
+        if not writer.rows:
+            raise DatasetError(f"{out}: the input holds no samples")
+        raw_index = index_bytes(np.array(writer.rows, dtype=np.int64).reshape(-1, 4))
+        (out / INDEX_NAME).write_bytes(raw_index)
+        meta = {"format": FORMAT, "num_samples": len(writer.rows), "kind": kind, **(extra or {}),
+                "files": writer.files,
+                "index": {"name": INDEX_NAME, "bytes": len(raw_index),
+                          "sha256": hashlib.sha256(raw_index).hexdigest()}}
+        write_json_atomic(out / METADATA_NAME, meta)
+        return open_dataset(out)
+    except BaseException:
+        _remove_partial(out, created, [f["name"] for f in writer.files] + [INDEX_NAME, METADATA_NAME])
+        raise
+
+
+def _remove_partial(out: Path, created: bool, names: list[str]) -> None:
+    """Undo a failed pack so a retry into ``out`` works: only what this pack wrote is removed."""
+    if created:
+        shutil.rmtree(out, ignore_errors=True)
+        return
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            (out / name).unlink()
 
 
 def _progress(items, total: int | None, desc: str, quiet: bool, unit: str = "sample"):
