@@ -280,6 +280,9 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
             if future.exception() is not None:
                 cancelled.set()  # the remaining jobs return early
                 raise future.exception()
+    # A cancel makes every pending job return early: the shards are then incomplete and must never be prepared.
+    if cancelled.is_set():
+        raise TransformError(f"host {host}: transformation cancelled")
     for t, key in fan_out:
         if cancelled.is_set():
             raise TransformError(f"host {host}: transformation cancelled")
