@@ -137,6 +137,39 @@ def test_remote_write_commit_and_delete(served):
             client.manifest(2)
 
 
+def test_failed_shard_write_leaves_nothing_in_the_part(served):
+    """A short WriteShard stream is discarded: the part never publishes it, and the box can be written again."""
+    import xxhash
+
+    from tenplex.store import wire
+    from tenplex.store._proto import store_pb2 as pb
+    proc, *_ = served
+    box = Box((0, 0), (8, 48))
+    full = np.arange(8 * 48, dtype=np.float32).reshape(8, 48) + 7
+    half = np.ascontiguousarray(full[:4]).tobytes()
+    header = pb.ShardHeader(version=5, part="broken", device="h0/0", tensor="w", box=wire.to_pb_box(box),
+                            dtype="float32", shape=list(SHAPE))
+    messages = [pb.WriteShardRequest(header=header),
+                pb.WriteShardRequest(chunk=pb.Chunk(box=wire.to_pb_box(Box((0, 0), (4, 48))), data=half,
+                                                    xxh3=xxhash.xxh3_64_intdigest(half)))]
+    channel = grpc.insecure_channel(proc.address)
+    write = channel.stream_unary("/tenplex.v1.Store/WriteShard",
+                                 request_serializer=pb.WriteShardRequest.SerializeToString,
+                                 response_deserializer=pb.WriteShardReply.FromString)
+    with pytest.raises(grpc.RpcError) as info:
+        write(iter(messages), timeout=10)
+    assert "received 768 of 1536 bytes" in info.value.details()
+    channel.close()
+    with StoreClient(proc.address) as client:
+        # the box is free again (its claim was dropped with the partial shard) and only the retry is published
+        assert client.write_shard(5, "broken", "h0/0", "w", box, full, "float32", SHAPE) == full.nbytes
+        client.prepare(5, "broken")
+        client.commit(5)
+        assert len(client.manifest(5)["shards"]) == 1
+        np.testing.assert_array_equal(client.read_box(5, "h0/0", "w", box, "float32"), full)
+        assert client.delete(5) is True
+
+
 def test_dataset_files(served):
     proc, *_ = served
     expected = bytes(range(256)) * 100

@@ -193,9 +193,24 @@ class StoreService:
         h = first.header
         box = wire.from_pb_box(h.box)
         writer = self._writer(h.version, h.part)
-        target = writer.allocate(h.device, h.tensor, box, h.dtype, tuple(h.shape) or None)
+        target = writer.create(h.device, h.tensor, box, h.dtype, tuple(h.shape) or None)
+        try:
+            received = self._fill(target, request_iterator, h)
+        except BaseException:
+            # A broken stream or a short shard must not stay in the part: Prepare would publish it partly zero.
+            try:
+                writer.discard(target)
+            except StoreError as e:  # the part was aborted or prepared meanwhile; the stream's error matters more
+                log.warning("WriteShard of %r could not discard its partial shard: %s", h.tensor, e)
+            raise
+        return pb.WriteShardReply(bytes=received)
+
+    @staticmethod
+    def _fill(target, chunks, h) -> int:
+        """Write every chunk of a WriteShard stream into ``target``; return the bytes received (all of them)."""
+        box = target.box
         received = 0
-        for message in request_iterator:
+        for message in chunks:
             if message.WhichOneof("item") != "chunk":
                 raise ValueError("WriteShard: only chunks may follow the header")
             sub = wire.from_pb_box(message.chunk.box)
@@ -204,12 +219,12 @@ class StoreService:
             if xxhash.xxh3_64_intdigest(message.chunk.data) != message.chunk.xxh3:
                 raise StoreError(f"chunk {sub} of {h.tensor!r} arrived corrupted (checksum mismatch); "
                                  f"abort version {h.version} and write it again")
-            target[sub.local(box).slices()] = np.frombuffer(message.chunk.data, target.dtype).reshape(sub.lengths)
+            target.write(sub, message.chunk.data)
             received += len(message.chunk.data)
-        expected = target.nbytes
+        expected = box.volume * target.itemsize
         if received != expected:
             raise StoreError(f"shard {h.tensor!r} {box} on {h.device}: received {received} of {expected} bytes")
-        return pb.WriteShardReply(bytes=received)
+        return received
 
     @_guard
     def PutJson(self, request, context):
@@ -227,7 +242,11 @@ class StoreService:
             writer = self._writers.pop(key, None)
         if writer is None:
             raise NotFound(f"no open part {key[1]!r} of version {key[0]} on host {self.store.host}")
-        writer.prepare()
+        try:
+            writer.prepare()
+        except BaseException:
+            writer.abort()  # it left the table: close its shard files here, or their descriptors leak
+            raise
         return pb.PrepareReply()
 
     @_guard

@@ -128,6 +128,22 @@ class VersionWriter:
         """A writable, zero-filled memory map of a new shard; fill it before ``prepare``."""
         return self.create(device, tensor, box, dtype, shape).array
 
+    def discard(self, target: ShardTarget) -> None:
+        """Forget a shard from ``create`` that could not be filled (its entry, box claim and file), so that
+        ``prepare`` can never publish it partly zero; the same box may then be written again."""
+        rel = str(target.path.relative_to(self.staging))
+        with self._lock:
+            if self._state != "open":
+                raise StoreError(f"version {self.version} part {self.part} is {self._state}; cannot discard {rel}")
+            entry = next((e for e in self._entries if e.file == rel), None)
+            if entry is None:
+                raise StoreError(f"version {self.version} part {self.part} has no shard file {rel}")
+            self._entries.remove(entry)
+            self._pending.pop(rel, None)
+            self._boxes[(entry.device, entry.tensor)].remove(entry.box)
+        target.close()
+        target.path.unlink(missing_ok=True)
+
     def link(self, device: str, reader: "VersionReader", entry: ShardEntry) -> None:
         """Make ``entry`` (a committed shard of ``reader``'s version on this host) ``device``'s shard, by hard link."""
         rel, path = self._claim(device, entry.tensor, entry.box, entry.dtype, entry.shape)
