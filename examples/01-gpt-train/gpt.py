@@ -255,9 +255,4 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
 
-def count_params(cfg: GPTConfig) -> int:
-    per_layer = 4 * cfg.hidden ** 2 + 2 * cfg.hidden * cfg.ffn + cfg.ffn + cfg.hidden + 4 * cfg.hidden
-    return cfg.vocab * cfg.hidden * 2 + cfg.seq * cfg.hidden + cfg.layers * per_layer + 2 * cfg.hidden
-
-
-__all__ = ["GPTConfig", "Parallel", "GPT", "Trainer", "batch", "loss_fn", "stage_layers", "count_params"]
+__all__ = ["GPTConfig", "Parallel", "GPT", "Trainer", "batch", "loss_fn", "stage_layers"]

@@ -142,6 +142,9 @@ class Checkpointer:
         except Exception:
             if rank == leader:
                 self.store.abort(version)
+                # Committed here but not on every host: take it back, so that no later restore can pick a
+                # version that some host lacks (the version number is new, so nothing older is touched).
+                self.store.delete(version)
             raise
         if rank == leader:
             self.store.gc(self.keep)

@@ -20,7 +20,7 @@ Where the box comes from:
 
 Tensor names: a parameter or buffer keeps its state-dict name (``layers.0.attn.wq.weight``);
 its optimizer states are ``optim.exp_avg.NAME``, ``optim.exp_avg_sq.NAME`` and so
-on (:func:`optimizer_tensor_name`, the same names as the PTC core's rules). Scalar optimizer states such as Adam's
+on (``optim.exp_avg.NAME``: :func:`tenplex.gpt.optimizer_state_name`, the same names as the PTC core's rules). Scalar optimizer states such as Adam's
 ``step`` are not tensors of the collection; they travel as JSON
 (:func:`optimizer_scalars`).
 """
@@ -54,22 +54,12 @@ class Piece:
         region = self.local[self.local_box.slices()]
         return region.detach().to("cpu").contiguous()
 
-    def write(self, values: torch.Tensor) -> None:
-        """Copy CPU ``values`` of the box's shape into the local region, on the local tensor's device."""
-        with torch.no_grad():
-            self.local[self.local_box.slices()].copy_(values)
-
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
 OPTIMIZER_PREFIX = optimizer_state_name("STATE", "P").split("STATE")[0]  # "optim.": starts every optimizer tensor
-
-
-def optimizer_tensor_name(param_name: str, key: str) -> str:
-    """``optim.exp_avg.layers.0.attn.wq.weight``: the PTC core's name, so partition-rule layouts match."""
-    return optimizer_state_name(key, param_name)
 
 
 def tensor_pieces(name: str, tensor: torch.Tensor, annotation=None) -> list[Piece]:
@@ -133,7 +123,7 @@ def optimizer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
             if isinstance(value, torch.Tensor) and _is_like(value, param):
                 # A plain state of an annotated parameter is sharded like the parameter.
                 annotation = None if isinstance(value, DTensor) else annotations.get(name)
-                pieces += tensor_pieces(optimizer_tensor_name(name, key), value, annotation)
+                pieces += tensor_pieces(optimizer_state_name(key, name), value, annotation)
     return pieces
 
 

@@ -15,8 +15,6 @@ go through the store's memory-mapped ``read``. bfloat16 and float8 travel as the
 
 from __future__ import annotations
 
-import json
-import struct
 import warnings
 from pathlib import Path
 
@@ -26,6 +24,7 @@ import torch
 from ..box import Box
 from ..dtypes import numpy_storage
 from ..store import VersionReader, VersionWriter
+from ..store._safetensors import read_header
 from .pieces import Piece
 
 _BITS = {"uint16": torch.uint16, "uint8": torch.uint8}
@@ -88,18 +87,15 @@ def _byte_range(stored: Box, region: Box, itemsize: int) -> tuple[int, int] | No
 
 
 def _data_offset(path: Path) -> int:
-    """Where a one-tensor safetensors file's data starts: 8-byte header length, JSON header, then data."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
+    """Where a one-tensor safetensors file's data starts."""
+    offset, header = read_header(path)
     begin = [v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"]
-    return 8 + size + (begin[0] if begin else 0)
+    return offset + (begin[0] if begin else 0)
 
 
 def _read_into(path: Path, byte_range: tuple[int, int], dest: torch.Tensor) -> None:
     start, length = byte_range
-    view = memoryview(dest.view(torch.uint8).numpy()).cast("B") if dest.element_size() == 1 else \
-        memoryview(dest.view(_int_of_size(dest.element_size())).numpy()).cast("B")
+    view = memoryview(dest.view(_int_of_size(dest.element_size())).numpy()).cast("B")
     if len(view) != length:
         raise ValueError(f"{path}: region of {length} bytes does not fit a destination of {len(view)} bytes")
     with open(path, "rb", buffering=0) as f:
