@@ -22,7 +22,7 @@ from typing import Callable
 from ..devices import host_of
 from ..errors import TransformError
 from ..layout import Layout
-from ..transfer_plan import Plan
+from ..transfer_plan import Plan, PlanStats
 from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient
 
@@ -58,9 +58,13 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
                              {h: "no store address" for h in missing})
     started = time.monotonic()
     old_hosts = old_layout.hosts()
-    plan_by_host: dict[str, list] = {h: [] for h in destinations}
+    transfers_of: dict[str, list] = {h: [] for h in destinations}
     for t in plan.transfers:
-        plan_by_host.setdefault(host_of(t.dst), []).append(t.to_dict())
+        transfers_of.setdefault(host_of(t.dst), []).append(t)
+    # Each host gets only its own transfers; whole-plan statistics would not describe them.
+    plan_json = {h: json.dumps(Plan(tuple(ts), PlanStats(), plan.new_tensors).to_dict())
+                 for h, ts in transfers_of.items()}
+    old_layout_json, new_layout_json = json.dumps(old_layout.to_dict()), json.dumps(new_layout.to_dict())
     clients = {h: StoreClient(a, token=token, root_certificates=root_certificates, timeout=pull_timeout)
                for h, a in stores.items()}
     results: dict[str, pb.TransformProgress] = {}
@@ -71,9 +75,7 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
         json_from = host if host in old_hosts else next((h for h in old_hosts if h in stores), "")
         request = pb.TransformRequest(
             host=host, old_version=old_version, new_version=new_version,
-            plan_json=json.dumps({"format": "tenplex.plan/1", "transfers": plan_by_host[host], "stats": {},
-                                  "new_tensors": list(plan.new_tensors)}),
-            old_layout_json=json.dumps(old_layout.to_dict()), new_layout_json=json.dumps(new_layout.to_dict()),
+            plan_json=plan_json[host], old_layout_json=old_layout_json, new_layout_json=new_layout_json,
             peers=stores, streams=streams, chunk_bytes=chunk_bytes, json_from_host=json_from,
             timeout_s=pull_timeout)
         try:
