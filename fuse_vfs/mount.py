@@ -17,17 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from tenplex.dataset.state import DatasetState
+from tenplex.dataset.statefile import write_state_file
 from tenplex.dataset.view import STATE_NAME as ROOT_STATE
-from tenplex.files import write_json_atomic
 
 from . import binding
 from .errors import VfsError
 from .preflight import check_fuse, check_mountpoint, fusermount
-
-
-def write_state_file(path: str | os.PathLike, state: DatasetState, dp: int) -> None:
-    """Write the state a mount serves (atomically: a mount never reads half a file)."""
-    write_json_atomic(path, {**state.to_dict(), "dp": dp})
 
 
 def read_root(mountpoint: str | os.PathLike) -> dict[str, Any]:

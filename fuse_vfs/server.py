@@ -14,7 +14,6 @@ current view in place and sets ``state_error``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -23,7 +22,8 @@ from typing import Any
 
 from tenplex.dataset.format import DatasetError, DatasetInfo, open_dataset
 from tenplex.dataset.source import LocalRecords, RecordSource
-from tenplex.dataset.state import DatasetState, StateError
+from tenplex.dataset.state import StateError
+from tenplex.dataset.statefile import load_state_file
 
 from . import binding
 from .errors import VfsError
@@ -32,27 +32,6 @@ from .preflight import check_fuse, check_mountpoint
 
 POLL_S = 0.05
 DATASET_CHECK_EVERY = 10  # polls between checks that the dataset is unchanged (0.5 s)
-
-
-def load_state_file(path: Path, info: DatasetInfo) -> tuple[DatasetState, int]:
-    """The state and dp degree in ``path``, checked against the mounted dataset."""
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise StateError(f"{path}: state file is missing; create it with `tenplex data state`") from None
-    except json.JSONDecodeError as e:
-        raise StateError(f"{path}: not valid JSON ({e})") from None
-    state = DatasetState.from_dict(doc, source=str(path))
-    dp = doc.get("dp")
-    if not isinstance(dp, int) or dp <= 0:
-        raise StateError(f"{path}: 'dp' must be a positive integer (the data-parallel degree), got {dp!r}")
-    if state.dataset != info.identity:
-        raise StateError(f"{path}: state is for dataset {state.dataset[:12] or '(none)'}…, but the mount serves "
-                         f"{info.root} = {info.identity[:12]}…; create the state with `tenplex data state "
-                         f"{info.root}`")
-    if state.num_samples != info.num_samples:
-        raise StateError(f"{path}: state has {state.num_samples} samples, dataset has {info.num_samples}")
-    return state, dp
 
 
 def _stat_key(path: Path) -> tuple[int, int, int] | None:

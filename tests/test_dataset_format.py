@@ -9,7 +9,8 @@ import pytest
 from tenplex.dataset import DatasetError, decode_sample, open_dataset, pack
 from tenplex.dataset.reader import open_fallback
 from tenplex.dataset.source import LocalRecords, read_verified
-from tenplex.dataset.state import DatasetState
+from tenplex.dataset.state import DatasetState, StateError
+from tenplex.dataset.statefile import check_state_matches, load_state_file, write_state_file
 
 
 def _tokens(tmp_path, n=50, seq=8, dtype=np.uint16):
@@ -164,3 +165,20 @@ def test_failed_pack_leaves_nothing_behind_so_a_retry_works(tmp_path):
     info = pack(tmp_path / "good.jsonl", tmp_path / "mine")       # the retry into the same output works
     assert info.num_samples == 2
     assert decode_sample(read_verified(LocalRecords(info), info, 1), info.decode_info()) == {"a": 2}
+
+
+def test_state_file_round_trip_and_mismatch(tmp_path):
+    _tokens(tmp_path)
+    info = pack(tmp_path / "tokens.bin", tmp_path / "ds", seq_len=8, dtype="uint16")
+    state = DatasetState(info.identity, 50, 3, 10, 5)
+    write_state_file(tmp_path / "s.json", state, dp=2)
+    assert load_state_file(tmp_path / "s.json", info) == (state, 2)
+    write_state_file(tmp_path / "s.json", DatasetState("", 50, 3, 10, 5), dp=2)
+    with pytest.raises(StateError, match="state is for dataset"):   # a mount insists on the identity
+        load_state_file(tmp_path / "s.json", info)
+    check_state_matches(DatasetState("", 50, 3, 10, 5), info)        # the in-process reader does not
+    with pytest.raises(DatasetError, match="state has 40 samples"):
+        check_state_matches(DatasetState(info.identity, 40, 3, 10, 5), info)
+    (tmp_path / "s.json").write_text(json.dumps({**state.to_dict(), "dp": 0}))
+    with pytest.raises(StateError, match="'dp' must be a positive integer"):
+        load_state_file(tmp_path / "s.json", info)

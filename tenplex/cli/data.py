@@ -8,9 +8,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..dataset import DatasetState, open_dataset, pack, plan_steps
+from ..dataset import DatasetState, open_dataset, pack, plan_steps, write_state_file
 from ..dataset.pack import DEFAULT_FILE_BYTES
-from ..files import write_json_atomic
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -78,7 +77,7 @@ def _state(args: argparse.Namespace) -> int:
     info = open_dataset(args.dataset)
     state = DatasetState(info.identity, info.num_samples, args.seed, args.position, args.global_batch,
                          not args.keep_last)
-    write_json_atomic(args.output, {**state.to_dict(), "dp": args.dp})
+    write_state_file(args.output, state, args.dp)
     print(f"wrote {args.output}: epoch {state.epoch}, position {state.position}, dp {args.dp}")
     return 0
 

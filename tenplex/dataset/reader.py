@@ -25,6 +25,7 @@ import numpy as np
 from .format import DatasetError, DatasetInfo, check_record, decode_sample, open_dataset
 from .source import LocalRecords, RecordSource, check_unchanged, read_verified
 from .state import DatasetState
+from .statefile import check_state_matches
 from .view import DATA_NAME, INDEX_NAME, STATE_NAME, VIEW_FORMAT, build_view
 
 
@@ -57,12 +58,7 @@ class FallbackRankReader(RankReader):
     def __init__(self, dataset: str | os.PathLike | DatasetInfo, state: DatasetState, dp: int, rank: int,
                  source: RecordSource | None = None):
         self.info = dataset if isinstance(dataset, DatasetInfo) else open_dataset(dataset)
-        if state.dataset and state.dataset != self.info.identity:
-            raise DatasetError(f"state is for dataset {state.dataset[:12]}…, but {self.info.root} is "
-                               f"{self.info.identity[:12]}…; use the state saved with this dataset")
-        if state.num_samples != self.info.num_samples:
-            raise DatasetError(f"state has {state.num_samples} samples, dataset {self.info.root} has "
-                               f"{self.info.num_samples}")
+        check_state_matches(state, self.info)
         self.source = source or LocalRecords(self.info)
         self.view = build_view(self.info, state, dp, rank)
         self.state = state

@@ -33,7 +33,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..dataset import DatasetState, pack
+from ..dataset import DatasetState, pack, write_state_file
 from ..errors import TenplexError
 from .hosts import Hosts
 from .launch import place, run_job
@@ -104,7 +104,7 @@ def run(cfg: DemoConfig, workdir: Path, say: Callable[[str], None]) -> dict:
     mount = workdir / "mnt"
     if cfg.fuse:
         view_state = workdir / "data" / "view-state.json"
-        view_state.write_text(json.dumps({**state.to_dict(), "dp": degrees(cfg.parallel_from)["dp"]}))
+        write_state_file(view_state, state, degrees(cfg.parallel_from)["dp"])
         mount.mkdir(exist_ok=True)
         _vfs("mount", str(workdir / "data" / "dataset"), str(mount), "--state", str(view_state),
              "--log", str(workdir / "vfs.log"))

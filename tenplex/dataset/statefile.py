@@ -1,0 +1,55 @@
+"""The state file: a ``tenplex.dataset-state/1`` document plus ``"dp"``, the control channel of a mount.
+
+May import: ``tenplex.dataset`` (format, state), ``tenplex.files`` and the standard library.
+``state`` stays pure; reading and writing the file lives here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..files import write_json_atomic
+from .format import DatasetError, DatasetInfo
+from .state import DatasetState, StateError
+
+
+def check_state_matches(state: DatasetState, info: DatasetInfo, *, require_identity: bool = False,
+                        error: type[Exception] = DatasetError, source: str = "state",
+                        holder: str = "the dataset") -> None:
+    """Refuse a state made for another dataset than ``info``.
+
+    A state without a dataset identity is accepted unless ``require_identity`` (a mount insists on
+    one). ``error`` is the exception raised; ``source`` and ``holder`` name the state and the dataset.
+    """
+    if (state.dataset or require_identity) and state.dataset != info.identity:
+        raise error(f"{source}: state is for dataset {state.dataset[:12] or '(none)'}…, but {holder} "
+                    f"{info.root} = {info.identity[:12]}…; use the state saved with this dataset or create "
+                    f"one with `tenplex data state {info.root}`")
+    if state.num_samples != info.num_samples:
+        raise error(f"{source}: state has {state.num_samples} samples, dataset {info.root} has "
+                    f"{info.num_samples}")
+
+
+def write_state_file(path: str | os.PathLike, state: DatasetState, dp: int) -> None:
+    """Write the state a mount serves (atomically: a mount never reads half a file)."""
+    write_json_atomic(path, {**state.to_dict(), "dp": dp})
+
+
+def load_state_file(path: str | os.PathLike, info: DatasetInfo) -> tuple[DatasetState, int]:
+    """The state and dp degree in ``path``, checked against the dataset ``info`` (StateError if not)."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise StateError(f"{path}: state file is missing; create it with `tenplex data state`") from None
+    except json.JSONDecodeError as e:
+        raise StateError(f"{path}: not valid JSON ({e})") from None
+    state = DatasetState.from_dict(doc, source=str(path))
+    dp = doc.get("dp")
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp <= 0:
+        raise StateError(f"{path}: 'dp' must be a positive integer (the data-parallel degree), got {dp!r}")
+    check_state_matches(state, info, require_identity=True, error=StateError, source=str(path),
+                        holder="the mount serves")
+    return state, dp
