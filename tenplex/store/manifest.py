@@ -1,19 +1,19 @@
 """The on-disk records of a store: manifest rows, formats, names, and durable JSON writes.
 
-May import: ``tenplex.box``, ``tenplex.errors`` and the standard library.
+May import: ``tenplex.box``, ``tenplex.errors``, ``tenplex.files`` and the standard library.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..box import Box
 from ..errors import StoreError
+from ..files import write_json_atomic
+
 
 class NotFound(StoreError, LookupError):
     """Unknown version, device, tensor, JSON document or dataset file (gRPC NOT_FOUND)."""
@@ -45,12 +45,8 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_json_durable(path: Path, doc) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        json.dump(doc, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Replace ``path`` atomically and make the rename itself durable."""
+    write_json_atomic(path, doc)
     fsync_dir(path.parent)
 
 
