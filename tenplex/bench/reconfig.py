@@ -72,8 +72,10 @@ def run(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="tenplex-reconfig-", dir=base_dir) as tmp:
         tmp = Path(tmp)
         _write_base(tmp, old)
-        servers = {h: _start_server(tmp, h) for h in hosts}
+        servers = {}
         try:
+            for h in hosts:
+                servers[h] = _start_server(tmp, h)
             stores = {h: address for h, (_, address) in servers.items()}
             for name, *config in CHANGES:
                 new = make(*config)

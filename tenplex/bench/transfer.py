@@ -80,9 +80,10 @@ def run(args: argparse.Namespace) -> dict:
             w.commit()
         del data
         # h0 and h0-grpc serve the same store directory; h0-grpc without the data plane
-        servers = {name: _start_server(tmp, host, *extra) for name, host, *extra in
-                   (("h0", "h0"), ("h0-grpc", "h0", "--no-data-plane"), ("h1", "h1"))}
+        servers: dict[str, tuple[subprocess.Popen, str]] = {}
         try:
+            for name, host, *extra in (("h0", "h0"), ("h0-grpc", "h0", "--no-data-plane"), ("h1", "h1")):
+                servers[name] = _start_server(tmp, host, *extra)
             addresses = {name: address for name, (_, address) in servers.items()}
             path = _path_of(addresses["h0"])
             times: dict[str, list[float]] = {k: [] for k in ("tenplex", "grpc", "pull", "grpc_pull", "raw")}
@@ -183,7 +184,8 @@ def _start_server(tmp: Path, host: str, *extra: str) -> tuple[subprocess.Popen, 
     while not port_file.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"store server {host} did not start (exit {proc.poll()})")
+            proc.wait()
+            raise RuntimeError(f"store server {host} did not start (exit {proc.returncode})")
         time.sleep(0.05)
     return proc, f"127.0.0.1:{int(port_file.read_text())}"
 
