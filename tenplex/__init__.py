@@ -19,13 +19,14 @@ __all__ = [
     "ParallelConfig", "PTC", "TensorRule", "LocalShard", "plan",
     "TenplexError", "BoxError", "ConfigError", "LayoutError", "PlanError",
     "__version__",
-    "Checkpointer", "save", "restore", "Annotation", "StateMismatchError",
+    "Checkpointer", "save", "restore", "Annotation", "StateMismatchError", "CollectiveError", "RestoreInfo",
     "Store", "StoreError", "TransformError",
     "DatasetState", "DatasetError",
 ]
 
 # The PyTorch integration imports torch: load it on first use so that `import tenplex` and the CLI stay fast.
-_INTEGRATION = ("Checkpointer", "save", "restore", "Annotation", "StateMismatchError")
+_INTEGRATION = ("Checkpointer", "save", "restore", "Annotation", "StateMismatchError", "CollectiveError",
+                "RestoreInfo")
 
 
 def __getattr__(name: str):
@@ -39,3 +40,7 @@ def __getattr__(name: str):
         from .store import Store
         return Store
     raise AttributeError(f"module 'tenplex' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
