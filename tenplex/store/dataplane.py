@@ -38,7 +38,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import socket
 import struct
@@ -214,15 +213,21 @@ class DataConnection:
 
     def __init__(self, host: str, port: int, token: str | None, timeout: float):
         self.where = f"{host}:{port}"
+        sock = None
         try:
-            self._sock = socket.create_connection((host, port), timeout=timeout)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = _recv_json(self._sock)
-        except socket.timeout:
-            raise DataPlaneError(f"data plane {self.where} did not answer within {timeout}s",
-                                 "DEADLINE_EXCEEDED") from None
-        except (OSError, ValueError) as e:
-            raise DataPlaneError(f"data plane {self.where} unreachable: {e}", "UNAVAILABLE") from None
+            sock = socket.create_connection((host, port), timeout=timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = _recv_json(sock)
+        except BaseException as e:
+            if sock is not None:
+                sock.close()  # connected, but no usable hello: do not leak the socket
+            if isinstance(e, socket.timeout):
+                raise DataPlaneError(f"data plane {self.where} did not answer within {timeout}s",
+                                     "DEADLINE_EXCEEDED") from None
+            if isinstance(e, (OSError, ValueError)):
+                raise DataPlaneError(f"data plane {self.where} unreachable: {e}", "UNAVAILABLE") from None
+            raise
+        self._sock = sock
         if hello.get("tenplex_data") != PROTOCOL:
             self.close()
             raise DataPlaneError(f"{self.where} speaks data-plane protocol {hello.get('tenplex_data')!r}, "
