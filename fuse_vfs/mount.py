@@ -5,6 +5,7 @@ May import: ``fuse_vfs`` (preflight, errors, binding), ``tenplex.dataset``, ``te
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -147,9 +148,7 @@ def switch(mountpoint: str | os.PathLike, *, dp: int | None = None, position: in
     """
     root = read_root(mountpoint)
     current = DatasetState.from_dict(root["state"])
-    new_state = state or (current if position is None else
-                          DatasetState(current.dataset, current.num_samples, current.seed, position,
-                                       current.global_batch, current.drop_last))
+    new_state = state or (current if position is None else dataclasses.replace(current, position=position))
     write_state_file(root["state_file"], new_state, dp or root["dp"])
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -6,6 +6,7 @@ May import: ``tenplex.dataset`` and the standard library.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from ..dataset import DatasetState, open_dataset, pack, plan_steps, write_state_file
@@ -88,7 +89,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    after = DatasetState("", args.num_samples, args.seed, result["position"], args.global_batch, not args.keep_last)
+    after = dataclasses.replace(state, position=result["position"])
     print(f"epoch {state.epoch} position {state.position} -> epoch {after.epoch} position {after.position}")
     for k, batch in enumerate(result["batches"]):
         print(f"batch {k}: {batch}")

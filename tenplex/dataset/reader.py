@@ -91,8 +91,6 @@ class MountedRankReader(RankReader):
         try:
             doc = json.loads((self.view_dir / STATE_NAME).read_bytes())
             index = np.load(self.view_dir / INDEX_NAME, allow_pickle=False)
-        except FileNotFoundError as e:
-            raise self._error(e) from None
         except OSError as e:
             raise self._error(e) from None
         if doc.get("format") != VIEW_FORMAT or index.ndim != 2 or index.shape[1] != 4:
@@ -129,8 +127,8 @@ class MountedRankReader(RankReader):
             data = os.pread(self._open(), length, offset)
         except OSError as e:
             raise self._error(e) from None
-        check_record(data, np.array([0, offset, length, self.index[i, 3]]), str(self.dir / DATA_NAME),
-                     int(self.sample_ids[i]))
+        # a view's index row is (sample id, offset, length, crc): the same columns check_record reads
+        check_record(data, self.index[i], str(self.dir / DATA_NAME), int(self.sample_ids[i]))
         return data
 
     def close(self) -> None:

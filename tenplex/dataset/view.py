@@ -14,14 +14,13 @@ disagree. A rank directory holds::
 
 from __future__ import annotations
 
-import io
 import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .format import CRC, FILE, LENGTH, OFFSET, DatasetInfo
+from .format import CRC, FILE, LENGTH, OFFSET, DatasetInfo, index_bytes
 from .state import DatasetState, remaining_in_epoch
 
 DATA_NAME = "data"
@@ -53,9 +52,7 @@ class RankView:
                         axis=1).astype(np.int64)
 
     def index_npy(self) -> bytes:
-        buf = io.BytesIO()
-        np.save(buf, self.index_array(), allow_pickle=False)
-        return buf.getvalue()
+        return index_bytes(self.index_array())
 
     def state_doc(self) -> dict[str, Any]:
         return {"format": VIEW_FORMAT, "rank": self.rank, "dp": self.dp, "generation": self.generation,
