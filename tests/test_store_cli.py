@@ -57,6 +57,16 @@ def test_serve_ls_transform_gc_through_the_cli(tmp_path):
             p.stop()
 
 
+def test_stores_without_addresses_is_a_clear_error(tmp_path):
+    old, new = gpt_layout(1, 2, 1, 1, 2), gpt_layout(1, 1, 1, 1, 1)
+    save_plan(plan(old, new), tmp_path / "plan.json")
+    save_layout(old, tmp_path / "old.json")
+    save_layout(new, tmp_path / "new.json")
+    done = _run("transform", str(tmp_path / "plan.json"), str(tmp_path / "old.json"), str(tmp_path / "new.json"),
+                "--stores", "h0", "--old-version", "1", "--new-version", "2", check=False)
+    assert done.returncode == 2 and "--stores" in done.stderr and "'h0' has no '='" in done.stderr
+
+
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl to make a test certificate")
 def test_tls_with_token_off_loopback(tmp_path):
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"

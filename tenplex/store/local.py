@@ -152,7 +152,8 @@ class Store:
                 self._delete(v)
             newest = versions[-1] if versions else None
             for staging in (self.root / "staging").iterdir():
-                # A staged version not newer than a committed one can never be committed.
+                # Versions only grow, so a staged version not newer than the newest committed one is
+                # left over from an interrupted write (commit would still accept it: gc drops it here).
                 if staging.name.isdigit() and newest is not None and int(staging.name) <= newest:
                     self.abort(int(staging.name))
             for junk in (self.root / "trash").iterdir():
