@@ -132,15 +132,11 @@ def _gc(args) -> int:
 def _transform(args) -> int:
     from tqdm import tqdm
 
+    from ..devices import parse_host_addresses
     from ..files import load_layout, load_plan
     from ..transform import transform
 
-    items = [item for item in args.stores.split(",") if item]
-    malformed = [item for item in items if "=" not in item]
-    if malformed:
-        raise ValueError(f"--stores takes comma-separated HOST=ADDRESS pairs (e.g. h0=127.0.0.1:7000); "
-                         f"{malformed[0]!r} has no '='")
-    stores = dict(item.split("=", 1) for item in items)
+    stores = parse_host_addresses(args.stores, "--stores")
     plan, old, new = load_plan(args.plan), load_layout(args.old_layout), load_layout(args.new_layout)
     bars: dict[str, tqdm] = {}
     lock = threading.Lock()

@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..box import Box, subtract_all
+from ..box import Box, split_by, subtract_all
 from ..devices import host_of
 from ..errors import StoreError, TransformError
 from ..layout import Layout, from_dict as layout_from_dict
@@ -124,21 +124,15 @@ class _Sources:
         for other, held in candidates:
             if other == device or host_of(other) in self.failed or not remaining:
                 continue
-            next_remaining = []
-            for region in remaining:
-                common = region.intersect(held)
-                if common is None:
-                    next_remaining.append(region)
-                    continue
+            inside, remaining = split_by(remaining, held)
+            for common in inside:
                 try:
                     self._read_from(other, tensor, common, target)
                     refetched += common.volume * itemsize
-                    next_remaining.extend(region.subtract(common))
                 except Exception as e:  # noqa: BLE001
                     self._mark_failed(host_of(other), e)
                     causes.append(f"{other}: {e}")
-                    next_remaining.append(region)
-            remaining = next_remaining
+                    remaining.append(common)
         if remaining:
             raise TransformError(f"host {self.host}: region {box} of tensor {tensor!r} could not be read from "
                                  f"{device} and no surviving replica covers {remaining[0]}; causes: "
