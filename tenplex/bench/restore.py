@@ -42,6 +42,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from ..errors import UsageError
 from ..runtime.hosts import Hosts
 from ..runtime.launch import run_spec_job
 
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     if args.new_hosts not in (1, 2):
-        raise ValueError(f"--new-hosts must be 1 or 2 (the benchmark has 2 ranks), got {args.new_hosts}")
+        raise UsageError(f"--new-hosts must be 1 or 2 (the benchmark has 2 ranks), got {args.new_hosts}")
     work = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.tmpfs))
     disk = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.disk))
     hosts = [f"h{i}" for i in range(args.new_hosts)]

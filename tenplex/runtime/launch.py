@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..errors import TenplexError
+from ..errors import ConfigError, TenplexError
 
 
 class JobError(TenplexError, RuntimeError):
@@ -39,7 +39,7 @@ def place(world: int, hosts: int) -> list[str]:
     (tensor-parallel groups share a host) and counts differ by at most one.
     """
     if not 1 <= hosts <= world:
-        raise ValueError(f"cannot spread {world} ranks over {hosts} hosts: use 1..{world} hosts")
+        raise ConfigError(f"cannot spread {world} ranks over {hosts} hosts: use 1..{world} hosts")
     devices, used = [], {}
     for rank in range(world):
         host = f"h{rank * hosts // world}"
