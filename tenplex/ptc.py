@@ -188,7 +188,7 @@ class PTC:
         for rule in self.rules.values():
             if rule.tp_dim is not None and rule.split_key() not in seen:
                 seen.add(rule.split_key())
-                _tp_runs(rule, config.tp, 0)
+                _tp_runs(rule, rule.tp_dim, config.tp, 0)
 
     def local_shard(self, config: ParallelConfig, rank: int, tensor: str) -> LocalShard | None:
         """``rank``'s local tensor of ``tensor``, or None if its pipeline stage does not hold it."""
@@ -206,9 +206,9 @@ class PTC:
         return [_local_shard(rule, config, dp, tp) for rule in self.stage_rules(config)[pp]]
 
 
-def _tp_runs(rule: TensorRule, tp: int, index: int):
+def _tp_runs(rule: TensorRule, tp_dim: int, tp: int, index: int):
     try:
-        return split_dim(rule.shape[rule.tp_dim], tp, index, rule.split, rule.unit, rule.pad_multiple, rule.blocks)
+        return split_dim(rule.shape[tp_dim], tp, index, rule.split, rule.unit, rule.pad_multiple, rule.blocks)
     except ConfigError as e:
         raise ConfigError(f"tensor {rule.name!r} (shape {list(rule.shape)}): dim {rule.tp_dim} cannot be split "
                           f"over tp={tp}: {e}") from None
@@ -217,7 +217,7 @@ def _tp_runs(rule: TensorRule, tp: int, index: int):
 def _local_shard(rule: TensorRule, config: ParallelConfig, dp: int, tp: int) -> LocalShard:
     sharded = config.sharding == "full" or (config.sharding == "optimizer" and rule.optimizer_state)
     if rule.tp_dim is not None:
-        _tp_runs(rule, config.tp, tp)  # raises a ConfigError that names the tensor
+        _tp_runs(rule, rule.tp_dim, config.tp, tp)  # raises a ConfigError that names the tensor
     shape, pieces = _geometry(rule.split_key(), config.tp, tp, config.dp if sharded else 1, dp if sharded else 0)
     return LocalShard(rule.name, shape, pieces)
 

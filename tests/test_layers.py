@@ -8,8 +8,8 @@ from pathlib import Path
 
 import tenplex
 
-PURE = ["_gc", "box", "dtypes", "devices", "errors", "parallel", "partition", "ptc", "gpt", "layout", "transfer_plan", "planner",
-        "apply"]
+PURE = ["_gc", "box", "dtypes", "devices", "errors", "parallel", "partition", "ptc", "gpt", "layout", "transfer_plan",
+        "planner", "apply"]
 FORBIDDEN = ("grpc", "torch", "tenplex.store", "tenplex.transform", "tenplex.integration", "tenplex.dataset",
              "tenplex.cli", "tenplex.files", "google.protobuf")
 # Standard-library modules that do file, process or network I/O.

@@ -294,7 +294,8 @@ def test_server_crash_leaves_a_dead_mount_that_unmount_cleans(mounted, dataset, 
 def test_cli_mount_switch_status_unmount(dataset, tmp_path):
     info, _ = dataset
     cli = [sys.executable, "-c", "import sys; from tenplex.cli import main; sys.exit(main())"]
-    run = lambda *a: subprocess.run(cli + [str(x) for x in a], capture_output=True, text=True, timeout=120)
+    def run(*a):
+        return subprocess.run(cli + [str(x) for x in a], capture_output=True, text=True, timeout=120)
     out = run("data", "state", info.root, "--seed", 1, "--global-batch", B, "--dp", 2, "-o", tmp_path / "s.json")
     assert out.returncode == 0, out.stderr
     (tmp_path / "m").mkdir()

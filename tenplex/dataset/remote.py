@@ -48,7 +48,7 @@ class RemoteRecords:
         self.cache.mkdir(parents=True, exist_ok=True)
         stats = stats or {}
         self._stats = [stats.get(f.name) or self._stat(i) for i, f in enumerate(info.files)]
-        self._checked, self._last_change = time.monotonic(), None
+        self._checked, self._last_change = time.monotonic(), None  # type: float, str | None
         self._lock = threading.Lock()
         self.remote_reads = 0  # blocks fetched from the store (the rest came from the cache)
 

@@ -278,9 +278,10 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
         running = [pool.submit(job) for job in (*reserves, *jobs)]
         done, _ = wait(running, return_when=FIRST_EXCEPTION)
         for future in done:
-            if future.exception() is not None:
+            error = future.exception()
+            if error is not None:
                 cancelled.set()  # the remaining jobs return early
-                raise future.exception()
+                raise error
     # A cancel makes every pending job return early: the shards are then incomplete and must never be prepared.
     if cancelled.is_set():
         raise TransformError(f"host {host}: transformation cancelled")
