@@ -1,5 +1,8 @@
 """tenplex: change a PyTorch job's parallel configuration without losing its state.
 
+May import: every tenplex module, but only the pure core eagerly (the rest on
+first use of a name that needs it).
+
 The public face is curated: ``__all__`` lists what a user imports from
 ``tenplex`` (the README's "Public API" section describes each group). Three
 public functions keep their module's name and so are reached through it, since

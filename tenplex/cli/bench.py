@@ -4,6 +4,8 @@ Each benchmark is a module ``tenplex.bench.<name>`` exposing ``DESCRIPTION``,
 ``add_arguments(parser)`` and ``run(args) -> dict | list[dict]``. Without
 ``--json`` the result is printed as indented JSON; with it, compactly on one
 line per object (a list prints one object per line).
+
+May import: ``tenplex.bench`` (by name, on use) and the standard library.
 """
 
 from __future__ import annotations

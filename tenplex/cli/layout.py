@@ -1,7 +1,7 @@
 """``tenplex layout``: write the layout of a built-in model under a parallel configuration.
 
-May import: ``tenplex.gpt``, ``tenplex.ptc``, ``tenplex.parallel``, ``tenplex.files``,
-``tenplex.errors`` and the standard library.
+May import: ``tenplex.gpt``, ``tenplex.ptc``, ``tenplex.parallel``, ``tenplex.dtypes``,
+``tenplex.files``, ``tenplex.errors`` and the standard library.
 """
 
 from __future__ import annotations

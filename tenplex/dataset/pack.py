@@ -1,6 +1,7 @@
 """Build a dataset in the record format from common inputs.
 
-May import: numpy, tqdm, the standard library and ``tenplex.dataset.format``.
+May import: numpy, tqdm, the standard library, ``tenplex.dataset.format`` and
+``tenplex.files`` (atomic JSON writes).
 
 Inputs: a directory of ``.npy``/``.npz`` files (one sample per file, stored
 verbatim so ``np.load`` decodes it), a JSONL file (one sample per non-empty

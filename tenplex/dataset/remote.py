@@ -1,7 +1,7 @@
 """Datasets that live on another host's tenplex store, read through its gRPC service with a local cache.
 
-May import: ``tenplex.store.client`` (lazily, when a remote dataset is opened),
-``tenplex.dataset`` (format, source), numpy and the standard library.
+May import: ``tenplex.store.client`` and grpc (lazily, when a remote dataset is
+opened), ``tenplex.dataset`` (format, source), numpy and the standard library.
 
 The store serves files under ``<store root>/datasets/``; a dataset there is named
 by its path relative to that directory. Record files are fetched in aligned

@@ -1,7 +1,8 @@
 """A tiny GPT and the PyTorch-native ways to parallelize it: dp, FSDP2, tp (DTensor), pp (pipelining).
 
-May import: torch, torch.distributed, ``tenplex.gpt`` (the partition rules it
-agrees with), ``tenplex.models.config``, ``tenplex.errors`` and the standard library.
+May import: torch, torch.distributed, ``tenplex.gpt`` and ``tenplex.ptc`` (the
+partition rules it agrees with), ``tenplex.models.config``, ``tenplex.errors``
+and the standard library.
 
 Used by ``examples/01-gpt-train``, ``tenplex demo``, ``tenplex bench restore``
 and the tests. Its state-dict names and shapes are those of the built-in GPT
