@@ -1,7 +1,8 @@
 """The ``tenplex demo`` scenario: train, save, rescale onto other hosts and parallelism, restore, continue; check.
 
 May import: numpy, safetensors (numpy API), the standard library, ``tenplex.dataset``,
-``tenplex.errors``, ``tenplex.models.config`` (the model's defaults, no torch) and this package. Never torch: the training runs in worker processes
+``tenplex.errors``, ``tenplex.models.config`` (the model's defaults, no torch) and
+this package. Never torch: the training runs in worker processes
 (:mod:`.demo_worker`), and their results come back as JSON and safetensors files.
 
 Phases, each a fresh job of worker processes:
