@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tenplex.dataset import DatasetState, open_dataset, plan_steps
-from tenplex.runtime.demo import DemoConfig, summarize
+from tenplex.runtime.demo import LOSS_RTOL, DemoConfig, summarize
 
 TENPLEX = Path(sys.executable).with_name("tenplex")
 STEPS = 2
@@ -52,7 +52,7 @@ def test_demo_continues_the_reference_run_after_a_rescale(demo):
     assert [r["step"] for r in summary["steps"]] == list(range(1, 2 * STEPS + 1))
     assert [r["phase"] for r in summary["steps"]] == ["A"] * STEPS + ["B"] * STEPS
     for r in summary["steps"]:
-        assert math.isclose(r["loss"], r["reference"], rel_tol=1e-4), r
+        assert math.isclose(r["loss"], r["reference"], rel_tol=LOSS_RTOL), r
     assert "all checks passed" in log and "[B] step" in log
 
 

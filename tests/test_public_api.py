@@ -33,3 +33,17 @@ def test_the_package_ships_its_type_information():
     assert (Path(tenplex.__file__).parent / "py.typed").is_file()
     setup = (Path(tenplex.__file__).parents[1] / "setup.cfg").read_text()
     assert "tenplex = py.typed" in setup
+
+
+def test_the_design_document_is_in_the_repository_and_answers_the_newcomer_questions():
+    repo = Path(tenplex.__file__).parents[1]
+    doc = (repo / "docs" / "architecture.md").read_text()
+    assert "docs/architecture.md" in (repo / "README.md").read_text()
+    for question in ("Where do the partition rules for a new model family go?",
+                     "Where would an object-storage store backend plug in?",
+                     "What does the operator call to reconfigure a job?"):
+        assert question in doc
+    # Every module the document names exists (the map must not drift from the tree).
+    for path in ("tenplex/gpt.py", "tenplex/store/local.py", "tenplex/transform/host.py", "tenplex/models/gpt.py",
+                 "tenplex/integration/shardio.py", "tenplex/store/fill.py", "tests/test_layers.py"):
+        assert path in doc and (repo / path).exists(), path

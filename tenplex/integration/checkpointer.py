@@ -68,9 +68,11 @@ class RestoreInfo:
 class Checkpointer:
     """Where this rank's state goes: its host's store directory, its device id, the other hosts' stores.
 
-    Every argument has an environment default, so that a launcher (``tenplex
-    run``, the Kubernetes controller, or a torchrun wrapper) configures the job
-    and the training script only calls :func:`tenplex.save` / :func:`tenplex.restore`:
+    Every argument has an environment default, so that whatever launches the
+    workers configures the job and the training script only calls
+    :func:`tenplex.save` / :func:`tenplex.restore`. Today that is
+    :func:`tenplex.runtime.launch.run_job` (``tenplex demo``) or a torchrun
+    wrapper that sets the variables:
 
     * ``store_root``: ``TENPLEX_STORE_ROOT`` — this host's store directory;
     * ``host``: ``TENPLEX_HOST`` (default ``h0``);
