@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tenplex.dataset import DatasetState, open_dataset, plan_steps
+from tenplex.dataset import DatasetState, open_dataset, upcoming_batches
 from tenplex.runtime.demo import LOSS_RTOL, DemoConfig, summarize
 
 TENPLEX = Path(sys.executable).with_name("tenplex")
@@ -74,7 +74,7 @@ def test_every_sample_once_in_the_order_the_dataset_state_prescribes(demo):
     assert samples["exactly_once"] and samples["dataset"] == info.num_samples == samples["distinct"]
     # Independently of the demo's own check: the pure dataset state says which global batch each step reads.
     start = DatasetState(info.identity, info.num_samples, 0, 0, 8)
-    expected = plan_steps(start, 1, 2 * STEPS)["batches"]
+    expected = upcoming_batches(start, 1, 2 * STEPS)["batches"]
     assert [r["ids"] for r in summary["steps"]] == expected
     assert sorted(i for batch in expected for i in batch) == list(range(info.num_samples))
     assert summary["restore"]["dataset_state"]["position"] == STEPS * 8
