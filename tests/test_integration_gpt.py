@@ -1,7 +1,7 @@
 """Save under one parallel configuration, transform through real store processes, restore under another.
 
-Real multi-process torch.distributed jobs (gloo) run the reference GPT of
-examples/01-gpt-train; real ``tenplex store serve`` processes hold each
+Real multi-process torch.distributed jobs (gloo) run the reference GPT,
+``tenplex.models.gpt``; real ``tenplex store serve`` processes hold each
 simulated host's state. Five job launches run every scenario (one launch per
 world size and order of dependency); the tests then check the files they wrote:
 
@@ -164,7 +164,7 @@ def test_host_count_changes_are_covered():
 
 
 @pytest.mark.parametrize("case, words", [
-    ("shape", ["tok.weight", "[41, 16]", "[37, 16]"]),
+    ("shape", ["embed.weight", "[41, 16]", "[37, 16]"]),
     ("missing", ["layers.4.", "not in the saved state"]),
     ("optimizer", ["AdamW", "Adam"]),
 ])

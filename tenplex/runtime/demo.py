@@ -35,10 +35,11 @@ import numpy as np
 
 from ..dataset import DatasetState, pack, write_state_file
 from ..errors import TenplexError
+from ..models.config import GPTConfig
 from .hosts import Hosts
 from .launch import place, run_job
 
-SEQ, VOCAB = 8, 37  # the example GPT's defaults (examples/01-gpt-train/gpt.py, GPTConfig)
+SEQ, VOCAB = GPTConfig().seq, GPTConfig().vocab  # the workers train the reference GPT's defaults
 CLI = "import sys; from tenplex.cli import main; sys.exit(main())"
 LOSS_RTOL = 1e-4   # elastic vs reference: different reduction orders, compounded over the steps by AdamW
 

@@ -34,10 +34,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples" / "01-gpt-train"))
-import tenplex  # noqa: E402
-from gpt import GPTConfig, Parallel, Trainer  # noqa: E402
+import tenplex
+from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
 GLOBAL_BATCH = 8
 
