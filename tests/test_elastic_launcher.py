@@ -42,7 +42,7 @@ def test_parse_turns_torchrun_program_modes_into_an_entry_mode(flag, mode):
 def test_torchrun_argv_adds_the_measured_defaults():
     spec = parse(["--host", "h0", "--store-root", "/s", "--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:5", "t.py"])
     assert torchrun_argv(spec) == ["--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:5", "--rdzv-backend", "c10d",
-                                   "--rdzv-conf", CONF, "--max-restarts", "100", *ENTRY, "script", "t.py"]
+                                   "--rdzv-conf", CONF, "--max-restarts", "10", *ENTRY, "script", "t.py"]
 
 
 def test_torchrun_argv_keeps_what_the_user_set():
@@ -56,7 +56,7 @@ def test_torchrun_argv_keeps_what_the_user_set():
                   "t.py"])
     assert "--rdzv-conf" not in torchrun_argv(etcd)  # c10d settings only for c10d
     standalone = parse(["--host", "h0", "--store-root", "/s", "--standalone", "t.py"])
-    assert torchrun_argv(standalone) == ["--standalone", "--max-restarts", "100", *ENTRY, "script", "t.py"]
+    assert torchrun_argv(standalone) == ["--standalone", "--max-restarts", "10", *ENTRY, "script", "t.py"]
 
 
 def test_torchrun_argv_needs_a_rendezvous_endpoint():

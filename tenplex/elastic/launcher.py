@@ -36,8 +36,9 @@ from pathlib import Path
 from ..errors import ConfigError
 
 # A leave (SIGTERM on one node) and a failure (a dead node) reach the survivors' agents as failed workers,
-# which torchrun counts against --max-restarts (default 0: the job would end at the first change).
-DEFAULT_MAX_RESTARTS = "100"
+# which torchrun counts against --max-restarts (default 0: the job would end at the first change). Not more:
+# a script that crashes by itself is restarted as often.
+DEFAULT_MAX_RESTARTS = "10"
 # Without these, the survivors wait 15 s+ for a dead node's keep-alive to expire (measured: a new world ran
 # 8-11 s after a kill with them). A short last call lets a round close soon after the last survivor arrives.
 DEFAULT_RDZV_CONF = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3", "last_call_timeout": "2"}
