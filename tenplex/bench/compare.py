@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         stats = plan(old, new).stats
         for method in methods:
             row = rows[(name, method)]
-            results.append({"change": name, "method": method, "seconds": round(row.pop("seconds"), 3),
+            results.append({"change": name, "method": method, "model": shape, "seconds": round(row.pop("seconds"), 3),
                             "inter_host_bytes": row.pop("inter_host_bytes"),
                             "inter_host_lower_bound": stats.inter_host_lower_bound,
                             "peak_rss_bytes": max(row["peak_rss"].values()), **row,
@@ -153,6 +153,7 @@ def _run_store_method(method: str, root: Path, old, new, streams: int, verify: b
     from ..store import Store
     from ..transform import transform
     from .gpt_state import mismatches
+    from .simulate import central_layout
 
     hosts = sorted(set(old.hosts()) | set(new.hosts()))
     servers = _start_servers(root, hosts)
@@ -166,7 +167,7 @@ def _run_store_method(method: str, root: Path, old, new, streams: int, verify: b
             traffic = _host_bytes(the_plan, old, new, report)
             inter = the_plan.stats.inter_host_bytes
         else:
-            central = _central_layout(old)
+            central = central_layout(old)
             start = time.perf_counter()
             gather = plan(old, central)
             gathered = transform(gather, old, central, stores, 1, 3, streams=streams)
@@ -222,16 +223,6 @@ def _run_dcp_method(method: str, where: Path, tmp: Path, old, news: dict, verify
         shutil.rmtree(checkpoint, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return rows
-
-
-def _central_layout(old):
-    """The whole state on one device of the first old host: what a centralised transformer assembles."""
-    from ..box import Box
-    from ..layout import Layout, Shard
-
-    device = f"{old.hosts()[0]}/{1 + max(int(d.rsplit('/', 1)[1]) for d in old.devices)}"
-    return Layout.build(old.tensors, {device: tuple(Shard(t, Box.whole(s.shape)) for t, s in
-                                                    sorted(old.tensors.items()))})
 
 
 def _host_bytes(the_plan, old, new, report: dict) -> dict[str, dict[str, int]]:
