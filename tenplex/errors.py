@@ -53,6 +53,10 @@ def is_retryable(error: BaseException) -> bool:
     return isinstance(error, (ConnectionError, TimeoutError))
 
 
+class UsageError(PermanentError, ValueError):
+    """A command-line argument, option combination or input file the user must fix."""
+
+
 class BoxError(PermanentError, ValueError):
     """Boxes of different rank, negative lengths, or other malformed boxes."""
 

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
-from mp.launch import run_job
-
-from pathlib import Path
+from tenplex.runtime.launch import run_spec_job
 
 CASES = [("ddp", "bare"), ("bare", "ddp"), ("compile", "bare"), ("bare", "compile"), ("ckpt", "bare"),
          ("bare", "ckpt"), ("compile+ddp", "ddp"), ("container", "bare")]
@@ -20,8 +20,9 @@ BARE_NAMES = ["block.0.bias", "block.0.weight", "block.2.bias", "block.2.weight"
 def results(tmp_path_factory):
     base = tmp_path_factory.mktemp("wrappers")
     cases = [{"save": s, "restore": r, "root": str(base / f"{s}-{r}")} for s, r in CASES]
-    run_job(2, {"cases": cases, "out": str(base / "out")}, base / "logs",
-            script=Path(__file__).parent / "mp" / "wrapper_worker.py", timeout=300)
+    worker = Path(__file__).parent / "mp" / "wrapper_worker.py"
+    run_spec_job([sys.executable, str(worker)], {"cases": cases, "out": str(base / "out")}, base / "spec.json",
+                 ["h0/0", "h0/1"], {"h0": base}, {}, base / "logs", timeout=300)
     per_rank = [json.loads((base / "out" / f"r{r}.json").read_text()) for r in range(2)]
     assert per_rank[0].keys() == per_rank[1].keys()
     return per_rank

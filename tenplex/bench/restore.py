@@ -42,8 +42,9 @@ import time
 from functools import partial
 from pathlib import Path
 
+from ..errors import UsageError
 from ..runtime.hosts import Hosts
-from ..runtime.launch import run_job
+from ..runtime.launch import run_spec_job
 
 DESCRIPTION = "save + restore of the reference GPT's state (>= 1 GB) across a config change, vs torch DCP"
 
@@ -64,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     if args.new_hosts not in (1, 2):
-        raise ValueError(f"--new-hosts must be 1 or 2 (the benchmark has 2 ranks), got {args.new_hosts}")
+        raise UsageError(f"--new-hosts must be 1 or 2 (the benchmark has 2 ranks), got {args.new_hosts}")
     work = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.tmpfs))
     disk = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.disk))
     hosts = [f"h{i}" for i in range(args.new_hosts)]
@@ -76,10 +77,9 @@ def run(args: argparse.Namespace) -> dict:
                     "old": args.old, "new": args.new, "roots": {h: str(stores.root(h)) for h in hosts},
                     "stores": dict(stores.addresses), "dcp_tmpfs": str(work / "dcp"), "dcp_disk": str(disk / "dcp"),
                     "result": str(work / "result.json")}
-            (work / "spec.json").write_text(json.dumps(spec))
             # Both ranks launch on h0; each worker takes its store root and host from the spec.
-            run_job([sys.executable, "-m", "tenplex.bench.restore", str(work / "spec.json")], ["h0/0", "h0/1"],
-                    {"h0": stores.root("h0")}, dict(stores.addresses), work / "logs")
+            run_spec_job([sys.executable, "-m", "tenplex.bench.restore"], spec, work / "spec.json", ["h0/0", "h0/1"],
+                         {"h0": stores.root("h0")}, dict(stores.addresses), work / "logs")
         return json.loads((work / "result.json").read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)

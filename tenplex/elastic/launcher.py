@@ -169,7 +169,7 @@ def advertised_host(bind: str, advertise: str | None) -> str:
 
 def ensure_store(spec: RunSpec, token: str | None, start_timeout: float = 120.0) -> str:
     """The address of the store serving ``spec.store_root`` for ``spec.host``: a running one, or a new one."""
-    from ..runtime.hosts import start_store, wait_for_port
+    from ..runtime.hosts import await_store, spawn_store
     from ..store.client import StoreClient
 
     root = spec.store_root.resolve()
@@ -191,10 +191,10 @@ def ensure_store(spec: RunSpec, token: str | None, start_timeout: float = 120.0)
     extra = ["--bind", spec.store_bind]
     if spec.token_file is not None:
         extra += ["--token-file", str(spec.token_file)]
-    proc = start_store(root, spec.host, port_file, log, extra_args=extra, detached=True)
+    with open(log, "ab") as out:
+        proc = spawn_store(root, spec.host, port_file, *extra, stdout=out, detached=True)
     pid_file.write_text(f"{proc.pid}\n")
-    port = wait_for_port(proc, f"store of host {spec.host} ({root})", port_file, log,
-                         time.monotonic() + start_timeout)
+    port = await_store(proc, spec.host, port_file, time.monotonic() + start_timeout, log).rsplit(":", 1)[1]
     return f"{host}:{port}"
 
 

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
 
 from ..errors import TenplexError
 
@@ -22,30 +21,43 @@ class HostError(TenplexError, RuntimeError):
     """A store process did not start (the message holds the end of its log)."""
 
 
-def start_store(root: Path, host: str, port_file: Path, log: Path, extra_args: Sequence[str] = (),
-                detached: bool = False) -> subprocess.Popen:
-    """Start ``tenplex store serve`` for ``root`` on a free port (reported in ``port_file``), logging to ``log``.
+STORE_COMMAND = (sys.executable, "-m", "tenplex.cli.store")  # the store-only CLI module: what store hosts run
 
-    ``detached`` starts it in a session of its own, so that it outlives the
-    process group of its starter (``tenplex run``: a node's store keeps serving
-    its shards after the node's agent left).
+
+def spawn_store(root: str | os.PathLike, host: str, port_file: Path, *args: str, stdout=subprocess.DEVNULL,
+                env: dict[str, str] | None = None, command: tuple[str, ...] = STORE_COMMAND,
+                detached: bool = False) -> subprocess.Popen:
+    """Start ``tenplex store serve`` for ``host`` on a free port (``--port 0``), reporting it in ``port_file``.
+
+    ``args`` go to ``serve`` after the defaults (``--bind``, ``--token-file``, …);
+    :func:`await_store` waits until it serves. Start several, then wait for them:
+    they come up in parallel. ``detached`` starts it in a session of its own, so
+    that it outlives its starter's process group (``tenplex run``: a node's
+    store keeps serving its shards after the node's agent left).
     """
     port_file.unlink(missing_ok=True)
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "tenplex.cli.store", "serve", "--root", str(root), "--host", host,
-                                 "--port", "0", "--port-file", str(port_file), *extra_args],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=detached)
+    return subprocess.Popen([*command, "serve", "--root", str(root), "--host", host, "--port", "0",
+                             "--port-file", str(port_file), *args], stdout=stdout, stderr=subprocess.STDOUT, env=env,
+                            stdin=subprocess.DEVNULL if detached else None, start_new_session=detached)
 
 
-def wait_for_port(proc: subprocess.Popen, what: str, port_file: Path, log: Path, deadline: float) -> int:
-    """The port ``proc`` wrote to ``port_file``; HostError with the end of ``log`` if it exits or ``deadline`` passes."""
+def await_store(proc: subprocess.Popen, host: str, port_file: Path, deadline: float,
+                log: Path | None = None) -> str:
+    """The loopback address of a store started by :func:`spawn_store`, once its port file is written.
+
+    Raises HostError, with the end of ``log``, when the process exits or
+    ``deadline`` (``time.monotonic()``) passes; the process is then killed.
+    """
     while not (port_file.exists() and port_file.read_text().strip()):
         if proc.poll() is not None or time.monotonic() > deadline:
             why = f"exited with {proc.returncode}" if proc.poll() is not None else "did not start in time"
-            raise HostError(f"{what} {why}: {log.read_text()[-2000:] if log.exists() else ''}")
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            tail = log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else ""
+            raise HostError(f"store process of host {host} {why}: {tail}")
         time.sleep(0.05)
-    return int(port_file.read_text())
+    return f"127.0.0.1:{int(port_file.read_text())}"
 
 
 class Hosts:
@@ -68,12 +80,12 @@ class Hosts:
                 continue
             self.root(host).mkdir(parents=True, exist_ok=True)
             port_file, log = self.base / f".{host}.port", self.base / f".{host}.log"
-            self._procs[host] = start_store(self.root(host), host, port_file, log)
+            with open(log, "ab") as out:
+                self._procs[host] = spawn_store(self.root(host), host, port_file, stdout=out)
             pending.append((host, port_file, log))
         deadline = time.monotonic() + self.start_timeout
         for host, port_file, log in pending:
-            port = wait_for_port(self._procs[host], f"store process of host {host}", port_file, log, deadline)
-            self.addresses[host] = f"127.0.0.1:{port}"
+            self.addresses[host] = await_store(self._procs[host], host, port_file, deadline, log)
 
     def stop(self) -> None:
         """Terminate every store process (SIGKILL after 10 s)."""

@@ -112,6 +112,7 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
         if failures:
             _abort(clients, destinations, new_version, failures)
             raise _failed("prepare", old_version, new_version, failures)
+        log.info("transformation %s -> %s: every host prepared; committing", old_version, new_version)
         committed = []
         for host in destinations:
             try:

@@ -1,7 +1,7 @@
 """One rank of a multi-process tenplex test: runs the phases of a JSON spec in one torch.distributed job (gloo).
 
 Usage: ``python gpt_worker.py SPEC.json`` with RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT set (tests/mp/launch.py does that). Results go to files under each
+MASTER_PORT set (``tenplex.runtime.launch.run_spec_job`` does that). Results go to files under each
 phase's ``out`` directory: safetensors for tensors, JSON for the rest. Nothing
 is pickled.
 

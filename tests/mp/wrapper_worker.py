@@ -1,6 +1,6 @@
 """One rank of the wrapper-name test: save through one wrapping, restore through another (gloo, 2 ranks).
 
-Usage: ``python wrapper_worker.py SPEC.json`` (tests/mp/launch.py sets the torch.distributed environment).
+Usage: ``python wrapper_worker.py SPEC.json`` (tenplex.runtime.launch sets the torch.distributed environment).
 For each case of the spec (``save``/``restore`` in bare, ddp, compile, ckpt, compile+ddp, container),
 every rank trains a small model wrapped as ``save`` for two steps, saves it with
 tenplex into the case's store, builds the same model from another seed wrapped
