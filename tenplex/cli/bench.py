@@ -13,7 +13,7 @@ import importlib
 import json
 
 # Benchmark modules under tenplex.bench.
-BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "plan", "transfer", "reconfig")
+BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "plan", "transfer", "reconfig", "replicate")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
