@@ -111,6 +111,19 @@ def test_the_rules_are_pure():
     assert loaded == []
 
 
+def test_a_replica_count_needs_every_hosts_store_address(tmp_path):
+    from tenplex import Checkpointer
+    from tenplex.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="replicas must be >= 0"):
+        Checkpointer(store_root=tmp_path, replicas=-1)
+    ckpt = Checkpointer(store_root=tmp_path, host="h0", replicas=1, store_address="127.0.0.1:1")
+    assert ckpt._replica_count({"h0": "127.0.0.1:1", "h1": "127.0.0.1:2"}, ["h0", "h1"]) == 1
+    with pytest.raises(ConfigError, match=r"host\(s\) h1 reported none: set TENPLEX_STORE_ADDRESS"):
+        ckpt._replica_count({"h0": "127.0.0.1:1"}, ["h0", "h1"])
+    assert Checkpointer(store_root=tmp_path, host="h0", replicas=0)._replica_count({}, ["h0", "h1"]) == 0
+
+
 # -------------------------------------------------------- copier, real stores
 def two_hosts() -> Layout:
     tensors = {"w": TensorSpec((64, 256), F32), "b": TensorSpec((256,), F32)}
@@ -177,6 +190,19 @@ def test_a_cancelled_copy_is_dropped(tmp_path, stores, monkeypatch):
     assert not replicator.wait(60)
     assert replicator.status()["state"] == "cancelled" and held_versions(roots["h1"]) == {}
     assert not any((roots["h1"] / "replicas" / "h0" / "staging").iterdir())
+
+
+def test_bench_replicate_copies_without_holding_the_version(tmp_path):
+    size = 32 << 20
+    proc = subprocess.run([sys.executable, "-m", "tenplex.cli", "bench", "replicate", "--json", "--bytes", str(size),
+                           "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert set(result) == {"benchmark", "bytes", "chunk_bytes", "replicate_s", "replicate_gbps",
+                           "replicate_rss_growth_bytes", "baseline_read_s", "baseline_rss_growth_bytes", "load"}
+    assert result["bytes"] == size
+    # The copier streams chunk by chunk; the baseline holds the whole version in memory.
+    assert result["replicate_rss_growth_bytes"] < size // 2 <= result["baseline_rss_growth_bytes"]
 
 
 # ------------------------------------------------------------ whole jobs (gloo)

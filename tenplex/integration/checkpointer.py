@@ -110,7 +110,9 @@ class Checkpointer:
     * ``replicas``: copies of every region that only one host holds, kept on
       the next hosts of a ring (see :mod:`tenplex.replication`) and pulled in
       the background after each save. None (default): one copy when the job
-      spans two or more hosts; 0: off. :meth:`wait_replicated` waits for them;
+      spans two or more hosts; 0: off. :meth:`wait_replicated` waits for them.
+      The next save and the process's exit cancel copies still running: wait
+      after the last save before a planned exit, or that save has no copies;
     * ``coords``: this rank's parallel coordinates, for example
       ``{"pp": 0, "dp": 1, "tp": 0}``; RNG states are keyed by them (default: the rank);
     * ``keep``: committed versions kept per store after a save (default 2);
@@ -385,8 +387,13 @@ class Checkpointer:
         leaders = {d["host"]: r for r, d in reversed(list(enumerate(docs)))}
         held = {}
         if leaders[self.host] == dist.get_rank(self.group):
-            held = {o: held_layout(self.store.root, self.host, o, v).to_dict() for o in gone
-                    if v in docs[leaders[self.host]]["copies"].get(o, [])}
+            for origin in gone:
+                if v not in docs[leaders[self.host]]["copies"].get(origin, []):
+                    continue
+                try:
+                    held[origin] = held_layout(self.store.root, self.host, origin, v).to_dict()
+                except Exception as e:  # noqa: BLE001 -- an unreadable copy counts as absent; the others go on
+                    log.warning("ignoring host %s's copy of %s's version %d: %s", self.host, origin, v, e)
         gathered = all_gather_json(held, self.group)
         copies = {docs[r]["host"]: {o: layout_from_dict(doc, source=f"copies of {o}'s version {v}")
                                     for o, doc in gathered[r].items()} for r in leaders.values()}
