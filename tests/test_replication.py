@@ -34,6 +34,7 @@ from tenplex.planner import plan
 from tenplex.replication import Copy, Lost, assemble, copies, effective_replicas
 from tenplex.replication.copier import Replicator, held_layout, held_versions, replica_store
 from tenplex.replication.plan import copy_layout
+from tenplex.replication.stores import replicas_of
 from tenplex.runtime import launch
 from tenplex.store import Store
 
@@ -275,7 +276,8 @@ def test_saves_record_every_store_and_count_as_replicated_once_copies_commit(rec
     assert first[0][-1]["status"]["state"] == "replicated" and first[0][-1]["status"]["copies"] == 3  # w + 2 moments
     # Workers had no TENPLEX_STORES: the copier found the other host through the recorded address.
     doc = Store(recovery["roots"]["h0"], "h0").open(2).get_json("tenplex.stores")
-    assert doc["format"] == "tenplex.stores/1" and doc["replicas"] == 1 and doc["ring"] == ["h0", "h1"]
+    assert doc["format"] == "tenplex.stores/1" and doc["version"] == 2 and doc["replicas"] == 1
+    assert doc["ring"] == ["h0", "h1"]
     assert sorted(doc["stores"]) == ["h0", "h1"] and all(doc["stores"].values())
 
 
@@ -315,6 +317,8 @@ def test_the_transformer_reads_the_lost_hosts_rows_from_the_copy(recovery):
     moves = [t for t in plan(promoted, transformed).transfers if t.dst == "h2/0" and t.tensor.endswith("w")]
     assert moves and {(t.src, t.box) for t in moves} == {("h0/1", rows(4, 8))}
     assert h0.open(4).get_json("tenplex.torch_state")["step"] == 2
+    # Versions a restore made carry the saved version's record: they are not copied themselves.
+    assert [replicas_of(h0.open(v).get_json("tenplex.stores"), v) for v in (2, 4, 5)] == [1, None, None]
 
 
 def test_a_departed_host_is_reached_through_its_recorded_store(recovery):

@@ -59,7 +59,7 @@ from ..box import Box
 from ..replication import LostStateError, assemble, effective_replicas
 from ..replication.copier import Replicator, held_layout, held_versions
 from ..replication.plan import Lost
-from ..replication.stores import STORES_DOC, answering, stores_doc
+from ..replication.stores import STORES_DOC, answering, replicas_of, stores_doc
 from ..store import LAYOUT_DOC, Store
 from .annotate import Annotations
 from .exchange import agree, all_gather_json, broadcast_json
@@ -181,7 +181,7 @@ class Checkpointer:
                     saved.append(_saved_layout(tensors, docs, writers))
                     writer.put_layout(saved[0])
                     writer.put_json(STATE_DOC, self._state_doc(docs, step, extra, scheduler, scaler, optimizer))
-                    writer.put_json(STORES_DOC, stores_doc({h: addresses.get(h) for h in ring}, replicas, ring))
+                    writer.put_json(STORES_DOC, stores_doc(version, {h: addresses.get(h) for h in ring}, replicas, ring))
                 writer.prepare()
 
         try:
@@ -376,10 +376,10 @@ class Checkpointer:
         """Layout, state and replication record of ``v`` from this host, and which departed hosts still serve it."""
         reader = self.store.open(v)
         layout = reader.get_json(LAYOUT_DOC)
-        recorded = reader.get_json(STORES_DOC) if STORES_DOC in reader.json_names() else {"stores": {}, "replicas": 0}
+        recorded = reader.get_json(STORES_DOC) if STORES_DOC in reader.json_names() else None
         departed = sorted({host_of(d) for d in layout["devices"]} - set(job_hosts))
-        candidates = {h: self.stores.get(h) or recorded["stores"].get(h) for h in departed}
-        return {"layout": layout, "state": reader.get_json(STATE_DOC), "replicas": recorded["replicas"],
+        candidates = {h: self.stores.get(h) or (recorded or {"stores": {}})["stores"].get(h) for h in departed}
+        return {"layout": layout, "state": reader.get_json(STATE_DOC), "replicas": replicas_of(recorded, v),
                 "answering": answering(candidates, v, self.token) if departed else {}}
 
     def _assemble(self, v: int, old: Layout, gone: list[str], docs):
@@ -488,9 +488,14 @@ class _Found:
 def _lost_message(losses) -> str:
     v, step, gone, lost, replicas = losses[0]
     shown = "; ".join(map(str, lost[:5])) + (f"; and {len(lost) - 5} more" if len(lost) > 5 else "")
-    why = ("it was saved with replication off (replicas=0)" if not replicas else
-           f"it asked for {replicas} copy(ies) of each such region, but no host of this job holds a committed "
-           f"copy (the copying had not finished, or the hosts holding the copies are gone too)")
+    if replicas is None:
+        why = ("it was made by a restore (a transformation, or put together from copies), and such versions are "
+               "not copied; the next save is")
+    elif replicas == 0:
+        why = "it was saved with replication off (replicas=0)"
+    else:
+        why = (f"it asked for {replicas} copy(ies) of each such region, but no host of this job holds a committed "
+               f"copy (the copying had not finished, or the hosts holding the copies are gone too)")
     older = "" if len(losses) == 1 else \
         f" Older version(s) {', '.join(str(loss[0]) for loss in losses[1:])} lost regions too."
     return (f"cannot restore: version {v} (step {step}) lost {len(lost)} region(s) whose only copies were on "

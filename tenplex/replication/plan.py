@@ -79,16 +79,18 @@ def effective_replicas(replicas: int | None, hosts: int) -> int:
 
 def unique_regions(layout: Layout) -> list[tuple[str, str, Box]]:
     """(device, tensor, region) of every region that only one host holds, in layout order, without overlaps."""
-    by_tensor: dict[str, list[tuple[str, Box]]] = {}
+    holders: dict[str, dict[Box, dict[str, str]]] = {}  # tensor -> box -> host -> first device holding it
     for device, shard in layout.iter_shards():
-        by_tensor.setdefault(shard.tensor, []).append((device, shard.box))
+        holders.setdefault(shard.tensor, {}).setdefault(shard.box, {}).setdefault(host_of(device), device)
     found = []
-    for tensor in sorted(by_tensor):
-        held = by_tensor[tensor]
+    for tensor in sorted(holders):
+        boxes = holders[tensor]  # replicas share a box: each distinct box is handled once
         given: dict[str, list[Box]] = {}  # host -> regions of this tensor already listed for it
-        for device, box in held:
-            host = host_of(device)
-            others = [b for d, b in held if host_of(d) != host and b.overlaps(box)]
+        for box, hosts in boxes.items():
+            if len(hosts) > 1:
+                continue  # held whole by two hosts or more
+            (host, device), = hosts.items()
+            others = [b for b, hs in boxes.items() if b.overlaps(box) and any(h != host for h in hs)]
             others += [b for b in given.get(host, ()) if b.overlaps(box)]
             for region in subtract_all(box, others):
                 found.append((device, tensor, region))
