@@ -11,6 +11,7 @@ from .transfer_plan import Plan, PlanStats, Transfer
 from .parallel import ParallelConfig
 from .ptc import PTC, LocalShard, TensorRule
 from .planner import plan
+from .replication import LostStateError
 
 __version__ = "0.1.0"
 
@@ -20,7 +21,7 @@ __all__ = [
     "TenplexError", "BoxError", "ConfigError", "LayoutError", "PlanError",
     "__version__",
     "Checkpointer", "save", "restore", "Annotation", "StateMismatchError", "CollectiveError", "RestoreInfo",
-    "Store", "StoreError", "TransformError",
+    "Store", "StoreError", "TransformError", "LostStateError",
     "DatasetState", "DatasetError",
 ]
 

@@ -14,7 +14,7 @@ import importlib
 import json
 
 # Benchmark modules under tenplex.bench.
-BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "plan", "transfer", "reconfig", "compare", "simulate")
+BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "plan", "transfer", "reconfig", "compare", "simulate", "replicate")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
