@@ -27,11 +27,11 @@ from typing import Iterable, Mapping
 
 from ..box import Box, subtract_all
 from ..devices import device_id, host_of, parse_device
-from ..errors import TenplexError
+from ..errors import PermanentError
 from ..layout import Layout, Shard
 
 
-class LostStateError(TenplexError, RuntimeError):
+class LostStateError(PermanentError, RuntimeError):
     """No available host holds some region of the state (not even a replica copy); nothing was restored.
 
     ``lost`` lists the regions (:class:`Lost`) of the newest version that were lost."""
