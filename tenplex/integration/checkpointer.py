@@ -63,6 +63,7 @@ from ..replication.stores import STORES_DOC, answering, replicas_of, stores_doc
 from ..store import LAYOUT_DOC, Store
 from .annotate import Annotations
 from .exchange import agree, all_gather_json, broadcast_json
+from .names import likely_cause, parameter_names
 from .nontensor import (StateMismatchError, apply_optimizer_doc, apply_rng, capture_rng, derived_seed, from_json,
                         optimizer_doc, seed_rng, to_json)
 from .pieces import (OPTIMIZER_PREFIX, Piece, init_optimizer_state, model_pieces, optimizer_pieces, optimizer_scalars,
@@ -525,7 +526,7 @@ def _specs(pieces: list[Piece]) -> dict[str, list]:
 def _group_names(model, optimizer) -> list[list[str]]:
     if optimizer is None:
         return []
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = parameter_names(model)
     return [[names[id(p)] for p in g["params"] if id(p) in names] for g in optimizer.param_groups]
 
 
@@ -584,7 +585,12 @@ def _check_and_build(old: Layout, docs, given: Layout | None, device: str, piece
                         f"has no such tensor")
     if problems:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-        raise StateMismatchError("the restored job does not match the saved state: " + "; ".join(problems[:10]) + more)
+        expected = set(needed.tensors) | ({n for n in old.tensors if n.startswith(OPTIMIZER_PREFIX)}
+                                          if not with_optimizer else set())
+        cause = likely_cause(set(old.tensors), expected, OPTIMIZER_PREFIX)
+        lead = f"{cause}. In detail, " if cause else ""
+        raise StateMismatchError(f"{lead}the restored job does not match the saved state ({len(problems)} "
+                                 f"differences): " + "; ".join(problems[:10]) + more)
     if given is None:
         return needed
     held = {(s.tensor, s.box) for s in given.devices.get(device, ())}
