@@ -39,7 +39,7 @@ __all__ = [
     # errors, and whether retrying can help
     "TenplexError", "TemporaryError", "PermanentError", "is_retryable", "UsageError", "BoxError", "ConfigError",
     "LayoutError", "PlanError", "StoreError", "TransformError", "StateMismatchError", "CollectiveError",
-    "DatasetError",
+    "LostStateError", "DatasetError",
     "__version__",
 ]
 
@@ -51,6 +51,7 @@ _LAZY = {
     **dict.fromkeys(("load_layout", "save_layout", "load_plan", "save_plan"), "files"),  # file I/O, outside the core
     "Store": "store",            # numpy
     "apply_plan": "apply",       # numpy
+    "LostStateError": "replication",
 }
 
 
