@@ -311,8 +311,11 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
                                                                      kind, advance, cancelled),
                                         frozenset(holders) - {host_of(t.src)}))
     for source_host, items in small.items():
-        pieces.extend(Piece(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
-                            _batch_job(sources, batch, advance, cancelled)) for batch in _batches(items))
+        for batch in _batches(items):
+            holders = [sources.holders(tensor, piece) for _, tensor, piece, _ in batch]
+            shared = frozenset.intersection(*(frozenset(h) for h in holders)) - {source_host}
+            pieces.append(Piece(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
+                                _batch_job(sources, batch, holders, advance, cancelled), shared))
     # Destinations start their round of sources at different places (see schedule).
     schedule = Schedule(pieces, start=new.hosts().index(host) if host in new.hosts() else 0,
                         failed=lambda h: h in sources.failed)
@@ -385,11 +388,14 @@ def _batches(items: list) -> Iterator[list]:
         yield batch
 
 
-def _batch_job(sources: _Sources, batch: list, advance, cancelled):
+def _batch_job(sources: _Sources, batch: list, holders: list[dict[str, str]], advance, cancelled):
+    """Read a batch of small regions from their planned host, or from ``server``'s devices (``holders``)."""
     def run(server: str) -> None:
         if cancelled.is_set():
             return
-        for (_, _, piece, target), refetched in zip(batch, sources.read_batch(batch)):
+        items = batch if server == host_of(batch[0][0]) else \
+            [(held[server], tensor, piece, target) for (_, tensor, piece, target), held in zip(batch, holders)]
+        for (_, _, piece, target), refetched in zip(items, sources.read_batch(items)):
             nbytes = piece.volume * target.itemsize
             if refetched:
                 advance(refetched, "refetched")

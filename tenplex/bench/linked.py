@@ -1,0 +1,93 @@
+"""Store servers on the hosts of an emulated cluster, and transformations coordinated from its control host.
+
+May import: every tenplex layer and the standard library.
+
+Each host's ``tenplex store serve`` runs inside the host's network namespace
+and binds the host's address on the cluster's private network, so it needs a
+token (a fresh random one per run, in a file only root can read). The
+coordinator is ``tenplex store transform`` run inside the control host, whose
+link is unlimited; its report (JSON) is parsed back.
+
+Wire bytes between hosts, from the kernel counters: every byte a store host
+sends goes either to another store host or to the coordinator, so
+``inter_host_wire_bytes`` = the store hosts' bytes out - the control host's
+bytes in. TCP/IP headers and acknowledgements are included: that is the wire.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..errors import TransformError
+from .cluster import CONTROL, Counters, EmulatedCluster
+
+_STORE = [sys.executable, "-m", "tenplex.cli.store"]
+
+
+class LinkedStores:
+    """One store server per cluster host (``roots``: host -> store directory); ``work`` holds logs and files."""
+
+    def __init__(self, cluster: EmulatedCluster, roots: dict[str, Path], work: Path,
+                 env: dict[str, dict[str, str]] | None = None):
+        self.cluster, self.roots, self.work = cluster, {h: Path(r) for h, r in roots.items()}, Path(work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.token_file = self.work / "token"
+        self.token_file.touch(mode=0o600)
+        self.token_file.write_text(secrets.token_hex(16))
+        self._calls = 0
+        starting = {host: self._serve(host, (env or {}).get(host)) for host in roots}  # all start at once
+        self.addresses = {host: self._address(host, proc) for host, proc in starting.items()}
+
+    def _serve(self, host: str, env: dict[str, str] | None):
+        (self.work / f"{host}.port").unlink(missing_ok=True)
+        log = open(self.work / f"{host}.log", "ab")
+        proc = self.cluster.popen(host, [*_STORE, "serve", "--root", str(self.roots[host]), "--host", host,
+                                         "--bind", self.cluster.address(host), "--port", "0", "--port-file",
+                                         str(self.work / f"{host}.port"), "--token-file", str(self.token_file)],
+                                  env={**os.environ, **(env or {})}, stdout=log, stderr=log)
+        log.close()
+        return proc
+
+    def _address(self, host: str, proc) -> str:
+        port_file = self.work / f"{host}.port"
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = (self.work / f"{host}.log").read_text(errors="replace")[-2000:]
+                raise RuntimeError(f"store of host {host} did not start in the emulated cluster: {tail}")
+            time.sleep(0.05)
+        return f"{self.cluster.address(host)}:{int(port_file.read_text())}"
+
+    def transform(self, plan, old, new, old_version: int, new_version: int, streams: int = 4) -> dict:
+        """Run ``plan`` from the control host (``tenplex store transform``); returns its report, or raises
+        :class:`TransformError` with the failed hosts."""
+        from ..files import save_layout, save_plan
+
+        self._calls += 1
+        files = [self.work / f"{name}-{self._calls}.json" for name in ("plan", "old", "new")]
+        save_plan(plan, files[0])
+        save_layout(old, files[1])
+        save_layout(new, files[2])
+        stores = ",".join(f"{h}={a}" for h, a in sorted(self.addresses.items()))
+        done = self.cluster.run(CONTROL, [*_STORE, "transform", *map(str, files), "--stores", stores,
+                                          "--old-version", str(old_version), "--new-version", str(new_version),
+                                          "--streams", str(streams), "--token-file", str(self.token_file)],
+                                capture_output=True, text=True)
+        if done.returncode != 0:
+            marker = "tenplex store: error: "  # after the progress bars
+            message = done.stderr[done.stderr.rfind(marker):].removeprefix(marker).strip() if marker in done.stderr \
+                else done.stderr[-2000:].strip()
+            failures = dict(line.strip().split(": ", 1) for line in message.splitlines()[1:] if ": " in line)
+            raise TransformError(message, failures)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def inter_host_wire_bytes(moved: Counters) -> int:
+    """Bytes that crossed links from one store host to another (see the module docstring)."""
+    return sum(v.out for h, v in moved.items() if h != CONTROL) - moved[CONTROL].in_
