@@ -89,5 +89,41 @@ class LinkedStores:
 
 
 def inter_host_wire_bytes(moved: Counters) -> int:
-    """Bytes that crossed links from one store host to another (see the module docstring)."""
-    return sum(v.out for h, v in moved.items() if h != CONTROL) - moved[CONTROL].in_
+    """Bytes that crossed links from one store host to another (see the module docstring). Broadcasts (ARP)
+    reach the control host as well, so with no traffic at all the difference can dip below zero: floor 0."""
+    return max(0, sum(v.out for h, v in moved.items() if h != CONTROL) - moved[CONTROL].in_)
+
+
+def link_fields(moved: Counters, seconds: float, mbit: dict[str, float | None], lower_bound: int) -> dict:
+    """What the links carried during one transformation of ``seconds``, against the plan's lower bound.
+
+    ``link_bound_seconds`` is the largest, over the store hosts with a rate limit (``mbit``), of the
+    host's bytes out or in over its link rate: no schedule can finish sooner. ``link_efficiency`` is that
+    over the measured seconds (1.0: the busiest link never idled)."""
+    hosts = {h: v for h, v in moved.items() if h != CONTROL}
+    limited = [h for h in hosts if mbit.get(h)]
+    if not limited:
+        raise ValueError("link_fields needs at least one store host with a rate limit")
+
+    def busy_seconds(host: str) -> float:
+        return max(hosts[host].out, hosts[host].in_) / (mbit[host] * 1e6 / 8)
+
+    busiest = max(limited, key=busy_seconds)
+    wire = inter_host_wire_bytes(moved)
+    bound_seconds = busy_seconds(busiest)
+    return {"link_mbit": mbit[busiest], "inter_host_wire_bytes": wire,
+            "wire_vs_lower_bound": round(wire / lower_bound, 4) if lower_bound else None,
+            "busiest_link_host": busiest, "busiest_link_bytes": max(hosts[busiest].out, hosts[busiest].in_),
+            "link_bound_seconds": round(bound_seconds, 3),
+            "link_efficiency": round(bound_seconds / seconds, 3) if seconds > 0 else None,
+            "host_bytes_out": {h: v.out for h, v in sorted(hosts.items())},
+            "host_bytes_in": {h: v.in_ for h, v in sorted(hosts.items())}}
+
+
+def measured_transform(stores: LinkedStores, plan, old, new, old_version: int, new_version: int,
+                       streams: int = 4) -> tuple[dict, dict]:
+    """Run a transformation on the links; returns (its report, :func:`link_fields`)."""
+    before = stores.cluster.counters()
+    report = stores.transform(plan, old, new, old_version, new_version, streams=streams)
+    moved = stores.cluster.counters() - before
+    return report, link_fields(moved, report["seconds"], stores.cluster.mbit, plan.stats.inter_host_lower_bound)
