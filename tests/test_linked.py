@@ -133,3 +133,45 @@ def test_slow_source_is_asked_for_less(tmp_path):
         # h1's link is ten times faster: it takes over pieces queued for h0
         assert moved["h0"].out < 0.5 * planned_h0, (moved["h0"].out, planned_h0)
         assert_version_matches(roots, new, 2, arrays)
+
+
+def _bench(*argv, env=None):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "tenplex.cli", "bench", *argv, "--json"], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=300)
+    return proc, [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_bench_transfer_on_links_reports_wire_bytes_and_efficiency(tmp_path):
+    proc, rows = _bench("transfer", "--bytes", str(8 << 20), "--repeat", "1", "--link-mbit", "400",
+                        "--dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    (row,) = rows
+    assert row["link_mbit"] == 400 and row["inter_host_lower_bound"] == 8 << 20
+    assert 1.0 <= row["wire_vs_lower_bound"] <= 1.05
+    assert row["host_bytes_out"]["h0"] >= 8 << 20 and row["host_bytes_in"]["h1"] >= 8 << 20
+    # the busiest link carried the region: the bound is its bytes at 400 Mbit/s
+    assert row["link_bound_seconds"] == pytest.approx(row["host_bytes_out"]["h0"] / 50e6, abs=2e-3)
+    assert 0 < row["link_efficiency"] and row["raw_socket_link_gbps"] > 0
+
+
+def test_bench_compare_on_links_reports_the_speedup_the_links_allow(tmp_path):
+    proc, rows = _bench("compare", "--quick", "--methods", "tenplex,centralised", "--link-mbit", "800",
+                        "--dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    tenplex, central = rows
+    assert tenplex["mismatches"] == [] and central["mismatches"] == []
+    assert central["central_host"] == "h0"
+    assert central["central_host_bytes"] >= central["inter_host_bytes"]
+    assert central["link_speedup_allowed"] == pytest.approx(central["central_host_bytes"]
+                                                            / tenplex["busiest_link_bytes"], rel=1e-3)
+
+
+def test_benches_refuse_without_iproute2():
+    proc, rows = _bench("transfer", "--bytes", "1000000", "--link-mbit", "100", env={"PATH": "/nonexistent"})
+    assert proc.returncode == 2 and rows == []
+    assert proc.stderr.strip().count("\n") == 0 and "iproute2" in proc.stderr

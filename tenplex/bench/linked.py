@@ -41,8 +41,8 @@ class LinkedStores:
         self.token_file.touch(mode=0o600)
         self.token_file.write_text(secrets.token_hex(16))
         self._calls = 0
-        starting = {host: self._serve(host, (env or {}).get(host)) for host in roots}  # all start at once
-        self.addresses = {host: self._address(host, proc) for host, proc in starting.items()}
+        self.procs = {host: self._serve(host, (env or {}).get(host)) for host in roots}  # all start at once
+        self.addresses = {host: self._address(host, proc) for host, proc in self.procs.items()}
 
     def _serve(self, host: str, env: dict[str, str] | None):
         (self.work / f"{host}.port").unlink(missing_ok=True)
