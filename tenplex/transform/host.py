@@ -16,9 +16,9 @@ Order of work, per new shard of this host's devices:
    the source's bulk data plane (plain TCP, ``tenplex.store.dataplane``; gRPC
    ReadBox streams when the source has none or TLS is on), small ones
    batched many to a gRPC call (``ReadBoxes``). The new files' space is
-   reserved by the first jobs, so a full disk fails early. The order of the
-   pulls keeps every source link busy at once and lets replicas take over a
-   slow source's pieces (``schedule``).
+   reserved by a thread of its own while the pulls run, so a full disk
+   fails early. The order of the pulls keeps every source link busy at once
+   and lets replicas take over a slow source's pieces (``schedule``).
 3. ``"from": "new"`` regions (the local fan-out) are copied in plan order
    from new shards that step 2 filled.
 
@@ -289,7 +289,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
             linked[key] = reader.array(linkable)
             advance(box.volume * spec.itemsize, "linked")
             continue
-        # Space is reserved by the first jobs (below) so allocation overlaps the first pulls.
+        # Space is reserved by a thread of its own (``_run``) so that allocation overlaps the pulls.
         target = writer.create(device, tensor, box, spec.dtype, spec.shape, reserve=False)
         targets[key] = target
         reserves.append(target.reserve)
@@ -335,8 +335,9 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
 
 def _run(host: str, reserves: list[Callable[[], None]], schedule: Schedule, streams: int,
          cancelled: threading.Event) -> None:
-    """Reserve the new files' space and run the schedule's pieces on ``streams`` threads; the first failure
-    cancels the rest and is raised."""
+    """Run the schedule's pieces on ``streams`` threads while one more thread reserves the new files' space
+    (a full disk fails early, and the first pulls do not wait for it); the first failure cancels the rest and
+    is raised."""
     def worker() -> None:
         while not cancelled.is_set():
             got = schedule.take()
@@ -348,9 +349,14 @@ def _run(host: str, reserves: list[Callable[[], None]], schedule: Schedule, stre
             finally:
                 schedule.done(server)
 
-    with ThreadPoolExecutor(max_workers=max(1, streams), thread_name_prefix=f"pull-{host}") as pool:
-        # Reservations go first; each thread that finishes its share of them starts pulling.
-        running = [pool.submit(reserve) for reserve in reserves] + [pool.submit(worker) for _ in range(max(1, streams))]
+    def reserve_all() -> None:
+        for reserve in reserves:
+            if cancelled.is_set():
+                return
+            reserve()
+
+    with ThreadPoolExecutor(max_workers=max(1, streams) + 1, thread_name_prefix=f"pull-{host}") as pool:
+        running = [pool.submit(reserve_all)] + [pool.submit(worker) for _ in range(max(1, streams))]
         done, _ = wait(running, return_when=FIRST_EXCEPTION)
         for future in done:
             if future.exception() is not None:
