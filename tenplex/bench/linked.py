@@ -83,8 +83,8 @@ class LinkedStores:
             marker = "tenplex store: error: "  # after the progress bars
             message = done.stderr[done.stderr.rfind(marker):].removeprefix(marker).strip() if marker in done.stderr \
                 else done.stderr[-2000:].strip()
-            failures = dict(line.strip().split(": ", 1) for line in message.splitlines()[1:] if ": " in line)
-            raise TransformError(message, failures)
+            causes = dict(line.strip().split(": ", 1) for line in message.splitlines()[1:] if ": " in line)
+            raise TransformError(message, {host: TransformError(cause) for host, cause in causes.items()})
         return json.loads(done.stdout.strip().splitlines()[-1])
 
 

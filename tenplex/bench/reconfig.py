@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     socket_gbps = (512 << 20) / _socket_seconds(512 << 20) / 1e9
     base_dir = args.dir or _default_dir(3 * 2 * state_bytes)
     results = []
-    with tempfile.TemporaryDirectory(prefix="tenplex-reconfig-", dir=base_dir) as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="tenplex-reconfig-", dir=base_dir) as tmp_name:
+        tmp = Path(tmp_name)
         _write_base(tmp, old)
         with contextlib.ExitStack() as stack:
             if args.link_mbit:  # refuses (ClusterUnavailable) rather than measuring loopback
@@ -147,18 +147,9 @@ def _default_dir(needed: int) -> Path | None:
 
 def _write_base(tmp: Path, old) -> None:
     """Version 1 on every old host; a (tensor, box) gets the same random values on every replica."""
-    from ..devices import host_of
-    from ..store import Store
+    from ..store import Store, fill
 
-    for host in old.hosts():
-        with Store(tmp / host, host).begin(1) as w:
-            for device, shards in sorted(old.devices.items()):
-                if host_of(device) != host:
-                    continue
-                for shard in shards:
-                    spec = old.tensors[shard.tensor]
-                    seed = zlib.crc32(f"{shard.tensor}{shard.box}".encode())
-                    values = np.random.default_rng(seed).random(shard.box.lengths, dtype=np.float32)
-                    w.put(device, shard.tensor, shard.box, values, spec.dtype, shape=spec.shape)
-            w.put_json("step", {"step": 1000})
-            w.commit()
+    def values(tensor, box):
+        return np.random.default_rng(zlib.crc32(f"{tensor}{box}".encode())).random(box.lengths, dtype=np.float32)
+
+    fill.write_version({h: Store(tmp / h, h) for h in old.hosts()}, old, 1, values, {"step": {"step": 1000}})

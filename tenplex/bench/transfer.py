@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..runtime.hosts import await_store, spawn_store
 from ..store.wire import DEFAULT_CHUNK_BYTES
 
 DESCRIPTION = "throughput of moving one large region between two store processes vs raw TCP and memcpy"
@@ -85,8 +86,8 @@ def run(args: argparse.Namespace) -> dict:
     plan = Plan((Transfer("x", "h0/0", "h1/0", "old", whole),),
                 PlanStats(target_bytes=nbytes, inter_host_bytes=nbytes, inter_host_lower_bound=nbytes))
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
-    with tempfile.TemporaryDirectory(prefix="tenplex-bench-", dir=base_dir) as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="tenplex-bench-", dir=base_dir) as tmp_name:
+        tmp = Path(tmp_name)
         data = np.random.default_rng(0).random(shape, dtype=np.float32)
         with Store(tmp / "h0", "h0").begin(1) as w:
             w.put("h0/0", "x", whole, data, "float32", shape=shape)
@@ -193,17 +194,8 @@ def _fresh_file_seconds(tmp: Path, nbytes: int) -> float:
 
 def _start_server(tmp: Path, host: str, *extra: str) -> tuple[subprocess.Popen, str]:
     port_file = tmp / f"{host}{''.join(extra)}.port"
-    proc = subprocess.Popen([sys.executable, "-m", "tenplex.cli.store", "serve", "--root", str(tmp / host),
-                             "--host", host, "--port", "0", "--port-file", str(port_file), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"store server {host} did not start (exit {proc.returncode})")
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{int(port_file.read_text())}"
+    proc = spawn_store(tmp / host, host, port_file, *extra)
+    return proc, await_store(proc, host, port_file, time.monotonic() + 60)
 
 
 _SENDER = """

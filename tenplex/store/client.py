@@ -35,7 +35,7 @@ import xxhash
 
 from ..box import Box
 from ..dtypes import numpy_storage
-from ..errors import StoreError
+from ..errors import RETRYABLE_STATUS, StoreError
 from . import wire
 from .dataplane import DataPlaneError, DataPool
 from ._proto import store_pb2 as pb
@@ -52,6 +52,10 @@ class RemoteStoreError(StoreError):
         super().__init__(message)
         self.code = code
         self.address = address
+
+    @property
+    def retryable(self) -> bool:  # type: ignore[override]  # computed from the status
+        return self.code is not None and self.code.name in RETRYABLE_STATUS
 
 
 class ChecksumError(StoreError):
@@ -368,7 +372,7 @@ class StoreClient:
 
     def read_file(self, path: str, offset: int = 0, length: int = -1) -> bytes:
         """Bytes [offset, offset+length) of ``<root>/datasets/<path>`` (length -1: to the end), verified."""
-        for attempt in range(self.retries + 1):
+        for _attempt in range(self.retries + 1):
             parts = []
             expected = offset
             corrupted = False

@@ -51,7 +51,7 @@ import numpy as np
 import xxhash
 
 from ..box import Box
-from ..errors import StoreError
+from ..errors import RETRYABLE_STATUS, StoreError
 from . import _hooks, _safetensors as st, wire
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,10 @@ class DataPlaneError(StoreError):
     def __init__(self, message: str, code: str):
         super().__init__(message)
         self.code = code
+
+    @property
+    def retryable(self) -> bool:  # type: ignore[override]  # computed from the status, as RemoteStoreError's
+        return self.code in RETRYABLE_STATUS
 
 
 def auth_digest(token: str, nonce: str) -> str:
@@ -278,7 +282,7 @@ class DataConnection:
             if nbytes != sub.volume * itemsize:
                 raise DataPlaneError(f"data plane {self.where} sent a {nbytes}-byte frame for {sub} "
                                      f"({sub.volume * itemsize} bytes)", "INTERNAL")
-            dest = out[sub.local(out_box).slices()] if out is not None else None
+            dest = out[sub.local(out_box).slices()] if out is not None and out_box is not None else None
             if dest is not None and dest.flags.c_contiguous:
                 view = memoryview(dest.reshape(-1)).cast("B") if nbytes else memoryview(b"")
                 direct = True
@@ -293,8 +297,10 @@ class DataConnection:
             if not direct:
                 if dest is not None:
                     dest[...] = np.frombuffer(view, dest.dtype).reshape(sub.lengths)
-                else:
+                elif sink is not None:
                     sink(sub, view)
+                else:
+                    raise ValueError("a data-plane read needs out and out_box, or sink")
             got += nbytes
         return got, bad
 

@@ -36,6 +36,7 @@ tell a silent host from a busy one in the same way.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -44,7 +45,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..box import Box, subtract_all
+from ..box import Box, split_by, subtract_all
 from ..devices import host_of
 from ..errors import StoreError, TransformError
 from ..layout import Layout, from_dict as layout_from_dict
@@ -53,8 +54,9 @@ from ..store import LAYOUT_DOC, ShardTarget, Store, VersionReader, wire
 from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient
 from .schedule import LOCAL, Piece, Schedule
+from ..store.manifest import TRANSFORM_PART
 
-PART = "transform"
+log = logging.getLogger(__name__)
 DEFAULT_STREAMS = 4
 PIECE_BYTES = 16 << 20          # one pull call; several chunks each; small enough for replicas to share the tail
 SMALL_BYTES = 1 << 20           # remote regions below this travel in batches (ReadBoxes): one call for many
@@ -119,7 +121,7 @@ class _Sources:
             for client in pool:
                 client.close()
 
-    def read_into(self, device: str, tensor: str, box: Box, target: ShardTarget) -> int:
+    def read_with_fallback(self, device: str, tensor: str, box: Box, target: ShardTarget) -> int:
         """Write ``box`` of ``device``'s old shard into ``target``; return the bytes that came from other replicas."""
         try:
             self._read_from(device, tensor, box, target)
@@ -135,21 +137,15 @@ class _Sources:
         for other, held in candidates:
             if other == device or host_of(other) in self.failed or not remaining:
                 continue
-            next_remaining = []
-            for region in remaining:
-                common = region.intersect(held)
-                if common is None:
-                    next_remaining.append(region)
-                    continue
+            inside, remaining = split_by(remaining, held)
+            for common in inside:
                 try:
                     self._read_from(other, tensor, common, target)
                     refetched += common.volume * itemsize
-                    next_remaining.extend(region.subtract(common))
                 except Exception as e:  # noqa: BLE001
                     self._mark_failed(host_of(other), e)
                     causes.append(f"{other}: {e}")
-                    next_remaining.append(region)
-            remaining = next_remaining
+                    remaining.append(common)
         if remaining:
             raise TransformError(f"host {self.host}: region {box} of tensor {tensor!r} could not be read from "
                                  f"{device} and no surviving replica covers {remaining[0]}; causes: "
@@ -157,7 +153,7 @@ class _Sources:
         return refetched
 
     def read_batch(self, items: list[tuple[str, str, Box, ShardTarget]]) -> list[int]:
-        """``read_into`` for many small regions of old shards on one remote host, in one call when it works;
+        """``read_with_fallback`` for many small regions of old shards on one remote host, in one call when it works;
         returns the re-fetched bytes per item."""
         source_host = host_of(items[0][0])
         if source_host not in self.failed:
@@ -168,7 +164,7 @@ class _Sources:
                 return [0] * len(items)
             except Exception as e:  # noqa: BLE001 - each region then goes its own way, replicas included
                 self._mark_failed(source_host, e)
-        return [self.read_into(device, tensor, box, target) for device, tensor, box, target in items]
+        return [self.read_with_fallback(device, tensor, box, target) for device, tensor, box, target in items]
 
     def _read_from(self, device: str, tensor: str, box: Box, target: ShardTarget) -> None:
         source_host = host_of(device)
@@ -183,6 +179,8 @@ class _Sources:
 
     def _mark_failed(self, host: str, error: Exception) -> None:
         with self._lock:
+            if host not in self.failed:
+                log.warning("host %s: source host %s failed, reading from replicas: %s", self.host, host, error)
             self.failed.setdefault(host, str(error))
 
     def holders(self, tensor: str, box: Box) -> dict[str, str]:
@@ -214,8 +212,10 @@ def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable
     beating = threading.Event()
     threading.Thread(target=_heartbeat, args=(counters, progress, beating), name=f"heartbeat-{host}",
                      daemon=True).start()
+    log.info("host %s: staging version %s from %s (%d transfers, %d streams)", host, request.new_version,
+             request.old_version, len(plan.transfers), streams)
     store.abort(request.new_version)  # leftovers of an earlier, interrupted attempt
-    writer = store.begin(request.new_version, part=PART)
+    writer = store.begin(request.new_version, part=TRANSFORM_PART)
     try:
         _stage(host, plan.transfers, set(plan.new_tensors), new, writer, reader, sources, counters, progress,
                cancelled, streams)
@@ -228,6 +228,7 @@ def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable
     finally:
         beating.set()
         sources.close()
+    log.info("host %s: prepared version %s", host, request.new_version)
     return counters.message()
 
 
@@ -371,8 +372,8 @@ def _job(sources: _Sources, device: str, holders: dict[str, str], tensor: str, p
     def run(server: str) -> None:
         if cancelled.is_set():
             return
-        refetched = sources.read_into(device if server in (LOCAL, host_of(device)) else holders[server], tensor, piece,
-                                      target)
+        source = device if server in (LOCAL, host_of(device)) else holders[server]
+        refetched = sources.read_with_fallback(source, tensor, piece, target)
         nbytes = piece.volume * target.itemsize
         if refetched:
             advance(refetched, "refetched")
