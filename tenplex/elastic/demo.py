@@ -166,6 +166,7 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
             (record / f"hold-{e.at}").unlink(missing_ok=True)
         _wait(lambda: progress.update() and not nodes.running(), deadline, nodes, f"the job to reach step {steps}")
         codes = nodes.wait(0)
+    (workdir / "elastic" / "fired.json").write_text(json.dumps(fired))
     bad = {h: c for h, c in codes.items() if c not in (0, -9)}
     if bad:
         raise DemoError(f"agents exited with {bad}; see {workdir / 'elastic'}/agent-*.log")
