@@ -26,8 +26,10 @@ from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 def main() -> None:
     args = parse_args()
     job = tenplex.elastic.Job(dataset=args.data, global_batch=args.global_batch, max_tp=args.max_tp,
-                              pinned=args.pin, save_every=args.save_every,
-                              on_save=(lambda save: record.saved(save)) if args.record else None)
+                              pinned=args.pin, save_every=args.save_every, replicas=args.replicas,
+                              checkpointer_options={"keep": args.keep_versions},
+                              on_save=(lambda save: record.saved(save)) if args.record else None,
+                              on_exit=(lambda code, why: record.exit(code, why)) if args.record else None)
     c = job.config
     trainer = Trainer(GPTConfig(), Parallel(dp=c.dp, tp=c.tp, pp=c.pp), job.global_batch, seed=args.init_seed)
     job.restore(trainer.model, trainer.optimizer, scheduler=trainer.scheduler, coords=trainer.coords)
@@ -37,6 +39,8 @@ def main() -> None:
               f"{'fresh start' if job.restored.version is None else f'restored step {job.step}'}", flush=True)
     try:
         while job.step < args.steps:
+            if record:
+                record.hold()
             batch = job.batch()                       # this rank's share of the global batch at job.step
             tokens = batch.data.long()                # (micro-batch, seq + 1)
             trainer.local_batch = lambda _step: (tokens[:, :-1], tokens[:, 1:])
@@ -49,9 +53,12 @@ def main() -> None:
         job.finish()
         if job.rank == 0:
             print(f"done at step {job.step}; saving cost {json.dumps(job.save_cost())}", flush=True)
-    finally:
+    except BaseException as e:
         if record:
-            record.exit()
+            record.exit(getattr(e, "code", 1), f"{type(e).__name__}: {e}")
+        raise
+    if record:
+        record.exit(0, "done")
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,6 +71,9 @@ def parse_args() -> argparse.Namespace:
                    help="pin a configuration for a world size, e.g. 4:tp=2,pp=2 (repeatable)")
     p.add_argument("--save-every", type=int, default=None,
                    help="steps between saves (default: automatic, at most 5%% of training time; 0: only on stop)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="copies of regions no other host holds (default: 1 with two or more hosts)")
+    p.add_argument("--keep-versions", type=int, default=2, help="saved versions each store keeps")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the initial weights of a fresh start")
     p.add_argument("--record", type=Path, help="directory for per-rank JSON lines and state dumps (the demo)")
     args = p.parse_args()
@@ -81,13 +91,20 @@ class Record:
         self.tag = f"{os.getpid()}-{job.rank}"
         self.file = open(folder / f"rank-{job.host}-{self.tag}.jsonl", "a")
         r = job.restored
-        self.write(event="start", time=job.started, ready=time.time(), world=job.world_size, hosts=job.hosts,
+        self.write(event="start", world_id=job.world_id, time=job.started, ready=time.time(), world=job.world_size,
+                   hosts=job.hosts,
                    parallel=job.choice.degrees(), rank=job.rank, host=job.host, coords=trainer.coords,
                    restored_step=r.step if r.version is not None else None, version=r.version,
                    transformed=r.transformed, plan_stats=r.plan_stats, restore_s=r.seconds,
                    position=job.data_state.position)
         if r.version is not None:
             self.dump(f"restored-{r.step}-{self.tag}")
+
+    def hold(self) -> None:
+        """Wait while the demo holds the job at this step (file ``hold-STEP``), unless torchrun stops us."""
+        flag = self.folder / f"hold-{self.job.step}"
+        while flag.exists() and not self.job.stop_requested:
+            time.sleep(0.05)
 
     def write(self, **doc) -> None:
         self.file.write(json.dumps(doc) + "\n")
@@ -107,9 +124,10 @@ class Record:
         if self.trainer.coords["dp"] == 0 and self.trainer.coords["tp"] == 0:
             save_file({k: v.contiguous() for k, v in state.items()}, str(self.folder / "dumps" / f"{name}.safetensors"))
 
-    def exit(self) -> None:
-        self.write(event="exit", time=time.time(), stopped_by_sigterm=self.job.stop_requested)
-        self.file.close()
+    def exit(self, code: int, why: str) -> None:
+        if not self.file.closed:
+            self.write(event="exit", code=code, why=why, time=time.time(), sigterm=self.job.stop_requested)
+            self.file.close()
 
 
 if __name__ == "__main__":

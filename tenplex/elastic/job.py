@@ -103,15 +103,23 @@ class Job:
     only when stopping). ``timeout``: how long a collective may wait for a
     peer before the rank gives up (a dead node that sent no reset).
     ``on_save(info)`` runs on every rank after each committed save (``info``:
-    step, version, why, seconds), for example to log it.
+    step, version, why, seconds), for example to log it; ``on_exit(code, why)``
+    runs before the job exits at a step boundary (stopping, or a peer gone). ``replicas``: copies
+    of each region that no other host holds, made in the background after
+    each save (None: one when there are two or more hosts; see
+    :class:`tenplex.Checkpointer`); a stopping job waits up to
+    ``replication_wait`` seconds for the copies of its last save.
+    ``checkpointer_options`` go to :class:`tenplex.Checkpointer` (``keep``,
+    ``token``, …).
     """
 
     def __init__(self, *, global_batch: int, dataset: str | os.PathLike | None = None, seed: int = 0,
                  drop_last: bool = True, max_tp: int = 8, pp: int | None = None,
                  pinned: Mapping[int, ParallelConfig | str] | None = None,
                  policy: Callable | None = None, save_every: int | None = None, save_budget: float = 0.05,
-                 backend: str = "gloo", timeout: float = 120.0, checkpointer_options: Mapping[str, Any] | None = None,
-                 on_save: Callable[[dict], None] | None = None):
+                 replicas: int | None = None, backend: str = "gloo", timeout: float = 120.0,
+                 checkpointer_options: Mapping[str, Any] | None = None, on_save: Callable[[dict], None] | None = None,
+                 on_exit: Callable[[int, str], None] | None = None, replication_wait: float = 10.0):
         if save_every is not None and save_every < 0:
             raise ConfigError(f"save_every must be None (automatic), 0 (only when stopping) or positive, got "
                               f"{save_every}")
@@ -124,15 +132,17 @@ class Job:
         self.host = os.environ.get("TENPLEX_HOST", f"h{self.rank // per_node}")
         from ..integration.exchange import all_gather_json
 
-        peers = all_gather_json({"host": self.host, "store": os.environ.get("TENPLEX_STORE_ADDRESS")})
-        self.hosts = list(dict.fromkeys(p["host"] for p in peers))  # node order = rank order, as torchrun numbers
-        # Every rank knows every store of this world from its peers: no TENPLEX_STORES needed.
-        self.stores = {p["host"]: p["store"] for p in peers if p["store"]}
+        # Node order is rank order, as torchrun numbers them. (Store addresses need no exchange here: every save
+        # records them, from each rank's TENPLEX_STORE_ADDRESS, which tenplex run sets.)
+        peers = all_gather_json({"host": self.host, "token": f"{time.time_ns():x}-{os.getpid()}"})
+        self.hosts = list(dict.fromkeys(p["host"] for p in peers))
+        self.world_id = peers[0]["token"]  # names this world (rank 0's token) in logs; the same on every rank
         self.choice: Choice = choose(self.world_size, per_node, max_tp=max_tp, pp=pp, pinned=pinned, policy=policy,
                                      hosts=self.hosts if len(self.hosts) * per_node == self.world_size else None)
         self.global_batch, self.dataset, self.seed, self.drop_last = global_batch, dataset, seed, drop_last
-        self.save_every, self.save_budget, self.on_save = save_every, save_budget, on_save
-        self.checkpointer_options = dict(checkpointer_options or {})
+        self.save_every, self.save_budget, self.on_save, self.on_exit = save_every, save_budget, on_save, on_exit
+        self.checkpointer_options = dict(checkpointer_options or {}, replicas=replicas)
+        self.replication_wait = replication_wait
         self.step = 0
         self.extra: dict = {}
         self.restored: Restored | None = None
@@ -180,8 +190,7 @@ class Job:
             raise ConfigError(f"rank {self.rank} is idle in this world ({self.choice.reason}); idle ranks train "
                               f"nothing and must not restore a model")
         begin = time.monotonic()
-        ckpt = tenplex.Checkpointer(stores=self.stores, coords=dict(coords or self.coords),
-                                    **self.checkpointer_options)
+        ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), **self.checkpointer_options)
         extra: dict = {}
         step = tenplex.restore(model, optimizer, scheduler=scheduler, scaler=scaler, annotations=annotations,
                                extra=extra, checkpointer=ckpt)
@@ -279,7 +288,11 @@ class Job:
                                                                         self.save_budget)
         if stop:
             self._save("stopping")
-            self._exit(0 if self.stop_requested else EXIT_RESTART)
+            # The copies of this last save protect the next world against losing a host; torchrun's kill timeout
+            # (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s) bounds how long they may take.
+            self._tracked["checkpointer"].wait_replicated(self.replication_wait)
+            self._exit(0 if self.stop_requested else EXIT_RESTART,
+                       "stopped by SIGTERM" if self.stop_requested else "a peer was stopped")
         if self._next_save is not None and self.step >= self._next_save:
             self._save("periodic")
             if self.save_every:
@@ -322,7 +335,9 @@ class Job:
         c["interval"] = None if self._next_save is None else max(1, self._next_save - (self._saved_step or 0))
         return c
 
-    def _exit(self, code: int) -> None:
+    def _exit(self, code: int, why: str) -> None:
+        if self.on_exit is not None:
+            self.on_exit(code, why)
         try:
             dist.destroy_process_group()
         finally:
@@ -332,11 +347,15 @@ class Job:
 
     def _die(self, message: str) -> None:
         print(f"tenplex job (rank {self.rank}): {message}", file=sys.stderr, flush=True)
+        if self.on_exit is not None:
+            self.on_exit(EXIT_RESTART, message)
         # No destroy_process_group: with a peer gone it may wait forever. Exit now; torchrun restarts the world.
         os._exit(EXIT_RESTART)
 
     def finish(self) -> None:
         """End of training: a final save (collective) and the process group's teardown."""
-        if self._tracked is not None and self._saved_step != self.step:
-            self._save("final")
+        if self._tracked is not None:
+            if self._saved_step != self.step:
+                self._save("final")
+            self._tracked["checkpointer"].wait_replicated(self.replication_wait)
         dist.destroy_process_group()

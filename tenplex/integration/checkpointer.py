@@ -97,9 +97,11 @@ class RestoreInfo:
 class Checkpointer:
     """Where this rank's state goes: its host's store directory, its device id, the other hosts' stores.
 
-    Every argument has an environment default, so that a launcher (``tenplex
-    run``, the Kubernetes controller, or a torchrun wrapper) configures the job
-    and the training script only calls :func:`tenplex.save` / :func:`tenplex.restore`:
+    Every argument has an environment default, so that whatever launches the
+    workers configures the job and the training script only calls
+    :func:`tenplex.save` / :func:`tenplex.restore`. Today that is
+    :func:`tenplex.runtime.launch.run_job` (``tenplex demo``) or a torchrun
+    wrapper that sets the variables:
 
     * ``store_root``: ``TENPLEX_STORE_ROOT`` — this host's store directory;
     * ``host``: ``TENPLEX_HOST`` (default ``h0``);
@@ -264,7 +266,7 @@ class Checkpointer:
         return ",".join(f"{k}={v}" for k, v in sorted(coords.items()))
 
     def _state_doc(self, docs, step, extra, scheduler, scaler, optimizer) -> dict:
-        rng = {}
+        rng: dict[str, Any] = {}
         for d in docs:
             if d["rng"] is not None:
                 rng.setdefault(d["coord"], d["rng"])
@@ -281,7 +283,8 @@ class Checkpointer:
         return doc
 
     # --------------------------------------------------------------- restore
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, extra: dict | None = None,
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                extra: dict | None = None,
                 scheduler=None, scaler=None, annotations: Annotations | None = None, rng: bool = True,
                 layout: Layout | None = None, version: int | None = None) -> int | None:
         """Load the newest saved state into ``model`` and ``optimizer`` (in place); return its step. Collective.
@@ -558,7 +561,7 @@ def _first_holder_per_host(docs) -> dict[tuple[str, str, Box], int]:
 
 def _saved_layout(tensors, docs, writers) -> Layout:
     devices: dict[str, list[Shard]] = {}
-    for (host, name, box), rank in sorted(writers.items(), key=lambda kv: (kv[1], kv[0][1], kv[0][2])):
+    for (_host, name, box), rank in sorted(writers.items(), key=lambda kv: (kv[1], kv[0][1], kv[0][2])):
         devices.setdefault(docs[rank]["device"], []).append(Shard(name, box))
     return Layout.build(tensors, devices)
 
