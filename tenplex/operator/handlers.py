@@ -1,0 +1,218 @@
+"""The kopf handlers: observe, decide (pure), act.
+
+May import: ``kopf``, ``kubernetes``, the package's modules and the standard
+library.
+
+Each TenplexJob gets a kopf daemon that reconciles it: read the job, its
+worker pods (label selector) and the Nodes; :func:`.decide.decide`; write the
+status (optimistic concurrency: the job's ``resourceVersion`` is part of the
+patch, so a decision made on a stale spec is never written; a 409 re-reads
+and decides again); then delete and create pods and post the decision's
+Events. The loop runs again when a worker pod, a Node or the spec changes
+(kopf watch events poke it) and every ``interval`` seconds anyway: it is
+level-based, so a missed poke only delays it.
+
+Errors say whether retrying helps: API trouble (5xx, timeouts, repeated
+409s) raises :class:`kopf.TemporaryError` and kopf restarts the daemon after
+a delay; a spec that cannot run is a :class:`kopf.PermanentError` for the
+spec handler (retrying the same spec cannot help; an edit runs it again) and
+the ``Failed`` phase with a condition naming the field for the daemon, which
+keeps watching for a corrected spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+from typing import Any, Mapping
+
+import kopf
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
+
+from . import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION, WORKER_ROLE
+from .decide import Decision, decide
+from .observe import node_state, pod_requests, pod_state
+from .pods import WorkerSettings, pod_name, worker_pod
+from .spec import SpecError, check_name, parse_spec
+
+CONFLICT_RETRIES = 5
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _merged(old: Any, patch: Any) -> Any:
+    """JSON merge patch (RFC 7386) of ``patch`` onto ``old``: to skip writes that change nothing."""
+    if not isinstance(patch, Mapping):
+        return patch
+    out = dict(old) if isinstance(old, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merged(out.get(key), value)
+    return out
+
+
+def _spec_or_error(job: Mapping[str, Any]):
+    try:
+        check_name(job["metadata"]["name"])
+        return parse_spec(job.get("spec") or {})
+    except SpecError as e:
+        return e
+
+
+class Operator:
+    """The handlers of one operator, bound to one Kubernetes API client (the tests make one per test)."""
+
+    def __init__(self, api: k8s.ApiClient, settings: WorkerSettings = WorkerSettings(), *, interval: float = 10.0):
+        self.api = api
+        self.core = k8s.CoreV1Api(api)
+        self.custom = k8s.CustomObjectsApi(api)
+        self.settings = settings
+        self.interval = interval
+        self.pokes: dict[tuple[str, str], asyncio.Event] = {}
+        self.node_view: dict[str, Any] = {}
+
+    # -- kopf wiring ---------------------------------------------------------------------------------------------
+    def register(self, registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
+        res = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+
+        @kopf.on.startup(registry=registry)
+        def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+            # Handler progress in our own annotations (the CRD's status schema has no room for kopf's).
+            settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+            settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+                prefix=GROUP, key="last-handled-configuration")
+            settings.posting.level = logging.WARNING  # our own events say what happened; kopf's add noise
+
+        @kopf.on.create(id="spec", **res)
+        @kopf.on.update(id="spec", field="spec", **res)
+        @kopf.on.resume(id="spec", **res)
+        def spec_changed(body: Mapping[str, Any], namespace: str, name: str, **_: Any) -> None:
+            self.poke(namespace, name)
+            spec = _spec_or_error(body)
+            if isinstance(spec, SpecError):
+                raise kopf.PermanentError(f"invalid spec, fix {spec.field}: {spec}")
+
+        @kopf.daemon(id="reconcile", cancellation_timeout=1.0, backoff=2.0, **res)
+        async def reconcile_loop(namespace: str, name: str, stopped: Any, gpu_pods: kopf.Index,
+                                 logger: logging.Logger, **_: Any) -> None:
+            poke = self.pokes.setdefault((namespace, name), asyncio.Event())
+            while not stopped:
+                poke.clear()
+                await self.reconcile(namespace, name, gpu_pods, logger)
+                try:
+                    await asyncio.wait_for(poke.wait(), timeout=self.interval)
+                except asyncio.TimeoutError:
+                    pass
+
+        @kopf.on.delete(id="forget", optional=True, **res)
+        def forget(namespace: str, name: str, **_: Any) -> None:
+            self.pokes.pop((namespace, name), None)
+
+        @kopf.index("pods", id="gpu_pods", registry=registry)
+        def gpu_pods(body: Mapping[str, Any], **_: Any) -> dict | None:
+            """Accelerator units per node and the job (or None) holding them: the other jobs' share of a node."""
+            meta = body.get("metadata") or {}
+            node = (body.get("spec") or {}).get("nodeName") or (meta.get("annotations") or {}).get(
+                "tenplex.io/node")
+            units = pod_requests(body, self.settings.resource)
+            if not node or not units:
+                return None
+            return {node: ((meta.get("namespace"), (meta.get("labels") or {}).get(JOB_LABEL)), units)}
+
+        @kopf.on.event("pods", id="worker_changed", labels={ROLE_LABEL: WORKER_ROLE}, registry=registry)
+        def worker_changed(body: Mapping[str, Any], **_: Any) -> None:
+            meta = body.get("metadata") or {}
+            self.poke(meta.get("namespace"), (meta.get("labels") or {}).get(JOB_LABEL))
+
+        @kopf.on.event("nodes", id="node_changed", registry=registry)
+        def node_changed(body: Mapping[str, Any], type: str | None, **_: Any) -> None:
+            # Heartbeats rewrite a node's status all the time; only readiness, cordons and capacity matter.
+            name = (body.get("metadata") or {}).get("name")
+            view = None if type == "DELETED" else node_state(body, self.settings.resource)
+            if self.node_view.get(name) != view:
+                self.node_view[name] = view
+                for key in list(self.pokes):
+                    self.poke(*key)
+
+        return registry
+
+    def poke(self, namespace: str | None, name: str | None) -> None:
+        event = self.pokes.get((namespace, name))
+        if event is not None:
+            event.set()
+
+    # -- one reconciliation --------------------------------------------------------------------------------------
+    async def reconcile(self, namespace: str, name: str, gpu_pods: kopf.Index, logger: logging.Logger) -> None:
+        # A snapshot of the other pods' accelerator units per node, taken here: the index changes on the loop.
+        used: dict[str, int] = {}
+        for node, holders in gpu_pods.items():
+            used[node] = sum(units for holder, units in holders if holder != (namespace, name))
+        for _ in range(CONFLICT_RETRIES):
+            try:
+                job, decision = await asyncio.to_thread(self._decide_and_write, namespace, name, used)
+                if job is not None:
+                    await asyncio.to_thread(self._act, job, decision, logger)
+                return
+            except ApiException as e:
+                if e.status == 409:
+                    continue  # the job changed since we read it: read it again and decide again
+                if e.status == 404:
+                    return  # deleted meanwhile; kopf stops this daemon
+                raise kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", delay=5) from e
+            except OSError as e:
+                raise kopf.TemporaryError(f"Kubernetes API unreachable: {e}", delay=5) from e
+        raise kopf.TemporaryError(f"TenplexJob {namespace}/{name} kept changing ({CONFLICT_RETRIES} conflicts)",
+                                  delay=1)
+
+    def _get(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """The raw JSON of a read: the decision works on what the API server says, field for field."""
+        return json.loads(call(*args, _preload_content=False, **kwargs).data)
+
+    def _decide_and_write(self, namespace: str, name: str, used: dict[str, int]) -> tuple[dict | None, Decision]:
+        job = self._get(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
+        if (job.get("metadata") or {}).get("deletionTimestamp"):
+            return None, None  # being deleted: the garbage collector removes the workers (owner references)
+        selector = f"{JOB_LABEL}={name},{ROLE_LABEL}={WORKER_ROLE}"
+        pods = self._get(self.core.list_namespaced_pod, namespace, label_selector=selector)["items"]
+        nodes = self._get(self.core.list_node)["items"]
+        decision = decide(_spec_or_error(job), [node_state(n, self.settings.resource) for n in nodes],
+                          [pod_state(p) for p in pods], used_by_others=used, status=job.get("status"),
+                          generation=job["metadata"].get("generation"), now=_now(),
+                          resource=self.settings.resource)
+        old = job.get("status") or {}
+        if _merged(old, decision.status) != old:
+            body = {"metadata": {"resourceVersion": job["metadata"]["resourceVersion"]}, "status": decision.status}
+            self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, body)
+        return job, decision
+
+    def _act(self, job: dict, decision: Decision, logger: logging.Logger) -> None:
+        namespace = job["metadata"]["namespace"]
+        for d in decision.delete:
+            try:
+                self.core.delete_namespaced_pod(d.pod, namespace, grace_period_seconds=d.grace_seconds)
+            except ApiException as e:
+                if e.status != 404:  # already gone: what we wanted
+                    raise
+            else:
+                kopf.info(job, reason="WorkerDeleted", message=f"{d.pod} (grace {d.grace_seconds}s): {d.reason}")
+        if decision.create:
+            spec = parse_spec(job["spec"])  # decide() only asks for pods when the spec is valid
+            for node in decision.create:
+                try:
+                    self.core.create_namespaced_pod(namespace, worker_pod(job, spec, node, self.settings))
+                except ApiException as e:
+                    if e.status != 409:  # created by an earlier round whose write we did not see yet
+                        raise
+                else:
+                    kopf.info(job, reason="WorkerCreated", message=f"{pod_name(job['metadata']['name'], node)} "
+                              f"on node {node}")
+        for ev in decision.events:
+            kopf.event(job, type=ev.type, reason=ev.reason, message=ev.message)
+            logger.info("%s: %s", ev.reason, ev.message)
