@@ -65,6 +65,19 @@ class Decision:
     events: tuple[Event, ...]
 
 
+def merge_patch(old: Any, patch: Any) -> Any:
+    """``patch`` applied to ``old`` as a JSON merge patch (RFC 7386), as the API server applies a status patch."""
+    if not isinstance(patch, Mapping):
+        return patch
+    out = dict(old) if isinstance(old, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
 def decide(spec: JobSpec | SpecError, nodes: Sequence[NodeState], pods: Sequence[PodState], *,
            used_by_others: Mapping[str, int], status: Mapping[str, Any] | None, generation: int | None,
            now: str, resource: str) -> Decision:

@@ -33,7 +33,7 @@ from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
 from . import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION, WORKER_ROLE
-from .decide import Decision, decide
+from .decide import Decision, decide, merge_patch
 from .observe import node_state, pod_requests, pod_state
 from .pods import WorkerSettings, pod_name, worker_pod
 from .spec import SpecError, check_name, parse_spec
@@ -43,19 +43,6 @@ CONFLICT_RETRIES = 5
 
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _merged(old: Any, patch: Any) -> Any:
-    """JSON merge patch (RFC 7386) of ``patch`` onto ``old``: to skip writes that change nothing."""
-    if not isinstance(patch, Mapping):
-        return patch
-    out = dict(old) if isinstance(old, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = _merged(out.get(key), value)
-    return out
 
 
 def _spec_or_error(job: Mapping[str, Any]):
@@ -187,7 +174,7 @@ class Operator:
                           generation=job["metadata"].get("generation"), now=_now(),
                           resource=self.settings.resource)
         old = job.get("status") or {}
-        if _merged(old, decision.status) != old:
+        if merge_patch(old, decision.status) != old:  # skip writes that change nothing
             body = {"metadata": {"resourceVersion": job["metadata"]["resourceVersion"]}, "status": decision.status}
             self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, body)
         return job, decision
