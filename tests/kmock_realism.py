@@ -7,7 +7,8 @@ operator rely on, and nothing else:
 
 * ``metadata.resourceVersion`` (one counter for the whole server), ``uid``,
   ``generation`` (bumped when ``spec`` changes) and ``creationTimestamp``;
-* ``201 Created`` on create, with the namespace taken from the URL;
+* ``201 Created`` on create, with the namespace taken from the URL and
+  ``generateName`` honoured (kopf names its Events so);
 * the status subresource: a write to the object ignores ``status``, a write
   to ``/status`` changes only ``status``; a ``resourceVersion`` in a patch is
   a precondition (``409 Conflict`` when stale);
@@ -29,6 +30,7 @@ from typing import Any, AsyncIterator
 
 import aiohttp.web
 import attrs
+import jsonpatch
 import kmock
 from kmock._internal import dicts  # the emulator's own merge, to preview a patch (same semantics)
 from kmock._internal.k8s import KubernetesError
@@ -51,6 +53,15 @@ def _selects(selector: str | None, obj: dict) -> bool:
         if labels.get(key) != value:
             return False
     return True
+
+
+def _merge_diff(old: Any, new: Any) -> Any:
+    """The merge patch that turns ``old`` into ``new`` (None removes a key)."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return new
+    patch = {k: None for k in old if k not in new}
+    patch.update({k: _merge_diff(old.get(k), v) for k, v in new.items() if old.get(k) != v})
+    return patch
 
 
 def _rv(obj: dict) -> int:
@@ -84,6 +95,8 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
         data = request.data if isinstance(request.data, dict) else None
         if request.action == kmock.action.CREATE and data is not None:
             meta = data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
             if info is not None and info.namespaced:
                 meta["namespace"] = request.namespace
             meta.update(resourceVersion=self._next_version(), uid=str(uuid.uuid4()), generation=1,
@@ -95,6 +108,14 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                 response.set_status(201)
             return response
         old = self._stored(request) if request.name else None
+        if request.action == kmock.action.UPDATE and isinstance(request.data, list) and old is not None:
+            # A JSON patch (kopf adds finalizers so, guarded by a `test` of resourceVersion): as a merge patch.
+            try:
+                patched = jsonpatch.apply_patch(old, request.data)
+            except jsonpatch.JsonPatchTestFailed as e:
+                raise KubernetesError(409, "Conflict", f"the object changed: {e}") from None
+            data = _merge_diff(old, patched)
+            object.__setattr__(request, "data", data)  # KMock's Request is frozen; its reactions match on identity
         if request.action == kmock.action.UPDATE and data is not None and old is not None:
             wanted = (data.get("metadata") or {}).get("resourceVersion")
             if wanted is not None and wanted != old["metadata"]["resourceVersion"]:

@@ -188,7 +188,7 @@ class Operator:
                 if e.status != 404:  # already gone: what we wanted
                     raise
             else:
-                kopf.info(job, reason="WorkerDeleted", message=f"{d.pod} (grace {d.grace_seconds}s): {d.reason}")
+                kopf.event(job, type="Normal", reason="WorkerDeleted", message=f"{d.pod} (grace {d.grace_seconds}s): {d.reason}")
         if decision.create:
             spec = parse_spec(job["spec"])  # decide() only asks for pods when the spec is valid
             for node in decision.create:
@@ -198,7 +198,7 @@ class Operator:
                     if e.status != 409:  # created by an earlier round whose write we did not see yet
                         raise
                 else:
-                    kopf.info(job, reason="WorkerCreated", message=f"{pod_name(job['metadata']['name'], node)} "
+                    kopf.event(job, type="Normal", reason="WorkerCreated", message=f"{pod_name(job['metadata']['name'], node)} "
                               f"on node {node}")
         for ev in decision.events:
             kopf.event(job, type=ev.type, reason=ev.reason, message=ev.message)

@@ -1,0 +1,141 @@
+"""The operator for real: kopf (KopfRunner, a fresh registry per test) against KMock with the realism layer.
+
+The tests play the kubelet (pod phases, node readiness, finishing graceful
+deletions) and wait on conditions with bounded polling.
+"""
+
+import pytest
+
+pytest.importorskip("kmock")  # Python 3.11+ (setup.cfg installs it there)
+
+from k8s_harness import NS, Cluster, api_server, operator, wait_for  # noqa: E402
+
+
+@pytest.fixture
+def cluster():
+    with api_server() as url:
+        yield Cluster(url)
+
+
+def running(c, job, nodes):
+    """Play the kubelet until the job runs on exactly ``nodes``; returns its status."""
+    def check():
+        c.kubelet(job)
+        st = c.status(job)
+        return st if st.get("phase") == "Running" and st.get("nodeNames") == nodes else None
+    return wait_for(check, f"{job} Running on {nodes}")
+
+
+def start_job(c, nodes=("n1", "n2"), **spec):
+    for n in nodes:
+        c.add_node(n)
+    c.create_job("j", **{"minNodes": 1, "maxNodes": 3, "gpusPerNode": 8, **spec})
+    return running(c, "j", list(nodes))
+
+
+def test_create_gives_one_labelled_worker_per_node_and_status(cluster):
+    c = cluster
+    with operator(c.url):
+        st = start_job(c)
+        pods = c.pods_by_node("j")
+        assert sorted(pods) == ["n1", "n2"]
+        p = pods["n1"]
+        assert p["metadata"]["labels"] == {"tenplex.io/job": "j", "tenplex.io/role": "worker"}
+        owner = p["metadata"]["ownerReferences"][0]
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == \
+            ("TenplexJob", "j", c.job("j")["metadata"]["uid"], True)
+        cmd = p["spec"]["containers"][0]["command"]
+        assert cmd[:4] == ["tenplex", "run", "--host", "$(NODE_NAME)"] and cmd[-2:] == ["python", "train.py"]
+        assert cmd[cmd.index("--nnodes") + 1] == "1:3" and cmd[cmd.index("--rdzv-id") + 1] == owner["uid"]
+        assert p["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "8"}
+        assert (st["nodes"], st["worldSize"], st["parallel"], st["observedGeneration"]) == (2, 16, "dp=2,tp=8,pp=1", 1)
+        wait_for(lambda: c.events("Started"), "the Started event")
+        assert len(c.events("WorkerCreated")) == 2
+
+
+def test_node_joins_scales_up(cluster):
+    c = cluster
+    with operator(c.url):
+        start_job(c)
+        c.add_node("n3")
+        wait_for(lambda: c.status("j").get("phase") == "Rescaling", "Rescaling")
+        st = running(c, "j", ["n1", "n2", "n3"])
+        rec = st["lastRescale"]
+        assert (rec["type"], rec["reason"], rec["from"]["nodes"], rec["to"]["nodes"]) == \
+            ("Rescale", "node n3 added", 2, 3)
+        assert rec["finishedAt"] >= rec["startedAt"] and st["worldSize"] == 24
+        wait_for(lambda: c.events("Rescaled"), "the Rescaled event")
+        assert len(c.events("RescaleStarted")) == 1
+
+
+def test_failed_pod_is_replaced(cluster):
+    c = cluster
+    with operator(c.url):
+        start_job(c)
+        old = c.pods_by_node("j")["n2"]
+        c.set_pod_phase(old["metadata"]["name"], "Failed")
+
+        def replaced():
+            new = c.pods_by_node("j").get("n2")
+            return new and new["metadata"]["uid"] != old["metadata"]["uid"]
+        wait_for(replaced, "a new worker on n2")
+        st = running(c, "j", ["n1", "n2"])
+        assert st["failures"] == {"n2": [old["metadata"]["uid"]]}
+        assert st["lastRescale"]["type"] == "Recovery" and "failed on n2" in st["lastRescale"]["reason"]
+        wait_for(lambda: c.events("Recovered"), "the Recovered event")
+
+
+def test_node_not_ready_continues_smaller(cluster):
+    c = cluster
+    with operator(c.url):
+        start_job(c)
+        c.set_ready("n2", False)
+        st = running(c, "j", ["n1"])
+        assert "n2" not in c.pods_by_node("j", live_only=False)  # force-deleted: no kubelet to finish it
+        assert (st["lastRescale"]["type"], st["lastRescale"]["reason"]) == ("Recovery", "node n2 is NotReady")
+        assert st["worldSize"] == 8 and st["parallel"] == "dp=1,tp=8,pp=1"
+        c.set_ready("n2", True)  # it comes back: the job grows again
+        running(c, "j", ["n1", "n2"])
+
+
+def test_edit_of_max_nodes_scales_down_gracefully(cluster):
+    c = cluster
+    with operator(c.url):
+        start_job(c, nodes=("n1", "n2", "n3"))
+        c.patch_spec("j", maxNodes=2)
+        gone = wait_for(lambda: [p for p in c.pods("j") if p["metadata"].get("deletionTimestamp")], "a terminating worker")
+        assert [p["metadata"]["name"] for p in gone] == ["j-n3"]
+        assert gone[0]["metadata"]["deletionGracePeriodSeconds"] == 120  # SIGTERM: save at a step boundary
+        st = running(c, "j", ["n1", "n2"])
+        assert st["observedGeneration"] == 2 and st["lastRescale"]["reason"] == "node n3 removed: maxNodes=2"
+
+
+def test_operator_restart_mid_rescale_finishes_the_same_rescale(cluster):
+    c = cluster
+    with operator(c.url):
+        start_job(c)
+        c.add_node("n3")
+        wait_for(lambda: "n3" in c.pods_by_node("j"), "the new worker on n3")
+        started = c.status("j")["lastRescale"]["startedAt"]
+    # no operator: the kubelet starts the new worker meanwhile
+    c.kubelet("j")
+    with operator(c.url):
+        st = running(c, "j", ["n1", "n2", "n3"])
+    assert st["lastRescale"]["startedAt"] == started and st["lastRescale"]["finishedAt"]
+    assert len(c.events("RescaleStarted")) == 1 and len(c.events("Rescaled")) == 1
+    assert len(c.pods("j")) == 3
+
+
+def test_invalid_spec_fails_with_the_field_and_the_operator_keeps_going(cluster):
+    c = cluster
+    c.add_node("n1")
+    with operator(c.url) as runner:
+        c.create_job("j", minNodes=3, maxNodes=2)
+        st = wait_for(lambda: c.status("j").get("phase") == "Failed" and c.status("j"), "phase Failed")
+        cond = next(x for x in st["conditions"] if x["type"] == "SpecValid")
+        assert cond["status"] == "False" and cond["message"].startswith("spec.minNodes:")
+        assert c.pods("j") == []
+        c.patch_spec("j", minNodes=1)  # corrected: the same operator runs it
+        running(c, "j", ["n1"])
+    assert "fix spec.minNodes" in runner.output  # kopf's PermanentError: retrying the same spec cannot help
+    assert runner.exception is None
