@@ -23,7 +23,7 @@ from kopf.testing import KopfRunner
 from kmock_realism import RealisticKubernetes
 from tenplex.operator import GROUP, JOB_LABEL, NODE_ANNOTATION, PLURAL, ROLE_LABEL, VERSION
 from tenplex.operator.handlers import Operator
-from tenplex.operator.pods import WorkerSettings
+from tenplex.operator.settings import WorkerSettings
 
 NS = "ml"
 

@@ -16,7 +16,7 @@ import sys
 from ..errors import TenplexError
 
 # Subcommand modules, in the order ``tenplex --help`` lists them.
-COMMANDS = ("layout", "plan", "data", "vfs", "store", "bench", "demo")
+COMMANDS = ("layout", "plan", "data", "vfs", "store", "bench", "demo", "operator")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,7 +35,8 @@ from kubernetes.client.rest import ApiException
 from . import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION, WORKER_ROLE
 from .decide import Decision, decide, merge_patch
 from .observe import node_state, pod_requests, pod_state
-from .pods import WorkerSettings, pod_name, worker_pod
+from .pods import pod_name, worker_pod
+from .settings import WorkerSettings
 from .spec import SpecError, check_name, parse_spec
 
 CONFLICT_RETRIES = 5
@@ -76,6 +77,7 @@ class Operator:
             settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
                 prefix=GROUP, key="last-handled-configuration")
             settings.posting.level = logging.WARNING  # our own events say what happened; kopf's add noise
+            settings.scanning.disabled = True  # the resources are known: no CRD discovery (and no RBAC for it)
 
         @kopf.on.create(id="spec", **res)
         @kopf.on.update(id="spec", field="spec", **res)

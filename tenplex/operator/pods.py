@@ -14,28 +14,16 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from kubernetes import client as k8s
 
 from . import JOB_LABEL, NODE_ANNOTATION, ROLE_LABEL, WORKER_ROLE
+from .settings import WorkerSettings
 from .spec import JobSpec
 
 
 _SERIALIZER = k8s.ApiClient()  # only turns typed models into camelCase JSON; makes no requests
-
-
-@dataclass(frozen=True)
-class WorkerSettings:
-    """Cluster-wide settings of the operator (``tenplex operator run`` options)."""
-
-    resource: str = "nvidia.com/gpu"  # `cpu` on CPU-only clusters (kind)
-    store_root: str = "/var/lib/tenplex/store"  # hostPath shared with the store DaemonSet
-    data_root: str = "/var/lib/tenplex/data"  # hostPath where the DaemonSet mounts datasets (FUSE)
-    rdzv_backend: str = "c10d"
-    rdzv_endpoint: str = "tenplex-rendezvous.tenplex-system.svc:29400"
-    token_secret: str = "tenplex-store-token"  # key `token`; optional: without it stores bind loopback only
 
 
 def pod_name(job: str, node: str) -> str:
