@@ -1,5 +1,8 @@
 """The operator's pure decision: observed nodes, pods and status in, desired pods, status and events out."""
 
+import subprocess
+import sys
+
 import pytest
 
 from tenplex.operator.decide import NODE_FAILURE_LIMIT, Deletion, decide, merge_patch
@@ -110,6 +113,15 @@ def test_cordoned_node_gets_no_new_worker_but_keeps_its_own():
     assert run(spec(), nodes, []).target == ("n2",)
     d = run(spec(), nodes, [pod("n1"), pod("n2")], stable("n1", "n2"))
     assert d.target == ("n1", "n2") and d.delete == ()
+
+
+def test_pod_deleted_by_someone_else_is_recreated_as_a_recovery():
+    old = stable("n1", "n2")
+    d = run(spec(), [node("n1"), node("n2")], [pod("n1"), pod("n2", terminating=True)], old)
+    assert d.create == () and d.delete == () and d.phase == "Recovering"  # same name: wait until it is gone
+    assert d.status["lastRescale"]["reason"] == "worker on n2 missing"
+    d2 = run(spec(), [node("n1"), node("n2")], [pod("n1")], merge_patch(old, d.status))
+    assert d2.create == ("n2",) and d2.events == ()
 
 
 # -- lost nodes and failed pods -------------------------------------------------------------------------------------
@@ -242,6 +254,14 @@ def test_target_change_mid_rescale_starts_a_new_record():
             merge_patch(old, first.status), now=T2)
     assert d.status["lastRescale"]["to"]["nodes"] == 4 and d.status["lastRescale"]["startedAt"] == T2
     assert d.create == ("n4",) and reasons(d) == ["RescaleStarted"]
+
+
+def test_decision_modules_need_neither_kopf_nor_kubernetes():
+    code = ("import sys, tenplex.operator.decide, tenplex.operator.spec, tenplex.operator.observe, "
+            "tenplex.operator.settings, tenplex.cli; tenplex.cli.build_parser(); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'kopf', 'kubernetes'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
 
 
 # -- spec --------------------------------------------------------------------------------------------------------------

@@ -4,11 +4,19 @@ The tests play the kubelet (pod phases, node readiness, finishing graceful
 deletions) and wait on conditions with bounded polling.
 """
 
+import asyncio
+import logging
+
 import pytest
 
 pytest.importorskip("kmock")  # Python 3.11+ (setup.cfg installs it there)
 
+import kopf  # noqa: E402
+import kubernetes  # noqa: E402
 from k8s_harness import NS, Cluster, api_server, operator, wait_for  # noqa: E402
+
+from tenplex.operator.handlers import Operator  # noqa: E402
+from tenplex.operator.settings import WorkerSettings  # noqa: E402
 
 
 @pytest.fixture
@@ -121,6 +129,7 @@ def test_operator_restart_mid_rescale_finishes_the_same_rescale(cluster):
     c.kubelet("j")
     with operator(c.url):
         st = running(c, "j", ["n1", "n2", "n3"])
+        wait_for(lambda: c.events("Rescaled"), "the Rescaled event")  # kopf posts events in the background
     assert st["lastRescale"]["startedAt"] == started and st["lastRescale"]["finishedAt"]
     assert len(c.events("RescaleStarted")) == 1 and len(c.events("Rescaled")) == 1
     assert len(c.pods("j")) == 3
@@ -139,3 +148,35 @@ def test_invalid_spec_fails_with_the_field_and_the_operator_keeps_going(cluster)
         running(c, "j", ["n1"])
     assert "fix spec.minNodes" in runner.output  # kopf's PermanentError: retrying the same spec cannot help
     assert runner.exception is None
+
+
+def test_conflicting_edit_is_read_again_and_decided_again(cluster, monkeypatch):
+    """A 409 on the status write (the job changed after it was read) is retried on the new spec, not lost."""
+    c = cluster
+    c.add_node("n1")
+    c.add_node("n2")
+    c.create_job("j", minNodes=1, maxNodes=2, gpusPerNode=8)
+    op = Operator(kubernetes.client.ApiClient(kubernetes.client.Configuration(host=c.url)), WorkerSettings())
+    posted = []  # kopf posts events only inside a running operator; this test calls one reconciliation
+    monkeypatch.setattr(kopf, "event", lambda obj, **kw: posted.append(kw["reason"]))
+    real_get, edits = op._get, []
+
+    def racing_get(call, *args, **kwargs):
+        out = real_get(call, *args, **kwargs)
+        if call == op.custom.get_namespaced_custom_object and not edits:
+            edits.append(out["metadata"]["resourceVersion"])
+            c.patch_spec("j", maxNodes=1)  # someone edits the job right after the operator read it
+        return out
+    monkeypatch.setattr(op, "_get", racing_get)
+    asyncio.run(op.reconcile(NS, "j", {}, logging.getLogger("test")))
+    st = c.status("j")
+    assert len(edits) == 1 and st["observedGeneration"] == 2  # the first write was refused (409)
+    assert sorted(c.pods_by_node("j")) == ["n1"] and posted == ["WorkerCreated"]
+
+
+def test_unreachable_api_is_a_temporary_error():
+    config = kubernetes.client.Configuration(host="http://127.0.0.1:9")  # discard port: nothing listens
+    config.retries = 0
+    op = Operator(kubernetes.client.ApiClient(config), WorkerSettings())
+    with pytest.raises(kopf.TemporaryError, match="unreachable"):
+        asyncio.run(op.reconcile(NS, "j", {}, logging.getLogger("test")))

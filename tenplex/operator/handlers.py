@@ -29,6 +29,7 @@ import logging
 from typing import Any, Mapping
 
 import kopf
+import urllib3
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
@@ -155,7 +156,7 @@ class Operator:
                 if e.status == 404:
                     return  # deleted meanwhile; kopf stops this daemon
                 raise kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", delay=5) from e
-            except OSError as e:
+            except (OSError, urllib3.exceptions.HTTPError) as e:
                 raise kopf.TemporaryError(f"Kubernetes API unreachable: {e}", delay=5) from e
         raise kopf.TemporaryError(f"TenplexJob {namespace}/{name} kept changing ({CONFLICT_RETRIES} conflicts)",
                                   delay=1)
