@@ -18,7 +18,7 @@ from tenplex.operator.spec import parse_spec
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
 BUILT_IN = {"Namespace", "CustomResourceDefinition", "ServiceAccount", "ClusterRole", "ClusterRoleBinding",
-            "Deployment", "Service", "DaemonSet", "Pod"}
+            "Deployment", "Service", "DaemonSet", "Pod", "NetworkPolicy"}
 VERSION = kubernetes_validate.latest_version()
 
 
@@ -136,6 +136,13 @@ def test_worker_pod_is_a_valid_pod_with_the_exact_labels():
     assert pod["metadata"]["labels"] == {"tenplex.io/job": "gpt-example", "tenplex.io/role": "worker"}
     mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
     assert mounts["data"]["mountPropagation"] == "HostToContainer"
+    # the worker's `tenplex run` reuses the DaemonSet's store: same root, host name, token file and port file
+    ds = next(d for d in manifests()["store.yaml"] if d["kind"] == "DaemonSet")
+    store = next(c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "store")
+    cmd, scmd = pod["spec"]["containers"][0]["command"], store["command"]
+    for flag, sflag in (("--store-root", "--root"), ("--host", "--host"), ("--token-file", "--token-file")):
+        assert cmd[cmd.index(flag) + 1] == scmd[scmd.index(sflag) + 1], flag
+    assert scmd[scmd.index("--port-file") + 1] == f"{WorkerSettings().store_root}/.tenplex-store.port"
     assert pod["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "8", "cpu": "8",
                                                                       "memory": "64Gi"}
 

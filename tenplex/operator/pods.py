@@ -23,6 +23,7 @@ from .settings import WorkerSettings
 from .spec import JobSpec
 
 
+TOKEN_DIR = "/etc/tenplex/token"  # the Secret's key `token` is the file TOKEN_DIR/token, as in the DaemonSet
 _SERIALIZER = k8s.ApiClient()  # only turns typed models into camelCase JSON; makes no requests
 
 
@@ -36,15 +37,18 @@ def pod_name(job: str, node: str) -> str:
 
 
 def worker_command(spec: JobSpec, job_uid: str, settings: WorkerSettings) -> list[str]:
+    # The node's store is the DaemonSet's (host network, same root and host name): `tenplex run` finds it through
+    # the port file in the root and reaches it at the node's address with the token.
     return ["tenplex", "run", "--host", "$(NODE_NAME)", "--store-root", settings.store_root,
+            "--store-advertise", "$(NODE_IP)", "--token-file", f"{TOKEN_DIR}/token",
             "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}", "--nproc-per-node", str(spec.gpus_per_node),
             "--rdzv-backend", settings.rdzv_backend, "--rdzv-endpoint", settings.rdzv_endpoint,
             "--rdzv-id", job_uid, *spec.command]
 
 
 def _env(spec: JobSpec) -> list[k8s.V1EnvVar]:
-    env = [k8s.V1EnvVar(name="NODE_NAME",
-                        value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path="spec.nodeName")))]
+    env = [k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path=path)))
+           for name, path in (("NODE_NAME", "spec.nodeName"), ("NODE_IP", "status.hostIP"))]
     # What the training-loop API needs from the spec (issue 8): the policy's inputs, replication and saving.
     settings = {"TENPLEX_MAX_TP": spec.max_tp, "TENPLEX_PP": spec.pp, "TENPLEX_REPLICAS": spec.replicas,
                 "TENPLEX_SAVE_INTERVAL": spec.save_interval, "TENPLEX_DATASET": spec.dataset,
@@ -80,8 +84,9 @@ def worker_pod(job: Mapping[str, Any], spec: JobSpec, node: str, settings: Worke
             name=pod_name(name, node), namespace=namespace,
             labels={JOB_LABEL: name, ROLE_LABEL: WORKER_ROLE},
             annotations={NODE_ANNOTATION: node},
+            # No blockOwnerDeletion: setting it needs `update` on tenplexjobs/finalizers, which the operator lacks.
             owner_references=[k8s.V1OwnerReference(api_version=job["apiVersion"], kind=job["kind"], name=name,
-                                                   uid=uid, controller=True, block_owner_deletion=True)]),
+                                                   uid=uid, controller=True)]),
         spec=k8s.V1PodSpec(
             restart_policy="Never",  # the operator replaces failed workers (and counts the failures)
             termination_grace_period_seconds=spec.grace_seconds,
@@ -99,12 +104,11 @@ def worker_pod(job: Mapping[str, Any], spec: JobSpec, node: str, settings: Worke
                     # The DaemonSet's FUSE mounts appear here after this pod started (propagation).
                     k8s.V1VolumeMount(name="data", mount_path=settings.data_root, read_only=True,
                                       mount_propagation="HostToContainer"),
-                    k8s.V1VolumeMount(name="token", mount_path="/etc/tenplex/token", read_only=True)])],
+                    k8s.V1VolumeMount(name="token", mount_path=TOKEN_DIR, read_only=True)])],
             volumes=[
                 k8s.V1Volume(name="store", host_path=host(path=settings.store_root, type="DirectoryOrCreate")),
                 k8s.V1Volume(name="data", host_path=host(path=settings.data_root, type="DirectoryOrCreate")),
-                k8s.V1Volume(name="token", secret=k8s.V1SecretVolumeSource(secret_name=settings.token_secret,
-                                                                           optional=True))]))
+                k8s.V1Volume(name="token", secret=k8s.V1SecretVolumeSource(secret_name=settings.token_secret))]))
     body = _SERIALIZER.sanitize_for_serialization(pod)
     # Containers in the template are added as sidecars (lists concatenate).
     return _merge(body, {"metadata": spec.template.get("metadata") or {}, "spec": spec.template.get("spec") or {}})

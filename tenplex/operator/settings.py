@@ -18,7 +18,7 @@ class WorkerSettings:
     data_root: str = "/var/lib/tenplex/data"  # hostPath where the DaemonSet mounts datasets (FUSE)
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str = "tenplex-rendezvous.tenplex-system.svc:29400"
-    token_secret: str = "tenplex-store-token"  # key `token`; optional: without it stores bind loopback only
+    token_secret: str = "tenplex-store-token"  # key `token`: the stores listen beyond loopback, so they need one
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
