@@ -13,9 +13,11 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterable, Sequence
+from typing import Iterable, Sequence, TypeVar
 
 from .errors import BoxError
+
+K = TypeVar("K")  # what a caller keys the candidate boxes of ``tile`` by (a device, a file)
 
 
 @dataclass(frozen=True, order=True)
@@ -149,6 +151,35 @@ def subtract_all(box: Box, others: Iterable[Box]) -> list[Box]:
             break
         remaining = [piece for r in remaining for piece in r.subtract(other)]
     return remaining
+
+
+def split_by(boxes: Iterable[Box], other: Box) -> tuple[list[Box], list[Box]]:
+    """(the parts of ``boxes`` inside ``other``, the parts outside it): one step of tiling a box from candidates."""
+    inside, outside = [], []
+    for box in boxes:
+        common = box.intersect(other)
+        if common is None:
+            outside.append(box)
+        else:
+            inside.append(common)
+            outside += box.subtract(common)
+    return inside, outside
+
+
+def tile(box: Box, candidates: Iterable[tuple[K, Box]]) -> tuple[list[tuple[K, Box]], list[Box]]:
+    """Cover ``box`` from candidate ``(key, held box)`` pairs, earlier candidates first.
+
+    Returns the tiles ``(key, part)`` (disjoint, each inside its candidate's
+    box) and the parts of ``box`` no candidate covers. The planner's ``_cover``
+    is the same step on plain tuples, for speed.
+    """
+    remaining, tiles = ([] if box.is_empty() else [box]), []
+    for key, held in candidates:
+        if not remaining:
+            break
+        inside, remaining = split_by(remaining, held)
+        tiles += [(key, part) for part in inside]
+    return tiles, remaining
 
 
 def union_volume(boxes: Sequence[Box]) -> int:

@@ -12,7 +12,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ._gc import paused_gc
 from .errors import LayoutError, PlanError
@@ -35,19 +35,24 @@ def write_json_atomic(path: str | os.PathLike, doc: Any) -> None:
         raise
 
 
-def _read_json(path: str | os.PathLike, error: type[Exception]) -> Any:
+def read_json(path: str | os.PathLike, error: type[Exception], missing: str = "no such file",
+              read_bytes: Callable[[Path], bytes] | None = None) -> Any:
+    """The JSON document in ``path``: the one reader that turns a missing or malformed file into ``error``.
+
+    The message names the file: ``"{path}: {missing}"`` or ``"{path}: not valid
+    JSON (…)"``. ``read_bytes`` reads from elsewhere (a remote dataset).
+    """
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(read_bytes(Path(path)) if read_bytes is not None else Path(path).read_bytes())
     except FileNotFoundError:
-        raise error(f"{path}: no such file") from None
-    except json.JSONDecodeError as e:
+        raise error(f"{path}: {missing}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise error(f"{path}: not valid JSON ({e})") from None
 
 
 def load_layout(path: str | os.PathLike) -> Layout:
     with paused_gc():  # a 1,024-device layout is millions of small JSON objects
-        return layout_from_dict(_read_json(path, LayoutError), source=str(path))
+        return layout_from_dict(read_json(path, LayoutError), source=str(path))
 
 
 def save_layout(layout: Layout, path: str | os.PathLike) -> None:
@@ -55,7 +60,7 @@ def save_layout(layout: Layout, path: str | os.PathLike) -> None:
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
-    return plan_from_dict(_read_json(path, PlanError), source=str(path))
+    return plan_from_dict(read_json(path, PlanError), source=str(path))
 
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:

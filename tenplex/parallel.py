@@ -134,16 +134,24 @@ class ParallelConfig:
         return f"dp={self.dp},tp={self.tp},pp={self.pp}{extra} on {len(self.devices)} devices / {len(self.hosts())} hosts"
 
 
-def parse_degrees(text: str) -> dict[str, int]:
-    """Parse ``"dp=2,tp=2,pp=2"`` (any order, missing degrees are 1)."""
+def parse_degrees(text: str, options: tuple[str, ...] = ()) -> dict[str, int]:
+    """Parse ``"dp=2,tp=2,pp=2"`` (any order, missing degrees are 1): the one parser of parallel specs.
+
+    ``options`` names further keys a caller accepts, such as ``("fsdp",)`` for
+    the reference GPT's ``fsdp=1``; their values are non-negative integers and
+    they appear in the result only when given.
+    """
     degrees = {"dp": 1, "tp": 1, "pp": 1}
+    given: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or key not in degrees or not value.isdigit() or int(value) < 1:
+        key, sep, value = (s.strip() for s in part.partition("="))
+        smallest = 1 if key in degrees else 0
+        if not sep or key not in (*degrees, *options) or not value.isdigit() or int(value) < smallest:
+            keys = ", ".join((*degrees, *options))
             raise ConfigError(f"cannot parse {part!r} in parallel spec {text!r}; expected e.g. 'dp=2,tp=2,pp=2' "
-                              f"with positive integers for dp, tp and pp")
-        degrees[key] = int(value)
-    return degrees
+                              f"with positive integers for dp, tp and pp (keys: {keys})")
+        given[key] = int(value)
+    return {**degrees, **given}
 
 
 @dataclass(frozen=True)

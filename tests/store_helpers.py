@@ -16,10 +16,11 @@ from pathlib import Path
 import numpy as np
 
 from tenplex.box import Box
-from tenplex.devices import host_of
+from tenplex.devices import device_id, host_of, make_devices
 from tenplex.dtypes import numpy_storage
 from tenplex.layout import Layout
-from tenplex.store import Store
+from tenplex.runtime.hosts import STORE_COMMAND, await_store, spawn_store
+from tenplex.store import Store, fill
 from tenplex.store.client import StoreClient
 
 
@@ -32,26 +33,19 @@ class StoreProcess:
         self.root, self.host = Path(root), host
         self.root.parent.mkdir(parents=True, exist_ok=True)
         self.port_file = self.root.parent / f".{host}.port"
-        self.port_file.unlink(missing_ok=True)
-        self.log = open(self.root.parent / f".{host}.log", "ab")
+        log = self.root.parent / f".{host}.log"
+        self.log = open(log, "ab")
         # full_cli: through the `tenplex` entry point; else the store-only module (what store hosts run)
-        entry = [str(Path(sys.executable).with_name("tenplex")), "store"] if full_cli else \
-            [sys.executable, "-m", "tenplex.cli.store"]
-        cmd = [*entry, "serve", "--root", str(root), "--host", host,
-               "--bind", bind, "--port", "0", "--port-file", str(self.port_file), *extra_args]
-        if token_file is not None:
-            cmd += ["--token-file", str(token_file)]
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=self.log, stderr=self.log)
-        deadline = time.monotonic() + 60
-        while not self.port_file.exists():
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"store server {host} exited with {self.proc.returncode}: "
-                                   f"{(self.root.parent / f'.{host}.log').read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"store server {host} did not start")
-            time.sleep(0.05)
-        self.port = int(self.port_file.read_text())
-        self.address = f"127.0.0.1:{self.port}"
+        command = (str(Path(sys.executable).with_name("tenplex")), "store") if full_cli else STORE_COMMAND
+        args = ["--bind", bind, *extra_args] + (["--token-file", str(token_file)] if token_file is not None else [])
+        self.proc = spawn_store(root, host, self.port_file, *args, stdout=self.log, env={**os.environ, **(env or {})},
+                                command=command)
+        try:
+            self.address = await_store(self.proc, host, self.port_file, time.monotonic() + 60, log)
+        except BaseException:
+            self.log.close()
+            raise
+        self.port = int(self.address.rsplit(":", 1)[1])
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -120,20 +114,8 @@ def random_globals(layout: Layout, seed: int = 0) -> dict[str, np.ndarray]:
 def write_version(roots: dict[str, Path], layout: Layout, version: int, arrays: dict[str, np.ndarray],
                   docs: dict[str, dict] | None = None) -> None:
     """Store ``layout``'s shards, cut from ``arrays``, as ``version`` on every host (direct local writes)."""
-    for host in layout.hosts():
-        store = Store(roots[host], host)
-        with store.begin(version) as w:
-            for device, shards in layout.devices.items():
-                if host_of(device) != host:
-                    continue
-                for shard in shards:
-                    spec = layout.tensors[shard.tensor]
-                    w.put(device, shard.tensor, shard.box, arrays[shard.tensor][shard.box.slices()], spec.dtype,
-                          shape=spec.shape)
-            for name, doc in (docs or {}).items():
-                w.put_json(name, doc)
-            w.put_layout(layout)
-            w.commit()
+    fill.write_version({h: Store(roots[h], h) for h in layout.hosts()}, layout, version,
+                       lambda tensor, box: arrays[tensor][box.slices()], docs)
 
 
 def assert_version_matches(roots: dict[str, Path], layout: Layout, version: int, arrays: dict[str, np.ndarray]) -> None:
@@ -165,7 +147,7 @@ def gpt_layout(dp: int, tp: int, pp: int, hosts: int, per_host: int, sharding: s
     from tenplex.parallel import ParallelConfig
     from tenplex.ptc import layout
 
-    names = host_names or [f"h{i}" for i in range(hosts)]
-    devices = tuple(f"{h}/{i}" for h in names for i in range(per_host))
+    devices = tuple(make_devices(hosts, per_host) if host_names is None else
+                    (device_id(h, i) for h in host_names for i in range(per_host)))
     model = gpt(layers, hidden, 4, vocab, dtype=dtype, optimizer="adam", optim_dtype="float32")
     return layout(model, ParallelConfig(dp, tp, pp, devices, sharding=sharding))

@@ -5,7 +5,7 @@ import itertools
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tenplex.box import Box, subtract_all, union_volume
+from tenplex.box import Box, subtract_all, tile, union_volume
 from tenplex.errors import BoxError
 
 SETTINGS = settings(max_examples=100, deadline=None)
@@ -66,6 +66,20 @@ def test_subtract_all_and_union_volume(args):
     assert sum(p.volume for p in rest) == len(cells(box) - covered)
     everything = [box, *others]
     assert union_volume(everything) == len(set().union(*map(cells, everything)))
+
+
+@SETTINGS
+@given(st.integers(1, 3).flatmap(lambda n: st.tuples(boxes(n), st.lists(boxes(n), max_size=4))))
+def test_tile_covers_each_point_once_from_the_first_candidate_holding_it(args):
+    box, held = args
+    tiles, rest = tile(box, enumerate(held))
+    for key, part in tiles:
+        assert not part.is_empty() and held[key].contains(part) and box.contains(part)
+    points = [p for _, part in tiles for p in cells(part)] + [p for part in rest for p in cells(part)]
+    assert sorted(points) == sorted(cells(box))  # tiles and rest partition the box: every point exactly once
+    for key, part in tiles:  # earlier candidates win: no earlier candidate holds any point of a later tile
+        assert all(not cells(part) & cells(held[k]) for k in range(key))
+    assert set().union(*map(cells, rest)) == cells(box) - set().union(set(), *map(cells, held))
 
 
 @SETTINGS

@@ -83,3 +83,19 @@ def test_bench_plan_prints_json_rows_with_baselines(capsys):
         assert row["inter_host_bytes"] == row["inter_host_lower_bound"] <= row["baseline"]["reload_bytes"]
         assert row["transfers"] > 0 and row["plan_seconds"] >= 0
     assert rows[0]["baseline"]["floor_cpu_seconds"] >= 0 and rows[0]["inter_host_bytes"] > 0
+
+
+def test_a_bug_keeps_its_traceback_while_user_errors_are_one_line(monkeypatch, capsys):
+    import tenplex.cli.plan as plan_cli
+    from tenplex.cli import user_error
+    from tenplex.errors import UsageError
+
+    def broken(path):
+        raise KeyError("internal bug")
+
+    monkeypatch.setattr(plan_cli, "load_layout", broken)
+    with pytest.raises(KeyError, match="internal bug"):
+        main(["plan", "old.json", "new.json"])
+    assert "error:" not in capsys.readouterr().err
+    assert user_error(UsageError("--steps must be at least 1")) and user_error(FileNotFoundError(2, "gone", "x.json"))
+    assert not user_error(ValueError("a bug's ValueError")) and not user_error(OSError("socket closed"))

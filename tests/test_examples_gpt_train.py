@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mp.launch import ROOT, StoreServers
+from tenplex.runtime.hosts import Hosts
 
-EXAMPLE = ROOT / "examples" / "01-gpt-train"
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "01-gpt-train"
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
@@ -24,15 +24,13 @@ def _train(nproc: int, parallel: str, steps: int, env: dict) -> str:
 
 
 def test_example_trains_saves_and_resumes_under_another_configuration(tmp_path):
-    servers = StoreServers({"job": {"h0": tmp_path / "h0"}})
-    try:
-        env = dict(os.environ, TENPLEX_STORE_ROOT=str(tmp_path / "h0"), TENPLEX_HOST="h0",
-                   TENPLEX_STORES=f"h0={servers.addresses['job']['h0']}", OMP_NUM_THREADS="1")
+    with Hosts(tmp_path) as stores:
+        stores.start("h0")
+        env = dict(os.environ, TENPLEX_STORE_ROOT=str(stores.root("h0")), TENPLEX_HOST="h0",
+                   TENPLEX_STORES=f"h0={stores.addresses['h0']}", OMP_NUM_THREADS="1")
         first = _train(2, "tp=2", 2, env)
         assert "fresh start" in first and "saved step 2 as version 1" in first
         second = _train(2, "pp=2", 4, env)
-    finally:
-        servers.close()
     # One host: each pipeline stage assembles its whole tensors from the two tp shards in the store files.
     assert "restored step 2 (transformed: False)" in second
     steps = [int(s) for s in re.findall(r"^step\s+(\d+)", second, flags=re.M)]

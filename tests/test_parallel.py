@@ -3,6 +3,7 @@
 import pytest
 
 from tenplex.errors import ConfigError
+from tenplex.devices import parse_host_addresses
 from tenplex.parallel import ParallelConfig, detect, parse_degrees
 
 
@@ -58,9 +59,19 @@ def test_coordinate_range_errors():
 
 def test_parse_degrees():
     assert parse_degrees("tp=4,dp=2") == {"dp": 2, "tp": 4, "pp": 1}
-    for bad in ("dp=0", "xp=2", "dp", "dp=two"):
+    assert parse_degrees(" tp = 2 , fsdp=0", options=("fsdp",)) == {"dp": 1, "tp": 2, "pp": 1, "fsdp": 0}
+    for bad in ("dp=0", "xp=2", "dp", "dp=two", "fsdp=1"):
         with pytest.raises(ConfigError, match="expected e.g."):
             parse_degrees(bad)
+
+
+def test_parse_host_addresses():
+    assert parse_host_addresses("h0=127.0.0.1:7000, h1=[::1]:7001") == {"h0": "127.0.0.1:7000", "h1": "[::1]:7001"}
+    assert parse_host_addresses("") == {}
+    for bad, why in (("h0", "has no '='"), ("=a:1", "lacks the host"), ("h0=", "lacks the address"),
+                     ("h0=a:1,h0=b:2", "twice")):
+        with pytest.raises(ConfigError, match=f"TENPLEX_STORES .*{why}"):
+            parse_host_addresses(bad, "TENPLEX_STORES")
 
 
 def test_detect_reads_torchrun_environment():

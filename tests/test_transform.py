@@ -95,7 +95,7 @@ def test_host_that_lost_its_old_version_is_refilled_from_replicas(cluster):
 
 
 def test_plan_for_other_layouts_or_missing_stores_fail_before_touching_hosts(cluster):
-    from tenplex.errors import TransformError
+    from tenplex.errors import ConfigError, TransformError
 
     old, new = gpt_layout(2, 2, 1, 2, 2), gpt_layout(1, 4, 1, 2, 2)
     other = gpt_layout(1, 2, 1, 1, 2, host_names=["h2"])
@@ -104,5 +104,6 @@ def test_plan_for_other_layouts_or_missing_stores_fail_before_touching_hosts(clu
         transform(plan(old, other), old, new, cluster.addresses, v, v + 1)
     with pytest.raises(TransformError, match="no store address for destination host\\(s\\) \\['h1'\\]") as info:
         transform(plan(old, new), old, new, {"h0": cluster.addresses["h0"]}, v, v + 1)
-    assert info.value.failures == {"h1": "no store address"}
+    assert set(info.value.failures) == {"h1"} and isinstance(info.value.failures["h1"], ConfigError)
+    assert "no store address for host h1" in str(info.value.failures["h1"]) and not info.value.retryable
     assert all(v + 1 not in Store(root, h).versions() for h, root in cluster.roots.items())

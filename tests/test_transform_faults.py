@@ -10,12 +10,14 @@ import subprocess
 import sys
 import textwrap
 
+import grpc
 import pytest
 
 from tenplex.errors import TransformError
 from tenplex.files import save_layout, save_plan
 from tenplex.planner import plan
 from tenplex.store import Store
+from tenplex.store.client import RemoteStoreError
 from tenplex.transform import transform
 
 from store_helpers import (Cluster, StoreProcess, assert_version_matches, gpt_layout, random_globals, tiny_layout,
@@ -66,8 +68,11 @@ def test_source_dies_without_replica_fails_cleanly(tmp_path):
         with pytest.raises(TransformError) as info:
             transform(plan(old, new), old, new, cluster.addresses, 1, 2, chunk_bytes=CHUNK)
         message = str(info.value)
-        assert "h1" in info.value.failures
-        assert "no surviving replica" in info.value.failures["h1"] and "UNAVAILABLE" in info.value.failures["h1"]
+        cause = info.value.failures["h1"]
+        assert "no surviving replica" in str(cause) and "UNAVAILABLE" in str(cause)
+        # The cause is typed and chained; a region whose only copy is gone cannot come back by waiting.
+        assert isinstance(cause, RemoteStoreError) and cause.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert info.value.__cause__ in info.value.failures.values() and not info.value.retryable
         assert "version 1 is unchanged" in message
         assert Store(cluster.roots["h1"], "h1").versions() == []
         assert list((cluster.roots["h1"] / "staging").iterdir()) == [], "the failed host's staging was not aborted"
@@ -109,7 +114,9 @@ def test_destination_crash_between_prepare_and_commit(tmp_path):
         the_plan = plan(old, new)
         with pytest.raises(TransformError) as info:
             transform(the_plan, old, new, cluster.addresses, 1, 2, before_commit=cluster.procs["h1"].kill)
-        assert "commit phase" in str(info.value) and "UNAVAILABLE" in info.value.failures["h1"]
+        cause = info.value.failures["h1"]
+        assert "commit phase" in str(info.value) and "UNAVAILABLE" in str(cause)
+        assert isinstance(cause, RemoteStoreError) and info.value.retryable  # a store that may come back
         # h0 may have committed before h1 was found dead: it was rolled back
         assert Store(cluster.roots["h0"], "h0").versions() == [1]
         assert Store(cluster.roots["h1"], "h1").versions() == [1]
@@ -168,7 +175,7 @@ def test_full_or_read_only_destination_aborts_everywhere(tmp_path, fault):
                 subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
             with pytest.raises(TransformError) as info:
                 transform(plan(old, new), old, new, cluster.addresses, 1, 2)
-            cause = info.value.failures["h1"]
+            cause = str(info.value.failures["h1"])
             if fault == "disk full":
                 assert "RESOURCE_EXHAUSTED" in cause and "No space left" in cause
                 assert list((mount / "staging").iterdir()) == []

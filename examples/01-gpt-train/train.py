@@ -12,14 +12,11 @@ step 20. See README.md in this folder for the multi-host form (store processes).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tenplex  # noqa: E402
-from gpt import GPTConfig, Parallel, Trainer  # noqa: E402
+import tenplex
+from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
 
 def main() -> None:

@@ -59,8 +59,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     model = gpt(args.layers, args.hidden, args.heads, args.vocab, optimizer="adam")
 
     def make(dp, tp, pp, hosts, per_host):
-        devices = tuple(f"h{h}/{i}" for h in range(hosts) for i in range(per_host))
-        return layout(model, ParallelConfig(dp, tp, pp, devices))
+        return layout(model, ParallelConfig.on_hosts(dp, tp, pp, hosts, per_host))
 
     old = make(*BASE[1:])
     state_bytes = old.total_bytes()
@@ -118,18 +117,9 @@ def _default_dir(needed: int) -> Path | None:
 
 def _write_base(tmp: Path, old) -> None:
     """Version 1 on every old host; a (tensor, box) gets the same random values on every replica."""
-    from ..devices import host_of
-    from ..store import Store
+    from ..store import Store, fill
 
-    for host in old.hosts():
-        with Store(tmp / host, host).begin(1) as w:
-            for device, shards in sorted(old.devices.items()):
-                if host_of(device) != host:
-                    continue
-                for shard in shards:
-                    spec = old.tensors[shard.tensor]
-                    seed = zlib.crc32(f"{shard.tensor}{shard.box}".encode())
-                    values = np.random.default_rng(seed).random(shard.box.lengths, dtype=np.float32)
-                    w.put(device, shard.tensor, shard.box, values, spec.dtype, shape=spec.shape)
-            w.put_json("step", {"step": 1000})
-            w.commit()
+    def values(tensor, box):
+        return np.random.default_rng(zlib.crc32(f"{tensor}{box}".encode())).random(box.lengths, dtype=np.float32)
+
+    fill.write_version({h: Store(tmp / h, h) for h in old.hosts()}, old, 1, values, {"step": {"step": 1000}})

@@ -1,7 +1,7 @@
 """``tenplex bench restore``: save and restore the reference GPT's state across a configuration change, vs DCP.
 
-May import: every tenplex layer, torch and the standard library. Needs a
-source checkout (the reference model lives in ``examples/01-gpt-train``).
+May import: every tenplex layer, torch and the standard library. The model
+is the reference GPT, :mod:`tenplex.models.gpt`.
 
 One run, two ranks (gloo, CPU), one ``tenplex store serve`` process per host:
 
@@ -42,11 +42,11 @@ import time
 from functools import partial
 from pathlib import Path
 
+from ..errors import UsageError
 from ..runtime.hosts import Hosts
-from ..runtime.launch import run_job
+from ..runtime.launch import run_spec_job
 
 DESCRIPTION = "save + restore of the reference GPT's state (>= 1 GB) across a config change, vs torch DCP"
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-gpt-train"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,10 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    if not (EXAMPLE / "gpt.py").is_file():
-        raise FileNotFoundError(f"{EXAMPLE}/gpt.py not found: run the benchmark from a source checkout of tenplex")
     if args.new_hosts not in (1, 2):
-        raise ValueError(f"--new-hosts must be 1 or 2 (the benchmark has 2 ranks), got {args.new_hosts}")
+        raise UsageError(f"--new-hosts must be 1 or 2 (the benchmark has 2 ranks), got {args.new_hosts}")
     work = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.tmpfs))
     disk = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.disk))
     hosts = [f"h{i}" for i in range(args.new_hosts)]
@@ -79,10 +77,9 @@ def run(args: argparse.Namespace) -> dict:
                     "old": args.old, "new": args.new, "roots": {h: str(stores.root(h)) for h in hosts},
                     "stores": dict(stores.addresses), "dcp_tmpfs": str(work / "dcp"), "dcp_disk": str(disk / "dcp"),
                     "result": str(work / "result.json")}
-            (work / "spec.json").write_text(json.dumps(spec))
             # Both ranks launch on h0; each worker takes its store root and host from the spec.
-            run_job([sys.executable, "-m", "tenplex.bench.restore", str(work / "spec.json")], ["h0/0", "h0/1"],
-                    {"h0": stores.root("h0")}, dict(stores.addresses), work / "logs")
+            run_spec_job([sys.executable, "-m", "tenplex.bench.restore"], spec, work / "spec.json", ["h0/0", "h0/1"],
+                         {"h0": stores.root("h0")}, dict(stores.addresses), work / "logs")
         return json.loads((work / "result.json").read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -93,9 +90,8 @@ def run(args: argparse.Namespace) -> dict:
 def _worker(spec_path: str) -> None:
     import torch.distributed as dist
 
-    sys.path.insert(0, str(EXAMPLE))
     import tenplex
-    from gpt import GPTConfig, Parallel, Trainer
+    from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
     spec = json.loads(Path(spec_path).read_text())
     dist.init_process_group("gloo")

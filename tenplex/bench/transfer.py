@@ -16,6 +16,11 @@ Numbers from the same run and machine:
   Runs alternate with the data-plane runs so both see the same machine load.
 * ``raw_socket_gbps``: the same number of bytes through one plain TCP socket
   between two processes (sendall / recv_into a preallocated, touched buffer).
+* ``raw_socket_file_gbps``: the physical limit of the same work. A plain TCP
+  sender ``sendfile``s a source file of the same size (on the stores'
+  filesystem) into one socket; the receiver writes what arrives into a fresh
+  file on that filesystem and fsyncs it, as a store's new shard is written.
+  ``tenplex_vs_file_ratio`` is ``tenplex_gbps`` over it (medians).
 * ``memcpy_gbps``: ``numpy.copyto`` of the same number of bytes in one process.
 * ``*_best_gbps``: the best of the ``--repeat`` runs (machines shared with other
   work are noisy; compare best with best and median with median).
@@ -41,6 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..runtime.hosts import await_store, spawn_store
 from ..store.wire import DEFAULT_CHUNK_BYTES
 
 DESCRIPTION = "throughput of moving one large region between two store processes vs raw TCP and memcpy"
@@ -86,7 +92,7 @@ def run(args: argparse.Namespace) -> dict:
                 servers[name] = _start_server(tmp, host, *extra)
             addresses = {name: address for name, (_, address) in servers.items()}
             path = _path_of(addresses["h0"])
-            times: dict[str, list[float]] = {k: [] for k in ("tenplex", "grpc", "pull", "grpc_pull", "raw")}
+            times: dict[str, list[float]] = {k: [] for k in ("tenplex", "grpc", "pull", "grpc_pull", "raw", "file")}
             version = 2
             for _ in range(args.repeat):
                 for key, source in (("tenplex", "h0"), ("grpc", "h0-grpc")):
@@ -98,6 +104,7 @@ def run(args: argparse.Namespace) -> dict:
                 times["pull"].append(_pull_seconds(addresses["h0"], shape, args.streams, args.chunk_bytes))
                 times["grpc_pull"].append(_pull_seconds(addresses["h0-grpc"], shape, args.streams, args.chunk_bytes))
                 times["raw"].append(_socket_seconds(nbytes))
+                times["file"].append(socket_file_seconds(tmp, nbytes))
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
@@ -112,6 +119,8 @@ def run(args: argparse.Namespace) -> dict:
 
     gbps = {"tenplex_gbps": median("tenplex"), "grpc_gbps": median("grpc"), "raw_socket_gbps": median("raw"),
             "memcpy_gbps": nbytes / _memcpy_seconds(nbytes) / 1e9,
+            "raw_socket_file_gbps": median("file"), "tenplex_vs_file_ratio": median("tenplex") / median("file"),
+            "raw_socket_file_best_gbps": best("file"),
             "tenplex_vs_raw": median("tenplex") / median("raw"), "grpc_vs_raw": median("grpc") / median("raw"),
             "tenplex_best_gbps": best("tenplex"), "grpc_best_gbps": best("grpc"), "raw_socket_best_gbps": best("raw"),
             "tenplex_best_vs_raw_best": best("tenplex") / best("raw"),
@@ -177,17 +186,8 @@ def _fresh_file_seconds(tmp: Path, nbytes: int) -> float:
 
 def _start_server(tmp: Path, host: str, *extra: str) -> tuple[subprocess.Popen, str]:
     port_file = tmp / f"{host}{''.join(extra)}.port"
-    proc = subprocess.Popen([sys.executable, "-m", "tenplex.cli.store", "serve", "--root", str(tmp / host),
-                             "--host", host, "--port", "0", "--port-file", str(port_file), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60
-    while not port_file.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"store server {host} did not start (exit {proc.returncode})")
-        time.sleep(0.05)
-    return proc, f"127.0.0.1:{int(port_file.read_text())}"
+    proc = spawn_store(tmp / host, host, port_file, *extra)
+    return proc, await_store(proc, host, port_file, time.monotonic() + 60)
 
 
 _SENDER = """
@@ -224,6 +224,51 @@ def _socket_seconds(nbytes: int) -> float:
     conn.close()
     listener.close()
     sender.wait()
+    return seconds * nbytes / max(1, nbytes - first)
+
+
+_FILE_SENDER = """
+import os, socket, sys
+path, port = sys.argv[1], int(sys.argv[2])
+with open(path, "rb") as f, socket.create_connection(("127.0.0.1", port)) as s:
+    size, offset = os.fstat(f.fileno()).st_size, 0
+    while offset < size:
+        offset += s.sendfile(f, offset, size - offset)
+"""
+
+
+def socket_file_seconds(directory: Path, nbytes: int) -> float:
+    """Wall time of nbytes from a file, through one TCP socket between two processes (``sendfile``), into a
+    fresh file in ``directory`` that is fsynced: the raw work of one shard crossing hosts into a new version."""
+    source, dest = directory / "socket-file-src.bin", directory / "socket-file-dst.bin"
+    block = np.full(8 << 20, 7, dtype=np.uint8)
+    with open(source, "wb") as f:
+        for start in range(0, nbytes, block.nbytes):
+            f.write(memoryview(block)[:min(block.nbytes, nbytes - start)])
+    buffer = bytearray(4 << 20)
+    view = memoryview(buffer)
+    listener = socket.create_server(("127.0.0.1", 0))
+    sender = subprocess.Popen([sys.executable, "-c", _FILE_SENDER, str(source), str(listener.getsockname()[1])])
+    try:
+        conn, _ = listener.accept()
+        with conn, open(dest, "wb", buffering=0) as out:
+            got = conn.recv_into(view)
+            first = got
+            start = time.perf_counter()  # from the first bytes, so process start-up is not measured
+            out.write(view[:got])
+            while got < nbytes:
+                n = conn.recv_into(view)
+                if n == 0:
+                    raise RuntimeError(f"socket-to-file sender stopped after {got} of {nbytes} bytes")
+                out.write(view[:n])
+                got += n
+            os.fsync(out.fileno())
+            seconds = time.perf_counter() - start
+    finally:
+        listener.close()
+        sender.wait()
+        source.unlink(missing_ok=True)
+        dest.unlink(missing_ok=True)
     return seconds * nbytes / max(1, nbytes - first)
 
 

@@ -3,14 +3,23 @@
 May import: every tenplex layer (this is the top of the stack). Each
 subcommand lives in its own module ``tenplex.cli.<name>`` exposing
 ``register(subparsers)``; the registered handler takes the parsed arguments
-and returns an exit code. Errors that are the user's to fix print one line
-and exit non-zero, never a traceback.
+and returns an exit code.
+
+Errors. What the user must fix prints one line and exits with 2, never a
+traceback: argument errors (argparse), every :class:`~tenplex.errors.TenplexError`
+(a handler raises :class:`~tenplex.errors.UsageError` for a bad option), and
+an ``OSError`` that names a file (missing, not permitted, disk full). Anything
+else is a bug and shows its traceback. ``TENPLEX_LOG=debug`` (or ``info``)
+sends the library's diagnostics (``logging``) to stderr; without it only
+warnings and errors reach stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import os
 import sys
 
 from ..errors import TenplexError
@@ -29,12 +38,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def user_error(error: BaseException) -> bool:
+    """Whether ``error`` is the user's to fix (one line) rather than a bug (traceback)."""
+    return isinstance(error, TenplexError) or (isinstance(error, OSError) and error.filename is not None)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if os.environ.get("TENPLEX_LOG"):  # otherwise warnings reach stderr through logging's last-resort handler
+        level = getattr(logging, os.environ["TENPLEX_LOG"].upper(), logging.INFO)
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.handler(args) or 0)
-    except (TenplexError, ValueError, OSError) as e:
+    except Exception as e:
+        if not user_error(e):
+            raise
         print(f"tenplex {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

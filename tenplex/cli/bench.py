@@ -2,8 +2,9 @@
 
 Each benchmark is a module ``tenplex.bench.<name>`` exposing ``DESCRIPTION``,
 ``add_arguments(parser)`` and ``run(args) -> dict | list[dict]``. Without
-``--json`` the result is printed as indented JSON; with it, compactly on one
-line per object (a list prints one object per line).
+``--json`` the result is printed as indented JSON, or by the module's
+``table(objects) -> str`` when it has one; with it, compactly on one line per
+object (a list prints one object per line).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib
 import json
 
 # Benchmark modules under tenplex.bench.
-BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "plan", "transfer", "reconfig")
+BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "plan", "transfer", "reconfig", "compare", "simulate")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,6 +32,9 @@ def _runner(module):
     def handle(args: argparse.Namespace) -> int:
         result = module.run(args)
         objects = result if isinstance(result, list) else [result]
+        if not args.json and hasattr(module, "table"):
+            print(module.table(objects))
+            return 0
         for obj in objects:
             print(json.dumps(obj) if args.json else json.dumps(obj, indent=2))
         return 0

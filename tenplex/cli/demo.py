@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..errors import UsageError
 from ..runtime.demo import DemoConfig, degrees, run, world_of
 from .units import human_bytes
 
@@ -42,18 +43,18 @@ def register(subparsers) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.steps < 1:
-        raise ValueError("--steps must be at least 1")
+        raise UsageError("--steps must be at least 1")
     cfg = DemoConfig(steps=args.steps, parallel_from=args.parallel_from, parallel_to=args.parallel_to,
                      hosts_from=args.hosts_from, hosts_to=args.hosts_to, global_batch=args.global_batch,
                      fuse=args.fuse)
     for flag, parallel, hosts in (("--from", cfg.parallel_from, cfg.hosts_from),
                                   ("--to", cfg.parallel_to, cfg.hosts_to)):
         if not 1 <= hosts <= world_of(parallel):
-            raise ValueError(f"{flag} {parallel} has {world_of(parallel)} ranks, which cannot fill {hosts} hosts")
+            raise UsageError(f"{flag} {parallel} has {world_of(parallel)} ranks, which cannot fill {hosts} hosts")
         dp = degrees(parallel)["dp"]
         if cfg.global_batch < 1 or cfg.global_batch % (2 * dp):
             # The example splits each dp rank's share into 2 pipeline micro-batches of equal size.
-            raise ValueError(f"{flag} {parallel}: dp={dp} x 2 micro-batches does not divide the global batch "
+            raise UsageError(f"{flag} {parallel}: dp={dp} x 2 micro-batches does not divide the global batch "
                              f"{cfg.global_batch}; choose --global-batch as a multiple of {2 * dp}")
     out = sys.stderr if args.json else sys.stdout
 
@@ -61,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
         print(line, file=out, flush=True)
 
     if args.workdir and args.workdir.exists() and any(args.workdir.iterdir()):
-        raise ValueError(f"--workdir {args.workdir} is not empty; give a new or empty directory")
+        raise UsageError(f"--workdir {args.workdir} is not empty; give a new or empty directory")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tenplex-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()

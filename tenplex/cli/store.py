@@ -18,6 +18,8 @@ import sys
 import threading
 from pathlib import Path
 
+from ..errors import UsageError
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("store", help="run or query a host's tensor store")
@@ -76,7 +78,7 @@ def _token(args) -> str | None:
         return None
     token = args.token_file.read_text().strip()
     if not token:
-        raise ValueError(f"token file {args.token_file} is empty")
+        raise UsageError(f"token file {args.token_file} is empty")
     return token
 
 
@@ -132,15 +134,11 @@ def _gc(args) -> int:
 def _transform(args) -> int:
     from tqdm import tqdm
 
+    from ..devices import parse_host_addresses
     from ..files import load_layout, load_plan
     from ..transform import transform
 
-    items = [item for item in args.stores.split(",") if item]
-    malformed = [item for item in items if "=" not in item]
-    if malformed:
-        raise ValueError(f"--stores takes comma-separated HOST=ADDRESS pairs (e.g. h0=127.0.0.1:7000); "
-                         f"{malformed[0]!r} has no '='")
-    stores = dict(item.split("=", 1) for item in items)
+    stores = parse_host_addresses(args.stores, "--stores")
     plan, old, new = load_plan(args.plan), load_layout(args.old_layout), load_layout(args.new_layout)
     bars: dict[str, tqdm] = {}
     lock = threading.Lock()
@@ -166,14 +164,16 @@ def _transform(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m tenplex.cli.store ACTION …``: the same as ``tenplex store ACTION …`` without loading the
     other subcommands (a store host needs only this one)."""
-    from ..errors import TenplexError
+    from . import user_error
 
     parser = argparse.ArgumentParser(prog="tenplex")
     register(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["store", *(sys.argv[1:] if argv is None else argv)])
     try:
         return int(args.handler(args) or 0)
-    except (TenplexError, ValueError, OSError) as e:
+    except Exception as e:
+        if not user_error(e):  # the same policy as `tenplex`: a bug shows its traceback
+            raise
         print(f"tenplex store: error: {e}", file=sys.stderr)
         return 2
 

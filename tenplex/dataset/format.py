@@ -1,6 +1,6 @@
 """The on-disk record format of a tenplex dataset, and its validated reader.
 
-May import: numpy, the standard library and ``tenplex.errors``.
+May import: numpy, the standard library, ``tenplex.errors`` and ``tenplex.files`` (reading JSON).
 
 A dataset is a directory::
 
@@ -37,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import TenplexError
+from ..files import read_json
 
 FORMAT = "tenplex.dataset/1"
 METADATA_NAME = "dataset.json"
@@ -115,13 +116,8 @@ def _local_size(path: Path) -> int:
 
 def _load_metadata(root: Path, read_bytes: Callable[[Path], bytes]) -> dict[str, Any]:
     path = root / METADATA_NAME
-    try:
-        meta = json.loads(read_bytes(path))
-    except FileNotFoundError:
-        raise DatasetError(f"{path}: not a tenplex dataset (no {METADATA_NAME}); "
-                           "build one with `tenplex data pack`") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DatasetError(f"{path}: not valid JSON ({e})") from None
+    meta = read_json(path, DatasetError, read_bytes=read_bytes,
+                     missing=f"not a tenplex dataset (no {METADATA_NAME}); build one with `tenplex data pack`")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise DatasetError(f"{path}: format is {meta.get('format') if isinstance(meta, dict) else None!r}, "
                            f"expected {FORMAT!r}")

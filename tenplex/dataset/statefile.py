@@ -6,11 +6,10 @@ May import: ``tenplex.dataset`` (format, state), ``tenplex.files`` and the stand
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from ..files import write_json_atomic
+from ..files import read_json, write_json_atomic
 from .format import DatasetError, DatasetInfo
 from .state import DatasetState, StateError
 
@@ -40,12 +39,7 @@ def write_state_file(path: str | os.PathLike, state: DatasetState, dp: int) -> N
 def load_state_file(path: str | os.PathLike, info: DatasetInfo) -> tuple[DatasetState, int]:
     """The state and dp degree in ``path``, checked against the dataset ``info`` (StateError if not)."""
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise StateError(f"{path}: state file is missing; create it with `tenplex data state`") from None
-    except json.JSONDecodeError as e:
-        raise StateError(f"{path}: not valid JSON ({e})") from None
+    doc = read_json(path, StateError, missing="state file is missing; create it with `tenplex data state`")
     state = DatasetState.from_dict(doc, source=str(path))
     dp = doc.get("dp")
     if not isinstance(dp, int) or isinstance(dp, bool) or dp <= 0:

@@ -38,10 +38,10 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 
-from ..devices import host_of
+from ..devices import host_of, parse_host_addresses
 from ..errors import ConfigError
 from ..layout import Layout, Shard, TensorSpec, from_dict as layout_from_dict
-from ..box import Box
+from ..box import Box, tile
 from ..store import LAYOUT_DOC, Store
 from .annotate import Annotations
 from .exchange import agree, all_gather_json, broadcast_json
@@ -97,7 +97,8 @@ class Checkpointer:
         if host_of(self.device) != self.host:
             raise ConfigError(f"device {self.device} is not on host {self.host}; device ids are HOST/INDEX")
         self.store = Store(root, self.host)
-        self.stores = dict(stores) if stores is not None else _parse_stores(env.get("TENPLEX_STORES", ""))
+        self.stores = (dict(stores) if stores is not None
+                       else parse_host_addresses(env.get("TENPLEX_STORES", ""), "TENPLEX_STORES"))
         self.coords = dict(coords) if coords is not None else None
         self.keep = keep
         self.group = group
@@ -286,14 +287,6 @@ class Checkpointer:
 
 
 # ---------------------------------------------------------------- helpers
-def _parse_stores(text: str) -> dict[str, str]:
-    stores = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        host, sep, address = item.partition("=")
-        if not sep or not host or not address:
-            raise ConfigError(f"TENPLEX_STORES entry {item!r} is not HOST=ADDRESS, e.g. h0=127.0.0.1:7070")
-        stores[host] = address
-    return stores
 
 
 def _global_rank(group_rank: int, group) -> int:
@@ -401,19 +394,7 @@ def _local_sources(old: Layout, new: Layout) -> dict[str, dict[tuple[str, Box], 
         for shard in shards:
             # The device's own old shards first: after a same-configuration restart nothing is shared.
             candidates = sorted(by_host.get((host_of(device), shard.tensor), []), key=lambda c: c[1] != device)
-            remaining, tiles = [shard.box], []
-            for box, src in candidates:
-                if not remaining:
-                    break
-                left = []
-                for piece in remaining:
-                    common = piece.intersect(box)
-                    if common is None:
-                        left.append(piece)
-                        continue
-                    tiles.append((src, common))
-                    left += piece.subtract(common)
-                remaining = left
+            tiles, remaining = tile(shard.box, ((src, box) for box, src in candidates))
             if remaining:
                 return None
             sources.setdefault(device, {})[(shard.tensor, shard.box)] = tiles

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import TenplexError
+from ..errors import PermanentError
 
 
-class StateMismatchError(TenplexError, ValueError):
+class StateMismatchError(PermanentError, ValueError):
     """The restored model, optimizer or other state does not match what was saved."""
 
 

@@ -18,7 +18,7 @@ Where the box comes from:
 * any other plain tensor: the whole tensor, a replica (data parallelism, or
   a pipeline stage that owns the parameter under its global name).
 
-Tensor names: a parameter or buffer keeps its state-dict name (``layers.0.attn.wq.weight``);
+Tensor names: a parameter or buffer keeps its state-dict name (``layers.0.attn.qkv.weight``);
 its optimizer states are ``optim.exp_avg.NAME``, ``optim.exp_avg_sq.NAME`` and so
 on (``optim.exp_avg.NAME``: :func:`tenplex.gpt.optimizer_state_name`, the same names as the PTC core's rules). Scalar optimizer states such as Adam's
 ``step`` are not tensors of the collection; they travel as JSON

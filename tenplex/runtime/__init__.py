@@ -2,7 +2,7 @@
 
 May import: the standard library and ``tenplex`` layers below the CLI. ``hosts`` and
 ``launch`` only start processes (no torch); ``demo_worker`` is the training job the
-processes run and imports torch and the example GPT; ``demo`` orchestrates the
+processes run and imports torch and the reference GPT (``tenplex.models``); ``demo`` orchestrates the
 ``tenplex demo`` scenario and checks its results from the workers' JSON and
 safetensors files (nothing crosses a process boundary as a pickle).
 """

@@ -35,10 +35,11 @@ import numpy as np
 
 from ..dataset import DatasetState, pack, write_state_file
 from ..errors import TenplexError
+from ..models.config import GPTConfig, Parallel
 from .hosts import Hosts
-from .launch import place, run_job
+from .launch import place, run_spec_job
 
-SEQ, VOCAB = 8, 37  # the example GPT's defaults (examples/01-gpt-train/gpt.py, GPTConfig)
+SEQ, VOCAB = GPTConfig().seq, GPTConfig().vocab  # the workers train the reference GPT's defaults
 CLI = "import sys; from tenplex.cli import main; sys.exit(main())"
 LOSS_RTOL = 1e-4   # elastic vs reference: different reduction orders, compounded over the steps by AdamW
 
@@ -56,14 +57,13 @@ class DemoConfig:
 
 
 def degrees(parallel: str) -> dict[str, int]:
-    """``"tp=2,dp=2"`` -> {"dp": 2, "tp": 2, "pp": 1} (other keys, such as fsdp, are the worker's business)."""
-    given = {k.strip(): int(v) for k, _, v in (item.partition("=") for item in parallel.split(",") if item)}
-    return {k: given.get(k, 1) for k in ("dp", "tp", "pp")}
+    """``"tp=2,dp=2"`` -> {"dp": 2, "tp": 2, "pp": 1}, parsed as the workers parse it (ConfigError if malformed)."""
+    par = Parallel.parse(parallel)
+    return {"dp": par.dp, "tp": par.tp, "pp": par.pp}
 
 
 def world_of(parallel: str) -> int:
-    d = degrees(parallel)
-    return d["dp"] * d["tp"] * d["pp"]
+    return Parallel.parse(parallel).world
 
 
 class DemoError(TenplexError, RuntimeError):
@@ -150,7 +150,6 @@ def _phase(workdir: Path, name: str, spec: dict, devices: list[str], hosts: Host
     out = workdir / name
     out.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "phase": name, "out": str(out)}
-    (out / "spec.json").write_text(json.dumps(spec))
     progress, shown = out / "progress.jsonl", [0]
 
     def poll() -> None:
@@ -167,8 +166,8 @@ def _phase(workdir: Path, name: str, spec: dict, devices: list[str], hosts: Host
                     say(f"  [{label}] step {p['step']:3d}/{spec['until']}  loss {p['loss']:.6f}")
                 shown[0] += 1
 
-    run_job([sys.executable, "-m", "tenplex.runtime.demo_worker", str(out / "spec.json")], devices,
-            {h: hosts.root(h) for h in hosts.addresses}, dict(hosts.addresses), out / "logs", poll=poll)
+    run_spec_job([sys.executable, "-m", "tenplex.runtime.demo_worker"], spec, out / "spec.json", devices,
+                 {h: hosts.root(h) for h in hosts.addresses}, dict(hosts.addresses), out / "logs", poll=poll)
 
 
 def _ranks(out: Path) -> list[dict]:

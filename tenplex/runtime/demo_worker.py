@@ -1,7 +1,7 @@
-"""One rank of the ``tenplex demo`` job: train the example GPT on a packed dataset, save or restore with tenplex.
+"""One rank of the ``tenplex demo`` job: train the reference GPT on a packed dataset, save or restore with tenplex.
 
-May import: torch, safetensors, ``tenplex`` (save/restore, dataset) and the example
-model ``examples/01-gpt-train/gpt.py`` of this checkout.
+May import: torch, safetensors, ``tenplex`` (save/restore, dataset) and the reference
+model :mod:`tenplex.models.gpt`.
 
 Usage: ``python -m tenplex.runtime.demo_worker SPEC.json`` with the environment
 that :func:`tenplex.runtime.launch.run_job` sets. The spec says the parallel
@@ -34,28 +34,17 @@ from safetensors.torch import save_file
 import tenplex
 from tenplex.dataset import DatasetState
 from tenplex.dataset.torch_data import RankBatchSampler, RankDataset
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-gpt-train"
-
-
-def _example():
-    if not (EXAMPLE / "gpt.py").is_file():
-        raise FileNotFoundError(f"{EXAMPLE / 'gpt.py'} not found: the demo trains the example GPT of a tenplex "
-                                "checkout; install tenplex from a checkout (pip install -e .)")
-    sys.path.insert(0, str(EXAMPLE))
-    import gpt  # noqa: PLC0415 -- found only once the example folder is on the path
-    return gpt
+from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(spec["out"])
-    gpt = _example()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    par = gpt.Parallel.parse(spec["parallel"])
+    par = Parallel.parse(spec["parallel"])
     # A fresh job and a restarted one start from different weights: only a correct restore makes them equal.
-    trainer = gpt.Trainer(gpt.GPTConfig(), par, spec["global_batch"], seed=spec["init_seed"])
+    trainer = Trainer(GPTConfig(), par, spec["global_batch"], seed=spec["init_seed"])
     ckpt = tenplex.Checkpointer(coords=trainer.coords)
     extra: dict = {}
     step = tenplex.restore(trainer.model, trainer.optimizer, scheduler=trainer.scheduler, extra=extra,

@@ -21,6 +21,41 @@ class HostError(TenplexError, RuntimeError):
     """A store process did not start (the message holds the end of its log)."""
 
 
+STORE_COMMAND = (sys.executable, "-m", "tenplex.cli.store")  # the store-only CLI module: what store hosts run
+
+
+def spawn_store(root: str | os.PathLike, host: str, port_file: Path, *args: str, stdout=subprocess.DEVNULL,
+                env: dict[str, str] | None = None, command: tuple[str, ...] = STORE_COMMAND) -> subprocess.Popen:
+    """Start ``tenplex store serve`` for ``host`` on a free port (``--port 0``), reporting it in ``port_file``.
+
+    ``args`` go to ``serve`` after the defaults (``--bind``, ``--token-file``, …);
+    :func:`await_store` waits until it serves. Start several, then wait for them:
+    they come up in parallel.
+    """
+    port_file.unlink(missing_ok=True)
+    return subprocess.Popen([*command, "serve", "--root", str(root), "--host", host, "--port", "0",
+                             "--port-file", str(port_file), *args], stdout=stdout, stderr=subprocess.STDOUT, env=env)
+
+
+def await_store(proc: subprocess.Popen, host: str, port_file: Path, deadline: float,
+                log: Path | None = None) -> str:
+    """The loopback address of a store started by :func:`spawn_store`, once its port file is written.
+
+    Raises HostError, with the end of ``log``, when the process exits or
+    ``deadline`` (``time.monotonic()``) passes; the process is then killed.
+    """
+    while not (port_file.exists() and port_file.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            why = f"exited with {proc.returncode}" if proc.poll() is not None else "did not start in time"
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            tail = log.read_text(errors="replace")[-2000:] if log is not None and log.exists() else ""
+            raise HostError(f"store process of host {host} {why}: {tail}")
+        time.sleep(0.05)
+    return f"127.0.0.1:{int(port_file.read_text())}"
+
+
 class Hosts:
     """Store processes of the simulated hosts under ``base``; use as a context manager."""
 
@@ -41,23 +76,12 @@ class Hosts:
                 continue
             self.root(host).mkdir(parents=True, exist_ok=True)
             port_file, log = self.base / f".{host}.port", self.base / f".{host}.log"
-            port_file.unlink(missing_ok=True)
             with open(log, "ab") as out:
-                self._procs[host] = subprocess.Popen(
-                    [sys.executable, "-m", "tenplex.cli.store", "serve", "--root", str(self.root(host)),
-                     "--host", host, "--port", "0", "--port-file", str(port_file)],
-                    stdout=out, stderr=subprocess.STDOUT)
+                self._procs[host] = spawn_store(self.root(host), host, port_file, stdout=out)
             pending.append((host, port_file, log))
         deadline = time.monotonic() + self.start_timeout
         for host, port_file, log in pending:
-            proc = self._procs[host]
-            while not (port_file.exists() and port_file.read_text().strip()):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    why = f"exited with {proc.returncode}" if proc.poll() is not None else \
-                        f"did not start within {self.start_timeout:.0f} s"
-                    raise HostError(f"store process of host {host} {why}: {log.read_text()[-2000:]}")
-                time.sleep(0.05)
-            self.addresses[host] = f"127.0.0.1:{int(port_file.read_text())}"
+            self.addresses[host] = await_store(self._procs[host], host, port_file, deadline, log)
 
     def stop(self) -> None:
         """Terminate every store process (SIGKILL after 10 s)."""

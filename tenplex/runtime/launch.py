@@ -11,6 +11,7 @@ and TENPLEX_STORES (every host's store address). Workers report through files
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..errors import TenplexError
+from ..errors import ConfigError, TenplexError
 
 
 class JobError(TenplexError, RuntimeError):
@@ -38,7 +39,7 @@ def place(world: int, hosts: int) -> list[str]:
     (tensor-parallel groups share a host) and counts differ by at most one.
     """
     if not 1 <= hosts <= world:
-        raise ValueError(f"cannot spread {world} ranks over {hosts} hosts: use 1..{world} hosts")
+        raise ConfigError(f"cannot spread {world} ranks over {hosts} hosts: use 1..{world} hosts")
     devices, used = [], {}
     for rank in range(world):
         host = f"h{rank * hosts // world}"
@@ -94,3 +95,12 @@ def run_job(argv: Sequence[str], devices: Sequence[str], roots: dict[str, Path],
                          f"{logs[r].read_text()[-3000:]}" for r in failed[:2])
         why = f"the job did not finish within {timeout:.0f} s" if timed_out else f"{len(failed)} of {world} ranks failed"
         raise JobError(f"{why} (logs in {logdir}):\n{text}")
+
+
+def run_spec_job(argv: Sequence[str], spec: dict, spec_path: Path, devices: Sequence[str], roots: dict[str, Path],
+                 stores: dict[str, str], logdir: Path, timeout: float = 600,
+                 poll: Callable[[], None] | None = None) -> None:
+    """Write ``spec`` as JSON to ``spec_path``, then :func:`run_job` ``argv + [spec_path]``: how workers get their task."""
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(json.dumps(spec))
+    run_job([*argv, str(spec_path)], devices, roots, stores, logdir, timeout=timeout, poll=poll)

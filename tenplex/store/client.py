@@ -28,7 +28,7 @@ import xxhash
 
 from ..box import Box
 from ..dtypes import numpy_storage
-from ..errors import StoreError
+from ..errors import RETRYABLE_STATUS, StoreError
 from . import wire
 from .dataplane import DataPlaneError, DataPool
 from ._proto import store_pb2 as pb
@@ -45,6 +45,10 @@ class RemoteStoreError(StoreError):
         super().__init__(message)
         self.code = code
         self.address = address
+
+    @property
+    def retryable(self) -> bool:  # type: ignore[override]  # computed from the status
+        return self.code is not None and self.code.name in RETRYABLE_STATUS
 
 
 class ChecksumError(StoreError):

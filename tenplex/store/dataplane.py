@@ -48,7 +48,7 @@ import numpy as np
 import xxhash
 
 from ..box import Box
-from ..errors import StoreError
+from ..errors import RETRYABLE_STATUS, StoreError
 from . import _hooks, _safetensors as st, wire
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,10 @@ class DataPlaneError(StoreError):
     def __init__(self, message: str, code: str):
         super().__init__(message)
         self.code = code
+
+    @property
+    def retryable(self) -> bool:  # type: ignore[override]  # computed from the status, as RemoteStoreError's
+        return self.code in RETRYABLE_STATUS
 
 
 def auth_digest(token: str, nonce: str) -> str:

@@ -71,8 +71,8 @@ def _status_of(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.PERMISSION_DENIED
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, TenplexError):
-        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, TenplexError):  # a retryable one stays retryable for the client (tenplex.errors)
+        return grpc.StatusCode.UNAVAILABLE if exc.retryable else grpc.StatusCode.FAILED_PRECONDITION
     return grpc.StatusCode.INTERNAL
 
 

@@ -9,24 +9,27 @@ the source hosts itself; all hosts run at once. Phase 2, only when every host
 prepared: every host commits. A failure in phase 1 aborts the staged version
 everywhere; a failure in phase 2 deletes the new version from the hosts that
 had already committed it. Either way the old version is untouched and the
-raised :class:`TransformError` lists every failed host with its cause.
+raised :class:`TransformError` lists every failed host with its cause: the
+exception itself (``failures``), the first one recorded also as the error's ``__cause__``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from typing import Callable
 
 from ..devices import host_of
-from ..errors import TransformError
+from ..errors import ConfigError, TransformError
 from ..layout import Layout
 from ..transfer_plan import Plan, PlanStats
 from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient
 
 Progress = Callable[[str, int, int], None]  # (host, bytes done, bytes total)
+log = logging.getLogger(__name__)
 
 
 def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[str, str], old_version: int,
@@ -55,7 +58,7 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
     missing = sorted(set(destinations) - set(stores))
     if missing:
         raise TransformError(f"no store address for destination host(s) {missing}; got {sorted(stores)}",
-                             {h: "no store address" for h in missing})
+                             {h: ConfigError(f"no store address for host {h}") for h in missing})
     started = time.monotonic()
     old_hosts = old_layout.hosts()
     transfers_of: dict[str, list] = {h: [] for h in destinations}
@@ -68,7 +71,7 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
     clients = {h: StoreClient(a, token=token, root_certificates=root_certificates, timeout=pull_timeout)
                for h, a in stores.items()}
     results: dict[str, pb.TransformProgress] = {}
-    failures: dict[str, str] = {}
+    failures: dict[str, BaseException] = {}
     lock = threading.Lock()
 
     def run(host: str) -> None:
@@ -89,9 +92,12 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
             with lock:
                 results[host] = final
         except Exception as e:  # noqa: BLE001 - collected and reported for every host
+            log.warning("transformation %s -> %s failed on host %s", old_version, new_version, host, exc_info=True)
             with lock:
-                failures[host] = str(e)
+                failures[host] = e
 
+    log.info("transformation %s -> %s: %d destination host(s), %d transfers", old_version, new_version,
+             len(destinations), len(plan.transfers))
     try:
         threads = [threading.Thread(target=run, args=(h,), name=f"transform-{h}") for h in destinations]
         for thread in threads:
@@ -102,25 +108,26 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
             try:
                 before_commit()
             except Exception as e:  # noqa: BLE001
-                failures["coordinator"] = f"before_commit hook failed: {e}"
+                failures["coordinator"] = _caused(TransformError(f"before_commit hook failed: {e}"), e)
         if failures:
             _abort(clients, destinations, new_version, failures)
-            raise TransformError(_summary("prepare", old_version, new_version, failures), failures)
+            raise _failed("prepare", old_version, new_version, failures)
+        log.info("transformation %s -> %s: every host prepared; committing", old_version, new_version)
         committed = []
         for host in destinations:
             try:
                 clients[host].commit(new_version)
                 committed.append(host)
             except Exception as e:  # noqa: BLE001
-                failures[host] = str(e)
+                failures[host] = e
         if failures:
             for host in committed:  # nobody can have used the new version yet: take it back
                 try:
                     clients[host].delete(new_version)
                 except Exception as e:  # noqa: BLE001
-                    failures[host] = f"committed, and could not be rolled back: {e}"
+                    failures[host] = _caused(TransformError(f"committed, and could not be rolled back: {e}"), e)
             _abort(clients, [h for h in destinations if h not in committed], new_version, failures)
-            raise TransformError(_summary("commit", old_version, new_version, failures), failures)
+            raise _failed("commit", old_version, new_version, failures)
     finally:
         for client in clients.values():
             client.close()
@@ -130,17 +137,24 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
                           "refetched_bytes": r.refetched_bytes} for h, r in sorted(results.items())}}
 
 
-def _abort(clients: dict[str, StoreClient], hosts: list[str], version: int, failures: dict[str, str]) -> None:
+def _abort(clients: dict[str, StoreClient], hosts: list[str], version: int,
+           failures: dict[str, BaseException]) -> None:
     for host in hosts:
         try:
             clients[host].abort(version)
         except Exception as e:  # noqa: BLE001 - its staged files stay invisible; gc removes them
             if host not in failures:
-                failures[host] = f"abort failed (staged data stays invisible until gc): {e}"
+                failures[host] = _caused(TransformError(f"abort failed (staged data stays invisible until gc): {e}"), e)
 
 
-def _summary(phase: str, old_version: int, new_version: int, failures: dict[str, str]) -> str:
+def _caused(error: TransformError, cause: BaseException) -> TransformError:
+    error.__cause__ = cause
+    return error
+
+
+def _failed(phase: str, old_version: int, new_version: int, failures: dict[str, BaseException]) -> TransformError:
+    """The error listing every failed host's cause; chained to the first one recorded so its traceback shows."""
     lines = [f"transformation {old_version} -> {new_version} failed in the {phase} phase on "
              f"{len(failures)} host(s); version {old_version} is unchanged and {new_version} was not committed:"]
     lines += [f"  {host}: {cause}" for host, cause in sorted(failures.items())]
-    return "\n".join(lines)
+    return _caused(TransformError("\n".join(lines), failures), next(iter(failures.values())))

@@ -29,6 +29,7 @@ part fail, naming the tensor, region and every cause.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -37,7 +38,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..box import Box, subtract_all
+from ..box import Box, split_by, subtract_all
 from ..devices import host_of
 from ..errors import StoreError, TransformError
 from ..layout import Layout, from_dict as layout_from_dict
@@ -46,6 +47,7 @@ from ..store import LAYOUT_DOC, ShardTarget, Store, VersionReader, wire
 from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient
 
+log = logging.getLogger(__name__)
 PART = "transform"
 DEFAULT_STREAMS = 4
 PIECE_BYTES = 64 << 20          # one pull call; several chunks each
@@ -124,21 +126,15 @@ class _Sources:
         for other, held in candidates:
             if other == device or host_of(other) in self.failed or not remaining:
                 continue
-            next_remaining = []
-            for region in remaining:
-                common = region.intersect(held)
-                if common is None:
-                    next_remaining.append(region)
-                    continue
+            inside, remaining = split_by(remaining, held)
+            for common in inside:
                 try:
                     self._read_from(other, tensor, common, target)
                     refetched += common.volume * itemsize
-                    next_remaining.extend(region.subtract(common))
                 except Exception as e:  # noqa: BLE001
                     self._mark_failed(host_of(other), e)
                     causes.append(f"{other}: {e}")
-                    next_remaining.append(region)
-            remaining = next_remaining
+                    remaining.append(common)
         if remaining:
             raise TransformError(f"host {self.host}: region {box} of tensor {tensor!r} could not be read from "
                                  f"{device} and no surviving replica covers {remaining[0]}; causes: "
@@ -172,6 +168,8 @@ class _Sources:
 
     def _mark_failed(self, host: str, error: Exception) -> None:
         with self._lock:
+            if host not in self.failed:
+                log.warning("host %s: source host %s failed, reading from replicas: %s", self.host, host, error)
             self.failed.setdefault(host, str(error))
 
 
@@ -191,6 +189,8 @@ def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable
     sources = _Sources(host, old, request.old_version, reader, dict(request.peers), token, root_certificates,
                        streams, request.chunk_bytes or wire.DEFAULT_CHUNK_BYTES, request.timeout_s or 60.0)
     counters = _Counters()
+    log.info("host %s: staging version %s from %s (%d transfers, %d streams)", host, request.new_version,
+             request.old_version, len(plan.transfers), streams)
     store.abort(request.new_version)  # leftovers of an earlier, interrupted attempt
     writer = store.begin(request.new_version, part=PART)
     try:
@@ -204,6 +204,7 @@ def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable
         raise
     finally:
         sources.close()
+    log.info("host %s: prepared version %s", host, request.new_version)
     return counters.message()
 
 

@@ -1,7 +1,7 @@
 """One rank of a multi-process tenplex test: runs the phases of a JSON spec in one torch.distributed job (gloo).
 
 Usage: ``python gpt_worker.py SPEC.json`` with RANK, WORLD_SIZE, MASTER_ADDR and
-MASTER_PORT set (tests/mp/launch.py does that). Results go to files under each
+MASTER_PORT set (``tenplex.runtime.launch.run_spec_job`` does that). Results go to files under each
 phase's ``out`` directory: safetensors for tensors, JSON for the rest. Nothing
 is pickled.
 
@@ -34,10 +34,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples" / "01-gpt-train"))
-import tenplex  # noqa: E402
-from gpt import GPTConfig, Parallel, Trainer  # noqa: E402
+import tenplex
+from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
 GLOBAL_BATCH = 8
 

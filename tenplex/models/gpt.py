@@ -1,14 +1,24 @@
 """A tiny GPT and the PyTorch-native ways to parallelize it: dp, FSDP2, tp (DTensor), pp (pipelining).
 
-Used by ``train.py`` in this folder, by tenplex's tests and by ``tenplex bench restore``.
+May import: torch, torch.distributed, ``tenplex.gpt`` (the partition rules it
+agrees with), ``tenplex.models.config``, ``tenplex.errors`` and the standard library.
+
+Used by ``examples/01-gpt-train``, ``tenplex demo``, ``tenplex bench restore``
+and the tests. Its state-dict names and shapes are those of the built-in GPT
+rules (:func:`tenplex.gpt.gpt` with ``max_seq=seq``, biases, untied head;
+:func:`rules` builds them), so a layout made from the rules names this model's
+tensors.
 
 Ranks form a (pp, dp, tp) mesh, tp varying fastest (so tp groups share a host).
 Every rank builds the whole model from the same seed first, so that every
 configuration starts from identical weights, then:
 
-* **tp**: ``parallelize_module`` shards attention (q, k, v column-wise, output
-  row-wise), the MLP and the LM head (column-wise over the vocabulary, which
-  is odd on purpose: uneven shards) as DTensors;
+* **tp**: ``parallelize_module`` shards the attention output projection
+  (row-wise), the MLP and the LM head (column-wise over the vocabulary, which
+  is odd on purpose: uneven shards) as DTensors. The fused ``attn.qkv`` keeps
+  the rules' global order (q | k | v blocks) as a row-wise DTensor shard; a
+  contiguous shard of it does not hold whole heads, so each forward gathers the
+  weight (as FSDP does) and computes this rank's heads;
 * **pp**: each stage keeps only its layers (``layers`` is a ModuleDict keyed
   by the global layer index, so parameter names stay global) and runs under
   ``torch.distributed.pipelining`` (GPipe);
@@ -19,84 +29,91 @@ configuration starts from identical weights, then:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab: int = 37
-    seq: int = 8
-    hidden: int = 16
-    heads: int = 4
-    layers: int = 4
-    ffn: int = 32
+from ..errors import ConfigError
+from ..gpt import gpt
+from ..ptc import PTC
+from .config import GPTConfig, Parallel
 
 
-@dataclass(frozen=True)
-class Parallel:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    fsdp: bool = False
-    microbatches: int = 2
+def rules(cfg: GPTConfig, optimizer: str | None = "adam") -> PTC:
+    """The partition rules of this model (with AdamW's moments): the same names and shapes as its state."""
+    return gpt(cfg.layers, cfg.hidden, cfg.heads, cfg.vocab, cfg.ffn, optimizer=optimizer, max_seq=cfg.seq)
 
-    @classmethod
-    def parse(cls, text: str) -> "Parallel":
-        """``"dp=2,tp=2,pp=2"`` (add ``fsdp=1`` for FSDP2 over dp)."""
-        values = {}
-        for item in filter(None, text.split(",")):
-            key, _, value = item.partition("=")
-            values[key.strip()] = int(value)
-        return cls(**{k: (bool(v) if k == "fsdp" else v) for k, v in values.items()})
 
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; backward sums the input's gradient over the tp group (each rank saw only its heads)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.head_dim = cfg.hidden // cfg.heads
-        self.wq = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
-        self.wk = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
-        self.wv = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
-        self.wo = nn.Linear(cfg.hidden, cfg.hidden, bias=False)
+        self.hidden, self.head_dim = cfg.hidden, cfg.hidden // cfg.heads
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)  # rows: q | k | v blocks, as the rules fuse them
+        self.proj = nn.Linear(cfg.hidden, cfg.hidden)
+
+    def _qkv_weights(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input, weight, bias) for this rank's heads: all of them unless qkv is a tp-sharded DTensor."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate
+
+        weight, bias = self.qkv.weight, self.qkv.bias
+        if not isinstance(weight, DTensor):
+            return x, weight, bias
+        mesh = weight.device_mesh
+        tp, rank = mesh.size(), mesh.get_local_rank()
+        width = self.hidden // tp  # this rank's heads * head_dim, in each of the q, k and v blocks
+        rows = torch.cat([torch.arange(b * self.hidden + rank * width, b * self.hidden + (rank + 1) * width)
+                          for b in range(3)])
+        # Gathered with a Partial gradient: each rank's gradient covers its heads' rows, the reduce-scatter sums them.
+        full_weight, full_bias = (p.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+                                  for p in (weight, bias))
+        return _CopyToTensorParallel.apply(x, mesh.get_group()), full_weight[rows], full_bias[rows]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        # (b, t, local heads * head_dim) -> (b, local heads, t, head_dim); under tp a rank has heads/tp heads.
-        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        x, weight, bias = self._qkv_weights(x)
+        # (b, t, 3 * local heads * head_dim) -> 3 x (b, local heads, t, head_dim); under tp a rank has heads/tp heads.
+        q, k, v = F.linear(x, weight, bias).view(b, t, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.up = nn.Linear(cfg.hidden, cfg.ffn)
-        self.down = nn.Linear(cfg.ffn, cfg.hidden)
+        self.fc1 = nn.Linear(cfg.hidden, cfg.ffn)
+        self.fc2 = nn.Linear(cfg.ffn, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
+        return self.fc2(F.gelu(self.fc1(x)))
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.hidden)
+        self.ln1 = nn.LayerNorm(cfg.hidden)
         self.attn = Attention(cfg)
-        self.norm2 = nn.LayerNorm(cfg.hidden)
+        self.ln2 = nn.LayerNorm(cfg.hidden)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
@@ -105,15 +122,15 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.pos = nn.Embedding(cfg.seq, cfg.hidden)
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos_embed = nn.Embedding(cfg.seq, cfg.hidden)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
         self.norm = nn.LayerNorm(cfg.hidden)
         self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tok is not None:  # first stage: token ids (b, t) -> hidden (b, t, h)
-            x = self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device))
+        if self.embed is not None:  # first stage: token ids (b, t) -> hidden (b, t, h)
+            x = self.embed(x) + self.pos_embed(torch.arange(x.shape[1], device=x.device))
         for block in self.layers.values():
             x = block(x)
         if self.head is not None:  # last stage: hidden -> logits (b, t, vocab)
@@ -145,9 +162,13 @@ class Trainer:
         from torch.distributed.device_mesh import init_device_mesh
 
         if dist.get_world_size() != par.world:
-            raise ValueError(f"{par} needs {par.world} ranks, the job has {dist.get_world_size()}")
+            raise ConfigError(f"{par} needs {par.world} ranks, the job has {dist.get_world_size()}")
         if global_batch % (par.dp * par.microbatches):
-            raise ValueError(f"global batch {global_batch} must divide by dp*microbatches")
+            raise ConfigError(f"global batch {global_batch} must divide by dp*microbatches = "
+                              f"{par.dp}*{par.microbatches}")
+        if cfg.heads % par.tp:
+            raise ConfigError(f"tp={par.tp} must divide the {cfg.heads} attention heads (each rank computes whole "
+                              f"heads)")
         self.cfg, self.par, self.global_batch, self.device = cfg, par, global_batch, torch.device(device)
         self.mesh = init_device_mesh(self.device.type, (par.pp, par.dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
         self.coords = {name: self.mesh.get_local_rank(name) for name in ("pp", "dp", "tp")}
@@ -159,7 +180,7 @@ class Trainer:
                 if i not in keep:
                     del model.layers[str(i)]
             if self.coords["pp"] > 0:
-                model.tok = model.pos = None
+                model.embed = model.pos_embed = None
             if self.coords["pp"] < par.pp - 1:
                 model.norm = model.head = None
         if par.tp > 1:
@@ -175,17 +196,20 @@ class Trainer:
         self.schedule = self._pipeline() if par.pp > 1 else None
 
     def _tensor_parallel(self, model: GPT) -> None:
-        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         plan = {}
         for i in model.layers:
-            plan.update({f"layers.{i}.attn.wq": ColwiseParallel(), f"layers.{i}.attn.wk": ColwiseParallel(),
-                         f"layers.{i}.attn.wv": ColwiseParallel(), f"layers.{i}.attn.wo": RowwiseParallel(),
-                         f"layers.{i}.mlp.up": ColwiseParallel(), f"layers.{i}.mlp.down": RowwiseParallel()})
+            plan.update({f"layers.{i}.attn.proj": RowwiseParallel(),
+                         f"layers.{i}.mlp.fc1": ColwiseParallel(), f"layers.{i}.mlp.fc2": RowwiseParallel()})
         if model.head is not None:
             plan["head"] = ColwiseParallel(output_layouts=Replicate())
         parallelize_module(model, self.mesh["tp"], plan)
+        for block in model.layers.values():  # see Attention._qkv_weights: stored sharded, used per head
+            qkv = block.attn.qkv
+            qkv.weight, qkv.bias = (nn.Parameter(distribute_tensor(p.detach(), self.mesh["tp"], [Shard(0)]))
+                                    for p in (qkv.weight, qkv.bias))
 
     def _pipeline(self):
         from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
@@ -255,4 +279,4 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
 
 
-__all__ = ["GPTConfig", "Parallel", "GPT", "Trainer", "batch", "loss_fn", "stage_layers"]
+__all__ = ["GPTConfig", "Parallel", "GPT", "Trainer", "batch", "loss_fn", "rules", "stage_layers"]
