@@ -300,3 +300,14 @@ def test_succeeded_worker_finishes_the_job():
     d = run(spec(), [node("n1"), node("n2")], [pod("n1", phase="Succeeded"), pod("n2")], stable("n1", "n2"))
     assert (d.phase, d.create, d.delete, reasons(d)) == ("Succeeded", (), (), ["Succeeded"])
     assert run(spec(), [node("n1")], [], merge_patch(stable("n1"), d.status)).phase == "Succeeded"
+
+
+def test_cli_says_what_is_missing_in_one_line(capsys, monkeypatch, tmp_path):
+    from tenplex.cli import main
+    assert main(["operator", "run"]) == 2
+    assert capsys.readouterr().err.strip() == ("tenplex operator: error: say which TenplexJobs to watch: "
+                                               "--all-namespaces, or --namespace NAME")
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert main(["operator", "run", "--all-namespaces"]) == 2
+    assert "no Kubernetes credentials" in capsys.readouterr().err

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..errors import TenplexError
+from ..errors import PermanentError, UsageError
 from ..operator.settings import WorkerSettings
 
 
@@ -46,12 +46,12 @@ def register(subparsers) -> None:
 
 def run_operator(args: argparse.Namespace) -> int:
     if not args.all_namespaces and not args.namespace:
-        raise TenplexError("say which TenplexJobs to watch: --all-namespaces, or --namespace NAME")
+        raise UsageError("say which TenplexJobs to watch: --all-namespaces, or --namespace NAME")
     try:
         import kopf
         import kubernetes
     except ImportError as e:
-        raise TenplexError(f"the operator needs kopf and kubernetes ({e}): pip install 'tenplex[k8s]'") from None
+        raise PermanentError(f"the operator needs kopf and kubernetes ({e}): pip install 'tenplex[k8s]'") from None
     from ..operator.handlers import Operator
 
     try:
@@ -60,7 +60,7 @@ def run_operator(args: argparse.Namespace) -> int:
         try:
             kubernetes.config.load_kube_config()
         except (kubernetes.config.ConfigException, OSError) as e:
-            raise TenplexError(f"no Kubernetes credentials (not in a pod, and no usable kubeconfig): {e}") from None
+            raise PermanentError(f"no Kubernetes credentials (not in a pod, and no usable kubeconfig): {e}") from None
     settings = WorkerSettings(resource=args.gpu_resource, store_root=args.store_root, data_root=args.data_root,
                               rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
                               token_secret=args.token_secret)
