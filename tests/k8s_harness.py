@@ -84,9 +84,10 @@ class Cluster:
         return json.loads(call(*args, _preload_content=False, **kwargs).data)
 
     # nodes
-    def add_node(self, name: str, gpus: int = 8, ready: bool = True) -> None:
+    def add_node(self, name: str, gpus: int = 8, ready: bool = True, ip: str | None = None) -> None:
         self.core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
         self.core.patch_node_status(name, {"status": {
+            "addresses": [{"type": "InternalIP", "address": ip}] if ip else [],
             "allocatable": {"nvidia.com/gpu": str(gpus), "cpu": "16"},
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}})
 
@@ -138,18 +139,18 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def operator(url: str, interval: float = 0.5):
+def operator(url: str, interval: float = 0.5, settings: WorkerSettings = WorkerSettings()):
     """The operator under test: a fresh kopf registry, KopfRunner, standalone, watching namespace NS."""
     registry = kopf.OperatorRegistry()
     api = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=url))
-    Operator(api, WorkerSettings(), interval=interval).register(registry)
+    Operator(api, settings, interval=interval).register(registry)
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:
         return kopf.ConnectionInfo(server=url)
 
-    settings = kopf.OperatorSettings()
-    settings.scanning.disabled = True  # no CRD discovery: the test double declares its resources
-    with KopfRunner(["run", "--standalone", "--namespace", NS], registry=registry, settings=settings,
+    kopf_settings = kopf.OperatorSettings()
+    kopf_settings.scanning.disabled = True  # no CRD discovery: the test double declares its resources
+    with KopfRunner(["run", "--standalone", "--namespace", NS], registry=registry, settings=kopf_settings,
                     timeout=60) as runner:
         yield runner

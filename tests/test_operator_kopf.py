@@ -15,7 +15,11 @@ import kopf  # noqa: E402
 import kubernetes  # noqa: E402
 from k8s_harness import NS, Cluster, api_server, operator, wait_for  # noqa: E402
 
+from store_helpers import StoreProcess, tiny_layout  # noqa: E402
+
 from tenplex.operator.handlers import Operator  # noqa: E402
+from tenplex.operator.progress import STATE_DOC, committed_step  # noqa: E402
+from tenplex.store import Store, fill  # noqa: E402
 from tenplex.operator.settings import WorkerSettings  # noqa: E402
 
 
@@ -180,3 +184,42 @@ def test_unreachable_api_is_a_temporary_error():
     op = Operator(kubernetes.client.ApiClient(config), WorkerSettings())
     with pytest.raises(kopf.TemporaryError, match="unreachable"):
         asyncio.run(op.reconcile(NS, "j", {}, logging.getLogger("test")))
+
+
+@pytest.fixture
+def saved_store(tmp_path):
+    """A real store process (token) holding versions 1 (step 7), 2 (step 9) and 3 (no training state)."""
+    import numpy as np
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    root = tmp_path / "stores" / "n1"
+    layout = tiny_layout({"w": ((4,), "float32")}, {"n1/0": [("w", (0,), (4,))]})
+    store = Store(root, "n1")
+    for version, docs in ((1, {STATE_DOC: {"step": 7}}), (2, {STATE_DOC: {"step": 9}}), (3, None)):
+        fill.write_version({"n1": store}, layout, version, lambda t, box: np.zeros(box.lengths, "float32"), docs)
+    proc = StoreProcess(root, "n1", token_file=token)
+    try:
+        yield proc, token
+    finally:
+        proc.stop()
+
+
+def test_committed_step_is_read_from_a_real_store(saved_store):
+    from tenplex.integration.checkpointer import STATE_DOC as saved_by_the_checkpointer
+    proc, token = saved_store
+    assert STATE_DOC == saved_by_the_checkpointer
+    assert committed_step(proc.address, "s3cret") == 9  # version 3 has no training state: the newest with one
+    assert committed_step(proc.address, "wrong") is None
+    proc.stop()
+    assert committed_step(proc.address, "s3cret") is None  # a store that is down: unknown, not an error
+
+
+def test_status_step_comes_from_the_nodes_store(cluster, saved_store):
+    c = cluster
+    proc, token = saved_store
+    c.add_node("n1", ip="127.0.0.1")
+    with operator(c.url, settings=WorkerSettings(store_port=proc.port, token_file=str(token))):
+        c.create_job("j", minNodes=1, maxNodes=1, gpusPerNode=8)
+        st = running(c, "j", ["n1"])
+        assert wait_for(lambda: c.status("j").get("step"), "status.step") == 9
+    assert st["nodes"] == 1

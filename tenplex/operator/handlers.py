@@ -37,6 +37,7 @@ from . import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION, WORKER_ROLE
 from .decide import Decision, decide, merge_patch
 from .observe import node_state, pod_requests, pod_state
 from .pods import pod_name, worker_pod
+from .progress import committed_step, store_address
 from .settings import WorkerSettings
 from .spec import SpecError, check_name, parse_spec
 
@@ -176,11 +177,30 @@ class Operator:
                           [pod_state(p) for p in pods], used_by_others=used, status=job.get("status"),
                           generation=job["metadata"].get("generation"), now=_now(),
                           resource=self.settings.resource)
+        status = dict(decision.status)
+        step = self._committed_step(nodes, decision)
+        if step is not None:
+            status["step"] = step
         old = job.get("status") or {}
-        if merge_patch(old, decision.status) != old:  # skip writes that change nothing
-            body = {"metadata": {"resourceVersion": job["metadata"]["resourceVersion"]}, "status": decision.status}
+        if merge_patch(old, status) != old:  # skip writes that change nothing
+            body = {"metadata": {"resourceVersion": job["metadata"]["resourceVersion"]}, "status": status}
             self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, body)
         return job, decision
+
+    def _committed_step(self, nodes: list[dict], decision: Decision) -> int | None:
+        """The job's last committed step from the store of one of its nodes (None: not known now)."""
+        if not decision.target:
+            return None
+        token = None
+        if self.settings.token_file:
+            with open(self.settings.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        # One node is enough (each holds the state document of every save); a store that does not answer
+        # leaves the step as it was rather than slowing every reconciliation down.
+        by_name = {n["metadata"]["name"]: n for n in nodes}
+        addresses = (store_address(by_name.get(name, {}), self.settings.store_port) for name in decision.target)
+        address = next((a for a in addresses if a is not None), None)
+        return None if address is None else committed_step(address, token)
 
     def _act(self, job: dict, decision: Decision, logger: logging.Logger) -> None:
         namespace = job["metadata"]["namespace"]
