@@ -143,6 +143,10 @@ def test_worker_pod_is_a_valid_pod_with_the_exact_labels():
     for flag, sflag in (("--store-root", "--root"), ("--host", "--host"), ("--token-file", "--token-file")):
         assert cmd[cmd.index(flag) + 1] == scmd[scmd.index(sflag) + 1], flag
     assert scmd[scmd.index("--port-file") + 1] == f"{WorkerSettings().store_root}/.tenplex-store.port"
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert {k: v for k, v in env.items() if k.startswith("TENPLEX_")} == {
+        "TENPLEX_MAX_TP": "8", "TENPLEX_REPLICAS": "1", "TENPLEX_SAVE_INTERVAL": "50",
+        "TENPLEX_PINNED": '{"24": "tp=8,pp=3"}', "TENPLEX_DATASET": "/var/lib/tenplex/data/example"}
     assert pod["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "8", "cpu": "8",
                                                                       "memory": "64Gi"}
 

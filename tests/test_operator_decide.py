@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from tenplex.operator.decide import NODE_FAILURE_LIMIT, Deletion, decide, merge_patch
-from tenplex.operator.observe import NodeState, PodState, node_state, pod_state, quantity, used_by_others
+from tenplex.operator.observe import NodeState, PodState, gpu_claim, node_state, pod_state, quantity, used_by_others
 from tenplex.operator.spec import SpecError, check_name, parse_spec
 
 GPU = "nvidia.com/gpu"
@@ -218,10 +218,16 @@ def test_gpu_accounting_from_raw_objects():
                 "spec": {"nodeName": node, "containers": [{"resources": {"limits": {GPU: str(gpus)}}}]},
                 "status": {"phase": phase}}
     pods = [p("ml", "j", "n1", 8), p("ml", "other", "n1", 2), p("team", "j", "n1", 1), p("ml", "x", "n2", 4, "Failed")]
-    assert used_by_others(pods, GPU, ("ml", "j")) == {"n1": 3}
+    claims = [c for c in (gpu_claim(pod, GPU) for pod in pods) if c]
+    assert claims[1] == ("n1", ("ml", "other"), 2) and len(claims) == 3  # a finished pod holds nothing
+    assert used_by_others(claims, ("ml", "j")) == {"n1": 3}
+    unbound = {"metadata": {"annotations": {"tenplex.io/node": "n3"}}, "spec": {"containers": [
+        {"resources": {"requests": {GPU: "8"}}}]}}
+    assert gpu_claim(unbound, GPU) == ("n3", (None, None), 8)  # placed by an operator, not yet bound
     raw_pod = {"metadata": {"name": "j-n1", "uid": "u", "annotations": {"tenplex.io/node": "n1"},
                             "deletionTimestamp": "x"},
-               "status": {"phase": "Running", "containerStatuses": [{"state": {"waiting": {"reason": "CrashLoopBackOff"}}}]}}
+               "status": {"phase": "Running",
+                          "containerStatuses": [{"state": {"waiting": {"reason": "CrashLoopBackOff"}}}]}}
     assert pod_state(raw_pod) == PodState("j-n1", "u", "n1", "Running", terminating=True, crash_looping=True)
 
 

@@ -115,7 +115,8 @@ def test_edit_of_max_nodes_scales_down_gracefully(cluster):
     with operator(c.url):
         start_job(c, nodes=("n1", "n2", "n3"))
         c.patch_spec("j", maxNodes=2)
-        gone = wait_for(lambda: [p for p in c.pods("j") if p["metadata"].get("deletionTimestamp")], "a terminating worker")
+        gone = wait_for(lambda: [p for p in c.pods("j") if p["metadata"].get("deletionTimestamp")],
+                        "a terminating worker")
         assert [p["metadata"]["name"] for p in gone] == ["j-n3"]
         assert gone[0]["metadata"]["deletionGracePeriodSeconds"] == 120  # SIGTERM: save at a step boundary
         st = running(c, "j", ["n1", "n2"])

@@ -158,7 +158,8 @@ class _Decider:
 
         for node, pod in active.items():
             if node not in target:
-                deletions.append(Deletion(pod.name, spec.grace_seconds, f"scale down: {why_not.get(node, 'not needed')}"))
+                why = why_not.get(node, "not needed")
+                deletions.append(Deletion(pod.name, spec.grace_seconds, f"scale down: {why}"))
         create = tuple(n for n in target if n not in active and n not in busy)
         running = {n for n, p in active.items() if p.phase == "Running"}
         return self.progress(target, create, deletions, failures, running, lost, failed, why_not)
@@ -220,7 +221,8 @@ class _Decider:
         if not stable and not open_record:
             # The first world: starting, not a rescale.
             if complete:
-                self.events.append(Event("Normal", "Started", f"{len(target)} nodes, {self.spec.parallel(len(target))}"))
+                world = f"{len(target)} nodes, {self.spec.parallel(len(target))}"
+                self.events.append(Event("Normal", "Started", world))
                 return self.finish("Running", target, create, deletions, failures=failures, **self.world(target))
             return self.finish("Pending", target, create, deletions, failures=failures)
         if complete and not open_record and tuple(target) == stable:

@@ -35,7 +35,7 @@ from kubernetes.client.rest import ApiException
 
 from . import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION, WORKER_ROLE
 from .decide import Decision, decide, merge_patch
-from .observe import node_state, pod_requests, pod_state
+from .observe import gpu_claim, node_state, pod_state, used_by_others
 from .pods import pod_name, worker_pod
 from .progress import committed_step, store_address
 from .settings import WorkerSettings
@@ -108,14 +108,9 @@ class Operator:
 
         @kopf.index("pods", id="gpu_pods", registry=registry)
         def gpu_pods(body: Mapping[str, Any], **_: Any) -> dict | None:
-            """Accelerator units per node and the job (or None) holding them: the other jobs' share of a node."""
-            meta = body.get("metadata") or {}
-            node = (body.get("spec") or {}).get("nodeName") or (meta.get("annotations") or {}).get(
-                "tenplex.io/node")
-            units = pod_requests(body, self.settings.resource)
-            if not node or not units:
-                return None
-            return {node: ((meta.get("namespace"), (meta.get("labels") or {}).get(JOB_LABEL)), units)}
+            """Accelerator units per node and the job holding them: the other jobs' share of each node."""
+            claim = gpu_claim(body, self.settings.resource)
+            return None if claim is None else {claim[0]: claim}
 
         @kopf.on.event("pods", id="worker_changed", labels={ROLE_LABEL: WORKER_ROLE}, registry=registry)
         def worker_changed(body: Mapping[str, Any], **_: Any) -> None:
@@ -142,9 +137,7 @@ class Operator:
     # -- one reconciliation --------------------------------------------------------------------------------------
     async def reconcile(self, namespace: str, name: str, gpu_pods: kopf.Index, logger: logging.Logger) -> None:
         # A snapshot of the other pods' accelerator units per node, taken here: the index changes on the loop.
-        used: dict[str, int] = {}
-        for node, holders in gpu_pods.items():
-            used[node] = sum(units for holder, units in holders if holder != (namespace, name))
+        used = used_by_others([claim for claims in gpu_pods.values() for claim in claims], (namespace, name))
         for _ in range(CONFLICT_RETRIES):
             try:
                 job, decision = await asyncio.to_thread(self._decide_and_write, namespace, name, used)
@@ -211,7 +204,8 @@ class Operator:
                 if e.status != 404:  # already gone: what we wanted
                     raise
             else:
-                kopf.event(job, type="Normal", reason="WorkerDeleted", message=f"{d.pod} (grace {d.grace_seconds}s): {d.reason}")
+                kopf.event(job, type="Normal", reason="WorkerDeleted",
+                           message=f"{d.pod} (grace {d.grace_seconds}s): {d.reason}")
         if decision.create:
             spec = parse_spec(job["spec"])  # decide() only asks for pods when the spec is valid
             for node in decision.create:
@@ -221,8 +215,8 @@ class Operator:
                     if e.status != 409:  # created by an earlier round whose write we did not see yet
                         raise
                 else:
-                    kopf.event(job, type="Normal", reason="WorkerCreated", message=f"{pod_name(job['metadata']['name'], node)} "
-                              f"on node {node}")
+                    kopf.event(job, type="Normal", reason="WorkerCreated",
+                               message=f"{pod_name(job['metadata']['name'], node)} on node {node}")
         for ev in decision.events:
             kopf.event(job, type=ev.type, reason=ev.reason, message=ev.message)
             logger.info("%s: %s", ev.reason, ev.message)

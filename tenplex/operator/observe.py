@@ -78,16 +78,21 @@ def pod_requests(pod: Mapping[str, Any], resource: str) -> int:
     return total
 
 
-def used_by_others(pods: Iterable[Mapping[str, Any]], resource: str, job: tuple[str, str]) -> dict[str, int]:
-    """Units of ``resource`` per node held by pods that are not workers of ``job`` = (namespace, name)."""
+def gpu_claim(pod: Mapping[str, Any], resource: str) -> tuple[str, tuple[str | None, str | None], int] | None:
+    """``(node, (namespace, job), units)`` of ``resource`` a pod holds on a node (job None: not a tenplex worker)."""
+    meta = pod.get("metadata") or {}
+    # A pod another operator placed but the scheduler has not bound yet already claims its node.
+    node = (pod.get("spec") or {}).get("nodeName") or (meta.get("annotations") or {}).get(NODE_ANNOTATION)
+    units = pod_requests(pod, resource)
+    if not node or not units:
+        return None
+    return node, (meta.get("namespace"), (meta.get("labels") or {}).get(JOB_LABEL)), units
+
+
+def used_by_others(claims: Iterable[tuple[str, tuple, int]], job: tuple[str, str]) -> dict[str, int]:
+    """Units per node held by pods that are not workers of ``job`` = (namespace, name), from :func:`gpu_claim`."""
     used: dict[str, int] = {}
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        # A pod another operator placed but the scheduler has not bound yet already claims its node.
-        node = (pod.get("spec") or {}).get("nodeName") or (meta.get("annotations") or {}).get(NODE_ANNOTATION)
-        if not node or (meta.get("namespace"), (meta.get("labels") or {}).get(JOB_LABEL)) == job:
-            continue
-        n = pod_requests(pod, resource)
-        if n:
-            used[node] = used.get(node, 0) + n
+    for node, holder, units in claims:
+        if holder != job:
+            used[node] = used.get(node, 0) + units
     return used

@@ -46,14 +46,16 @@ def worker_command(spec: JobSpec, job_uid: str, settings: WorkerSettings) -> lis
             "--rdzv-id", job_uid, *spec.command]
 
 
-def _env(spec: JobSpec) -> list[k8s.V1EnvVar]:
+def _env(spec: JobSpec, settings: WorkerSettings) -> list[k8s.V1EnvVar]:
     env = [k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path=path)))
            for name, path in (("NODE_NAME", "spec.nodeName"), ("NODE_IP", "status.hostIP"))]
     # What the training-loop API needs from the spec (issue 8): the policy's inputs, replication and saving.
-    settings = {"TENPLEX_MAX_TP": spec.max_tp, "TENPLEX_PP": spec.pp, "TENPLEX_REPLICAS": spec.replicas,
-                "TENPLEX_SAVE_INTERVAL": spec.save_interval, "TENPLEX_DATASET": spec.dataset,
-                "TENPLEX_PINNED": json.dumps({str(k): v for k, v in sorted(spec.pinned.items())}) if spec.pinned else None}
-    env += [k8s.V1EnvVar(name=k, value=str(v)) for k, v in settings.items() if v is not None]
+    pinned = json.dumps({str(k): v for k, v in sorted(spec.pinned.items())})
+    values = {"TENPLEX_MAX_TP": spec.max_tp, "TENPLEX_PP": spec.pp, "TENPLEX_REPLICAS": spec.replicas,
+              "TENPLEX_SAVE_INTERVAL": spec.save_interval, "TENPLEX_PINNED": pinned if spec.pinned else None,
+              # the DaemonSet's FUSE view of the dataset, as this pod sees it
+              "TENPLEX_DATASET": f"{settings.data_root}/{spec.dataset}" if spec.dataset else None}
+    env += [k8s.V1EnvVar(name=k, value=str(v)) for k, v in values.items() if v is not None]
     env += [k8s.V1EnvVar(name=k, value=v) for k, v in spec.env]
     return env
 
@@ -96,7 +98,7 @@ def worker_pod(job: Mapping[str, Any], spec: JobSpec, node: str, settings: Worke
                     k8s.V1NodeSelectorTerm(match_fields=[k8s.V1NodeSelectorRequirement(
                         key="metadata.name", operator="In", values=[node])])]))),
             containers=[k8s.V1Container(
-                name="worker", image=spec.image, command=worker_command(spec, uid, settings), env=_env(spec),
+                name="worker", image=spec.image, command=worker_command(spec, uid, settings), env=_env(spec, settings),
                 resources=k8s.V1ResourceRequirements(limits=resources.get("limits"),
                                                      requests=resources.get("requests")),
                 volume_mounts=[
