@@ -306,6 +306,10 @@ def test_succeeded_worker_finishes_the_job():
     d = run(spec(), [node("n1"), node("n2")], [pod("n1", phase="Succeeded"), pod("n2")], stable("n1", "n2"))
     assert (d.phase, d.create, d.delete, reasons(d)) == ("Succeeded", (), (), ["Succeeded"])
     assert run(spec(), [node("n1")], [], merge_patch(stable("n1"), d.status)).phase == "Succeeded"
+    # a worker that left on scale-down (deleted, then exited 0) is not the end of the job
+    left = run(spec(maxNodes=1), [node("n1"), node("n2")], [pod("n1"), pod("n2", phase="Succeeded", terminating=True)],
+               stable("n1", "n2"))
+    assert left.phase == "Running" and left.status["nodes"] == 1
 
 
 def test_cli_says_what_is_missing_in_one_line(capsys, monkeypatch, tmp_path):

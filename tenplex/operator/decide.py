@@ -126,9 +126,11 @@ class _Decider:
             self.condition("SpecValid", False, "InvalidSpec", str(spec))
             self.event_on_change("Failed", "Warning", "InvalidSpec", str(spec))
             return self.finish("Failed")
-        if self.old.get("phase") == "Succeeded" or any(p.phase == "Succeeded" for p in self.pods):
+        # A worker deleted on scale-down may exit 0 too (a planned leave): only the others mean the script finished.
+        finished = [p.name for p in self.pods if p.phase == "Succeeded" and not p.terminating]
+        if self.old.get("phase") == "Succeeded" or finished:
             if self.old.get("phase") != "Succeeded":
-                done = next((p.name for p in self.pods if p.phase == "Succeeded"), "a worker")
+                done = finished[0] if finished else "a worker"
                 self.events.append(Event("Normal", "Succeeded", f"the training script finished ({done} succeeded)"))
             return self.finish("Succeeded")
 
