@@ -16,7 +16,8 @@ operator rely on, and nothing else:
   and stays until deleted again with grace 0 (as the kubelet does);
 * label selectors (``a=b,c=d``) on list and watch, and watches that start
   after the ``resourceVersion`` they are given;
-* declared resources, ``v1/namespaces`` among them (kopf needs it).
+* declared resources, ``v1/namespaces`` among them (kopf needs it);
+* one piece of pod validation: a container without an image is ``422 Invalid``.
 
 The tests play the kubelet: they set pod phases and node readiness.
 """
@@ -103,6 +104,10 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
                         creationTimestamp=datetime.datetime.now(datetime.timezone.utc).isoformat())
             if split:
                 data.pop("status", None)  # status is written through /status only
+            for i, container in enumerate((data.get("spec") or {}).get("containers") or []):
+                if request.resource == kmock.resource("v1/pods") and not container.get("image"):
+                    raise KubernetesError(422, "Invalid", f'Pod "{meta.get("name")}" is invalid: '
+                                                          f"spec.containers[{i}].image: Required value")
             response = await super()._handle(request)
             if response.status == 200:
                 response.set_status(201)

@@ -155,6 +155,20 @@ def test_invalid_spec_fails_with_the_field_and_the_operator_keeps_going(cluster)
     assert runner.exception is None
 
 
+def test_pod_the_api_server_rejects_fails_the_job_naming_the_template(cluster):
+    c = cluster
+    c.add_node("n1")
+    with operator(c.url):
+        c.create_job("j", minNodes=1, maxNodes=1, template={"spec": {"containers": [{"name": "sidecar"}]}})
+        st = wait_for(lambda: c.status("j").get("phase") == "Failed" and c.status("j"), "phase Failed")
+        cond = next(x for x in st["conditions"] if x["type"] == "SpecValid")
+        assert cond["message"] == ('spec.template: the API server rejected the worker pod: '
+                                   'Pod "j-n1" is invalid: spec.containers[1].image: Required value')
+        c.patch_spec("j", template={"spec": {"containers": [{"name": "sidecar", "image": "busybox"}]}})
+        running(c, "j", ["n1"])
+        assert [x["name"] for x in c.pods("j")[0]["spec"]["containers"]] == ["worker", "sidecar"]
+
+
 def test_conflicting_edit_is_read_again_and_decided_again(cluster, monkeypatch):
     """A 409 on the status write (the job changed after it was read) is retried on the new spec, not lost."""
     c = cluster

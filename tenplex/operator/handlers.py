@@ -67,6 +67,8 @@ class Operator:
         self.interval = interval
         self.pokes: dict[tuple[str, str], asyncio.Event] = {}
         self.node_view: dict[str, Any] = {}
+        # (namespace, name) -> (generation, why): the API server refused this spec's worker pod (422)
+        self.rejected: dict[tuple[str, str], tuple[int, str]] = {}
 
     # -- kopf wiring ---------------------------------------------------------------------------------------------
     def register(self, registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
@@ -166,7 +168,11 @@ class Operator:
         selector = f"{JOB_LABEL}={name},{ROLE_LABEL}={WORKER_ROLE}"
         pods = self._get(self.core.list_namespaced_pod, namespace, label_selector=selector)["items"]
         nodes = self._get(self.core.list_node)["items"]
-        decision = decide(_spec_or_error(job), [node_state(n, self.settings.resource) for n in nodes],
+        spec = _spec_or_error(job)
+        rejected = self.rejected.get((namespace, name))
+        if rejected and rejected[0] == job["metadata"].get("generation") and not isinstance(spec, SpecError):
+            spec = SpecError("spec.template", rejected[1])  # until the spec is edited: the same pod would fail
+        decision = decide(spec, [node_state(n, self.settings.resource) for n in nodes],
                           [pod_state(p) for p in pods], used_by_others=used, status=job.get("status"),
                           generation=job["metadata"].get("generation"), now=_now(),
                           resource=self.settings.resource)
@@ -212,6 +218,13 @@ class Operator:
                 try:
                     self.core.create_namespaced_pod(namespace, worker_pod(job, spec, node, self.settings))
                 except ApiException as e:
+                    if e.status == 422:  # the pod is invalid: the spec's template, a user error
+                        why = (json.loads(e.body or "{}").get("message") if e.body else None) or e.reason
+                        key = (namespace, job["metadata"]["name"])
+                        self.rejected[key] = (job["metadata"].get("generation"), f"the API server rejected the "
+                                              f"worker pod: {why}")
+                        self.poke(*key)
+                        return
                     if e.status != 409:  # created by an earlier round whose write we did not see yet
                         raise
                 else:
