@@ -191,6 +191,8 @@ def test_more_failures_than_backoff_limit_fails_the_job():
     assert d.phase == "Failed" and d.create == ()
     assert set(d.delete) == {Deletion("j-n1", 0, "worker j-n1 failed on n1"), Deletion("j-n2", 120, "the job failed")}
     assert reasons(d) == ["BackoffLimitExceeded"]
+    cond = next(c for c in d.status["conditions"] if c["type"] == "WorkersHealthy")
+    assert cond["status"] == "False" and cond["message"].startswith("3 workers failed, more than backoffLimit=2")
 
 
 # -- GPUs -------------------------------------------------------------------------------------------------------------

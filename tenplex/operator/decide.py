@@ -112,7 +112,7 @@ class _Decider:
                 "parallel": self.spec.parallel(len(names))}
 
     def finish(self, phase: str, target=(), create=(), delete=(), **status) -> Decision:
-        for type_ in ("SpecValid", "NodesAvailable"):
+        for type_ in ("SpecValid", "NodesAvailable", "WorkersHealthy"):
             if not any(c["type"] == type_ for c in self.conditions):
                 self.condition(type_, True, "OK", "")
         self.condition("Ready", phase == "Running", phase, f"the job is {phase}")
@@ -139,7 +139,7 @@ class _Decider:
             n = sum(len(v) for v in failures.values())
             message = (f"{n} workers failed, more than backoffLimit={spec.backoff_limit}; "
                        f"see the pods' logs, then raise spec.backoffLimit to retry")
-            self.condition("NodesAvailable", False, "BackoffLimitExceeded", message)
+            self.condition("WorkersHealthy", False, "BackoffLimitExceeded", message)
             self.event_on_change("Failed", "Warning", "BackoffLimitExceeded", message)
             deletions += [Deletion(p.name, spec.grace_seconds, "the job failed") for p in active.values()]
             return self.finish("Failed", delete=deletions, failures=failures)
