@@ -254,6 +254,16 @@ def test_deciding_twice_on_the_same_observation_is_the_same_decision():
     assert merge_patch(applied, run(spec(), nodes, pods, applied).status) == applied  # a fixed point
 
 
+def test_spec_that_no_longer_allows_the_running_world_still_decides():
+    # 2 nodes of 8 ran; now pp=24 needs at least 3 nodes: the record's `from` is what ran, not recomputed
+    d = run(spec(minNodes=3, parallel={"pp": 24}), [node(n) for n in ("n1", "n2", "n3")], [pod("n1"), pod("n2")],
+            stable("n1", "n2"))
+    assert d.phase == "Rescaling" and d.create == ("n3",)
+    assert d.status["lastRescale"]["from"] == {"nodes": 2, "nodeNames": ["n1", "n2"], "worldSize": 16,
+                                               "parallel": "dp=2,tp=8,pp=1"}
+    assert d.status["lastRescale"]["to"]["parallel"] == "dp=1,tp=1,pp=24"
+
+
 def test_target_change_mid_rescale_starts_a_new_record():
     old = stable("n1", "n2")
     nodes = [node("n1"), node("n2"), node("n3")]

@@ -250,8 +250,10 @@ class _Decider:
             elif n not in running:
                 parts.append(f"worker {failed[n]} failed on {n}" if n in failed else f"worker on {n} missing")
         recovery = bool(lost or failed) or any(n in stable and n not in running for n in target)
+        # `from` is the world as it ran (the status says so): the current spec may not even allow its size.
+        ran = {key: self.old.get(key) for key in ("nodes", "nodeNames", "worldSize", "parallel")}
         record = {"type": "Recovery" if recovery else "Rescale", "reason": "; ".join(parts),
-                  "from": self.world(stable), "to": self.world(target), "startedAt": self.now, "finishedAt": None}
+                  "from": ran, "to": self.world(target), "startedAt": self.now, "finishedAt": None}
         self.events.append(Event("Normal", "RecoveryStarted" if recovery else "RescaleStarted",
                                  self.describe(record)))
         return record
