@@ -50,8 +50,10 @@ VERBS = {"list", "watch", "get", "create", "patch", "update", "delete"}
 def _selects(selector: str | None, obj: dict) -> bool:
     labels = (obj.get("metadata") or {}).get("labels") or {}
     for term in filter(None, (selector or "").split(",")):
-        key, _, value = term.partition("=")
-        if labels.get(key) != value:
+        key, sep, value = term.partition("=")
+        if not sep or key.endswith("!"):
+            raise KubernetesError(400, "BadRequest", f"this test double knows only key=value selectors: {term!r}")
+        if labels.get(key) != value.lstrip("="):  # `a==b` is `a=b`
             return False
     return True
 
