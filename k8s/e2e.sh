@@ -70,7 +70,7 @@ kubectl -n tenplex-system rollout status daemonset/tenplex-store --timeout=600s
 
 say "the example job on every node"
 if [ "$CLUSTER" = kind ]; then  # 1 cpu per node as the "accelerator", no pinned 24-rank configuration
-  sed -e 's/gpusPerNode: 8/gpusPerNode: 1/' -e '/pinned:/,+1d' -e '/requests: {cpu/d' -e 's/maxNodes: 4/maxNodes: 3/' \
+  sed -e 's/gpusPerNode: 8/gpusPerNode: 1/' -e '/pinned:/,+1d' -e '/^  resources:/,+1d' -e 's/maxNodes: 4/maxNodes: 3/' \
     k8s/examples/tenplexjob.yaml | kubectl apply -f -
 else
   kubectl apply -f k8s/examples/tenplexjob.yaml

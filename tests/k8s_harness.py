@@ -98,7 +98,7 @@ class Cluster:
     # jobs
     def create_job(self, name: str, **spec: Any) -> None:
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TenplexJob", "metadata": {"name": name},
-                "spec": {"image": "tenplex:test", "command": ["python", "train.py"], **spec}}
+                "spec": {"image": "tenplex:test", "command": ["train.py", "--steps", "9"], **spec}}
         self.custom.create_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, body)
 
     def patch_spec(self, name: str, **spec: Any) -> None:

@@ -14,7 +14,7 @@ T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:0
 
 
 def spec(**over):
-    return parse_spec({"image": "img", "command": ["python", "train.py"], "minNodes": 1, "maxNodes": 3,
+    return parse_spec({"image": "img", "command": ["train.py", "--steps", "9"], "minNodes": 1, "maxNodes": 3,
                        "gpusPerNode": 8, **over})
 
 
