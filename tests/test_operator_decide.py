@@ -329,7 +329,8 @@ def test_cli_says_what_is_missing_in_one_line(capsys, monkeypatch, tmp_path):
     assert main(["operator", "run"]) == 2
     assert capsys.readouterr().err.strip() == ("tenplex operator: error: say which TenplexJobs to watch: "
                                                "--all-namespaces, or --namespace NAME")
-    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    kube_config = pytest.importorskip("kubernetes.config.kube_config")
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "missing"))  # read at import
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert main(["operator", "run", "--all-namespaces"]) == 2
     assert "no Kubernetes credentials" in capsys.readouterr().err

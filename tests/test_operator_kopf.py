@@ -5,7 +5,9 @@ deletions) and wait on conditions with bounded polling.
 """
 
 import asyncio
+import json
 import logging
+import sys
 
 import pytest
 
@@ -238,3 +240,32 @@ def test_status_step_comes_from_the_nodes_store(cluster, saved_store):
         st = running(c, "j", ["n1"])
         assert wait_for(lambda: c.status("j").get("step"), "status.step") == 9
     assert st["nodes"] == 1
+
+
+def test_kopf_run_of_the_module_with_kubeconfig_login(cluster, tmp_path, monkeypatch):
+    """`kopf run -m tenplex.operator.main`: kopf's own login through the kubernetes client and a kubeconfig."""
+    from kopf.testing import KopfRunner
+    c = cluster
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
+        "clusters": [{"name": "kmock", "cluster": {"server": c.url}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "u"}}]}))
+    # the client reads $KUBECONFIG once, when it is imported (earlier in this process): point it there directly
+    monkeypatch.setattr(kubernetes.config.kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("TENPLEX_RECONCILE_INTERVAL", "0.5")
+    monkeypatch.setenv("TENPLEX_GPU_RESOURCE", "cpu")
+    c.add_node("n1")  # 16 cpu allocatable (see Cluster.add_node)
+    # `kopf run -m` registers into kopf's default registry, which KopfRunner sets to this fresh one; with kopf's
+    # own kubeconfig login (the one its default registry has), and a fresh import of the module.
+    registry = kopf.OperatorRegistry()
+    kopf.on.login(registry=registry)(kopf.login_via_client)
+    monkeypatch.delitem(sys.modules, "tenplex.operator.main", raising=False)
+    with KopfRunner(["run", "-m", "tenplex.operator.main", "--standalone", "--namespace", NS], registry=registry,
+                    timeout=60):
+        c.create_job("j", minNodes=1, maxNodes=1, gpusPerNode=4)
+        st = running(c, "j", ["n1"])
+        assert st["worldSize"] == 4
+        assert c.pods("j")[0]["spec"]["containers"][0]["resources"]["limits"] == {"cpu": "4"}
