@@ -173,6 +173,19 @@ def test_pod_the_api_server_rejects_fails_the_job_naming_the_template(cluster):
         assert [x["name"] for x in c.pods("j")[0]["spec"]["containers"]] == ["worker", "sidecar"]
 
 
+def test_pod_name_taken_by_another_pod_fails_the_job_naming_its_name(cluster):
+    c = cluster
+    c.add_node("n1")
+    c.core.create_namespaced_pod(NS, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "j-n1"},
+                                      "spec": {"containers": [{"name": "x", "image": "busybox"}]}})
+    with operator(c.url):
+        c.create_job("j", minNodes=1, maxNodes=1)
+        st = wait_for(lambda: c.status("j").get("phase") == "Failed" and c.status("j"), "phase Failed")
+        cond = next(x for x in st["conditions"] if x["type"] == "SpecValid")
+        assert cond["message"] == ("metadata.name: the worker pod name j-n1 is taken by a pod that is not this "
+                                   "job's worker: rename the TenplexJob")
+
+
 def test_conflicting_edit_is_read_again_and_decided_again(cluster, monkeypatch):
     """A 409 on the status write (the job changed after it was read) is retried on the new spec, not lost."""
     c = cluster

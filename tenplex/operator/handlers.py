@@ -67,8 +67,8 @@ class Operator:
         self.interval = interval
         self.pokes: dict[tuple[str, str], asyncio.Event] = {}
         self.node_view: dict[str, Any] = {}
-        # (namespace, name) -> (generation, why): the API server refused this spec's worker pod (422)
-        self.rejected: dict[tuple[str, str], tuple[int, str]] = {}
+        # (namespace, name) -> (generation, SpecError): the API server refused this spec's worker pod
+        self.rejected: dict[tuple[str, str], tuple[int, SpecError]] = {}
 
     # -- kopf wiring ---------------------------------------------------------------------------------------------
     def register(self, registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
@@ -171,7 +171,7 @@ class Operator:
         spec = _spec_or_error(job)
         rejected = self.rejected.get((namespace, name))
         if rejected and rejected[0] == job["metadata"].get("generation") and not isinstance(spec, SpecError):
-            spec = SpecError("spec.template", rejected[1])  # until the spec is edited: the same pod would fail
+            spec = rejected[1]  # until the spec is edited: the same pod would fail again
         decision = decide(spec, [node_state(n, self.settings.resource) for n in nodes],
                           [pod_state(p) for p in pods], used_by_others=used, status=job.get("status"),
                           generation=job["metadata"].get("generation"), now=_now(),
@@ -201,6 +201,19 @@ class Operator:
         address = next((a for a in addresses if a is not None), None)
         return None if address is None else committed_step(address, token)
 
+    def _refused(self, job: dict, pod: dict, e: ApiException) -> SpecError | None:
+        """The user error behind a refused create, or None (a 409 for our own pod: an earlier round made it)."""
+        name = pod["metadata"]["name"]
+        if e.status == 422:  # the pod is invalid: the spec's template
+            why = (json.loads(e.body).get("message") if e.body else None) or e.reason
+            return SpecError("spec.template", f"the API server rejected the worker pod: {why}")
+        if e.status == 409:
+            other = self._get(self.core.read_namespaced_pod, name, pod["metadata"]["namespace"])
+            if (other["metadata"].get("labels") or {}).get(JOB_LABEL) != job["metadata"]["name"]:
+                return SpecError("metadata.name", f"the worker pod name {name} is taken by a pod that is not this "
+                                 f"job's worker: rename the TenplexJob")
+        return None
+
     def _act(self, job: dict, decision: Decision, logger: logging.Logger) -> None:
         namespace = job["metadata"]["namespace"]
         for d in decision.delete:
@@ -215,17 +228,17 @@ class Operator:
         if decision.create:
             spec = parse_spec(job["spec"])  # decide() only asks for pods when the spec is valid
             for node in decision.create:
+                pod = worker_pod(job, spec, node, self.settings)
                 try:
-                    self.core.create_namespaced_pod(namespace, worker_pod(job, spec, node, self.settings))
+                    self.core.create_namespaced_pod(namespace, pod)
                 except ApiException as e:
-                    if e.status == 422:  # the pod is invalid: the spec's template, a user error
-                        why = (json.loads(e.body or "{}").get("message") if e.body else None) or e.reason
+                    error = self._refused(job, pod, e)
+                    if error is not None:
                         key = (namespace, job["metadata"]["name"])
-                        self.rejected[key] = (job["metadata"].get("generation"), f"the API server rejected the "
-                                              f"worker pod: {why}")
+                        self.rejected[key] = (job["metadata"].get("generation"), error)
                         self.poke(*key)
                         return
-                    if e.status != 409:  # created by an earlier round whose write we did not see yet
+                    if e.status != 409:
                         raise
                 else:
                     kopf.event(job, type="Normal", reason="WorkerCreated",
