@@ -1,53 +1,133 @@
-"""Train the tiny GPT under any parallel configuration; save with tenplex and resume under another one.
+"""Train the tiny GPT as an elastic job: any world size, any parallel configuration, state kept across changes.
 
-Run under torchrun (CPU, gloo)::
+Run one ``tenplex run`` per node (see README.md in this folder)::
 
-    torchrun --standalone --nproc-per-node 8 train.py --parallel dp=2,tp=2,pp=2 --steps 10 --store /tmp/tenplex-demo
-    torchrun --standalone --nproc-per-node 4 train.py --parallel dp=4 --steps 20 --store /tmp/tenplex-demo
+    tenplex rendezvous serve --port 29400 &
+    tenplex run --host h0 --store-root /tmp/gpt/h0 --nnodes 1:4 --nproc-per-node 2 \\
+        --rdzv-endpoint 127.0.0.1:29400 train.py --data /tmp/gpt/data --steps 40
 
-The second run restores the state the first saved (step 10) and continues to
-step 20. See README.md in this folder for the multi-host form (store processes).
+Nodes may join, leave (SIGTERM) or die while it trains: torchrun restarts the
+workers in the new world and this script continues where the job stopped,
+under the configuration tenplex's policy picks for that world.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import time
+from pathlib import Path
 
-import torch.distributed as dist
-
-import tenplex
+import tenplex.elastic
 from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parallel", default="dp=1", help="e.g. dp=2,tp=2,pp=2 (fsdp=1 shards over dp with FSDP2)")
-    parser.add_argument("--steps", type=int, default=10, help="train until this step")
-    parser.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
-    parser.add_argument("--global-batch", type=int, default=8)
-    parser.add_argument("--store", help="this host's store directory (default: $TENPLEX_STORE_ROOT)")
-    args = parser.parse_args()
+    args = parse_args()
+    job = tenplex.elastic.Job(dataset=args.data, global_batch=args.global_batch, max_tp=args.max_tp,
+                              pinned=args.pin, save_every=args.save_every, replicas=args.replicas,
+                              checkpointer_options={"keep": args.keep_versions},
+                              on_save=(lambda save: record.saved(save)) if args.record else None,
+                              on_exit=(lambda code, why: record.exit(code, why)) if args.record else None)
+    c = job.config
+    trainer = Trainer(GPTConfig(), Parallel(dp=c.dp, tp=c.tp, pp=c.pp), job.global_batch, seed=args.init_seed)
+    job.restore(trainer.model, trainer.optimizer, scheduler=trainer.scheduler, coords=trainer.coords)
+    record = Record(args.record, job, trainer) if args.record else None
+    if job.rank == 0:
+        print(f"world {job.world_size} on {','.join(job.hosts)}: {job.choice.degrees()} ({job.choice.reason}); "
+              f"{'fresh start' if job.restored.version is None else f'restored step {job.step}'}", flush=True)
+    try:
+        while job.step < args.steps:
+            if record:
+                record.hold()
+            batch = job.batch()                       # this rank's share of the global batch at job.step
+            tokens = batch.data.long()                # (micro-batch, seq + 1)
+            trainer.local_batch = lambda _step: (tokens[:, :-1], tokens[:, 1:])
+            loss = trainer.train_step(job.step)
+            if record:
+                record.step(job.step + 1, loss, batch.ids)
+            if job.rank == 0:
+                print(f"step {job.step + 1:4d}  loss {loss:.6f}", flush=True)
+            job.step_done()                           # periodic save; on SIGTERM: agree, save, exit
+        job.finish()
+        if job.rank == 0:
+            print(f"done at step {job.step}; saving cost {json.dumps(job.save_cost())}", flush=True)
+    except BaseException as e:
+        if record:
+            record.exit(getattr(e, "code", 1), f"{type(e).__name__}: {e}")
+        raise
+    if record:
+        record.exit(0, "done")
 
-    dist.init_process_group("gloo")
-    par = Parallel.parse(args.parallel)
-    trainer = Trainer(GPTConfig(), par, args.global_batch)
-    ckpt = tenplex.Checkpointer(store_root=args.store, coords=trainer.coords)
-    step = tenplex.restore(trainer.model, trainer.optimizer, scheduler=trainer.scheduler, checkpointer=ckpt) or 0
-    rank = dist.get_rank()
-    if rank == 0:
-        how = "fresh start" if step == 0 else f"restored step {step} (transformed: {ckpt.last_restore.transformed})"
-        print(f"[{args.parallel}] {how}", flush=True)
-    while step < args.steps:
-        loss = trainer.train_step(step)
-        step += 1
-        if rank == 0:
-            print(f"step {step:4d}  loss {loss:.6f}", flush=True)
-        if step == args.steps or (args.save_every and step % args.save_every == 0):
-            version = tenplex.save(trainer.model, trainer.optimizer, step=step, scheduler=trainer.scheduler,
-                                   checkpointer=ckpt)
-            if rank == 0:
-                print(f"saved step {step} as version {version}", flush=True)
-    dist.destroy_process_group()
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True, help="packed dataset directory (make_data.py writes one)")
+    p.add_argument("--steps", type=int, default=40, help="train until this step")
+    p.add_argument("--global-batch", type=int, default=12)
+    p.add_argument("--max-tp", type=int, default=8, help="cap of the policy's tensor parallelism")
+    p.add_argument("--pin", action="append", default=[], metavar="WORLD:SPEC",
+                   help="pin a configuration for a world size, e.g. 4:tp=2,pp=2 (repeatable)")
+    p.add_argument("--save-every", type=int, default=None,
+                   help="steps between saves (default: automatic, at most 5%% of training time; 0: only on stop)")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="copies of regions no other host holds (default: 1 with two or more hosts)")
+    p.add_argument("--keep-versions", type=int, default=2, help="saved versions each store keeps")
+    p.add_argument("--init-seed", type=int, default=0, help="seed of the initial weights of a fresh start")
+    p.add_argument("--record", type=Path, help="directory for per-rank JSON lines and state dumps (the demo)")
+    args = p.parse_args()
+    args.pin = {int(w): spec for w, _, spec in (item.partition(":") for item in args.pin)}
+    return args
+
+
+class Record:
+    """What ``tenplex demo --elastic`` checks: per-rank JSON lines (losses, sample ids, saves, times) and the
+    full parameters and Adam moments (safetensors) after every save and after the restore."""
+
+    def __init__(self, folder: Path, job, trainer):
+        self.folder, self.job, self.trainer = folder, job, trainer
+        (folder / "dumps").mkdir(parents=True, exist_ok=True)
+        self.tag = f"{os.getpid()}-{job.rank}"
+        self.file = open(folder / f"rank-{job.host}-{self.tag}.jsonl", "a")
+        r = job.restored
+        self.write(event="start", world_id=job.world_id, time=job.started, ready=time.time(), world=job.world_size,
+                   hosts=job.hosts,
+                   parallel=job.choice.degrees(), rank=job.rank, host=job.host, coords=trainer.coords,
+                   restored_step=r.step if r.version is not None else None, version=r.version,
+                   transformed=r.transformed, plan_stats=r.plan_stats, restore_s=r.seconds,
+                   position=job.data_state.position)
+        if r.version is not None:
+            self.dump(f"restored-{r.step}-{self.tag}")
+
+    def hold(self) -> None:
+        """Wait while the demo holds the job at this step (file ``hold-STEP``), unless torchrun stops us."""
+        flag = self.folder / f"hold-{self.job.step}"
+        while flag.exists() and not self.job.stop_requested:
+            time.sleep(0.05)
+
+    def write(self, **doc) -> None:
+        self.file.write(json.dumps(doc) + "\n")
+        self.file.flush()
+
+    def step(self, step: int, loss: float, ids: list[int]) -> None:
+        self.write(event="step", step=step, loss=loss, ids=ids, time=time.time())
+
+    def saved(self, save: dict) -> None:
+        self.write(event="saved", **save, position=self.job.data_state.position, time=time.time())
+        self.dump(f"saved-{save['step']}-{self.tag}")
+
+    def dump(self, name: str) -> None:
+        from safetensors.torch import save_file
+
+        state = self.trainer.full_state()  # collective: every rank calls it
+        if self.trainer.coords["dp"] == 0 and self.trainer.coords["tp"] == 0:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(self.folder / "dumps" / f"{name}.safetensors"))
+
+    def exit(self, code: int, why: str) -> None:
+        if not self.file.closed:
+            self.write(event="exit", code=code, why=why, time=time.time(), sigterm=self.job.stop_requested)
+            self.file.close()
 
 
 if __name__ == "__main__":

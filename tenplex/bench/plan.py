@@ -14,6 +14,10 @@ written in Python), and ``reload_bytes`` is what a stop / checkpoint /
 restart would move between hosts (every byte of the new state).
 Times are wall (``*_seconds``) and CPU (``*_cpu_seconds``); the CPU time is the
 fairer number on a shared machine.
+
+May import: the PTC core (``tenplex.box``, ``tenplex.parallel``, ``tenplex.gpt``,
+``tenplex.ptc``, ``tenplex.planner``, ``tenplex.transfer_plan``,
+``tenplex._gc``, ``tenplex.errors``), tqdm and the standard library.
 """
 
 from __future__ import annotations

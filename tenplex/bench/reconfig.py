@@ -68,8 +68,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     socket_gbps = (512 << 20) / _socket_seconds(512 << 20) / 1e9
     base_dir = args.dir or _default_dir(3 * 2 * state_bytes)
     results = []
-    with tempfile.TemporaryDirectory(prefix="tenplex-reconfig-", dir=base_dir) as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="tenplex-reconfig-", dir=base_dir) as tmp_name:
+        tmp = Path(tmp_name)
         _write_base(tmp, old)
         servers = {}
         try:

@@ -41,6 +41,7 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from ..errors import UsageError
 from ..runtime.hosts import Hosts
@@ -160,7 +161,7 @@ def _dcp_load(trainer, path: str) -> None:
 
     # get_state_dict creates the fresh optimizer's state (DCP's own initialisation), inside the timing like ours.
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 

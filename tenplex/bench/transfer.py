@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> dict:
     plan = Plan((Transfer("x", "h0/0", "h1/0", "old", whole),),
                 PlanStats(target_bytes=nbytes, inter_host_bytes=nbytes, inter_host_lower_bound=nbytes))
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
-    with tempfile.TemporaryDirectory(prefix="tenplex-bench-", dir=base_dir) as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="tenplex-bench-", dir=base_dir) as tmp_name:
+        tmp = Path(tmp_name)
         data = np.random.default_rng(0).random(shape, dtype=np.float32)
         with Store(tmp / "h0", "h0").begin(1) as w:
             w.put("h0/0", "x", whole, data, "float32", shape=shape)

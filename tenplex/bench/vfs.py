@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sample = args.sample_kb << 10
     count = max(1, (args.size_mb << 20) // sample)
     chunk = args.chunk_kb << 10
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="tenplex-bench-vfs-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="tenplex-bench-vfs-") as tmp_name:
+        tmp = Path(tmp_name)
         info = write_dataset(_records(count, sample, np.random.default_rng(0)), tmp / "ds", "bytes",
                              file_bytes=64 << 20)
         state = DatasetState(info.identity, info.num_samples, seed=0, position=0, global_batch=1)

@@ -5,6 +5,8 @@ Each benchmark is a module ``tenplex.bench.<name>`` exposing ``DESCRIPTION``,
 ``--json`` the result is printed as indented JSON, or by the module's
 ``table(objects) -> str`` when it has one; with it, compactly on one line per
 object (a list prints one object per line).
+
+May import: ``tenplex.bench`` (by name, on use) and the standard library.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import importlib
 import json
 
 # Benchmark modules under tenplex.bench.
-BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "plan", "transfer", "reconfig", "compare", "simulate")
+BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "plan", "transfer", "reconfig", "compare", "simulate", "replicate")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,6 +1,6 @@
 """``tenplex demo``: a small GPT job trains, is rescaled onto other hosts and parallelism, and continues.
 
-May import: ``tenplex.runtime`` and the standard library (no torch in this process).
+May import: ``tenplex.runtime``, ``tenplex.errors`` and the standard library (no torch in this process).
 """
 
 from __future__ import annotations
@@ -24,7 +24,14 @@ def register(subparsers) -> None:
         description="Train the example GPT on CPU under one configuration, save through tenplex, restart it "
                     "under another configuration on another number of hosts (the stores transform the state), "
                     "continue, and compare with an uninterrupted run. Exits non-zero if a check fails.")
-    p.add_argument("--steps", type=int, default=8, help="steps before the rescale, and after it (default 8)")
+    p.add_argument("--elastic", action="store_true",
+                   help="run an elastic job on real torchrun agents (tenplex run) through a schedule of nodes "
+                        "joining, failing and leaving")
+    p.add_argument("--schedule", help="with --elastic: events KIND:HOST@STEP, comma-separated "
+                                      "(default join:h2@4,fail:h1@8,leave:h2@12; h0 and h1 run at the start)")
+    p.add_argument("--plot", type=Path, help="with --elastic: write both loss curves and the events to this PNG")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps before the rescale, and after it (default 8); with --elastic: all steps (default 16)")
     p.add_argument("--from", dest="parallel_from", default="tp=2,dp=2", metavar="PARALLEL",
                    help="configuration A, e.g. tp=2,dp=2 (keys dp, tp, pp, fsdp=1)")
     p.add_argument("--to", dest="parallel_to", default="pp=2,dp=2", metavar="PARALLEL",
@@ -42,6 +49,11 @@ def register(subparsers) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.elastic:
+        return elastic(args)
+    if args.schedule or args.plot:
+        raise UsageError("--schedule and --plot belong to --elastic")
+    args.steps = 8 if args.steps is None else args.steps
     if args.steps < 1:
         raise UsageError("--steps must be at least 1")
     cfg = DemoConfig(steps=args.steps, parallel_from=args.parallel_from, parallel_to=args.parallel_to,
@@ -118,3 +130,38 @@ def report(s: dict, say) -> None:
     say(f"[{marks[c['restored_step_and_position']]}] restored step {restore['step']} and dataset position "
         f"{restore['dataset_state']['position']}")
     say(f"{'all checks passed' if s['ok'] else 'SOME CHECKS FAILED'} in {s['wall_s']} s")
+
+
+def elastic(args: argparse.Namespace) -> int:
+    """``tenplex demo --elastic``: see :mod:`tenplex.elastic.demo`."""
+    from ..elastic.demo import DEFAULT_SCHEDULE, parse_schedule, run
+    from ..elastic.timeline import plot, print_timeline
+
+    steps = 16 if args.steps is None else args.steps
+    schedule = args.schedule or DEFAULT_SCHEDULE
+    parse_schedule(schedule, ("h0", "h1"), steps)  # bad input: one line, before anything starts
+    out = sys.stderr if args.json else sys.stdout
+
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+
+    if args.workdir and args.workdir.exists() and any(args.workdir.iterdir()):
+        raise UsageError(f"--workdir {args.workdir} is not empty; give a new or empty directory")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tenplex-elastic-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    try:
+        summary, history = run(workdir, schedule, steps, say=say)
+    finally:
+        if args.workdir is None and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif args.workdir is None:
+            say(f"kept {workdir}")
+    say(f"timeline ({time.monotonic() - start:.0f} s):")
+    print_timeline(summary, say)
+    if args.plot:
+        plot(summary, history, args.plot)
+        say(f"plot: {args.plot}")
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    return 0 if summary["ok"] else 1

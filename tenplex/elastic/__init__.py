@@ -4,9 +4,26 @@ May import: every tenplex layer below the command line (``parallel``, ``errors``
 ``integration``, ``dataset``, ``store``, ``runtime``), torch and the standard
 library. ``tenplex.elastic.policy`` is pure: it imports only ``tenplex.parallel``,
 ``tenplex.devices`` and ``tenplex.errors``, so that the Kubernetes operator can
-use it without torch; this package therefore imports nothing eagerly.
+use it without torch; this package therefore loads :class:`Job` (torch) only
+when it is first used.
+
+Modules: :mod:`.policy` (which configuration a world trains with), :mod:`.job`
+(the training-loop API), :mod:`.launcher` (``tenplex run``), :mod:`.entry`
+(how each worker starts), :mod:`.rendezvous` (``tenplex rendezvous serve``).
 """
 
 from .policy import Choice, choose
 
-__all__ = ["Choice", "choose"]
+__all__ = ["Choice", "choose", "Job", "Batch", "auto_interval"]
+
+
+def __getattr__(name: str):
+    if name in ("Job", "Batch", "auto_interval"):
+        from . import job
+
+        return getattr(job, name)
+    raise AttributeError(f"module 'tenplex.elastic' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

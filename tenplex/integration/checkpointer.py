@@ -13,13 +13,24 @@ Save (every rank, collectively):
    (memory-mapped, no network); the first rank of each host adds the whole
    layout and the non-tensor state (``tenplex.torch_state``);
 4. once every rank prepared its part, each host commits. A failure anywhere
-   aborts the staged version everywhere and raises on every rank.
+   aborts the staged version everywhere and raises on every rank;
+5. the version records every host's store address (``tenplex.stores``), and the
+   first rank of each host starts pulling, in the background, its copies of
+   the regions that only one other host holds (``replicas``; see
+   :mod:`tenplex.replication`).
 
 Restore (every rank, collectively):
 
 1. the new layout comes from the ranks' own model and optimizer (or is given);
-2. the newest version committed on every host of its layout is chosen; its
-   layout and state document are broadcast from a rank whose host has it;
+2. the newest version that the available hosts can assemble completely is
+   chosen; its layout and state document are broadcast from a rank whose host
+   has it. Available: the hosts of the job, and hosts that left but whose
+   recorded store still answers. When a host of the version is gone, its
+   regions come from the copies the job's hosts hold: they first put together
+   a new version from their own shards and those copies (hard links,
+   :mod:`tenplex.replication.promote`). A version some region of which no
+   available host holds is skipped; when no version is left,
+   :class:`~tenplex.replication.LostStateError` names what was lost;
 3. mismatches (a tensor missing on either side, a shape or dtype change, an
    optimizer of another kind) raise StateMismatchError on every rank;
 4. if every box a rank needs can be assembled from shards stored on its own
@@ -31,20 +42,28 @@ Restore (every rank, collectively):
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
-from ..devices import host_of, parse_host_addresses
+from ..devices import host_of, parse_device, parse_host_addresses
 from ..errors import ConfigError
 from ..layout import Layout, Shard, TensorSpec, from_dict as layout_from_dict
 from ..box import Box, tile
+from ..replication import LostStateError, assemble, effective_replicas
+from ..replication.copier import Replicator, held_layout, held_versions
+from ..replication.plan import Lost
+from ..replication.stores import STORES_DOC, answering, replicas_of, stores_doc
 from ..store import LAYOUT_DOC, Store
 from .annotate import Annotations
 from .exchange import agree, all_gather_json, broadcast_json
+from .names import likely_cause, parameter_names
 from .nontensor import (StateMismatchError, apply_optimizer_doc, apply_rng, capture_rng, derived_seed, from_json,
                         optimizer_doc, seed_rng, to_json)
 from .pieces import (OPTIMIZER_PREFIX, Piece, init_optimizer_state, model_pieces, optimizer_pieces, optimizer_scalars,
@@ -54,6 +73,9 @@ from .shardio import read_piece, write_piece
 STATE_DOC = "tenplex.torch_state"
 STATE_FORMAT = "tenplex.torch_state/1"
 
+log = logging.getLogger(__name__)
+_LIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()  # their background copies are cancelled at exit
+
 
 @dataclass
 class RestoreInfo:
@@ -61,23 +83,39 @@ class RestoreInfo:
 
     version: int | None = None        # the version restored from (after a transformation: the new one)
     saved_version: int | None = None  # the version that was saved
+    step: int | None = None           # the step that version saved
     transformed: bool = False
     plan_stats: dict = field(default_factory=dict)
+    lost_hosts: list[str] = field(default_factory=list)  # hosts of the saved version that were gone
+    promoted_version: int | None = None  # the version put together from survivors' shards and copies
+    replica_devices: dict[str, list[str]] = field(default_factory=dict)  # copy device -> [holder, origin device]
+    skipped: list[dict] = field(default_factory=list)  # newer versions not restorable: {version, step, reason}
 
 
 class Checkpointer:
     """Where this rank's state goes: its host's store directory, its device id, the other hosts' stores.
 
-    Every argument has an environment default, so that a launcher (``tenplex
-    run``, the Kubernetes controller, or a torchrun wrapper) configures the job
-    and the training script only calls :func:`tenplex.save` / :func:`tenplex.restore`:
+    Every argument has an environment default, so that whatever launches the
+    workers configures the job and the training script only calls
+    :func:`tenplex.save` / :func:`tenplex.restore`. Today that is
+    :func:`tenplex.runtime.launch.run_job` (``tenplex demo``) or a torchrun
+    wrapper that sets the variables:
 
     * ``store_root``: ``TENPLEX_STORE_ROOT`` — this host's store directory;
     * ``host``: ``TENPLEX_HOST`` (default ``h0``);
     * ``device``: ``TENPLEX_DEVICE`` (default ``HOST/LOCAL_RANK``);
-    * ``stores``: ``TENPLEX_STORES`` = ``h0=127.0.0.1:5000,h1=…`` — gRPC addresses of
-      every host's store process; needed only when a restore must move data
-      between devices (a change of configuration);
+    * ``store_address``: ``TENPLEX_STORE_ADDRESS`` — this host's store server
+      (``tenplex run`` sets it). Every save records the address of every host's
+      store, so a restore that moves data between hosts, and replication, find
+      them without a list;
+    * ``stores``: ``TENPLEX_STORES`` = ``h0=127.0.0.1:5000,h1=…`` — an override:
+      addresses of hosts' store processes, preferred to the recorded ones;
+    * ``replicas``: copies of every region that only one host holds, kept on
+      the next hosts of a ring (see :mod:`tenplex.replication`) and pulled in
+      the background after each save. None (default): one copy when the job
+      spans two or more hosts; 0: off. :meth:`wait_replicated` waits for them.
+      The next save and the process's exit cancel copies still running: wait
+      after the last save before a planned exit, or that save has no copies;
     * ``coords``: this rank's parallel coordinates, for example
       ``{"pp": 0, "dp": 1, "tp": 0}``; RNG states are keyed by them (default: the rank);
     * ``keep``: committed versions kept per store after a save (default 2);
@@ -87,7 +125,8 @@ class Checkpointer:
 
     def __init__(self, store_root: str | os.PathLike | None = None, host: str | None = None,
                  device: str | None = None, stores: Mapping[str, str] | None = None,
-                 coords: Mapping[str, int] | None = None, keep: int = 2, group=None, token: str | None = None):
+                 coords: Mapping[str, int] | None = None, keep: int = 2, group=None, token: str | None = None,
+                 store_address: str | None = None, replicas: int | None = None):
         env = os.environ
         root = store_root or env.get("TENPLEX_STORE_ROOT")
         if not root:
@@ -103,7 +142,15 @@ class Checkpointer:
         self.keep = keep
         self.group = group
         self.token = token or env.get("TENPLEX_TOKEN")
+        self.store_address = store_address or env.get("TENPLEX_STORE_ADDRESS") or self.stores.get(self.host)
+        if replicas is not None and replicas < 0:
+            raise ConfigError(f"replicas must be >= 0 (0: no copies) or None (the default), got {replicas}")
+        self.replicas = replicas
         self.last_restore = RestoreInfo()
+        self._replicator: Replicator | None = None
+        self._replicated_version: int | None = None  # the last saved version, once replication was set up
+        self.last_replication: list[dict] = []  # every host's copier status, as the last wait_replicated saw it
+        _LIVE.add(self)
 
     # ------------------------------------------------------------------ save
     def save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int,
@@ -111,8 +158,9 @@ class Checkpointer:
              rng: bool = True) -> int:
         """Save the state at ``step`` as a new version on every host; returns the version. Collective."""
         rank = dist.get_rank(self.group)
+        self._cancel_replication()  # the new version supersedes the one still being copied
         pieces = [p for p in _pieces(model, optimizer, annotations) if not p.box.is_empty()]
-        mine = {"device": self.device, "host": self.host, "latest": self.store.latest(),
+        mine = {"device": self.device, "host": self.host, "latest": self.store.latest(), "store": self.store_address,
                 "tensors": _specs(pieces), "boxes": [[p.name, list(p.box.offsets), list(p.box.lengths)]
                                                     for p in pieces],
                 "coord": self._coord_key(rank), "rng": capture_rng() if rng else None,
@@ -123,6 +171,10 @@ class Checkpointer:
         writers = _first_holder_per_host(docs)
         version = 1 + max((d["latest"] for d in docs if d["latest"] is not None), default=0)
         leader = min(r for r, d in enumerate(docs) if d["host"] == self.host)
+        addresses = self._addresses(docs)
+        ring = sorted({d["host"] for d in docs if d["boxes"]})  # the hosts of the saved layout
+        replicas = agree("save: check the replicas", lambda: self._replica_count(addresses, ring), self.group)
+        saved: list[Layout] = []
 
         def stage():
             with self.store.begin(version, part=f"rank{rank}") as writer:
@@ -130,8 +182,10 @@ class Checkpointer:
                     if writers[(self.host, piece.name, piece.box)] == rank:
                         write_piece(writer, self.device, piece)
                 if rank == leader:
-                    writer.put_layout(_saved_layout(tensors, docs, writers))
+                    saved.append(_saved_layout(tensors, docs, writers))
+                    writer.put_layout(saved[0])
                     writer.put_json(STATE_DOC, self._state_doc(docs, step, extra, scheduler, scaler, optimizer))
+                    writer.put_json(STORES_DOC, stores_doc(version, {h: addresses.get(h) for h in ring}, replicas, ring))
                 writer.prepare()
 
         try:
@@ -149,14 +203,68 @@ class Checkpointer:
             raise
         if rank == leader:
             self.store.gc(self.keep)
+            if replicas:
+                self._replicator = Replicator(self.store, version, saved[0], replicas, addresses, token=self.token,
+                                              keep=self.keep).start()
+        self._replicated_version = version
         return version
+
+    # ----------------------------------------------------------- replication
+    def wait_replicated(self, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: no limit) for the copies of the last saved version. Collective.
+
+        True on every rank when every copy the replication rule asks for is
+        committed on its host (trivially so when it asks for none: ``replicas=0``
+        or one host); False when some copy failed, was cancelled, is not done in
+        time, or nothing was saved yet. :meth:`replication_status` says why.
+        """
+        replicator = self._replicator
+        ok = self._replicated_version is not None and (replicator is None or replicator.wait(timeout))
+        reports = all_gather_json({"host": self.host, "ok": ok,
+                                   "status": None if replicator is None else replicator.status()}, self.group)
+        self.last_replication = [r for r in reports if r["status"] is not None]
+        return all(r["ok"] for r in reports)
+
+    def replication_status(self) -> dict | None:
+        """This process's copies of the last saved version: version, state (pending, running, replicated,
+        failed, cancelled), copies, bytes, seconds, error; None when this rank pulls none."""
+        return None if self._replicator is None else self._replicator.status()
+
+    def close(self) -> None:
+        """Cancel background replication (its staged copy is dropped; committed copies stay)."""
+        self._cancel_replication()
+
+    def _cancel_replication(self) -> None:
+        if self._replicator is not None:
+            self._replicator.cancel()
+
+    def _addresses(self, docs) -> dict[str, str]:
+        """host -> store address: what the ranks report, overridden by ``stores``/``TENPLEX_STORES``."""
+        found = {d["host"]: d["store"] for d in docs if d.get("store")}
+        found.update(self.stores)
+        return found
+
+    def _replica_count(self, addresses: dict[str, str], ring: list[str]) -> int:
+        count = effective_replicas(self.replicas, len(ring))
+        unknown = [h for h in ring if h not in addresses]
+        if count and unknown:
+            if self.replicas is not None:
+                raise ConfigError(f"replicas={self.replicas} needs every host's store address, but host(s) "
+                                  f"{', '.join(unknown)} reported none: set TENPLEX_STORE_ADDRESS on every host "
+                                  f"(tenplex run does), pass store_address=, or pass replicas=0")
+            if dist.get_rank(self.group) == 0:
+                log.warning("state is not replicated: host(s) %s reported no store address (set "
+                            "TENPLEX_STORE_ADDRESS, as tenplex run does); a lost host loses its shards",
+                            ", ".join(unknown))
+            return 0
+        return count
 
     def _coord_key(self, rank: int) -> str:
         coords = self.coords if self.coords is not None else {"rank": rank}
         return ",".join(f"{k}={v}" for k, v in sorted(coords.items()))
 
     def _state_doc(self, docs, step, extra, scheduler, scaler, optimizer) -> dict:
-        rng = {}
+        rng: dict[str, Any] = {}
         for d in docs:
             if d["rng"] is not None:
                 rng.setdefault(d["coord"], d["rng"])
@@ -173,7 +281,8 @@ class Checkpointer:
         return doc
 
     # --------------------------------------------------------------- restore
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, extra: dict | None = None,
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                extra: dict | None = None,
                 scheduler=None, scaler=None, annotations: Annotations | None = None, rng: bool = True,
                 layout: Layout | None = None, version: int | None = None) -> int | None:
         """Load the newest saved state into ``model`` and ``optimizer`` (in place); return its step. Collective.
@@ -190,22 +299,30 @@ class Checkpointer:
             init_optimizer_state(optimizer)
         pieces = [p for p in _pieces(model, optimizer, annotations) if not p.box.is_empty()]
         mine = {"device": self.device, "host": self.host, "versions": self.store.versions(),
+                "copies": held_versions(self.store.root), "store": self.store_address,
                 "tensors": _specs(pieces), "boxes": [[p.name, list(p.box.offsets), list(p.box.lengths)]
                                                     for p in pieces]}
         docs = all_gather_json(mine, self.group)
         found = self._find_version(docs, version)
         if found is None:
             return None
-        saved_version, old, state = found
+        old, state = found.layout, found.state
         new = agree("restore: check the new layout",
                     lambda: _check_and_build(old, docs, layout, self.device, pieces,
                                              with_optimizer=optimizer is not None), self.group)
         if optimizer is not None:
             agree("restore: check the optimizer", lambda: _check_optimizer(optimizer, model, state), self.group)
-        info = RestoreInfo(version=saved_version, saved_version=saved_version)
+        info = RestoreInfo(version=found.version, saved_version=found.version, step=state["step"],
+                           lost_hosts=found.lost_hosts, skipped=found.skipped,
+                           replica_devices={d: list(v) for d, v in found.replica_devices.items()})
+        newest = max(v for d in docs for v in d["versions"])
+        if found.lost_hosts:
+            info.version = info.promoted_version = self._promote(found, newest + 1, docs)
+            newest = info.version
         sources = _local_sources(old, new)
         if sources is None:
-            info.version, info.plan_stats = self._transform(old, new, saved_version, docs, state)
+            info.version, info.plan_stats = self._transform(old, new, info.version, newest + 1,
+                                                            {**found.addresses, **self._addresses(docs)})
             info.transformed = True
             sources = {d: {(s.tensor, s.box): [(d, s.box)] for s in shards} for d, shards in new.devices.items()}
 
@@ -218,8 +335,8 @@ class Checkpointer:
         self.last_restore = info
         return state["step"]
 
-    def _find_version(self, docs, wanted):
-        """(version, old layout, state doc) of the newest version committed on every host that holds it."""
+    def _find_version(self, docs, wanted) -> "_Found | None":
+        """The newest version the available hosts can assemble completely (see the module docstring)."""
         job_hosts = {d["host"]: set(d["versions"]) for d in docs}
         candidates = sorted({v for d in docs for v in d["versions"]}, reverse=True)
         if wanted is not None:
@@ -227,41 +344,108 @@ class Checkpointer:
                 raise StateMismatchError(f"version {wanted} is committed on none of this job's hosts "
                                          f"({', '.join(sorted(job_hosts))}); committed: {candidates or 'none'}")
             candidates = [wanted]
+        skipped: list[dict] = []
+        losses: list[tuple[int, int, list[str], list[Lost], int]] = []
         for v in candidates:
             src = min(r for r, d in enumerate(docs) if v in d["versions"])
             payload = None
             if dist.get_rank(self.group) == src:
                 try:
-                    reader = self.store.open(v)
-                    payload = {"layout": reader.get_json(LAYOUT_DOC), "state": reader.get_json(STATE_DOC)}
+                    payload = self._read_version(v, job_hosts)
                 except Exception as e:  # noqa: BLE001 -- every rank raises it after the broadcast
                     payload = {"error": f"{type(e).__name__}: {e}"}
             payload = broadcast_json(payload, src=_global_rank(src, self.group), group=self.group)
             if "error" in payload:
                 raise StateMismatchError(f"cannot read version {v} on host {docs[src]['host']}: {payload['error']}")
             old = layout_from_dict(payload["layout"], source=f"version {v}")
+            step = payload["state"]["step"]
             # A host of the job that should hold v but does not: v's commit did not finish there.
-            if all(v in job_hosts[h] for h in old.hosts() if h in job_hosts):
-                return v, old, payload["state"]
+            unfinished = [h for h in old.hosts() if h in job_hosts and v not in job_hosts[h]]
+            if unfinished:
+                skipped.append({"version": v, "step": step, "reason": f"not committed on {', '.join(unfinished)}"})
+                continue
+            gone = [h for h in old.hosts() if h not in job_hosts and h not in payload["answering"]]
+            if not gone:
+                return _Found(v, old, payload["state"], payload["answering"], skipped=skipped)
+            found = self._assemble(v, old, gone, docs)
+            if not found.lost:
+                return _Found(v, found.layout, payload["state"], {}, gone, found.replica_devices, skipped)
+            skipped.append({"version": v, "step": step, "reason": f"lost {len(found.lost)} region(s) of "
+                                                                  f"{', '.join(gone)}: {found.lost[0]}"})
+            losses.append((v, step, gone, found.lost, payload["replicas"]))
+        if losses:
+            raise LostStateError(_lost_message(losses), losses[0][3])
         return None
 
-    def _transform(self, old: Layout, new: Layout, saved_version: int, docs, state) -> tuple[int, dict]:
+    def _read_version(self, v: int, job_hosts) -> dict:
+        """Layout, state and replication record of ``v`` from this host, and which departed hosts still serve it."""
+        reader = self.store.open(v)
+        layout = reader.get_json(LAYOUT_DOC)
+        recorded = reader.get_json(STORES_DOC) if STORES_DOC in reader.json_names() else None
+        departed = sorted({host_of(d) for d in layout["devices"]} - set(job_hosts))
+        candidates = {h: self.stores.get(h) or (recorded or {"stores": {}})["stores"].get(h) for h in departed}
+        return {"layout": layout, "state": reader.get_json(STATE_DOC), "replicas": replicas_of(recorded, v),
+                "answering": answering(candidates, v, self.token) if departed else {}}
+
+    def _assemble(self, v: int, old: Layout, gone: list[str], docs):
+        """What the job's hosts can put together of ``v`` from their shards and the copies they hold. Collective."""
+        leaders = {d["host"]: r for r, d in reversed(list(enumerate(docs)))}
+        held = {}
+        if leaders[self.host] == dist.get_rank(self.group):
+            for origin in gone:
+                if v not in docs[leaders[self.host]]["copies"].get(origin, []):
+                    continue
+                try:
+                    held[origin] = held_layout(self.store.root, self.host, origin, v).to_dict()
+                except Exception as e:  # noqa: BLE001 -- an unreadable copy counts as absent; the others go on
+                    log.warning("ignoring host %s's copy of %s's version %d: %s", self.host, origin, v, e)
+        gathered = all_gather_json(held, self.group)
+        copies = {docs[r]["host"]: {o: layout_from_dict(doc, source=f"copies of {o}'s version {v}")
+                                    for o, doc in gathered[r].items()} for r in leaders.values()}
+        taken: dict[str, set[int]] = {}
+        for d in docs:
+            taken.setdefault(d["host"], set()).add(parse_device(d["device"])[1])
+        available = [h for h in old.hosts() if h in taken]
+        return assemble(old, available, copies, taken)
+
+    def _promote(self, found: "_Found", target: int, docs) -> int:
+        """Commit ``target`` on the surviving hosts from their shards and copies of the found version. Collective."""
+        from ..replication import promote
+
+        rank = dist.get_rank(self.group)
+        leader = min(r for r, d in enumerate(docs) if d["host"] == self.host)
+        holds = self.host in found.layout.hosts()
+        what = f"restore: putting version {found.version} together from surviving shards and copies as {target}"
+        try:
+            agree(what, lambda: promote.stage(self.store, found.version, target, found.layout, found.replica_devices)
+                  if rank == leader and holds else None, self.group)
+            agree(what, lambda: self.store.commit(target, parts=[promote.PART]) if rank == leader and holds else None,
+                  self.group)
+        except Exception:
+            if rank == leader and holds:
+                self.store.abort(target)
+                self.store.delete(target)
+            raise
+        return target
+
+    def _transform(self, old: Layout, new: Layout, old_version: int, target: int,
+                   addresses: dict[str, str]) -> tuple[int, dict]:
         from ..planner import plan as make_plan
         from ..transform import transform
 
         def run():
             if dist.get_rank(self.group) != 0:
                 return None
-            missing = sorted((set(old.hosts()) | set(new.hosts())) - set(self.stores))
+            missing = sorted((set(old.hosts()) | set(new.hosts())) - set(addresses))
             if missing:
                 raise StateMismatchError(
                     f"restoring into this configuration moves state between devices, which needs the store "
-                    f"process of every host; no address for host(s) {', '.join(missing)}: pass stores= or set "
+                    f"process of every host; no address for host(s) {', '.join(missing)}: set "
+                    f"TENPLEX_STORE_ADDRESS on every host (tenplex run does), or pass stores= / "
                     f"TENPLEX_STORES=h0=HOST:PORT,…")
             plan = make_plan(old, new)
-            target = 1 + max(v for d in docs for v in d["versions"])
             # The transformer carries the JSON documents (the state doc included) into the new version.
-            transform(plan, old, new, stores=self.stores, old_version=saved_version, new_version=target,
+            transform(plan, old, new, stores=addresses, old_version=old_version, new_version=target,
                       token=self.token)
             return {"version": target, "stats": plan.to_dict()["stats"]}
 
@@ -286,7 +470,45 @@ class Checkpointer:
                 seed_rng(derived_seed(state["step"], coord))
 
 
+@atexit.register
+def _cancel_replication_at_exit() -> None:
+    for ckpt in list(_LIVE):
+        ckpt.close()
+
+
 # ---------------------------------------------------------------- helpers
+@dataclass
+class _Found:
+    """A version to restore: its source layout (with copy devices when hosts are gone) and state."""
+
+    version: int
+    layout: Layout
+    state: dict
+    addresses: dict[str, str]          # departed hosts whose recorded store still serves the version
+    lost_hosts: list[str] = field(default_factory=list)
+    replica_devices: dict[str, tuple[str, str]] = field(default_factory=dict)
+    skipped: list[dict] = field(default_factory=list)
+
+
+def _lost_message(losses) -> str:
+    v, step, gone, lost, replicas = losses[0]
+    shown = "; ".join(map(str, lost[:5])) + (f"; and {len(lost) - 5} more" if len(lost) > 5 else "")
+    if replicas is None:
+        why = ("it was made by a restore (a transformation, or put together from copies), and such versions are "
+               "not copied; the next save is")
+    elif replicas == 0:
+        why = "it was saved with replication off (replicas=0)"
+    else:
+        why = (f"it asked for {replicas} copy(ies) of each such region, but no host of this job holds a committed "
+               f"copy (the copying had not finished, or the hosts holding the copies are gone too)")
+    older = "" if len(losses) == 1 else \
+        f" Older version(s) {', '.join(str(loss[0]) for loss in losses[1:])} lost regions too."
+    return (f"cannot restore: version {v} (step {step}) lost {len(lost)} region(s) whose only copies were on "
+            f"host(s) {', '.join(gone)}, which are gone (not in this job, and no recorded store of theirs answers): "
+            f"{shown}. {why[0].upper()}{why[1:]}.{older} Nothing was restored. To survive the loss of a host, save "
+            f"with tenplex.Checkpointer(replicas=1) (the default with two or more hosts whose store addresses are "
+            f"known) and let the copies finish (Checkpointer.wait_replicated), or restart the lost host's store "
+            f"with its directory")
 
 
 def _global_rank(group_rank: int, group) -> int:
@@ -307,7 +529,7 @@ def _specs(pieces: list[Piece]) -> dict[str, list]:
 def _group_names(model, optimizer) -> list[list[str]]:
     if optimizer is None:
         return []
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = parameter_names(model)
     return [[names[id(p)] for p in g["params"] if id(p) in names] for g in optimizer.param_groups]
 
 
@@ -335,7 +557,7 @@ def _first_holder_per_host(docs) -> dict[tuple[str, str, Box], int]:
 
 def _saved_layout(tensors, docs, writers) -> Layout:
     devices: dict[str, list[Shard]] = {}
-    for (host, name, box), rank in sorted(writers.items(), key=lambda kv: (kv[1], kv[0][1], kv[0][2])):
+    for (_host, name, box), rank in sorted(writers.items(), key=lambda kv: (kv[1], kv[0][1], kv[0][2])):
         devices.setdefault(docs[rank]["device"], []).append(Shard(name, box))
     return Layout.build(tensors, devices)
 
@@ -366,7 +588,12 @@ def _check_and_build(old: Layout, docs, given: Layout | None, device: str, piece
                         f"has no such tensor")
     if problems:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-        raise StateMismatchError("the restored job does not match the saved state: " + "; ".join(problems[:10]) + more)
+        expected = set(needed.tensors) | ({n for n in old.tensors if n.startswith(OPTIMIZER_PREFIX)}
+                                          if not with_optimizer else set())
+        cause = likely_cause(set(old.tensors), expected, OPTIMIZER_PREFIX)
+        lead = f"{cause}. In detail, " if cause else ""
+        raise StateMismatchError(f"{lead}the restored job does not match the saved state ({len(problems)} "
+                                 f"differences): " + "; ".join(problems[:10]) + more)
     if given is None:
         return needed
     held = {(s.tensor, s.box) for s in given.devices.get(device, ())}

@@ -18,10 +18,11 @@ Where the box comes from:
 * any other plain tensor: the whole tensor, a replica (data parallelism, or
   a pipeline stage that owns the parameter under its global name).
 
-Tensor names: a parameter or buffer keeps its state-dict name (``layers.0.attn.qkv.weight``);
+Tensor names: a parameter or buffer keeps its state-dict name (``layers.0.attn.qkv.weight``), without the
+prefixes of DDP, torch.compile and checkpoint_wrapper (:mod:`.names`);
 its optimizer states are ``optim.exp_avg.NAME``, ``optim.exp_avg_sq.NAME`` and so
-on (``optim.exp_avg.NAME``: :func:`tenplex.gpt.optimizer_state_name`, the same names as the PTC core's rules). Scalar optimizer states such as Adam's
-``step`` are not tensors of the collection; they travel as JSON
+on (:func:`tenplex.gpt.optimizer_state_name`, the same names as the PTC core's
+rules). Scalar optimizer states such as Adam's ``step`` are not tensors of the collection; they travel as JSON
 (:func:`optimizer_scalars`).
 """
 
@@ -39,6 +40,7 @@ from ..errors import LayoutError
 from ..gpt import optimizer_state_name
 from ..layout import TensorSpec
 from .annotate import Annotations
+from .names import bare_name, parameter_names
 
 
 @dataclass(frozen=True)
@@ -90,17 +92,18 @@ def tensor_pieces(name: str, tensor: torch.Tensor, annotation=None) -> list[Piec
 
 
 def model_pieces(model: torch.nn.Module, annotations: Annotations | None = None) -> list[Piece]:
-    """Pieces of every parameter and persistent buffer in ``model.state_dict()``."""
+    """Pieces of every parameter and persistent buffer in ``model.state_dict()``, under their bare names."""
     annotations = annotations or {}
     pieces = []
-    for name, tensor in model.state_dict(keep_vars=True).items():
+    for key, tensor in model.state_dict(keep_vars=True).items():
+        name = bare_name(model, key)
         if isinstance(tensor, torch.Tensor):
             pieces += tensor_pieces(name, tensor, annotations.get(name))
     return pieces
 
 
 def _named_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = parameter_names(model)
     for group in optimizer.param_groups:
         for param in group["params"]:
             if id(param) not in names:
@@ -137,7 +140,8 @@ def optimizer_scalars(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise LayoutError(f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, neither "
-                                      f"the parameter's shape {list(param.shape)} nor a scalar; tenplex cannot place it")
+                                      f"the parameter's shape {list(param.shape)} nor a scalar; tenplex cannot "
+                                      f"place it")
                 value = value.item()
             if not isinstance(value, (int, float, bool)):
                 raise LayoutError(f"optimizer state {key!r} of {name!r} is a {type(value).__name__}; only tensors "

@@ -25,16 +25,20 @@ STORE_COMMAND = (sys.executable, "-m", "tenplex.cli.store")  # the store-only CL
 
 
 def spawn_store(root: str | os.PathLike, host: str, port_file: Path, *args: str, stdout=subprocess.DEVNULL,
-                env: dict[str, str] | None = None, command: tuple[str, ...] = STORE_COMMAND) -> subprocess.Popen:
+                env: dict[str, str] | None = None, command: tuple[str, ...] = STORE_COMMAND,
+                detached: bool = False) -> subprocess.Popen:
     """Start ``tenplex store serve`` for ``host`` on a free port (``--port 0``), reporting it in ``port_file``.
 
     ``args`` go to ``serve`` after the defaults (``--bind``, ``--token-file``, …);
     :func:`await_store` waits until it serves. Start several, then wait for them:
-    they come up in parallel.
+    they come up in parallel. ``detached`` starts it in a session of its own, so
+    that it outlives its starter's process group (``tenplex run``: a node's
+    store keeps serving its shards after the node's agent left).
     """
     port_file.unlink(missing_ok=True)
     return subprocess.Popen([*command, "serve", "--root", str(root), "--host", host, "--port", "0",
-                             "--port-file", str(port_file), *args], stdout=stdout, stderr=subprocess.STDOUT, env=env)
+                             "--port-file", str(port_file), *args], stdout=stdout, stderr=subprocess.STDOUT, env=env,
+                            stdin=subprocess.DEVNULL if detached else None, start_new_session=detached)
 
 
 def await_store(proc: subprocess.Popen, host: str, port_file: Path, deadline: float,

@@ -326,7 +326,7 @@ class StoreClient:
 
     def read_file(self, path: str, offset: int = 0, length: int = -1) -> bytes:
         """Bytes [offset, offset+length) of ``<root>/datasets/<path>`` (length -1: to the end), verified."""
-        for attempt in range(self.retries + 1):
+        for _attempt in range(self.retries + 1):
             parts = []
             expected = offset
             corrupted = False

@@ -265,7 +265,7 @@ class DataConnection:
             if nbytes != sub.volume * itemsize:
                 raise DataPlaneError(f"data plane {self.where} sent a {nbytes}-byte frame for {sub} "
                                      f"({sub.volume * itemsize} bytes)", "INTERNAL")
-            dest = out[sub.local(out_box).slices()] if out is not None else None
+            dest = out[sub.local(out_box).slices()] if out is not None and out_box is not None else None
             if dest is not None and dest.flags.c_contiguous:
                 view = memoryview(dest.reshape(-1)).cast("B") if nbytes else memoryview(b"")
                 direct = True
@@ -280,8 +280,10 @@ class DataConnection:
             if not direct:
                 if dest is not None:
                     dest[...] = np.frombuffer(view, dest.dtype).reshape(sub.lengths)
-                else:
+                elif sink is not None:
                     sink(sub, view)
+                else:
+                    raise ValueError("a data-plane read needs out and out_box, or sink")
             got += nbytes
         return got, bad
 

@@ -46,9 +46,9 @@ from ..transfer_plan import Transfer, plan_from_dict
 from ..store import LAYOUT_DOC, ShardTarget, Store, VersionReader, wire
 from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient
+from ..store.manifest import TRANSFORM_PART
 
 log = logging.getLogger(__name__)
-PART = "transform"
 DEFAULT_STREAMS = 4
 PIECE_BYTES = 64 << 20          # one pull call; several chunks each
 SMALL_BYTES = 1 << 20           # remote regions below this travel in batches (ReadBoxes): one call for many
@@ -110,7 +110,7 @@ class _Sources:
             for client in pool:
                 client.close()
 
-    def read_into(self, device: str, tensor: str, box: Box, target: ShardTarget) -> int:
+    def read_with_fallback(self, device: str, tensor: str, box: Box, target: ShardTarget) -> int:
         """Write ``box`` of ``device``'s old shard into ``target``; return the bytes that came from other replicas."""
         try:
             self._read_from(device, tensor, box, target)
@@ -142,7 +142,7 @@ class _Sources:
         return refetched
 
     def read_batch(self, items: list[tuple[str, str, Box, ShardTarget]]) -> list[int]:
-        """``read_into`` for many small regions of old shards on one remote host, in one call when it works;
+        """``read_with_fallback`` for many small regions of old shards on one remote host, in one call when it works;
         returns the re-fetched bytes per item."""
         source_host = host_of(items[0][0])
         if source_host not in self.failed:
@@ -153,7 +153,7 @@ class _Sources:
                 return [0] * len(items)
             except Exception as e:  # noqa: BLE001 - each region then goes its own way, replicas included
                 self._mark_failed(source_host, e)
-        return [self.read_into(device, tensor, box, target) for device, tensor, box, target in items]
+        return [self.read_with_fallback(device, tensor, box, target) for device, tensor, box, target in items]
 
     def _read_from(self, device: str, tensor: str, box: Box, target: ShardTarget) -> None:
         source_host = host_of(device)
@@ -192,7 +192,7 @@ def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable
     log.info("host %s: staging version %s from %s (%d transfers, %d streams)", host, request.new_version,
              request.old_version, len(plan.transfers), streams)
     store.abort(request.new_version)  # leftovers of an earlier, interrupted attempt
-    writer = store.begin(request.new_version, part=PART)
+    writer = store.begin(request.new_version, part=TRANSFORM_PART)
     try:
         _stage(host, plan.transfers, set(plan.new_tensors), new, writer, reader, sources, counters, progress,
                cancelled, streams)
@@ -278,9 +278,10 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
         running = [pool.submit(job) for job in (*reserves, *jobs)]
         done, _ = wait(running, return_when=FIRST_EXCEPTION)
         for future in done:
-            if future.exception() is not None:
+            error = future.exception()
+            if error is not None:
                 cancelled.set()  # the remaining jobs return early
-                raise future.exception()
+                raise error
     # A cancel makes every pending job return early: the shards are then incomplete and must never be prepared.
     if cancelled.is_set():
         raise TransformError(f"host {host}: transformation cancelled")
@@ -298,7 +299,7 @@ def _job(sources: _Sources, t: Transfer, piece: Box, target: ShardTarget, kind: 
     def run() -> None:
         if cancelled.is_set():
             return
-        refetched = sources.read_into(t.src, t.tensor, piece, target)
+        refetched = sources.read_with_fallback(t.src, t.tensor, piece, target)
         nbytes = piece.volume * target.itemsize
         if refetched:
             advance(refetched, "refetched")

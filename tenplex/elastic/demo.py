@@ -1,0 +1,233 @@
+"""``tenplex demo --elastic``: an elastic job on real torchrun agents, through joins, failures and leaves.
+
+May import: ``tenplex.elastic.nodes`` and ``.timeline``, ``tenplex.runtime`` (dataset, job
+launcher), ``tenplex.errors`` and the standard library. No torch in this process: the
+training runs in the workers (``examples/01-gpt-train/train.py`` through :class:`tenplex.elastic.Job`).
+
+1. It packs the example dataset (exactly one epoch: ``steps`` global batches).
+2. The **reference**: the same script trains every step uninterrupted on one
+   node (2 workers), with the same initial weights and global batches.
+3. The **elastic run**: a ``tenplex rendezvous serve`` process, and one
+   ``tenplex run`` agent per simulated node (own store root, 2 workers each;
+   ``h0`` and ``h1`` at first). Each event of the schedule happens when the job
+   reaches its step: the workers wait at that step (the demo holds them with a
+   file ``hold-STEP`` in the record folder) until the event is underway:
+
+   * ``join:HOST@STEP``: a new ``tenplex run`` starts; torchrun stops the
+     workers, which save at their next step boundary, and restarts them in the
+     larger world;
+   * ``fail:HOST@STEP``: SIGKILL of the node's process group and of its store;
+     the survivors' next collective fails, they exit without saving, and the
+     next world restores the newest version the survivors can assemble
+     completely (from data-parallel copies or replicated ones), replaying the
+     steps after it on the same global batches;
+   * ``leave:HOST@STEP``: SIGTERM to the node's agent: the ranks agree at the
+     next step boundary, save, and the others continue without it.
+
+4. :mod:`.timeline` reads what every worker recorded and checks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..errors import ConfigError, TenplexError
+from .nodes import Nodes
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-gpt-train" / "train.py"
+DEFAULT_SCHEDULE = "join:h2@4,fail:h1@8,leave:h2@12"
+GLOBAL_BATCH = 12    # dp 1, 2 and 3 (one to three nodes of tp=2) all divide it into whole micro-batches
+KINDS = ("join", "fail", "leave")
+
+
+class DemoError(TenplexError, RuntimeError):
+    """The elastic demo could not run its schedule (the message says what and points to the logs)."""
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str
+    host: str
+    at: int
+
+
+def parse_schedule(text: str, initial: tuple[str, ...], steps: int) -> list[Event]:
+    """``"join:h2@4,fail:h1@8,leave:h2@12"`` -> events, checked against the nodes that run at each point."""
+    events, running = [], list(initial)
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        m = re.fullmatch(r"(\w+):([A-Za-z0-9_-]+)@(\d+)", item)
+        if not m or m.group(1) not in KINDS:
+            raise ConfigError(f"schedule item {item!r} is not KIND:HOST@STEP with KIND one of {', '.join(KINDS)} "
+                              f"(e.g. join:h2@4)")
+        event = Event(m.group(1), m.group(2), int(m.group(3)))
+        if events and event.at <= events[-1].at:
+            raise ConfigError(f"schedule item {item!r}: steps must increase (the previous event is at step "
+                              f"{events[-1].at})")
+        if not 1 <= event.at < steps:
+            raise ConfigError(f"schedule item {item!r}: the step must be within 1..{steps - 1} (the job trains "
+                              f"{steps} steps)")
+        if event.kind == "join":
+            if event.host in running:
+                raise ConfigError(f"schedule item {item!r}: {event.host} is already running")
+            running.append(event.host)
+        else:
+            if event.host not in running:
+                raise ConfigError(f"schedule item {item!r}: {event.host} is not running then ({', '.join(running)})")
+            if len(running) == 1:
+                raise ConfigError(f"schedule item {item!r}: {event.host} is the last node; the job would stop")
+            running.remove(event.host)
+        events.append(event)
+    return events
+
+
+def expected_hosts(initial: tuple[str, ...], events: list[Event]) -> list[list[str]]:
+    """The nodes after each event (the world torchrun forms then)."""
+    running, after = list(initial), []
+    for e in events:
+        running = running + [e.host] if e.kind == "join" else [h for h in running if h != e.host]
+        after.append(sorted(running))
+    return after
+
+
+def _script(data: Path, steps: int, record: Path, save_every: int) -> list[str]:
+    return [str(EXAMPLE), "--data", str(data), "--steps", str(steps), "--record", str(record),
+            "--global-batch", str(GLOBAL_BATCH), "--save-every", str(save_every), "--keep-versions", "1000"]
+
+
+def run_reference(workdir: Path, data: Path, steps: int, say: Callable[[str], None]) -> Path:
+    """The uninterrupted run: one node, 2 workers, every step; returns its record folder."""
+    from ..runtime.launch import run_job
+
+    record = workdir / "reference" / "record"
+    record.mkdir(parents=True)
+    say(f"reference: {steps} steps on one node without interruption")
+    run_job([sys.executable, *_script(data, steps, record, save_every=0)], ["h0/0", "h0/1"],
+            {"h0": workdir / "reference" / "h0"}, {}, workdir / "reference" / "logs", timeout=600)
+    return record
+
+
+def _records(folder: Path) -> list[dict]:
+    docs = []
+    for path in sorted(folder.glob("rank-*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                docs.append(dict(json.loads(line), file=path.name))
+    return docs
+
+
+def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], initial: tuple[str, ...],
+                save_every: int, say: Callable[[str], None], timeout: float = 900.0) -> tuple[Path, list[dict]]:
+    """The elastic run; returns its record folder and when each event was set off (wall time)."""
+    record = workdir / "elastic" / "record"
+    record.mkdir(parents=True)
+    for e in events:
+        (record / f"hold-{e.at}").touch()
+    after = expected_hosts(initial, events)
+    fired: list[dict] = []
+    deadline = time.monotonic() + timeout
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    max_nodes = len(set(initial) | {e.host for e in events})
+    with Nodes(workdir / "elastic", 2, max_nodes, _script(data, steps, record, save_every), env) as nodes:
+        nodes.start_rendezvous()
+        for host in initial:
+            nodes.start(host)
+        say(f"elastic run: nodes {', '.join(initial)} (2 workers each) join the rendezvous at {nodes.endpoint}")
+        progress = _Progress(record, say)
+        for i, e in enumerate(events):
+            wanted = sorted(initial) if i == 0 else after[i - 1]
+            _wait(lambda: progress.update() and progress.reached(e.at, wanted) is not None, deadline, nodes,
+                  f"the job to reach step {e.at} on {', '.join(wanted)}")
+            at = progress.reached(e.at, wanted)  # e.at, unless a restart carried the job past its hold
+            say(f"event {i + 1}: {e.kind} {e.host} at step {at}")
+            fired.append({"time": time.time(), "step": at})
+            if e.kind == "join":
+                nodes.start(e.host)
+            elif e.kind == "fail":
+                nodes.fail(e.host)
+            else:
+                nodes.leave(e.host)
+            if e.kind != "join":
+                # The survivors go on (and find out), the leaving node's ranks save with them.
+                (record / f"hold-{e.at}").unlink()
+            _wait(lambda: progress.update() and progress.world_after(fired[-1]["time"], after[i]), deadline, nodes,
+                  f"a world of {', '.join(after[i])} after the {e.kind}")
+            (record / f"hold-{e.at}").unlink(missing_ok=True)
+        _wait(lambda: progress.update() and not nodes.running(), deadline, nodes, f"the job to reach step {steps}")
+        codes = nodes.wait(0)
+    bad = {h: c for h, c in codes.items() if c not in (0, -9)}
+    if bad:
+        raise DemoError(f"agents exited with {bad}; see {workdir / 'elastic'}/agent-*.log")
+    return record, fired
+
+
+class _Progress:
+    """Follows the workers' records: prints each new world and step (live progress)."""
+
+    def __init__(self, folder: Path, say: Callable[[str], None]):
+        self.folder, self.say = folder, say
+        self.docs: list[dict] = []
+        self.worlds: dict[str, dict] = {}
+        self.printed: set[tuple[str, int]] = set()
+
+    def update(self) -> bool:
+        self.docs = _records(self.folder)
+        for d in self.docs:
+            if d["event"] == "start" and d["world_id"] not in self.worlds:
+                self.worlds[d["world_id"]] = d
+                how = "fresh start" if d["restored_step"] is None else f"restored step {d['restored_step']}"
+                self.say(f"  world {d['world']} on {','.join(d['hosts'])}: {d['parallel']}, {how}")
+        for d in self.docs:
+            if d["event"] == "step" and d["file"].endswith("-0.jsonl") and (d["file"], d["step"]) not in self.printed:
+                self.printed.add((d["file"], d["step"]))
+                self.say(f"  step {d['step']:3d}  loss {d['loss']:.6f}")
+        return True
+
+    def _world_of_file(self) -> dict[str, str]:
+        return {d["file"]: d["world_id"] for d in self.docs if d["event"] == "start"}
+
+    def reached(self, step: int, hosts: list[str]) -> int | None:
+        """The last step a world of ``hosts`` finished, if it is ``step`` or later (the ranks wait at its hold)."""
+        owner = self._world_of_file()
+        done = [d["step"] for d in self.docs
+                if d["event"] == "step" and sorted(self.worlds[owner[d["file"]]]["hosts"]) == hosts]
+        return max(done) if done and max(done) >= step else None
+
+    def world_after(self, t: float, hosts: list[str]) -> bool:
+        return any(w["time"] > t and sorted(w["hosts"]) == hosts for w in self.worlds.values())
+
+
+def _wait(ready: Callable[[], bool], deadline: float, nodes: Nodes, what: str) -> None:
+    while not ready():
+        if time.monotonic() > deadline:
+            raise DemoError(f"timed out waiting for {what}; logs: {nodes.base}/agent-*.log")
+        if not nodes.running():
+            if ready():
+                return
+            raise DemoError(f"every agent exited while waiting for {what}; logs: {nodes.base}/agent-*.log")
+        time.sleep(0.2)
+
+
+def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initial: tuple[str, ...] = ("h0", "h1"),
+        save_every: int = 5, say: Callable[[str], None] = print) -> tuple[dict, dict]:
+    """Everything: dataset, reference, elastic run, summary. Returns the summary and the loss histories."""
+    from ..runtime.demo import make_dataset
+    from .timeline import summarize
+
+    events = parse_schedule(schedule, initial, steps)
+    # One epoch is exactly the run's global batches: "every sample once" covers the whole dataset.
+    make_dataset(workdir / "data", steps * GLOBAL_BATCH, GLOBAL_BATCH, seed=0)
+    data = workdir / "data" / "dataset"
+    say(f"dataset: {steps * GLOBAL_BATCH} samples, global batch {GLOBAL_BATCH}, {steps} steps; schedule "
+        f"{', '.join(f'{e.kind} {e.host} at step {e.at}' for e in events)}")
+    reference = run_reference(workdir, data, steps, say)
+    record, fired = run_elastic(workdir, data, steps, events, initial, save_every, say)
+    hosts = sorted(set(initial) | {e.host for e in events})
+    return summarize(reference, record, events, fired, [workdir / "elastic" / h for h in hosts],
+                     expected_hosts(initial, events))

@@ -1,0 +1,361 @@
+"""The training-loop API of an elastic job: configuration, one-call restore, data share, step boundaries.
+
+May import: ``tenplex.elastic.policy``, ``tenplex.integration``, ``tenplex.dataset``,
+``tenplex.errors``, torch, torch.distributed and the standard library.
+
+A script started by ``tenplex run`` (torchrun) is the same in every world::
+
+    job = tenplex.elastic.Job(dataset="ds/", global_batch=64, max_tp=8)   # joins the process group
+    model, optimizer, scheduler = build(job.config)                         # dp/tp/pp of this world
+    job.restore(model, optimizer, scheduler=scheduler)                      # state, RNG, data position
+    while job.step < total_steps:
+        batch = job.batch()                     # this rank's share of the global batch job.step
+        train_step(batch.data)
+        job.step_done()                         # periodic save; on SIGTERM: agree, save, exit
+
+What happens at ``step_done`` (collective; every rank calls it after its optimizer step):
+
+1. ``step`` and the data position advance by one global batch;
+2. the ranks all-reduce (max) whether any of them got SIGTERM, and the
+   durations of their last step and last save (so every rank takes the same
+   decisions from the same numbers);
+3. if any rank got SIGTERM (torchrun stops the workers for a membership
+   change), every rank saves and exits: with 0 where SIGTERM arrived (its
+   agent is stopping it), with :data:`~tenplex.elastic.launcher.EXIT_RESTART`
+   elsewhere, so that the agents of the other nodes restart their workers in
+   the next world instead of ending the job;
+4. otherwise it saves when the interval is due: ``save_every`` steps, or,
+   with ``save_every=None``, the smallest interval that keeps saving at most
+   ``save_budget`` (5%) of training time (:func:`auto_interval`), measured as
+   the job runs (:meth:`Job.save_cost` reports it);
+5. if a collective fails because a peer is gone (a node died), the rank
+   exits at once without saving, with ``EXIT_RESTART``: the next world
+   restores the newest version that was committed completely.
+
+A signal only sets a flag, so a SIGTERM in the middle of a step never
+interrupts it: the save happens at the next boundary, and a save is committed
+on every host or on none (the store's atomic commit), so a rank killed in the
+middle of one leaves the previous version as the newest.
+
+``TORCHELASTIC_RESTART_COUNT`` is per agent, not per job, so it identifies
+nothing here; the restored step does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from ..parallel import ParallelConfig
+from .launcher import EXIT_RESTART
+from .policy import Choice, choose
+
+DATASET_KEY = "tenplex.dataset"  # where the data position travels in the saved ``extra``
+EXTRA_KEY = "user"               # the user's own ``extra`` dict
+
+
+def auto_interval(save_s: float, step_s: float, budget: float = 0.05) -> int:
+    """The smallest number of steps between saves with ``save_s <= budget * interval * step_s`` (at least 1)."""
+    if save_s <= 0 or step_s <= 0:
+        return 1
+    return max(1, math.ceil(save_s / (budget * step_s) - 1e-9))
+
+
+@dataclass(frozen=True)
+class Batch:
+    """This rank's micro-batch of the global batch at ``step``: sample ids, collated data, loss weight."""
+
+    step: int
+    ids: list[int]
+    data: Any            # collated samples (a tensor for token datasets); None when the micro-batch is empty
+    weight: float        # len(ids) / global batch size: multiply the mean loss by it, then sum over dp
+
+
+@dataclass
+class Restored:
+    """What :meth:`Job.restore` found: the step (0 for a fresh start), the version, whether data moved, timing."""
+
+    step: int
+    version: int | None
+    transformed: bool
+    plan_stats: dict
+    seconds: float
+
+
+class Job:
+    """One rank of an elastic job (see the module docstring).
+
+    ``dataset``: a packed tenplex dataset directory (``tenplex data pack``), or
+    None if the script reads its data itself (the position is then the step).
+    ``max_tp``, ``pp``, ``pinned``, ``policy``: the configuration policy
+    (:func:`tenplex.elastic.policy.choose`). ``save_every``: steps between
+    periodic saves (None: automatic, at most ``save_budget`` of the time; 0:
+    only when stopping). ``timeout``: how long a collective may wait for a
+    peer before the rank gives up (a dead node that sent no reset).
+    ``on_save(info)`` runs on every rank after each committed save (``info``:
+    step, version, why, seconds), for example to log it; ``on_exit(code, why)``
+    runs before the job exits at a step boundary (stopping, or a peer gone). ``replicas``: copies
+    of each region that no other host holds, made in the background after
+    each save (None: one when there are two or more hosts; see
+    :class:`tenplex.Checkpointer`); a stopping job waits up to
+    ``replication_wait`` seconds for the copies of its last save.
+    ``checkpointer_options`` go to :class:`tenplex.Checkpointer` (``keep``,
+    ``token``, …).
+    """
+
+    def __init__(self, *, global_batch: int, dataset: str | os.PathLike | None = None, seed: int = 0,
+                 drop_last: bool = True, max_tp: int = 8, pp: int | None = None,
+                 pinned: Mapping[int, ParallelConfig | str] | None = None,
+                 policy: Callable | None = None, save_every: int | None = None, save_budget: float = 0.05,
+                 replicas: int | None = None, backend: str = "gloo", timeout: float = 120.0,
+                 checkpointer_options: Mapping[str, Any] | None = None, on_save: Callable[[dict], None] | None = None,
+                 on_exit: Callable[[int, str], None] | None = None, replication_wait: float = 10.0):
+        if save_every is not None and save_every < 0:
+            raise ConfigError(f"save_every must be None (automatic), 0 (only when stopping) or positive, got "
+                              f"{save_every}")
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        self.started = time.time()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+        self.host = os.environ.get("TENPLEX_HOST", f"h{self.rank // per_node}")
+        from ..integration.exchange import all_gather_json
+
+        # Node order is rank order, as torchrun numbers them. (Store addresses need no exchange here: every save
+        # records them, from each rank's TENPLEX_STORE_ADDRESS, which tenplex run sets.)
+        peers = all_gather_json({"host": self.host, "token": f"{time.time_ns():x}-{os.getpid()}"})
+        self.hosts = list(dict.fromkeys(p["host"] for p in peers))
+        self.world_id = peers[0]["token"]  # names this world (rank 0's token) in logs; the same on every rank
+        self.choice: Choice = choose(self.world_size, per_node, max_tp=max_tp, pp=pp, pinned=pinned, policy=policy,
+                                     hosts=self.hosts if len(self.hosts) * per_node == self.world_size else None)
+        self.global_batch, self.dataset, self.seed, self.drop_last = global_batch, dataset, seed, drop_last
+        self.save_every, self.save_budget, self.on_save, self.on_exit = save_every, save_budget, on_save, on_exit
+        self.checkpointer_options = dict(checkpointer_options or {}, replicas=replicas)
+        self.replication_wait = replication_wait
+        self.step = 0
+        self.extra: dict = {}
+        self.restored: Restored | None = None
+        self._saved_step: int | None = None
+        self._tracked: dict[str, Any] | None = None
+        self._data = None             # (first step, RankDataset, micro-batches) of the current stretch
+        self._data_start = 0
+        self._state0 = None
+        self._terminated_at: float | None = None
+        self._last_boundary = time.monotonic()
+        self._step_s = 0.0            # agreed (max over ranks) duration of the last step, without saving
+        self._save_s = 0.0            # agreed duration of the last save
+        self._save_s_local = 0.0      # this rank's duration of its last save, until the next boundary shares it
+        self._next_save: int | None = None
+        self._cost = {"saves": 0, "save_s": 0.0, "train_s": 0.0}
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    # ----------------------------------------------------------------- configuration
+    @property
+    def config(self) -> ParallelConfig:
+        """The parallel configuration of the ranks that train in this world."""
+        return self.choice.config
+
+    @property
+    def idle(self) -> bool:
+        return self.choice.is_idle(self.rank)
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's (pp, dp, tp) coordinates in :attr:`config`."""
+        pp, dp, tp = self.config.coords(self.rank)
+        return {"pp": pp, "dp": dp, "tp": tp}
+
+    # ----------------------------------------------------------------- restore
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, scheduler=None,
+                scaler=None, annotations=None, coords: Mapping[str, int] | None = None) -> int:
+        """Restore model, optimizer, scheduler, scaler, RNG and the data position in one call; returns the step.
+
+        A fresh job (nothing saved) keeps its state and starts at step 0. The
+        same objects are saved at every later step boundary. Collective.
+        """
+        import tenplex
+
+        if self.idle:
+            raise ConfigError(f"rank {self.rank} is idle in this world ({self.choice.reason}); idle ranks train "
+                              f"nothing and must not restore a model")
+        begin = time.monotonic()
+        ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), **self.checkpointer_options)
+        extra: dict = {}
+        step = tenplex.restore(model, optimizer, scheduler=scheduler, scaler=scaler, annotations=annotations,
+                               extra=extra, checkpointer=ckpt)
+        info = ckpt.last_restore
+        self.step = step or 0
+        self.extra = dict(extra.get(EXTRA_KEY) or {})
+        self._tracked = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
+                         "annotations": annotations, "checkpointer": ckpt}
+        self._saved_step = step
+        if self.dataset is not None:
+            self._open_data(extra.get(DATASET_KEY))
+        self.restored = Restored(self.step, info.version, info.transformed, dict(info.plan_stats),
+                                 time.monotonic() - begin)
+        self._last_boundary = time.monotonic()
+        if self.save_every:
+            self._next_save = self.step + self.save_every
+        elif self.save_every is None:
+            self._next_save = self.step + 1  # measure a save early; the interval follows from it
+        return self.step
+
+    # ----------------------------------------------------------------- data
+    def _open_data(self, saved: dict | None) -> None:
+        from ..dataset import DatasetState, open_dataset
+
+        info = open_dataset(self.dataset)
+        if saved is not None:
+            state = DatasetState.from_dict(saved, source="the restored data position")
+            if state.dataset != info.identity:
+                raise ConfigError(f"the saved data position belongs to dataset {state.dataset[:12]}…, but "
+                                  f"{self.dataset} is {info.identity[:12]}…; pass the dataset the job trained on")
+        else:
+            state = DatasetState(info.identity, info.num_samples, self.seed, 0, self.global_batch, self.drop_last)
+        if state.global_batch != self.global_batch:
+            raise ConfigError(f"the job was saved with global batch {state.global_batch}, not {self.global_batch}")
+        self._info, self._state0, self._data_start = info, state, self.step
+        self._data = None
+
+    @property
+    def data_state(self):
+        """The dataset state (position) at :attr:`step`; None without a dataset."""
+        if self._state0 is None:
+            return None
+        return self._state0.advance(self.step - self._data_start)
+
+    def batch(self) -> Batch:
+        """This rank's data-parallel share of the global batch at :attr:`step` (its tp/pp peers get the same)."""
+        from ..dataset.torch_data import RankBatchSampler, RankDataset, collate
+
+        if self._state0 is None:
+            raise ConfigError("this Job has no dataset: pass dataset= to Job, or read your data yourself")
+        if self._data is not None and self.step - self._data[0] < len(self._data[2]):
+            first, data, batches = self._data
+        else:
+            # A reader per stretch of steps within one epoch: it yields the rest of that epoch's micro-batches.
+            first, state = self.step, self.data_state
+            data = RankDataset.fallback(self._info, state, self.config.dp, self.coords["dp"])
+            batches = list(RankBatchSampler(data))
+            self._data = (first, data, batches)
+        positions = batches[self.step - first]
+        starts, stops = data.reader.state.batch_bounds()
+        size = int(stops[self.step - first] - starts[self.step - first])
+        ids = data.sample_ids[positions].tolist()
+        return Batch(self.step, ids, collate([data[i] for i in positions]), len(ids) / size)
+
+    # ----------------------------------------------------------------- step boundary
+    def _on_sigterm(self, signum, frame) -> None:
+        if self._terminated_at is None:
+            self._terminated_at = time.time()
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether this rank got SIGTERM (the ranks agree on it at the next :meth:`step_done`)."""
+        return self._terminated_at is not None
+
+    def step_done(self) -> None:
+        """Mark the end of a step (collective): advance, agree on stopping, save when due or when stopping."""
+        if self._tracked is None:
+            raise ConfigError("call Job.restore(model, optimizer, …) before the first step_done()")
+        now = time.monotonic()
+        step_s = now - self._last_boundary
+        self.step += 1
+        try:
+            flags = torch.tensor([1.0 if self.stop_requested else 0.0, step_s, self._save_s_local], dtype=torch.float64)
+            self._save_s_local = 0.0
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        except Exception as e:  # noqa: BLE001 -- a peer is gone: nothing can be agreed, nothing is saved
+            self._die(f"step {self.step}: the ranks cannot agree ({type(e).__name__}: {e}); a peer is gone, "
+                      f"exiting without saving")
+        stop, self._step_s, last_save = bool(flags[0] > 0), float(flags[1]), float(flags[2])
+        self._cost["train_s"] += self._step_s
+        if last_save > 0:
+            self._save_s = last_save
+            if self.save_every is None:
+                self._next_save = (self._saved_step or 0) + auto_interval(self._save_s, self._step_s,
+                                                                        self.save_budget)
+        if stop:
+            self._save("stopping")
+            # The copies of this last save protect the next world against losing a host; torchrun's kill timeout
+            # (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s) bounds how long they may take.
+            self._tracked["checkpointer"].wait_replicated(self.replication_wait)
+            self._exit(0 if self.stop_requested else EXIT_RESTART,
+                       "stopped by SIGTERM" if self.stop_requested else "a peer was stopped")
+        if self._next_save is not None and self.step >= self._next_save:
+            self._save("periodic")
+            if self.save_every:
+                self._next_save = self.step + self.save_every
+        self._last_boundary = time.monotonic()
+
+    def save(self) -> int:
+        """Save now (collective), outside the schedule; returns the version."""
+        return self._save("requested")
+
+    def _save(self, why: str) -> int:
+        import tenplex
+
+        t = self._tracked
+        extra = {EXTRA_KEY: self.extra}
+        if self._state0 is not None:
+            extra[DATASET_KEY] = self.data_state.to_dict()
+        begin = time.monotonic()
+        try:
+            version = tenplex.save(t["model"], t["optimizer"], step=self.step, scheduler=t["scheduler"],
+                                   scaler=t["scaler"], annotations=t["annotations"], extra=extra,
+                                   checkpointer=t["checkpointer"])
+        except Exception as e:  # noqa: BLE001 -- the save was not committed anywhere (atomic commit)
+            self._die(f"step {self.step}: the {why} save failed ({type(e).__name__}: {e}); nothing was committed, "
+                      f"exiting")
+        seconds = time.monotonic() - begin
+        self._save_s_local = seconds
+        self._saved_step = self.step
+        self._cost["saves"] += 1
+        self._cost["save_s"] += seconds
+        self.last_save = {"step": self.step, "version": version, "why": why, "seconds": seconds}
+        if self.on_save is not None:
+            self.on_save(dict(self.last_save))
+        return version
+
+    def save_cost(self) -> dict:
+        """Saves so far, their total time, the training time and their ratio, and the current interval."""
+        c = dict(self._cost)
+        c["fraction"] = c["save_s"] / c["train_s"] if c["train_s"] else 0.0
+        c["interval"] = None if self._next_save is None else max(1, self._next_save - (self._saved_step or 0))
+        return c
+
+    def _exit(self, code: int, why: str) -> None:
+        if self.on_exit is not None:
+            self.on_exit(code, why)
+        try:
+            dist.destroy_process_group()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        raise SystemExit(code)
+
+    def _die(self, message: str) -> None:
+        print(f"tenplex job (rank {self.rank}): {message}", file=sys.stderr, flush=True)
+        if self.on_exit is not None:
+            self.on_exit(EXIT_RESTART, message)
+        # No destroy_process_group: with a peer gone it may wait forever. Exit now; torchrun restarts the world.
+        os._exit(EXIT_RESTART)
+
+    def finish(self) -> None:
+        """End of training: a final save (collective) and the process group's teardown."""
+        if self._tracked is not None:
+            if self._saved_step != self.step:
+                self._save("final")
+            self._tracked["checkpointer"].wait_replicated(self.replication_wait)
+        dist.destroy_process_group()

@@ -1,0 +1,234 @@
+"""``tenplex run``: one per node. Start (or reuse) the node's store, then run torchrun's elastic agent.
+
+    tenplex run --host NAME --store-root DIR [--store-bind ADDR] [--store-advertise HOST] [--token-file F]
+                [torchrun options] script.py [args]
+
+Every option that is not one of the above goes to torchrun unchanged
+(``--nnodes=MIN:MAX``, ``--nproc-per-node``, ``--rdzv-endpoint``, ``--max-restarts``…).
+The agent runs in this process, so a signal to ``tenplex run`` is a signal to
+the agent: SIGTERM is a planned leave (the workers save at their next step
+boundary and exit), and SIGKILL of the node's process group is a host failure.
+
+What it adds to torchrun, each for a reason measured with torch 2.13 and gloo
+on loopback (see :func:`torchrun_argv`), and the worker environment:
+``TENPLEX_HOST``, ``TENPLEX_STORE_ROOT``, ``TENPLEX_STORE_ADDRESS`` (this
+node's store, which the ranks exchange so that no one needs
+``TENPLEX_STORES``) and ``TENPLEX_TOKEN`` when ``--token-file`` is given.
+``TORCHELASTIC_RESTART_COUNT`` is counted per agent, not per job, so nothing
+here or in :mod:`tenplex.elastic.job` uses it as a generation number.
+
+The store is started in a session of its own and keeps serving after the
+agent exits: a node that left can still serve its shards to the survivors.
+Its port, pid and log are ``DIR/.tenplex-store.{port,pid,log}``; a later
+``tenplex run`` with the same root reuses it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+
+# A leave (SIGTERM on one node) and a failure (a dead node) reach the survivors' agents as failed workers,
+# which torchrun counts against --max-restarts (default 0: the job would end at the first change). Not more:
+# a script that crashes by itself is restarted as often.
+DEFAULT_MAX_RESTARTS = "10"
+# Without these, the survivors wait 15 s+ for a dead node's keep-alive to expire (measured: a new world ran
+# 8-11 s after a kill with them). A short last call lets a round close soon after the last survivor arrives.
+DEFAULT_RDZV_CONF = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3", "last_call_timeout": "2"}
+# Worker exit code of a rank that stopped because a peer was asked to (a planned leave elsewhere): non-zero,
+# so that its agent restarts it in the next world instead of treating the job as finished.
+EXIT_RESTART = 75
+
+_OURS = ("--host", "--store-root", "--store-bind", "--store-advertise", "--token-file")
+_MODES = {"-m": "module", "--module": "module", "--no-python": "exec", "--no_python": "exec",
+          "--run-path": "script", "--run_path": "script"}
+
+
+@dataclass
+class RunSpec:
+    """``tenplex run``'s own options, the user's torchrun options, and the program each worker runs."""
+
+    host: str
+    store_root: Path
+    store_bind: str = "127.0.0.1"
+    store_advertise: str | None = None
+    token_file: Path | None = None
+    torchrun: list[str] = field(default_factory=list)
+    mode: str = "script"
+    target: str = ""
+    args: list[str] = field(default_factory=list)
+
+
+def parser():
+    from torch.distributed.run import get_args_parser
+
+    p = get_args_parser()
+    p.prog = "tenplex run"
+    p.allow_abbrev = False  # our own options are found by their exact tokens
+    p.add_argument("--host", required=True, help="this node's host name (device ids are HOST/LOCAL_RANK)")
+    p.add_argument("--store-root", required=True, type=Path, help="this node's store directory")
+    p.add_argument("--store-bind", default="127.0.0.1",
+                   help="address this node's store listens on (default 127.0.0.1; others need --token-file)")
+    p.add_argument("--store-advertise",
+                   help="address other nodes reach this store at (default: the bind address, or this machine's "
+                        "name when binding 0.0.0.0)")
+    p.add_argument("--token-file", type=Path, help="the stores' shared token (needed beyond loopback)")
+    return p
+
+
+def parse(argv: list[str]) -> RunSpec:
+    """Split ``argv`` into our options, the user's torchrun options and the worker program."""
+    ns = parser().parse_args(argv)
+    boundary = len(argv) - len(ns.training_script_args) - 1
+    if boundary < 0 or argv[boundary] != ns.training_script:
+        raise ConfigError(f"cannot find the training script {ns.training_script!r} in the command line")
+    mine, mode, i = [], "script", 0
+    options = argv[:boundary]
+    while i < len(options):
+        token = options[i]
+        name = token.split("=", 1)[0]
+        if name in _OURS:
+            i += 1 if "=" in token else 2
+            continue
+        if token in _MODES:
+            mode = _MODES[token]
+        else:
+            mine.append(token)
+        i += 1
+    return RunSpec(ns.host, ns.store_root, ns.store_bind, ns.store_advertise, ns.token_file, mine, mode,
+                   ns.training_script, list(ns.training_script_args))
+
+
+def _given(options: list[str], *names: str) -> str | None:
+    """The value the user gave an option (last one wins), '' for a flag, None when absent."""
+    value = None
+    for i, token in enumerate(options):
+        name, sep, inline = token.partition("=")
+        if name in names:
+            value = inline if sep else (options[i + 1] if i + 1 < len(options) and not options[i + 1].startswith("-")
+                                        else "")
+    env = {n: f"PET_{n.lstrip('-').replace('-', '_').upper()}" for n in names}
+    return value if value is not None else next((os.environ[e] for e in env.values() if e in os.environ), None)
+
+
+def _without(options: list[str], *names: str) -> list[str]:
+    out, skip = [], False
+    for token in options:
+        if skip:
+            skip = False
+            continue
+        name, sep, _ = token.partition("=")
+        if name in names:
+            skip = not sep
+            continue
+        out.append(token)
+    return out
+
+
+def torchrun_argv(spec: RunSpec) -> list[str]:
+    """The arguments for torchrun: the user's options plus tenplex's measured defaults, then the entry shim."""
+    options = list(spec.torchrun)
+    standalone = _given(options, "--standalone") is not None
+    backend = _given(options, "--rdzv-backend", "--rdzv_backend")
+    if not standalone:
+        if backend is None:
+            backend = "c10d"
+            options += ["--rdzv-backend", backend]
+        if not _given(options, "--rdzv-endpoint", "--rdzv_endpoint"):
+            raise ConfigError("tenplex run needs --rdzv-endpoint HOST:PORT of a rendezvous store that no agent owns "
+                              "(start one with `tenplex rendezvous serve`), or --standalone for a single node")
+    if backend == "c10d" and not standalone:
+        conf = dict(DEFAULT_RDZV_CONF)
+        # If the agent hosting the c10d store dies, the whole job dies: the store is `tenplex rendezvous serve`.
+        conf["is_host"] = "false"
+        given = _given(options, "--rdzv-conf", "--rdzv_conf") or ""
+        for item in filter(None, given.split(",")):
+            key, _, value = item.partition("=")
+            conf[key.strip()] = value.strip()
+        options = _without(options, "--rdzv-conf", "--rdzv_conf")
+        options += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
+    if _given(options, "--max-restarts", "--max_restarts") is None:
+        options += ["--max-restarts", DEFAULT_MAX_RESTARTS]
+    # Workers start through the entry shim (tenplex.elastic.entry), which makes them die with the agent.
+    return [*options, "--no-python", sys.executable, "-m", "tenplex.elastic.entry", spec.mode, spec.target,
+            *spec.args]
+
+
+def advertised_host(bind: str, advertise: str | None) -> str:
+    if advertise:
+        return advertise
+    return socket.gethostname() if bind in ("0.0.0.0", "::") else bind
+
+
+def ensure_store(spec: RunSpec, token: str | None, start_timeout: float = 120.0) -> str:
+    """The address of the store serving ``spec.store_root`` for ``spec.host``: a running one, or a new one."""
+    from ..runtime.hosts import await_store, spawn_store
+    from ..store.client import StoreClient
+
+    root = spec.store_root.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    port_file, pid_file, log = (root / f".tenplex-store.{x}" for x in ("port", "pid", "log"))
+    host = advertised_host(spec.store_bind, spec.store_advertise)
+    if port_file.exists() and port_file.read_text().strip():
+        address = f"{host}:{int(port_file.read_text())}"
+        try:
+            with StoreClient(address, token=token, timeout=5.0) as client:
+                health = client.health(timeout=5.0)
+        except Exception:  # noqa: BLE001 -- a stale port file: start a new store below
+            health = None
+        if health is not None:
+            if health["host"] != spec.host or Path(health["root"]).resolve() != root:
+                raise ConfigError(f"the store at {address} serves {health['root']} as host {health['host']}, not "
+                                  f"{root} as host {spec.host}; use another --store-root or --host")
+            return address
+    extra = ["--bind", spec.store_bind]
+    if spec.token_file is not None:
+        extra += ["--token-file", str(spec.token_file)]
+    with open(log, "ab") as out:
+        proc = spawn_store(root, spec.host, port_file, *extra, stdout=out, detached=True)
+    pid_file.write_text(f"{proc.pid}\n")
+    port = await_store(proc, spec.host, port_file, time.monotonic() + start_timeout, log).rsplit(":", 1)[1]
+    return f"{host}:{port}"
+
+
+def worker_env(spec: RunSpec, address: str, token: str | None) -> dict[str, str]:
+    env = {"TENPLEX_HOST": spec.host, "TENPLEX_STORE_ROOT": str(spec.store_root.resolve()),
+           "TENPLEX_STORE_ADDRESS": address, "TENPLEX_AGENT_PID": str(os.getpid()),
+           # c10d rendezvous restarts and scale-ups fail while the agents share the rendezvous store with the
+           # workers (upstream pytorch issue 135712).
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if token:
+        env["TENPLEX_TOKEN"] = token
+    return env
+
+
+def run(argv: list[str]) -> int:
+    """Start or reuse the store, set the environment, run the agent; 0 after a planned leave (SIGTERM)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun_main
+
+    spec = parse(argv)
+    token = spec.token_file.read_text().strip() if spec.token_file else None
+    if spec.token_file and not token:
+        raise ConfigError(f"token file {spec.token_file} is empty")
+    args = torchrun_argv(spec)
+    address = ensure_store(spec, token)
+    os.environ.update(worker_env(spec, address, token))  # the agent passes its environment on to the workers
+    print(f"tenplex run: host {spec.host}, store {address} ({spec.store_root}); torchrun {' '.join(args)}",
+          file=sys.stderr, flush=True)
+    try:
+        torchrun_main(args)
+    except SignalException as e:
+        if e.sigval in (signal.SIGTERM, signal.SIGINT):
+            print(f"tenplex run: host {spec.host} left the job ({signal.Signals(e.sigval).name})", file=sys.stderr,
+                  flush=True)
+            return 0
+        raise
+    return 0

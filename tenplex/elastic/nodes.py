@@ -1,0 +1,139 @@
+"""Simulated nodes on this machine: a ``tenplex rendezvous serve`` process and one ``tenplex run`` per node.
+
+May import: ``tenplex.runtime.hosts``, ``tenplex.errors`` and the standard library (no torch: the
+demo's driver only starts, signals and kills processes).
+
+Each node is a ``tenplex run`` agent in a process group of its own, with its
+own store root ``BASE/HOST``. What happens to a node:
+
+* ``leave``: SIGTERM to the agent, as a scheduler or ``kubectl delete`` would;
+  its workers save with the others at their next step boundary and exit;
+* ``fail``: SIGKILL to the node's whole process group (the agent; its workers
+  die with it through ``PR_SET_PDEATHSIG``, see :mod:`tenplex.elastic.entry`)
+  and to its store process: everything on the host is gone at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from ..runtime.hosts import HostError, await_store
+
+CLI = "from tenplex.cli import main; import sys; sys.exit(main())"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+class Nodes:
+    """The rendezvous store and the agents of one job under ``base``; a context manager that cleans up all."""
+
+    def __init__(self, base: Path, nproc_per_node: int, max_nodes: int, script: Sequence[str],
+                 env: dict[str, str] | None = None):
+        self.base, self.nproc, self.max_nodes, self.script = base, nproc_per_node, max_nodes, list(script)
+        self.env = dict(os.environ if env is None else env)
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.rendezvous: subprocess.Popen | None = None
+        self.endpoint = ""
+
+    def start_rendezvous(self, timeout: float = 120.0) -> str:
+        port_file, log = self.base / "rendezvous.port", self.base / "rendezvous.log"
+        with open(log, "ab") as out:
+            self.rendezvous = subprocess.Popen(
+                [sys.executable, "-c", CLI, "rendezvous", "serve", "--port", "0", "--port-file", str(port_file)],
+                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        # await_store waits for any port file: the rendezvous store reports its port the same way.
+        self.endpoint = await_store(self.rendezvous, "rendezvous", port_file, time.monotonic() + timeout, log)
+        return self.endpoint
+
+    def root(self, host: str) -> Path:
+        return self.base / host
+
+    def log(self, host: str) -> Path:
+        return self.base / f"agent-{host}.log"
+
+    def start(self, host: str) -> None:
+        """Start ``tenplex run`` for ``host`` (a new agent; its store is started or reused)."""
+        if host in self.agents and self.agents[host].poll() is None:
+            raise HostError(f"node {host} is already running")
+        argv = [sys.executable, "-c", CLI, "run", "--host", host, "--store-root", str(self.root(host)),
+                "--nnodes", f"1:{self.max_nodes}", "--nproc-per-node", str(self.nproc),
+                "--rdzv-endpoint", self.endpoint, "--rdzv-id", "demo", *self.script]
+        with open(self.log(host), "ab") as out:
+            self.agents[host] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                 env=self.env, start_new_session=True)
+
+    def leave(self, host: str) -> None:
+        """A planned leave: SIGTERM to the node's agent."""
+        self.agents[host].send_signal(signal.SIGTERM)
+
+    def fail(self, host: str) -> None:
+        """A host failure: SIGKILL to the node's process group and to its store, without warning."""
+        agent = self.agents[host]
+        try:
+            os.killpg(agent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        store = self.store_pid(host)
+        if store is not None and _alive(store):
+            os.kill(store, signal.SIGKILL)
+        agent.wait()
+
+    def store_pid(self, host: str) -> int | None:
+        pid_file = self.root(host) / ".tenplex-store.pid"
+        return int(pid_file.read_text()) if pid_file.exists() else None
+
+    def running(self) -> list[str]:
+        return [h for h, p in self.agents.items() if p.poll() is None]
+
+    def wait(self, timeout: float) -> dict[str, int | None]:
+        """Wait for every agent to exit; their exit codes (None: still running at the timeout)."""
+        deadline = time.monotonic() + timeout
+        for agent in self.agents.values():
+            try:
+                agent.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return {h: p.poll() for h, p in self.agents.items()}
+
+    def close(self) -> None:
+        """Kill every agent's process group, every store and the rendezvous; wait for all of them."""
+        for host, agent in self.agents.items():
+            if agent.poll() is None:
+                try:
+                    os.killpg(agent.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            agent.wait()
+        pids = [self.store_pid(h) for h in self.agents]
+        if self.rendezvous is not None:
+            pids.append(self.rendezvous.pid)
+        for pid in pids:
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for pid in pids:
+            while pid is not None and _alive(pid):
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                time.sleep(0.05)
+        if self.rendezvous is not None:
+            self.rendezvous.wait()
+
+    def __enter__(self) -> "Nodes":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

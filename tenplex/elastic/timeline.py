@@ -1,0 +1,240 @@
+"""What the elastic demo's workers recorded, turned into worlds, events, the final history and the checks.
+
+May import: ``tenplex.planner``, ``tenplex.layout``, ``tenplex.store`` (reading saved layouts),
+numpy, safetensors (numpy API) and the standard library. No torch.
+
+Each worker writes JSON lines (``examples/01-gpt-train/train.py --record``):
+``start`` (its world's id, hosts, configuration, restored step, version,
+restore time, data position), ``step`` (loss and the sample ids it read),
+``saved`` (step, version, position) and ``exit``; ranks with dp = tp = 0
+dump their pipeline stage's full parameters and Adam moments after every save
+and after a restore (safetensors).
+
+The **final history** takes each step from the last world that trained it (a
+step trained again after a failure replaces the lost attempt).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = "tenplex.demo.elastic/1"
+LOSS_TOLERANCE = 1e-4
+
+
+@dataclass
+class World:
+    id: str
+    hosts: list[str]
+    size: int
+    parallel: str
+    restored_step: int | None
+    version: int | None
+    transformed: bool
+    plan_stats: dict
+    position: int
+    start: float                      # earliest process start of its ranks
+    ready: float                      # when its last rank had joined the process group and restored
+    restore_s: float
+    files: dict[str, dict] = field(default_factory=dict)   # record file -> coords
+    steps: dict[int, dict] = field(default_factory=dict)    # step -> {"loss": …, "ids": […]}
+    saves: list[dict] = field(default_factory=list)
+    exits: list[dict] = field(default_factory=list)
+
+    def describe(self) -> dict:
+        return {"world": self.size, "hosts": self.hosts, "parallel": self.parallel}
+
+
+def read_worlds(folder: Path) -> list[World]:
+    """The worlds of a record folder, in the order they started."""
+    docs = []
+    for path in sorted(folder.glob("rank-*.jsonl")):
+        docs += [dict(json.loads(line), file=path.name) for line in path.read_text().splitlines() if line.strip()]
+    worlds: dict[str, World] = {}
+    owner: dict[str, World] = {}
+    for d in docs:
+        if d["event"] != "start":
+            continue
+        w = worlds.get(d["world_id"])
+        if w is None:
+            w = worlds[d["world_id"]] = World(d["world_id"], d["hosts"], d["world"], d["parallel"], d["restored_step"],
+                                              d["version"], d["transformed"], d["plan_stats"], d["position"],
+                                              d["time"], d["ready"], d["restore_s"])
+        w.start, w.ready = min(w.start, d["time"]), max(w.ready, d["ready"])
+        w.restore_s = max(w.restore_s, d["restore_s"])
+        w.files[d["file"]] = d["coords"]
+        owner[d["file"]] = w
+    for d in docs:
+        w = owner.get(d["file"])
+        if w is None:
+            continue
+        if d["event"] == "step":
+            coords = w.files[d["file"]]
+            entry = w.steps.setdefault(d["step"], {"loss": d["loss"], "ids": []})
+            if coords["tp"] == 0 and coords["pp"] == 0:  # each dp rank's share once (its tp/pp peers read the same)
+                entry["ids"] += d["ids"]
+        elif d["event"] == "saved":
+            w.saves.append(d)
+        elif d["event"] == "exit":
+            w.exits.append(d)
+    return sorted(worlds.values(), key=lambda w: w.start)
+
+
+def final_history(worlds: list[World]) -> dict[int, dict]:
+    """step -> the record of the last world that trained it."""
+    history: dict[int, dict] = {}
+    for w in worlds:  # in start order: later worlds overwrite replayed steps
+        history.update(w.steps)
+    return dict(sorted(history.items()))
+
+
+def _dump(folder: Path, kind: str, step: int, world: World) -> dict[str, np.ndarray]:
+    """The full state a world dumped after its save (kind "saved") or restore ("restored") of ``step``."""
+    from safetensors.numpy import load_file
+
+    tags = {f.removeprefix("rank-").removesuffix(".jsonl").split("-", 1)[1] for f in world.files}
+    state: dict[str, np.ndarray] = {}
+    for tag in sorted(tags):
+        path = folder / "dumps" / f"{kind}-{step}-{tag}.safetensors"
+        if path.exists():
+            state.update(load_file(str(path)))
+    return state
+
+
+def _bit_exact(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return bool(a) and a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def _layout(roots: list[Path], version: int):
+    from ..layout import from_dict
+    from ..store import LAYOUT_DOC, Store
+
+    for root in roots:
+        try:
+            return from_dict(Store(root, root.name).open(version).get_json(LAYOUT_DOC), source=f"version {version}")
+        except Exception:  # noqa: BLE001 -- not on this host (or promoted elsewhere): try the next
+            continue
+    return None
+
+
+def _bytes(world: World, roots: list[Path]) -> dict:
+    """The plan's bytes for the change into ``world``: kept, within hosts, between hosts, and the lower bound."""
+    from ..planner import plan
+
+    stats = world.plan_stats
+    if not stats and world.version is not None and world.saves:
+        old, new = _layout(roots, world.version), _layout(roots, world.saves[0]["version"])
+        if old is not None and new is not None:
+            stats = plan(old, new).to_dict()["stats"]
+    return {"kept": stats.get("kept_bytes", 0), "intra_host": stats.get("intra_host_bytes", 0),
+            "inter_host": stats.get("inter_host_bytes", 0),
+            "inter_host_lower_bound": stats.get("inter_host_lower_bound", 0)}
+
+
+def summarize(reference: Path, elastic: Path, events: list, fired: list[dict], roots: list[Path],
+              after: list[list[str]]) -> tuple[dict, dict]:
+    """The ``tenplex.demo.elastic/1`` summary (events with their times and bytes, the four checks), and the
+    loss histories and worlds behind it (for the plot)."""
+    worlds, ref_worlds = read_worlds(elastic), read_worlds(reference)
+    history, ref_history = final_history(worlds), final_history(ref_worlds)
+    out_events, bit_exact, position_ok = [], True, True
+    for e, f, hosts in zip(events, fired, after):
+        before = [w for w in worlds if w.start < f["time"]]
+        source = before[-1] if before else None
+        target = next((w for w in worlds if w.start > f["time"] and sorted(w.hosts) == hosts), None)
+        if source is None or target is None:
+            position_ok = bit_exact = False
+            out_events.append({"kind": e.kind, "host": e.host, "at_step": f["step"], "error": "no world found"})
+            continue
+        between = [w for w in worlds if source.start <= w.start < target.start]
+        reached = max((s for w in between for s in w.steps), default=0)
+        resumed = target.restored_step or 0
+        exits = [x["time"] for w in between for x in w.exits if x["time"] >= f["time"]]
+        detected = min(exits) if exits else target.start
+        # Newest save committed before the new world started: what it must resume from.
+        saves = [s for w in worlds if w.start < target.start for s in w.saves if s["time"] < target.start]
+        newest = max(saves, key=lambda s: (s["step"], s["time"]), default=None)
+        position_ok &= newest is not None and resumed == newest["step"] and target.position == newest["position"]
+        if newest is not None:
+            saver = next(w for w in worlds if newest in w.saves)
+            bit_exact &= _bit_exact(_dump(elastic, "saved", newest["step"], saver),
+                                    _dump(elastic, "restored", resumed, target))
+        out_events.append({
+            "kind": e.kind, "host": e.host, "at_step": f["step"], "resumed_from_step": resumed,
+            "lost_steps": max(0, reached - resumed), "from": source.describe(), "to": target.describe(),
+            "detect_s": round(detected - f["time"], 3), "restart_s": round(target.ready - target.restore_s - detected, 3),
+            "restore_s": round(target.restore_s, 3), "bytes": _bytes(target, roots)})
+    losses = [(s, h["loss"], ref_history[s]["loss"]) for s, h in history.items() if s in ref_history]
+    rel = max((abs(a - b) / max(abs(b), 1e-12) for _, a, b in losses), default=float("inf"))
+    seen = [i for h in history.values() for i in h["ids"]]
+    expected = {i for h in ref_history.values() for i in h["ids"]}
+    counts: dict[int, int] = {}
+    for i in seen:
+        counts[i] = counts.get(i, 0) + 1
+    checks = {"loss_max_rel_diff": rel if losses and len(history) == len(ref_history) else float("inf"),
+              "samples_read_twice": sum(1 for n in counts.values() if n > 1),
+              "samples_skipped": len(expected - set(counts)),
+              "state_bit_exact": bool(bit_exact and out_events),
+              "position_restored": bool(position_ok and out_events)}
+    ok = (checks["loss_max_rel_diff"] <= LOSS_TOLERANCE and checks["samples_read_twice"] == 0
+          and checks["samples_skipped"] == 0 and checks["state_bit_exact"] and checks["position_restored"]
+          and all("error" not in e for e in out_events))
+    summary = {"format": FORMAT, "ok": bool(ok), "events": out_events, "checks": checks}
+    return summary, {"elastic": {s: h["loss"] for s, h in history.items()},
+                     "reference": {s: h["loss"] for s, h in ref_history.items()}}
+
+
+def print_timeline(summary: dict, say) -> None:
+    for i, e in enumerate(summary["events"], 1):
+        if "error" in e:
+            say(f"{i}. {e['kind']} {e['host']} at step {e['at_step']}: {e['error']}")
+            continue
+        b = e["bytes"]
+        say(f"{i}. {e['kind']:5s} {e['host']} at step {e['at_step']}: world {e['from']['world']} "
+            f"({','.join(e['from']['hosts'])}; {e['from']['parallel']}) -> {e['to']['world']} "
+            f"({','.join(e['to']['hosts'])}; {e['to']['parallel']})")
+        say(f"   detect {e['detect_s']:.1f} s, restart {e['restart_s']:.1f} s, restore {e['restore_s']:.2f} s; "
+            f"resumed from step {e['resumed_from_step']}, {e['lost_steps']} step(s) lost and replayed")
+        say(f"   bytes: kept {b['kept']}, within hosts {b['intra_host']}, between hosts {b['inter_host']} "
+            f"(lower bound {b['inter_host_lower_bound']})")
+    c = summary["checks"]
+    say(f"checks: losses vs reference max rel diff {c['loss_max_rel_diff']:.2e} (<= {LOSS_TOLERANCE:g}); samples "
+        f"read twice {c['samples_read_twice']}, skipped {c['samples_skipped']}; restored state bit-exact "
+        f"{c['state_bit_exact']}; step and position restored {c['position_restored']}")
+    say("OK" if summary["ok"] else "FAILED")
+
+
+def plot(summary: dict, history: dict, path: Path) -> None:
+    """Both loss curves and the events (PNG, matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = history
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ref = sorted(h["reference"].items())
+    ax.plot([s for s, _ in ref], [v for _, v in ref], color="black", lw=2.5, alpha=0.35,
+            label="reference (uninterrupted)")
+    el = sorted(h["elastic"].items())
+    ax.plot([s for s, _ in el], [v for _, v in el], "o-", color="tab:blue", ms=4, lw=1, label="elastic (final history)")
+    for e in summary["events"]:
+        color = {"join": "tab:green", "fail": "tab:red", "leave": "tab:orange"}[e["kind"]]
+        ax.axvline(e["at_step"] + 0.5, color=color, ls="--")
+        label = f"{e['kind']} {e['host']}"
+        if "to" in e:
+            label += f"\n-> {e['to']['parallel']}"
+        ax.text(e["at_step"] + 0.6, ax.get_ylim()[1], label, color=color, va="top", fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (global batch mean)")
+    ax.set_title(f"tenplex demo --elastic: {'OK' if summary['ok'] else 'FAILED'}, max rel diff "
+                 f"{summary['checks']['loss_max_rel_diff']:.1e}")
+    ax.legend(loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

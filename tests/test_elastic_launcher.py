@@ -1,0 +1,173 @@
+"""``tenplex run``'s command line, its torchrun defaults, the node store it starts or reuses, the worker entry
+shim, and ``tenplex rendezvous serve`` (real processes, real TCPStore)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tenplex.elastic import launcher
+from tenplex.elastic.entry import command
+from tenplex.elastic.launcher import RunSpec, parse, torchrun_argv
+from tenplex.errors import ConfigError
+
+ENTRY = ["--no-python", sys.executable, "-m", "tenplex.elastic.entry"]
+CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,is_host=false"
+
+
+def test_parse_removes_our_options_and_keeps_the_rest_in_order():
+    spec = parse(["--host", "h1", "--nnodes=1:3", "--store-root=/s", "--nproc-per-node", "2", "--token-file", "t",
+                  "--rdzv-endpoint", "10.0.0.1:29400", "--store-bind", "0.0.0.0", "--store-advertise", "n1",
+                  "train.py", "--host", "x", "--lr=1"])
+    assert spec == RunSpec("h1", Path("/s"), "0.0.0.0", "n1", Path("t"),
+                           ["--nnodes=1:3", "--nproc-per-node", "2", "--rdzv-endpoint", "10.0.0.1:29400"],
+                           "script", "train.py", ["--host", "x", "--lr=1"])
+
+
+@pytest.mark.parametrize("flag,mode", [("-m", "module"), ("--module", "module"), ("--no-python", "exec"),
+                                       ("--no_python", "exec"), ("--run-path", "script")])
+def test_parse_turns_torchrun_program_modes_into_an_entry_mode(flag, mode):
+    spec = parse(["--host", "h0", "--store-root", "/s", flag, "prog", "a"])
+    assert (spec.mode, spec.target, spec.args, spec.torchrun) == (mode, "prog", ["a"], [])
+
+
+def test_torchrun_argv_adds_the_measured_defaults():
+    spec = parse(["--host", "h0", "--store-root", "/s", "--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:5", "t.py"])
+    assert torchrun_argv(spec) == ["--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:5", "--rdzv-backend", "c10d",
+                                   "--rdzv-conf", CONF, "--max-restarts", "10", *ENTRY, "script", "t.py"]
+
+
+def test_torchrun_argv_keeps_what_the_user_set():
+    spec = parse(["--host", "h0", "--store-root", "/s", "--rdzv_backend=c10d", "--rdzv-endpoint=e:1",
+                  "--rdzv-conf", "last_call_timeout=9,is_host=true,join_timeout=7", "--max-restarts=3", "t.py"])
+    assert torchrun_argv(spec) == [
+        "--rdzv_backend=c10d", "--rdzv-endpoint=e:1", "--max-restarts=3", "--rdzv-conf",
+        "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=9,is_host=true,join_timeout=7",
+        *ENTRY, "script", "t.py"]
+    etcd = parse(["--host", "h0", "--store-root", "/s", "--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "e:2379",
+                  "t.py"])
+    assert "--rdzv-conf" not in torchrun_argv(etcd)  # c10d settings only for c10d
+    standalone = parse(["--host", "h0", "--store-root", "/s", "--standalone", "t.py"])
+    assert torchrun_argv(standalone) == ["--standalone", "--max-restarts", "10", *ENTRY, "script", "t.py"]
+
+
+def test_torchrun_argv_needs_a_rendezvous_endpoint():
+    with pytest.raises(ConfigError, match="needs --rdzv-endpoint .* `tenplex rendezvous serve`"):
+        torchrun_argv(parse(["--host", "h0", "--store-root", "/s", "--nnodes", "2", "t.py"]))
+
+
+def test_worker_env_exports_the_store_and_the_rendezvous_fix(tmp_path):
+    spec = RunSpec("h3", tmp_path)
+    env = launcher.worker_env(spec, "127.0.0.1:7", "secret")
+    assert env == {"TENPLEX_HOST": "h3", "TENPLEX_STORE_ROOT": str(tmp_path.resolve()),
+                   "TENPLEX_STORE_ADDRESS": "127.0.0.1:7", "TENPLEX_AGENT_PID": str(os.getpid()),
+                   "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TENPLEX_TOKEN": "secret"}
+    assert "TENPLEX_TOKEN" not in launcher.worker_env(spec, "a:1", None)
+
+
+def test_entry_commands():
+    assert command("script", "t.py", ["a"]) == [sys.executable, "-u", "t.py", "a"]
+    assert command("module", "p.t", []) == [sys.executable, "-u", "-m", "p.t"]
+    assert command("exec", "/bin/x", ["-v"]) == ["/bin/x", "-v"]
+
+
+def test_a_worker_dies_with_its_agent(tmp_path):
+    """The entry shim's worker is SIGKILLed by the kernel when its parent (the agent) is SIGKILLed."""
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", f"""
+import os, subprocess, sys, time
+env = dict(os.environ, TENPLEX_AGENT_PID=str(os.getpid()))
+child = subprocess.Popen([sys.executable, "-m", "tenplex.elastic.entry", "exec", "sh", "-c",
+                          "echo $$ > {pid_file}; exec sleep 120"], env=env, start_new_session=True)
+time.sleep(120)
+"""])
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        os.kill(child, 0)  # alive
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 30
+        while _alive(child):
+            assert time.monotonic() < deadline, "the worker outlived its agent"
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+        if pid_file.exists() and _alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A killed child of another process stays a zombie until reaped; a zombie is dead.
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
+
+
+def test_ensure_store_starts_a_detached_store_then_reuses_it(tmp_path):
+    spec = RunSpec("h0", tmp_path / "h0")
+    address = launcher.ensure_store(spec, None)
+    pid = int((tmp_path / "h0" / ".tenplex-store.pid").read_text())
+    try:
+        assert os.getsid(pid) == pid  # a session of its own: it outlives the agent's process group
+        assert launcher.ensure_store(spec, None) == address
+        assert int((tmp_path / "h0" / ".tenplex-store.pid").read_text()) == pid  # reused, not restarted
+        with pytest.raises(ConfigError, match="serves .* as host h0, not .* as host h9"):
+            launcher.ensure_store(RunSpec("h9", tmp_path / "h0"), None)
+    finally:
+        os.kill(pid, signal.SIGTERM)
+        _wait_gone(pid)
+    # A stale port file (the store is gone) starts a new store.
+    address = launcher.ensure_store(spec, None)
+    new_pid = int((tmp_path / "h0" / ".tenplex-store.pid").read_text())
+    os.kill(new_pid, signal.SIGTERM)
+    _wait_gone(new_pid)
+    assert new_pid != pid
+
+
+def _wait_gone(pid: int) -> None:
+    deadline = time.monotonic() + 30
+    while _alive(pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_rendezvous_store_serves_clients_on_loopback_only_by_default(tmp_path):
+    import torch.distributed as dist
+
+    from tenplex.elastic.rendezvous import serve
+
+    with pytest.raises(ConfigError, match="no authentication"):
+        serve("0.0.0.0")
+    stop, ports = threading.Event(), []
+    thread = threading.Thread(target=serve, kwargs=dict(port=0, port_file=tmp_path / "p", stop=stop,
+                                                        ready=ports.append))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ports:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.02)
+        assert int((tmp_path / "p").read_text()) == ports[0]
+        a = dist.TCPStore("127.0.0.1", ports[0], is_master=False, timeout=datetime.timedelta(seconds=10))
+        b = dist.TCPStore("127.0.0.1", ports[0], is_master=False, timeout=datetime.timedelta(seconds=10))
+        a.set("job1/x", "1")
+        assert b.get("job1/x") == b"1"
+    finally:
+        stop.set()
+        thread.join(30)

@@ -1,0 +1,355 @@
+"""Replicated state and recovery from a lost host.
+
+Pure rules (which regions are copied where, what survivors can assemble) with exact
+expected values; the copier against real store processes (commit, failure of the
+origin mid-copy, cancel); and whole jobs of real gloo ranks with real store processes,
+in which a host's store is killed and its directory deleted:
+
+* the survivors restore the newest version they can assemble completely, from the
+  copies, bit for bit, and the planner and transformer read the copies as sources;
+* a host lost while a version was still being copied leaves that version not counted
+  as replicated, and the restore falls back to the previous one (the step lost is reported);
+* a host that left but whose store still answers is reached through the recorded address;
+* with replication off, losing the only copy is a LostStateError naming tensor, box and
+  host, and nothing is restored.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from store_helpers import StoreProcess, random_globals, write_version
+from tenplex.box import Box
+from tenplex.layout import Layout, Shard, TensorSpec
+from tenplex.planner import plan
+from tenplex.replication import Copy, Lost, assemble, copies, effective_replicas
+from tenplex.replication.copier import Replicator, held_layout, held_versions, replica_store
+from tenplex.replication.plan import copy_layout
+from tenplex.replication.stores import replicas_of
+from tenplex.runtime import launch
+from tenplex.store import Store
+
+WORKER = Path(__file__).parent / "mp" / "replica_worker.py"
+ROWS, COLS = 8, 6
+F32 = "float32"
+
+
+def rows(lo: int, hi: int, cols: int = COLS) -> Box:
+    return Box((lo, 0), (hi - lo, cols))
+
+
+def three_hosts() -> Layout:
+    """w split by rows over h0/0, h1/0, h2/0; h0/1 also holds h1/0's rows (a replica across hosts); b everywhere."""
+    tensors = {"w": TensorSpec((6, 4), F32), "b": TensorSpec((4,), F32)}
+    whole_b = Shard("b", Box((0,), (4,)))
+    return Layout.build(tensors, {
+        "h0/0": [Shard("w", rows(0, 2, 4)), whole_b], "h0/1": [Shard("w", rows(2, 4, 4))],
+        "h1/0": [Shard("w", rows(2, 4, 4)), whole_b], "h2/0": [Shard("w", rows(3, 6, 4)), whole_b]})
+
+
+# ------------------------------------------------------------------ pure rules
+def test_replica_count_defaults_to_one_with_two_or_more_hosts_and_is_capped():
+    assert [effective_replicas(None, n) for n in (1, 2, 5)] == [0, 1, 1]
+    assert [effective_replicas(0, 3), effective_replicas(2, 3), effective_replicas(5, 3)] == [0, 2, 2]
+    with pytest.raises(ValueError):
+        effective_replicas(-1, 3)
+
+
+def test_only_regions_no_other_host_holds_are_copied_to_the_next_hosts_of_the_ring():
+    layout = three_hosts()
+    # rows 2:4 are on h0 and h1, row 3 also on h2, b on every host: none of that is copied.
+    assert copies(layout, 1) == [
+        Copy("h0", "h1", "h0/0", "w", rows(0, 2, 4)),
+        Copy("h2", "h0", "h2/0", "w", rows(4, 6, 4)),
+    ]
+    assert copies(layout, 2) == [
+        Copy("h0", "h1", "h0/0", "w", rows(0, 2, 4)), Copy("h0", "h2", "h0/0", "w", rows(0, 2, 4)),
+        Copy("h2", "h0", "h2/0", "w", rows(4, 6, 4)), Copy("h2", "h1", "h2/0", "w", rows(4, 6, 4)),
+    ]
+    assert copies(layout, 0) == []
+
+
+def test_copies_become_devices_of_their_holder_above_every_index_it_uses():
+    layout = three_hosts()
+    held = {"h0": {"h2": copy_layout(layout, [c for c in copies(layout, 1) if c.holder == "h0"])}}
+    found = assemble(layout, ["h0", "h1"], held, taken={"h0": {0, 5}})
+    assert found.lost == []
+    assert found.replica_devices == {"h0/6": ("h0", "h2/0")}
+    assert found.layout.devices["h0/6"] == (Shard("w", rows(4, 6, 4)),)
+    assert "h2/0" not in found.layout.devices
+    # The planner reads the copy like any other replica: rows 4:6 come from h0's copy device.
+    new = Layout.build(layout.tensors, {"h1/0": [Shard("w", rows(0, 6, 4)), Shard("b", Box((0,), (4,)))]})
+    sources = {(t.src, t.box) for t in plan(found.layout, new).transfers if t.box.offsets[0] >= 4}
+    assert sources == {("h0/6", rows(4, 6, 4))}
+
+
+def test_without_a_copy_every_lost_region_is_named_with_its_host_and_device():
+    layout = three_hosts()
+    found = assemble(layout, ["h0", "h1"], {})
+    assert found.layout is None
+    assert found.lost == [Lost("w", rows(4, 6, 4), "h2", "h2/0")]  # row 3 survives on h0/1 and h1/0
+    assert str(found.lost[0]) == "tensor 'w' box [4:6, 0:4] (device h2/0 on host h2)"
+    # A copy held by a lost host does not help: h0 held the copy of h2's rows.
+    held = {"h0": {"h2": copy_layout(layout, [c for c in copies(layout, 1) if c.holder == "h0"])}}
+    assert assemble(layout, ["h1"], held).lost == [Lost("w", rows(0, 2, 4), "h0", "h0/0"),
+                                                  Lost("w", rows(4, 6, 4), "h2", "h2/0")]
+
+
+def test_the_rules_are_pure():
+    code = ("import sys, json; import tenplex.replication.plan; "
+            "print(json.dumps([m for m in sys.modules if m.startswith(('grpc', 'torch', 'tenplex.store'))]))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert loaded == []
+
+
+def test_a_replica_count_needs_every_hosts_store_address(tmp_path):
+    from tenplex import Checkpointer
+    from tenplex.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="replicas must be >= 0"):
+        Checkpointer(store_root=tmp_path, replicas=-1)
+    ckpt = Checkpointer(store_root=tmp_path, host="h0", replicas=1, store_address="127.0.0.1:1")
+    assert ckpt._replica_count({"h0": "127.0.0.1:1", "h1": "127.0.0.1:2"}, ["h0", "h1"]) == 1
+    with pytest.raises(ConfigError, match=r"host\(s\) h1 reported none: set TENPLEX_STORE_ADDRESS"):
+        ckpt._replica_count({"h0": "127.0.0.1:1"}, ["h0", "h1"])
+    assert Checkpointer(store_root=tmp_path, host="h0", replicas=0)._replica_count({}, ["h0", "h1"]) == 0
+
+
+# -------------------------------------------------------- copier, real stores
+def two_hosts() -> Layout:
+    tensors = {"w": TensorSpec((64, 256), F32), "b": TensorSpec((256,), F32)}
+    b = Shard("b", Box((0,), (256,)))
+    return Layout.build(tensors, {"h0/0": [Shard("w", rows(0, 32, 256)), b], "h1/0": [Shard("w", rows(32, 64, 256)), b]})
+
+
+@pytest.fixture
+def stores(tmp_path):
+    procs = {}
+
+    def start(host: str, env: dict | None = None) -> StoreProcess:
+        procs[host] = StoreProcess(tmp_path / host, host, env=env)
+        return procs[host]
+    yield start
+    for p in procs.values():
+        p.stop()
+
+
+def test_copies_are_pulled_verified_and_committed_as_their_own_version(tmp_path, stores):
+    layout, arrays = two_hosts(), random_globals(two_hosts())
+    roots = {h: tmp_path / h for h in ("h0", "h1")}
+    h0 = stores("h0")
+    write_version(roots, layout, 3, arrays)
+    replicator = Replicator(Store(roots["h1"], "h1"), 3, layout, 1, {"h0": h0.address}).start()
+    assert replicator.wait(60), replicator.status()
+    assert replicator.status()["bytes"] == 32 * 256 * 4  # only h0's rows: b is on both hosts
+    assert held_versions(roots["h1"]) == {"h0": [3]}
+    assert held_layout(roots["h1"], "h1", "h0", 3).devices == {"h0/0": (Shard("w", rows(0, 32, 256)),)}
+    reader = replica_store(roots["h1"], "h0", "h1").open(3)
+    assert np.array_equal(reader.read("h0/0", "w", rows(0, 32, 256)).view(np.uint32), arrays["w"][:32].view(np.uint32))
+    assert reader.verify() == []
+    assert Store(roots["h0"], "h0").versions() == [3]  # the origin is untouched
+
+
+def test_an_origin_dying_mid_copy_leaves_no_committed_copy(tmp_path, stores, monkeypatch):
+    monkeypatch.setattr("tenplex.replication.copier.CHUNK_BYTES", 4096)  # many chunks: die after the second
+    layout, arrays = two_hosts(), random_globals(two_hosts())
+    roots = {h: tmp_path / h for h in ("h0", "h1")}
+    write_version(roots, layout, 1, arrays)
+    h0 = stores("h0", env={"TENPLEX_STORE_TEST_HOOKS": "exit_after_chunks=2"})
+    replicator = Replicator(Store(roots["h1"], "h1"), 1, layout, 1, {"h0": h0.address}, timeout=10).start()
+    assert not replicator.wait(60)
+    assert replicator.status()["state"] == "failed" and "h0" not in held_versions(roots["h1"])
+    assert not any((roots["h1"] / "replicas" / "h0" / "staging").iterdir())  # the partial copy was dropped
+    assert h0.proc.wait(10) == 137
+
+
+def test_a_cancelled_copy_is_dropped(tmp_path, stores, monkeypatch):
+    monkeypatch.setattr("tenplex.replication.copier.CHUNK_BYTES", 4096)
+    layout, arrays = two_hosts(), random_globals(two_hosts())
+    roots = {h: tmp_path / h for h in ("h0", "h1")}
+    write_version(roots, layout, 1, arrays)
+    h0 = stores("h0")
+    replicator = Replicator(Store(roots["h1"], "h1"), 1, layout, 1, {"h0": h0.address})
+    from tenplex.store.target import ShardTarget
+    original = ShardTarget.write
+
+    def write_then_cancel(self, region, data):  # the first chunk lands, then the next save cancels the copy
+        original(self, region, data)
+        replicator._cancel.set()
+    monkeypatch.setattr(ShardTarget, "write", write_then_cancel)
+    replicator.start()
+    assert not replicator.wait(60)
+    assert replicator.status()["state"] == "cancelled" and held_versions(roots["h1"]) == {}
+    assert not any((roots["h1"] / "replicas" / "h0" / "staging").iterdir())
+
+
+def test_bench_replicate_copies_without_holding_the_version(tmp_path):
+    size = 32 << 20
+    proc = subprocess.run([sys.executable, "-m", "tenplex.cli", "bench", "replicate", "--json", "--bytes", str(size),
+                           "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert set(result) == {"benchmark", "bytes", "chunk_bytes", "replicate_s", "replicate_gbps",
+                           "replicate_rss_growth_bytes", "baseline_read_s", "baseline_rss_growth_bytes", "load"}
+    assert result["bytes"] == size
+    # The copier streams chunk by chunk; the baseline holds the whole version in memory.
+    assert result["replicate_rss_growth_bytes"] < size // 2 <= result["baseline_rss_growth_bytes"]
+
+
+# ------------------------------------------------------------ whole jobs (gloo)
+def run(base: Path, name: str, devices: list[str], stores: dict[str, StoreProcess], ops: list[dict],
+        replicas: int | None = None, keep: int = 2) -> list[list[dict]]:
+    out = base / name
+    out.mkdir(parents=True)
+    spec = {"out": str(out), "ops": ops, "replicas": replicas, "keep": keep,
+            "stores": {h: p.address for h, p in stores.items()}}
+    (out / "spec.json").write_text(json.dumps(spec))
+    roots = {h: p.root for h, p in stores.items()}
+    launch.run_job([sys.executable, str(WORKER), str(out / "spec.json")], devices, roots, {}, out / "logs",
+                   timeout=240)
+    return [json.loads((out / f"result_r{r}.json").read_text()) for r in range(len(devices))]
+
+
+def full_state(out: Path, stem: str, results: list[list[dict]], op: str) -> dict[str, torch.Tensor]:
+    """Each rank's dumped local state, put together: rows of w and its moments; b from rank 0."""
+    parts = []
+    for rank, ops in enumerate(results):
+        lo, hi = next(o for o in ops if o["op"] == op)["rows"]
+        parts.append((lo, load_file(str(out / f"{stem}_r{rank}.safetensors"))))
+    state = {k: v for k, v in parts[0][1].items() if k.endswith("b")}
+    for key in [k for k in parts[0][1] if not k.endswith("b")]:
+        state[key] = torch.cat([p[key] for _, p in sorted(parts, key=lambda x: x[0])])
+    return state
+
+
+def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].shape == b[key].shape and torch.equal(a[key].view(torch.int32), b[key].view(torch.int32)), key
+
+
+@pytest.fixture(scope="module")
+def recovery(tmp_path_factory):
+    """h0 and h1 save steps 1 and 2 (copied), then step 3 while h1's store dies mid-copy; h1 is lost.
+    The survivors h0 and a new host h2 restore, train and save step 4; then h0 alone restores it
+    while h2, gone from the job, still serves its store. Stores keep every version, for the checks."""
+    base = tmp_path_factory.mktemp("recovery")
+    procs = {h: StoreProcess(base / "stores" / h, h) for h in ("h0", "h1", "h2")}
+    try:
+        pair = {h: procs[h] for h in ("h0", "h1")}
+        first = run(base, "first", ["h0/0", "h1/0"], pair, [
+            {"op": "train", "steps": 1}, {"op": "save"}, {"op": "wait_replicated"},
+            {"op": "train", "steps": 1}, {"op": "save"}, {"op": "wait_replicated"}], keep=10)
+        # h1's store dies on the second chunk it sends: in the middle of h0's copy of step 3.
+        procs["h1"].stop()
+        pair["h1"] = procs["h1"] = StoreProcess(base / "stores" / "h1", "h1",
+                                                env={"TENPLEX_STORE_TEST_HOOKS": "exit_after_chunks=1"})
+        second = run(base, "second", ["h0/0", "h1/0"], pair, [
+            {"op": "restore"}, {"op": "train", "steps": 1}, {"op": "save"}, {"op": "wait_replicated"}], keep=10)
+        died = procs["h1"].proc.wait(30)
+        shutil.rmtree(procs["h1"].root)  # the host is lost with its disk
+        survivors = {h: procs[h] for h in ("h0", "h2")}
+        third = run(base, "third", ["h0/0", "h2/0"], survivors, [
+            {"op": "restore"}, {"op": "train", "steps": 2}, {"op": "save"}, {"op": "wait_replicated"}], keep=10)
+        alone = run(base, "alone", ["h0/0"], {"h0": procs["h0"]}, [{"op": "restore"}], keep=10)
+        yield {"base": base, "first": first, "second": second, "third": third, "alone": alone, "died": died,
+               "roots": {h: p.root for h, p in procs.items()}}
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def test_saves_record_every_store_and_count_as_replicated_once_copies_commit(recovery):
+    first = recovery["first"]
+    for rank_ops in first:
+        assert [o["ok"] for o in rank_ops if o["op"] == "wait_replicated"] == [True, True]
+    assert first[0][-1]["status"]["state"] == "replicated" and first[0][-1]["status"]["copies"] == 3  # w + 2 moments
+    # Workers had no TENPLEX_STORES: the copier found the other host through the recorded address.
+    doc = Store(recovery["roots"]["h0"], "h0").open(2).get_json("tenplex.stores")
+    assert doc["format"] == "tenplex.stores/1" and doc["version"] == 2 and doc["replicas"] == 1
+    assert doc["ring"] == ["h0", "h1"]
+    assert sorted(doc["stores"]) == ["h0", "h1"] and all(doc["stores"].values())
+
+
+def test_a_host_lost_mid_copy_leaves_that_version_not_replicated(recovery):
+    second = recovery["second"]
+    assert recovery["died"] == 137
+    assert [o["ok"] for o in second[0] if o["op"] == "wait_replicated"] == [False]
+    assert [o["ok"] for o in second[1] if o["op"] == "wait_replicated"] == [False]  # same answer on every rank
+    status = second[0][-1]["status"]
+    assert status["version"] == 3 and status["state"] == "failed" and "h1/0" in status["error"]  # read from h1 failed
+    # h0 holds committed copies of h1's versions 1 and 2 only: version 3's copy never committed.
+    assert held_versions(recovery["roots"]["h0"])["h1"] == [1, 2]
+
+
+def test_survivors_resume_from_the_newest_complete_version_bit_for_bit(recovery):
+    base, third = recovery["base"], recovery["third"]
+    for rank_ops in third:
+        restore = rank_ops[0]
+        assert "error" not in restore, restore.get("trace")
+        info = restore["info"]
+        assert restore["step"] == 2 and info["saved_version"] == 2 and info["step"] == 2
+        assert info["lost_hosts"] == ["h1"]
+        assert [s["version"] for s in info["skipped"]] == [3] and "w" in info["skipped"][0]["reason"]
+        assert info["promoted_version"] == 4 and info["transformed"] and info["version"] == 5
+        assert info["replica_devices"] == {"h0/1": ["h0", "h1/0"]}
+    saved = full_state(base / "first", "saved_step2", recovery["first"], "save")
+    restored = full_state(base / "third", "restored", third, "restore")
+    assert_bit_equal(restored, saved)
+
+
+def test_the_transformer_reads_the_lost_hosts_rows_from_the_copy(recovery):
+    h0 = Store(recovery["roots"]["h0"], "h0")
+    promoted, transformed = h0.open(4).layout(), h0.open(5).layout()
+    # The copy is device h0/1 of the promoted version, linked from h0's committed copy of h1's rows.
+    assert {s.tensor: s.box for s in promoted.devices["h0/1"]} == {
+        "w": rows(4, 8), "optim.exp_avg.w": rows(4, 8), "optim.exp_avg_sq.w": rows(4, 8)}
+    moves = [t for t in plan(promoted, transformed).transfers if t.dst == "h2/0" and t.tensor.endswith("w")]
+    assert moves and {(t.src, t.box) for t in moves} == {("h0/1", rows(4, 8))}
+    assert h0.open(4).get_json("tenplex.torch_state")["step"] == 2
+    # Versions a restore made carry the saved version's record: they are not copied themselves.
+    assert [replicas_of(h0.open(v).get_json("tenplex.stores"), v) for v in (2, 4, 5)] == [1, None, None]
+
+
+def test_a_departed_host_is_reached_through_its_recorded_store(recovery):
+    base, alone = recovery["base"], recovery["alone"]
+    restore = alone[0][0]
+    assert "error" not in restore, restore.get("trace")
+    info = restore["info"]
+    # Step 4 was saved by h0 and h2; h2 left the job but its store answers at the recorded address.
+    assert restore["step"] == 4 and info["lost_hosts"] == [] and info["promoted_version"] is None
+    assert info["transformed"] and info["plan_stats"]["inter_host_bytes"] > 0
+    saved = full_state(base / "third", "saved_step4", recovery["third"], "save")
+    assert_bit_equal(full_state(base / "alone", "restored", alone, "restore"), saved)
+
+
+def test_without_replication_a_lost_only_copy_is_an_error_and_nothing_is_restored(tmp_path):
+    procs = {h: StoreProcess(tmp_path / "stores" / h, h) for h in ("h0", "h1")}
+    try:
+        run(tmp_path, "save", ["h0/0", "h1/0"], procs, [{"op": "train", "steps": 1}, {"op": "save"}], replicas=0)
+        procs["h1"].kill()
+        shutil.rmtree(procs["h1"].root)
+        alone = run(tmp_path, "restore", ["h0/0"], {"h0": procs["h0"]}, [{"op": "restore"}], replicas=0)
+    finally:
+        for p in procs.values():
+            p.stop()
+    restore = alone[0][0]
+    assert restore["error"] == "LostStateError", restore
+    message = restore["message"]
+    for words in ("version 1 (step 1)", "tensor 'w' box [4:8, 0:6] (device h1/0 on host h1)",
+                  "tensor 'optim.exp_avg.w' box [4:8, 0:6]", "replicas=0", "Nothing was restored", "replicas=1"):
+        assert words in message, (words, message)
+    assert restore["versions"] == [1]  # nothing was put together or transformed
+    state = load_file(str(tmp_path / "restore" / "restored_r0.safetensors"))
+    fresh = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    assert torch.equal(state["w"], fresh) and torch.equal(state["b"], torch.zeros(COLS))  # the model is untouched
