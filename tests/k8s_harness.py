@@ -139,11 +139,11 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def operator(url: str, interval: float = 0.5, settings: WorkerSettings = WorkerSettings()):
+def operator(url: str, interval: float = 0.5, settings: WorkerSettings | None = None):
     """The operator under test: a fresh kopf registry, KopfRunner, standalone, watching namespace NS."""
     registry = kopf.OperatorRegistry()
     api = kubernetes.client.ApiClient(kubernetes.client.Configuration(host=url))
-    Operator(api, settings, interval=interval).register(registry)
+    Operator(api, settings or WorkerSettings(), interval=interval).register(registry)
 
     @kopf.on.login(registry=registry)
     def login(**_: Any) -> kopf.ConnectionInfo:

@@ -95,7 +95,7 @@ class _Decider:
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def condition(self, type_: str, ok: bool, reason: str, message: str) -> None:
-        old = next((c for c in self.old.get("conditions") or [] if c.get("type") == type_), {})
+        old: dict = next((c for c in self.old.get("conditions") or [] if c.get("type") == type_), {})
         value = "True" if ok else "False"
         since = old.get("lastTransitionTime") if old.get("status") == value else None
         self.conditions.append({"type": type_, "status": value, "reason": reason, "message": message,

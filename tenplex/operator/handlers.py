@@ -59,23 +59,25 @@ def _spec_or_error(job: Mapping[str, Any]):
 class Operator:
     """The handlers of one operator, bound to one Kubernetes API client (the tests make one per test)."""
 
-    def __init__(self, api: k8s.ApiClient, settings: WorkerSettings = WorkerSettings(), *, interval: float = 10.0):
+    def __init__(self, api: k8s.ApiClient, settings: WorkerSettings | None = None, *, interval: float = 10.0):
         self.api = api
         self.core = k8s.CoreV1Api(api)
         self.custom = k8s.CustomObjectsApi(api)
-        self.settings = settings
+        self.settings = settings or WorkerSettings()
         self.interval = interval
         self.pokes: dict[tuple[str, str], asyncio.Event] = {}
-        self.node_view: dict[str, Any] = {}
+        self.node_view: dict[str, Any] = {}  # node name -> its NodeState (None once deleted)
         # (namespace, name) -> (generation, SpecError): the API server refused this spec's worker pod
         self.rejected: dict[tuple[str, str], tuple[int, SpecError]] = {}
 
     # -- kopf wiring ---------------------------------------------------------------------------------------------
     def register(self, registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
-        res = dict(group=GROUP, version=VERSION, plural=PLURAL, registry=registry)
+        # Handlers take **kw: kopf passes many keyword arguments and types its handlers as protocols of all of them.
+        job = (GROUP, VERSION, PLURAL)
 
         @kopf.on.startup(registry=registry)
-        def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        def configure(**kw: Any) -> None:
+            settings: kopf.OperatorSettings = kw["settings"]
             # Handler progress in our own annotations (the CRD's status schema has no room for kopf's).
             settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
             settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -83,47 +85,48 @@ class Operator:
             settings.posting.level = logging.WARNING  # our own events say what happened; kopf's add noise
             settings.scanning.disabled = True  # the resources are known: no CRD discovery (and no RBAC for it)
 
-        @kopf.on.create(id="spec", **res)
-        @kopf.on.update(id="spec", field="spec", **res)
-        @kopf.on.resume(id="spec", **res)
-        def spec_changed(body: Mapping[str, Any], namespace: str, name: str, **_: Any) -> None:
-            self.poke(namespace, name)
-            spec = _spec_or_error(body)
+        @kopf.on.create(*job, id="spec", registry=registry)
+        @kopf.on.update(*job, id="spec", field="spec", registry=registry)
+        @kopf.on.resume(*job, id="spec", registry=registry)
+        def spec_changed(**kw: Any) -> None:
+            self.poke(kw["namespace"], kw["name"])
+            spec = _spec_or_error(kw["body"])
             if isinstance(spec, SpecError):
                 raise kopf.PermanentError(f"invalid spec, fix {spec.field}: {spec}")
 
-        @kopf.daemon(id="reconcile", cancellation_timeout=1.0, backoff=2.0, **res)
-        async def reconcile_loop(namespace: str, name: str, stopped: Any, gpu_pods: kopf.Index,
-                                 logger: logging.Logger, **_: Any) -> None:
+        @kopf.daemon(*job, id="reconcile", cancellation_timeout=1.0, backoff=2.0, registry=registry)
+        async def reconcile_loop(**kw: Any) -> None:
+            namespace, name, stopped = kw["namespace"], kw["name"], kw["stopped"]
             poke = self.pokes.setdefault((namespace, name), asyncio.Event())
             while not stopped:
                 poke.clear()
-                await self.reconcile(namespace, name, gpu_pods, logger)
+                await self.reconcile(namespace, name, kw["gpu_pods"], kw["logger"])
                 try:
                     await asyncio.wait_for(poke.wait(), timeout=self.interval)
                 except asyncio.TimeoutError:
                     pass
 
-        @kopf.on.delete(id="forget", optional=True, **res)
-        def forget(namespace: str, name: str, **_: Any) -> None:
-            self.pokes.pop((namespace, name), None)
+        @kopf.on.delete(*job, id="forget", optional=True, registry=registry)
+        def forget(**kw: Any) -> None:
+            self.pokes.pop((kw["namespace"], kw["name"]), None)
 
         @kopf.index("pods", id="gpu_pods", registry=registry)
-        def gpu_pods(body: Mapping[str, Any], **_: Any) -> dict | None:
+        def gpu_pods(**kw: Any) -> dict | None:
             """Accelerator units per node and the job holding them: the other jobs' share of each node."""
-            claim = gpu_claim(body, self.settings.resource)
+            claim = gpu_claim(kw["body"], self.settings.resource)
             return None if claim is None else {claim[0]: claim}
 
         @kopf.on.event("pods", id="worker_changed", labels={ROLE_LABEL: WORKER_ROLE}, registry=registry)
-        def worker_changed(body: Mapping[str, Any], **_: Any) -> None:
-            meta = body.get("metadata") or {}
+        def worker_changed(**kw: Any) -> None:
+            meta = kw["body"].get("metadata") or {}
             self.poke(meta.get("namespace"), (meta.get("labels") or {}).get(JOB_LABEL))
 
         @kopf.on.event("nodes", id="node_changed", registry=registry)
-        def node_changed(body: Mapping[str, Any], type: str | None, **_: Any) -> None:
+        def node_changed(**kw: Any) -> None:
             # Heartbeats rewrite a node's status all the time; only readiness, cordons and capacity matter.
-            name = (body.get("metadata") or {}).get("name")
-            view = None if type == "DELETED" else node_state(body, self.settings.resource)
+            body = kw["body"]
+            name = str((body.get("metadata") or {}).get("name"))
+            view = None if kw["type"] == "DELETED" else node_state(body, self.settings.resource)
             if self.node_view.get(name) != view:
                 self.node_view[name] = view
                 for key in list(self.pokes):
@@ -132,7 +135,7 @@ class Operator:
         return registry
 
     def poke(self, namespace: str | None, name: str | None) -> None:
-        event = self.pokes.get((namespace, name))
+        event = self.pokes.get((str(namespace), str(name)))
         if event is not None:
             event.set()
 
@@ -143,7 +146,7 @@ class Operator:
         for _ in range(CONFLICT_RETRIES):
             try:
                 job, decision = await asyncio.to_thread(self._decide_and_write, namespace, name, used)
-                if job is not None:
+                if job is not None and decision is not None:
                     await asyncio.to_thread(self._act, job, decision, logger)
                 return
             except ApiException as e:
@@ -161,7 +164,8 @@ class Operator:
         """The raw JSON of a read: the decision works on what the API server says, field for field."""
         return json.loads(call(*args, _preload_content=False, **kwargs).data)
 
-    def _decide_and_write(self, namespace: str, name: str, used: dict[str, int]) -> tuple[dict | None, Decision]:
+    def _decide_and_write(self, namespace: str, name: str,
+                          used: dict[str, int]) -> tuple[dict, Decision] | tuple[None, None]:
         job = self._get(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
         if (job.get("metadata") or {}).get("deletionTimestamp"):
             return None, None  # being deleted: the garbage collector removes the workers (owner references)
@@ -230,7 +234,7 @@ class Operator:
             for node in decision.create:
                 pod = worker_pod(job, spec, node, self.settings)
                 try:
-                    self.core.create_namespaced_pod(namespace, pod)
+                    self.core.create_namespaced_pod(namespace, pod)  # type: ignore[arg-type]  # JSON works too
                 except ApiException as e:
                     error = self._refused(job, pod, e)
                     if error is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class WorkerSettings:
                "data_root": "TENPLEX_DATA_ROOT_HOST", "rdzv_backend": "TENPLEX_RDZV_BACKEND",
                "rdzv_endpoint": "TENPLEX_RDZV_ENDPOINT", "token_secret": "TENPLEX_TOKEN_SECRET",
                "store_port": "TENPLEX_STORE_PORT", "token_file": "TENPLEX_TOKEN_FILE"}
-        values = {field: os.environ[var] for field, var in env.items() if os.environ.get(var)}
+        values: dict[str, Any] = {field: os.environ[var] for field, var in env.items() if os.environ.get(var)}
         if "store_port" in values:
             values["store_port"] = int(values["store_port"])
         return cls(**values)

@@ -52,22 +52,22 @@ class JobSpec:
         return c.degrees() + (f" ({len(c.idle)} idle)" if c.idle else "")
 
 
-def _int(spec: Mapping[str, Any], key: str, path: str, *, default: int | None = None, minimum: int = 1,
-         required: bool = False) -> int | None:
+def _count(spec: Mapping[str, Any], key: str, path: str, *, default: int | None = None, minimum: int = 1) -> int:
+    """An integer >= ``minimum``; required unless it has a ``default``."""
     value = spec.get(key, default)
     if value is None:
-        if required:
-            raise SpecError(f"{path}.{key}", "is required")
-        return None
+        raise SpecError(f"{path}.{key}", "is required")
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise SpecError(f"{path}.{key}", f"must be an integer >= {minimum}, got {value!r}")
     return value
 
 
-def _str(spec: Mapping[str, Any], key: str, path: str, *, required: bool = False) -> str | None:
+def _optional_count(spec: Mapping[str, Any], key: str, path: str, *, minimum: int = 1) -> int | None:
+    return None if spec.get(key) is None else _count(spec, key, path, minimum=minimum)
+
+
+def _text(spec: Mapping[str, Any], key: str, path: str) -> str:
     value = spec.get(key)
-    if value is None and not required:
-        return None
     if not isinstance(value, str) or not value:
         raise SpecError(f"{path}.{key}", f"must be a non-empty string, got {value!r}")
     return value
@@ -85,20 +85,20 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
     p = "spec"
     if not isinstance(spec, Mapping):
         raise SpecError(p, f"must be an object, got {spec!r}")
-    image = _str(spec, "image", p, required=True)
+    image = _text(spec, "image", p)
     command = spec.get("command")
     if not isinstance(command, list) or not command or not all(isinstance(c, str) and c for c in command):
         raise SpecError(f"{p}.command", f"must be a non-empty list of strings (the script and its "
                         f"arguments), got {command!r}")
-    min_nodes = _int(spec, "minNodes", p, required=True)
-    max_nodes = _int(spec, "maxNodes", p, required=True)
+    min_nodes = _count(spec, "minNodes", p)
+    max_nodes = _count(spec, "maxNodes", p)
     if min_nodes > max_nodes:
         raise SpecError(f"{p}.minNodes", f"minNodes={min_nodes} is greater than maxNodes={max_nodes}")
-    gpus = _int(spec, "gpusPerNode", p, default=1)
+    gpus = _count(spec, "gpusPerNode", p, default=1)
 
     par = _mapping(spec, "parallel", p)
-    max_tp = _int(par, "maxTp", f"{p}.parallel", default=8)
-    pp = _int(par, "pp", f"{p}.parallel")
+    max_tp = _count(par, "maxTp", f"{p}.parallel", default=8)
+    pp = _optional_count(par, "pp", f"{p}.parallel")
     pinned: dict[int, str] = {}
     for key, value in _mapping(par, "pinned", f"{p}.parallel").items():
         where = f"{p}.parallel.pinned[{key!r}]"
@@ -114,14 +114,15 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
             raise SpecError(f"{p}.env[{i}]", f"must be {{name: string, value: string}}, got {item!r}")
         env.append((item["name"], item.get("value", "")))
 
+    dataset = _mapping(spec, "dataset", p)
     job = JobSpec(
         image=image, command=tuple(command), min_nodes=min_nodes, max_nodes=max_nodes, gpus_per_node=gpus,
         max_tp=max_tp, pp=pp, pinned=pinned, env=tuple(env),
-        dataset=_str(_mapping(spec, "dataset", p), "path", f"{p}.dataset"),
-        replicas=_int(spec, "replicas", p, minimum=0),
-        save_interval=_int(spec, "saveInterval", p),
-        grace_seconds=_int(spec, "terminationGracePeriodSeconds", p, default=120, minimum=0),
-        backoff_limit=_int(spec, "backoffLimit", p, default=6, minimum=0),
+        dataset=_text(dataset, "path", f"{p}.dataset") if "path" in dataset else None,
+        replicas=_optional_count(spec, "replicas", p, minimum=0),
+        save_interval=_optional_count(spec, "saveInterval", p),
+        grace_seconds=_count(spec, "terminationGracePeriodSeconds", p, default=120, minimum=0),
+        backoff_limit=_count(spec, "backoffLimit", p, default=6, minimum=0),
         resources=_mapping(spec, "resources", p), template=_mapping(spec, "template", p))
 
     # Every world the job may run in must have a configuration: catch a bad pin or pp now, not mid-run.
