@@ -135,15 +135,16 @@ class StoreClient:
     def _watched(self, call, what: str) -> Iterator:
         """The messages of a streaming ``call``; with ``stall_timeout``, the call is cancelled and fails as
         UNAVAILABLE when no message arrives for that long (progress-based, unlike its overall deadline)."""
-        if self.stall_timeout is None:
+        stall_timeout = self.stall_timeout
+        if stall_timeout is None:
             yield from call
             return
         last = [time.monotonic()]
         stalled, finished = threading.Event(), threading.Event()
 
         def watch() -> None:
-            while not finished.wait(min(0.5, self.stall_timeout / 4)):
-                if time.monotonic() - last[0] > self.stall_timeout:
+            while not finished.wait(min(0.5, stall_timeout / 4)):
+                if time.monotonic() - last[0] > stall_timeout:
                     stalled.set()
                     call.cancel()
                     return

@@ -102,7 +102,8 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
             with lock:
                 results[host] = final
         except Exception as e:  # noqa: BLE001 - collected and reported for every host
-            log.warning("transformation %s -> %s failed on host %s", old_version, new_version, host, exc_info=True)
+            # INFO, not WARNING: the TransformError raised below carries every cause; the CLI prints it in one line.
+            log.info("transformation %s -> %s failed on host %s", old_version, new_version, host, exc_info=True)
             with lock:
                 failures[host] = e
 

@@ -313,10 +313,10 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
                                         frozenset(holders) - {host_of(t.src)}))
     for source_host, items in small.items():
         for batch in _batches(items):
-            holders = [sources.holders(tensor, piece) for _, tensor, piece, _ in batch]
-            shared = frozenset.intersection(*(frozenset(h) for h in holders)) - {source_host}
+            batch_holders = [sources.holders(tensor, piece) for _, tensor, piece, _ in batch]
+            shared = frozenset.intersection(*(frozenset(h) for h in batch_holders)) - {source_host}
             pieces.append(Piece(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
-                                _batch_job(sources, batch, holders, advance, cancelled), shared))
+                                _batch_job(sources, batch, batch_holders, advance, cancelled), shared))
     # Destinations start their round of sources at different places (see schedule).
     schedule = Schedule(pieces, start=new.hosts().index(host) if host in new.hosts() else 0,
                         failed=lambda h: h in sources.failed)
@@ -360,9 +360,10 @@ def _run(host: str, reserves: list[Callable[[], None]], schedule: Schedule, stre
         running = [pool.submit(reserve_all)] + [pool.submit(worker) for _ in range(max(1, streams))]
         done, _ = wait(running, return_when=FIRST_EXCEPTION)
         for future in done:
-            if future.exception() is not None:
+            error = future.exception()
+            if error is not None:
                 cancelled.set()  # the other threads stop after their current piece
-                raise future.exception()
+                raise error
 
 
 def _job(sources: _Sources, device: str, holders: dict[str, str], tensor: str, piece: Box, target: ShardTarget,

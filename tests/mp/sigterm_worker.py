@@ -26,8 +26,9 @@ from tenplex.store.writer import VersionWriter
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
     job = tenplex.elastic.Job(global_batch=4, save_every=2, replicas=0, timeout=60,
-                              on_save=lambda info: save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-                                                             str(out / f"saved-{info['step']}-r{job.rank}.safetensors")),
+                              on_save=lambda info: save_file(
+                                  {k: v.contiguous() for k, v in model.state_dict().items()},
+                                  str(out / f"saved-{info['step']}-r{job.rank}.safetensors")),
                               on_exit=lambda code, why: (out / f"exit-r{job.rank}.json").write_text(
                                   json.dumps({"code": code, "why": why, "step": job.step})))
     torch.manual_seed(0)
