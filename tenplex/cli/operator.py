@@ -1,7 +1,7 @@
 """``tenplex operator run``: the Kubernetes operator for TenplexJob resources (kopf).
 
 May import: ``tenplex.operator`` (and through it kopf and kubernetes, the
-``k8s`` extra). ``kopf run -m tenplex.operator.main`` runs the same operator
+``k8s`` extra) and ``tenplex.errors``. ``kopf run -m tenplex.operator.main`` runs the same operator
 with its settings from the environment.
 """
 
