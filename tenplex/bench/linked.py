@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
 import sys
 import time
 from pathlib import Path
