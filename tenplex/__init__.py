@@ -23,7 +23,6 @@ from .layout import Layout, Shard, TensorSpec
 from .parallel import ParallelConfig, detect, parse_degrees
 from .planner import plan
 from .ptc import PTC, LocalShard, TensorRule
-from .replication import LostStateError
 from .transfer_plan import Plan, PlanStats, Transfer
 
 __version__ = "0.1.0"
@@ -39,8 +38,8 @@ __all__ = [
     "Store", "DatasetState",
     # errors, and whether retrying can help
     "TenplexError", "TemporaryError", "PermanentError", "is_retryable", "UsageError", "BoxError", "ConfigError",
-    "LayoutError", "PlanError", "StoreError", "TransformError", "StateMismatchError", "CollectiveError", "LostStateError",
-    "DatasetError",
+    "LayoutError", "PlanError", "StoreError", "TransformError", "StateMismatchError", "CollectiveError",
+    "LostStateError", "DatasetError",
     "__version__",
 ]
 
@@ -52,6 +51,7 @@ _LAZY = {
     **dict.fromkeys(("load_layout", "save_layout", "load_plan", "save_plan"), "files"),  # file I/O, outside the core
     "Store": "store",            # numpy
     "apply_plan": "apply",       # numpy
+    "LostStateError": "replication",
 }
 
 

@@ -4,7 +4,7 @@ Run one ``tenplex run`` per node (see README.md in this folder)::
 
     tenplex rendezvous serve --port 29400 &
     tenplex run --host h0 --store-root /tmp/gpt/h0 --nnodes 1:4 --nproc-per-node 2 \\
-        --rdzv-endpoint 127.0.0.1:29400 train.py --data /tmp/gpt/data --steps 40
+        --rdzv-endpoint 127.0.0.1:29400 train.py --data /tmp/gpt/data/dataset --steps 40
 
 Nodes may join, leave (SIGTERM) or die while it trains: torchrun restarts the
 workers in the new world and this script continues where the job stopped,
@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import time
 from pathlib import Path
 
 import tenplex.elastic
+from record import Record
 from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
 
@@ -43,8 +42,7 @@ def main() -> None:
                 record.hold()
             batch = job.batch()                       # this rank's share of the global batch at job.step
             tokens = batch.data.long()                # (micro-batch, seq + 1)
-            trainer.local_batch = lambda _step: (tokens[:, :-1], tokens[:, 1:])
-            loss = trainer.train_step(job.step)
+            loss = trainer.train_step(job.step, (tokens[:, :-1], tokens[:, 1:]))
             if record:
                 record.step(job.step + 1, loss, batch.ids)
             if job.rank == 0:
@@ -79,55 +77,6 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     args.pin = {int(w): spec for w, _, spec in (item.partition(":") for item in args.pin)}
     return args
-
-
-class Record:
-    """What ``tenplex demo --elastic`` checks: per-rank JSON lines (losses, sample ids, saves, times) and the
-    full parameters and Adam moments (safetensors) after every save and after the restore."""
-
-    def __init__(self, folder: Path, job, trainer):
-        self.folder, self.job, self.trainer = folder, job, trainer
-        (folder / "dumps").mkdir(parents=True, exist_ok=True)
-        self.tag = f"{os.getpid()}-{job.rank}"
-        self.file = open(folder / f"rank-{job.host}-{self.tag}.jsonl", "a")
-        r = job.restored
-        self.write(event="start", world_id=job.world_id, time=job.started, ready=time.time(), world=job.world_size,
-                   hosts=job.hosts,
-                   parallel=job.choice.degrees(), rank=job.rank, host=job.host, coords=trainer.coords,
-                   restored_step=r.step if r.version is not None else None, version=r.version,
-                   transformed=r.transformed, plan_stats=r.plan_stats, restore_s=r.seconds,
-                   position=job.data_state.position)
-        if r.version is not None:
-            self.dump(f"restored-{r.step}-{self.tag}")
-
-    def hold(self) -> None:
-        """Wait while the demo holds the job at this step (file ``hold-STEP``), unless torchrun stops us."""
-        flag = self.folder / f"hold-{self.job.step}"
-        while flag.exists() and not self.job.stop_requested:
-            time.sleep(0.05)
-
-    def write(self, **doc) -> None:
-        self.file.write(json.dumps(doc) + "\n")
-        self.file.flush()
-
-    def step(self, step: int, loss: float, ids: list[int]) -> None:
-        self.write(event="step", step=step, loss=loss, ids=ids, time=time.time())
-
-    def saved(self, save: dict) -> None:
-        self.write(event="saved", **save, position=self.job.data_state.position, time=time.time())
-        self.dump(f"saved-{save['step']}-{self.tag}")
-
-    def dump(self, name: str) -> None:
-        from safetensors.torch import save_file
-
-        state = self.trainer.full_state()  # collective: every rank calls it
-        if self.trainer.coords["dp"] == 0 and self.trainer.coords["tp"] == 0:
-            save_file({k: v.contiguous() for k, v in state.items()}, str(self.folder / "dumps" / f"{name}.safetensors"))
-
-    def exit(self, code: int, why: str) -> None:
-        if not self.file.closed:
-            self.write(event="exit", code=code, why=why, time=time.time(), sigterm=self.job.stop_requested)
-            self.file.close()
 
 
 if __name__ == "__main__":

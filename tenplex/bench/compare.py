@@ -112,8 +112,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     news = {name: make(*config) for name, *config in changes}
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
     rows: dict[tuple[str, str], dict] = {}
-    with tempfile.TemporaryDirectory(prefix="tenplex-compare-", dir=base_dir) as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="tenplex-compare-", dir=base_dir) as tmp_name:
+        tmp = Path(tmp_name)
         baseline = min(BASELINE_BYTES, max(1 << 20, old.total_bytes()))
         file_gbps = baseline / socket_file_seconds(tmp, baseline) / 1e9
         # Method by method, so that tmpfs holds one method's copies of the state at a time.
@@ -264,26 +264,19 @@ def _add(a: dict, b: dict) -> dict:
 
 def _start_servers(root: Path, hosts: list[str], timeout: float = 60.0) -> dict:
     """One ``tenplex store serve`` per host, started at once; {host: (process, address)}."""
-    import sys
+    from ..runtime.hosts import await_store, spawn_store
 
     procs = {}
     try:
         for h in hosts:
             (root / h).mkdir(parents=True, exist_ok=True)
-            (root / f"{h}.port").unlink(missing_ok=True)  # the previous server's: the new one writes its own
-            procs[h] = subprocess.Popen([sys.executable, "-m", "tenplex.cli.store", "serve", "--root", str(root / h),
-                                         "--host", h, "--port", "0", "--port-file", str(root / f"{h}.port")],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs[h] = spawn_store(root / h, h, root / f"{h}.port")
         deadline = time.monotonic() + timeout
-        for h, proc in procs.items():
-            while not (root / f"{h}.port").exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"store server {h} did not start (exit {proc.poll()})")
-                time.sleep(0.05)
+        addresses = {h: await_store(proc, h, root / f"{h}.port", deadline) for h, proc in procs.items()}
     except BaseException:
         _stop_servers({h: (proc, "") for h, proc in procs.items()})
         raise
-    return {h: (proc, f"127.0.0.1:{int((root / f'{h}.port').read_text())}") for h, proc in procs.items()}
+    return {h: (proc, addresses[h]) for h, proc in procs.items()}
 
 
 def _stop_servers(servers: dict) -> None:

@@ -251,8 +251,8 @@ def socket_file_seconds(directory: Path, nbytes: int) -> float:
     source, dest = directory / "socket-file-src.bin", directory / "socket-file-dst.bin"
     block = np.full(8 << 20, 7, dtype=np.uint8)
     with open(source, "wb") as f:
-        for start in range(0, nbytes, block.nbytes):
-            f.write(memoryview(block)[:min(block.nbytes, nbytes - start)])
+        for offset in range(0, nbytes, block.nbytes):
+            f.write(memoryview(block)[:min(block.nbytes, nbytes - offset)])
     buffer = bytearray(4 << 20)
     view = memoryview(buffer)
     listener = socket.create_server(("127.0.0.1", 0))

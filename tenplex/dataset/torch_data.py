@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler, default_collate
 
+from .format import DatasetInfo
 from .reader import RankReader, open_fallback, open_mounted
 from .state import DatasetState
 
@@ -47,7 +48,7 @@ class RankDataset(Dataset):
         return cls(open_mounted(mountpoint, rank), **kwargs)
 
     @classmethod
-    def fallback(cls, dataset: str | os.PathLike, state: DatasetState, dp: int, rank: int,
+    def fallback(cls, dataset: str | os.PathLike | DatasetInfo, state: DatasetState, dp: int, rank: int,
                  **kwargs) -> "RankDataset":
         return cls(open_fallback(dataset, state, dp, rank), **kwargs)
 

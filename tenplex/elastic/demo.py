@@ -45,6 +45,9 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-gpt-train" / "t
 DEFAULT_SCHEDULE = "join:h2@4,fail:h1@8,leave:h2@12"
 GLOBAL_BATCH = 12    # dp 1, 2 and 3 (one to three nodes of tp=2) all divide it into whole micro-batches
 KINDS = ("join", "fail", "leave")
+# Three nodes run a pipeline with one stage per node: losing one loses the only data-parallel copy of its
+# stage, which only the replicated copies (tenplex.replication) bring back.
+DEFAULT_PINS = {6: "tp=2,pp=3"}
 
 
 class DemoError(TenplexError, RuntimeError):
@@ -60,7 +63,8 @@ class Event:
 
 def parse_schedule(text: str, initial: tuple[str, ...], steps: int) -> list[Event]:
     """``"join:h2@4,fail:h1@8,leave:h2@12"`` -> events, checked against the nodes that run at each point."""
-    events, running = [], list(initial)
+    events: list[Event] = []
+    running = list(initial)
     for item in filter(None, (s.strip() for s in text.split(","))):
         m = re.fullmatch(r"(\w+):([A-Za-z0-9_-]+)@(\d+)", item)
         if not m or m.group(1) not in KINDS:
@@ -96,9 +100,10 @@ def expected_hosts(initial: tuple[str, ...], events: list[Event]) -> list[list[s
     return after
 
 
-def _script(data: Path, steps: int, record: Path, save_every: int) -> list[str]:
+def _script(data: Path, steps: int, record: Path, save_every: int, pins: dict[int, str]) -> list[str]:
     return [str(EXAMPLE), "--data", str(data), "--steps", str(steps), "--record", str(record),
-            "--global-batch", str(GLOBAL_BATCH), "--save-every", str(save_every), "--keep-versions", "1000"]
+            "--global-batch", str(GLOBAL_BATCH), "--save-every", str(save_every), "--keep-versions", "1000",
+            *(f"--pin={world}:{spec}" for world, spec in sorted(pins.items()))]
 
 
 def run_reference(workdir: Path, data: Path, steps: int, say: Callable[[str], None]) -> Path:
@@ -108,7 +113,7 @@ def run_reference(workdir: Path, data: Path, steps: int, say: Callable[[str], No
     record = workdir / "reference" / "record"
     record.mkdir(parents=True)
     say(f"reference: {steps} steps on one node without interruption")
-    run_job([sys.executable, *_script(data, steps, record, save_every=0)], ["h0/0", "h0/1"],
+    run_job([sys.executable, *_script(data, steps, record, save_every=0, pins={})], ["h0/0", "h0/1"],
             {"h0": workdir / "reference" / "h0"}, {}, workdir / "reference" / "logs", timeout=600)
     return record
 
@@ -123,7 +128,8 @@ def _records(folder: Path) -> list[dict]:
 
 
 def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], initial: tuple[str, ...],
-                save_every: int, say: Callable[[str], None], timeout: float = 900.0) -> tuple[Path, list[dict]]:
+                save_every: int, pins: dict[int, str], say: Callable[[str], None],
+                timeout: float = 900.0) -> tuple[Path, list[dict]]:
     """The elastic run; returns its record folder and when each event was set off (wall time)."""
     record = workdir / "elastic" / "record"
     record.mkdir(parents=True)
@@ -134,7 +140,7 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
     deadline = time.monotonic() + timeout
     env = dict(os.environ, OMP_NUM_THREADS="1")
     max_nodes = len(set(initial) | {e.host for e in events})
-    with Nodes(workdir / "elastic", 2, max_nodes, _script(data, steps, record, save_every), env) as nodes:
+    with Nodes(workdir / "elastic", 2, max_nodes, _script(data, steps, record, save_every, pins), env) as nodes:
         nodes.start_rendezvous()
         for host in initial:
             nodes.start(host)
@@ -142,7 +148,9 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
         progress = _Progress(record, say)
         for i, e in enumerate(events):
             wanted = sorted(initial) if i == 0 else after[i - 1]
-            _wait(lambda: progress.update() and progress.reached(e.at, wanted) is not None, deadline, nodes,
+            # Each _wait calls its condition only within this iteration, so the loop variables are current.
+            _wait(lambda: progress.update() and progress.reached(e.at, wanted) is not None,  # noqa: B023
+                  deadline, nodes,
                   f"the job to reach step {e.at} on {', '.join(wanted)}")
             at = progress.reached(e.at, wanted)  # e.at, unless a restart carried the job past its hold
             say(f"event {i + 1}: {e.kind} {e.host} at step {at}")
@@ -156,11 +164,13 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
             if e.kind != "join":
                 # The survivors go on (and find out), the leaving node's ranks save with them.
                 (record / f"hold-{e.at}").unlink()
-            _wait(lambda: progress.update() and progress.world_after(fired[-1]["time"], after[i]), deadline, nodes,
+            _wait(lambda: progress.update() and progress.world_after(fired[-1]["time"], after[i]),  # noqa: B023
+                  deadline, nodes,
                   f"a world of {', '.join(after[i])} after the {e.kind}")
             (record / f"hold-{e.at}").unlink(missing_ok=True)
         _wait(lambda: progress.update() and not nodes.running(), deadline, nodes, f"the job to reach step {steps}")
         codes = nodes.wait(0)
+    (workdir / "elastic" / "fired.json").write_text(json.dumps(fired))
     bad = {h: c for h, c in codes.items() if c not in (0, -9)}
     if bad:
         raise DemoError(f"agents exited with {bad}; see {workdir / 'elastic'}/agent-*.log")
@@ -215,7 +225,8 @@ def _wait(ready: Callable[[], bool], deadline: float, nodes: Nodes, what: str) -
 
 
 def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initial: tuple[str, ...] = ("h0", "h1"),
-        save_every: int = 5, say: Callable[[str], None] = print) -> tuple[dict, dict]:
+        save_every: int = 5, pins: dict[int, str] | None = None,
+        say: Callable[[str], None] = print) -> tuple[dict, dict]:
     """Everything: dataset, reference, elastic run, summary. Returns the summary and the loss histories."""
     from ..runtime.demo import make_dataset
     from .timeline import summarize
@@ -227,7 +238,8 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
     say(f"dataset: {steps * GLOBAL_BATCH} samples, global batch {GLOBAL_BATCH}, {steps} steps; schedule "
         f"{', '.join(f'{e.kind} {e.host} at step {e.at}' for e in events)}")
     reference = run_reference(workdir, data, steps, say)
-    record, fired = run_elastic(workdir, data, steps, events, initial, save_every, say)
+    pins = DEFAULT_PINS if pins is None else pins
+    record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say)
     hosts = sorted(set(initial) | {e.host for e in events})
     return summarize(reference, record, events, fired, [workdir / "elastic" / h for h in hosts],
                      expected_hosts(initial, events))

@@ -154,8 +154,8 @@ def assemble(saved: Layout, available: Iterable[str], held: Mapping[str, Mapping
                 devices[device] = list(shards)
                 replica_devices[device] = (holder, origin_device)
     boxes: dict[str, list[Box]] = {}
-    for shards in devices.values():
-        for s in shards:
+    for available_shards in devices.values():
+        for s in available_shards:
             boxes.setdefault(s.tensor, []).append(s.box)
     lost = []
     for device, shard in saved.iter_shards():

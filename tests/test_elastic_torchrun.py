@@ -1,0 +1,140 @@
+"""An elastic job on real torchrun agents (`tenplex run`) on loopback: a node joins, a node is SIGKILLed with its
+process group and store, a node leaves by SIGTERM. The example GPT trains through tenplex.elastic.Job; the
+demo's checks (losses vs an uninterrupted run, exactly-once data, bit-exact restores, step and position) must
+hold, and must fail on doctored records."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tenplex.elastic import demo
+from tenplex.elastic.timeline import FORMAT, final_history, read_worlds, summarize
+
+SCHEDULE = "join:h2@2,fail:h1@4,leave:h2@6"
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("elastic")
+    lines: list[str] = []
+    summary, history = demo.run(workdir, SCHEDULE, STEPS, save_every=5, say=lines.append)
+    # Nothing may outlive the demo: every agent, worker, store and the rendezvous were stopped.
+    for host in ("h0", "h1", "h2"):
+        pid = int((workdir / "elastic" / host / ".tenplex-store.pid").read_text())
+        assert not _alive(pid), f"store of {host} still runs"
+    return workdir, summary, history, lines
+
+
+def _alive(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def test_summary_format_and_checks(run):
+    _, summary, _, lines = run
+    assert list(summary) == ["format", "ok", "events", "checks"] and summary["format"] == FORMAT
+    assert summary["ok"], "\n".join(lines[-30:])
+    c = summary["checks"]
+    assert set(c) == {"loss_max_rel_diff", "samples_read_twice", "samples_skipped", "state_bit_exact",
+                      "position_restored"}
+    assert c["loss_max_rel_diff"] <= 1e-4
+    assert (c["samples_read_twice"], c["samples_skipped"], c["state_bit_exact"], c["position_restored"]) == \
+        (0, 0, True, True)
+    json.dumps(summary)  # plain JSON
+
+
+def test_each_event_changes_the_world_and_the_configuration(run):
+    _, summary, _, _ = run
+    join, fail, leave = summary["events"]
+    assert [e["kind"] for e in summary["events"]] == ["join", "fail", "leave"]
+    assert join["from"] == {"world": 4, "hosts": ["h0", "h1"], "parallel": "dp=2,tp=2,pp=1"}
+    assert join["to"] == {"world": 6, "hosts": ["h0", "h1", "h2"], "parallel": "dp=1,tp=2,pp=3"}  # pinned
+    assert fail["to"] == {"world": 4, "hosts": ["h0", "h2"], "parallel": "dp=2,tp=2,pp=1"}
+    assert leave["to"] == {"world": 2, "hosts": ["h0"], "parallel": "dp=1,tp=2,pp=1"}
+    for e in summary["events"]:
+        assert set(e) == {"kind", "host", "at_step", "resumed_from_step", "lost_steps", "from", "to", "detect_s",
+                          "restart_s", "restore_s", "bytes"}
+        assert set(e["bytes"]) == {"kept", "intra_host", "inter_host", "inter_host_lower_bound"}
+        assert e["bytes"]["inter_host"] == e["bytes"]["inter_host_lower_bound"]
+    # A join and a leave save at the step boundary after the signal: nothing is lost.
+    assert join["lost_steps"] == 0 and join["resumed_from_step"] == join["at_step"] + 1
+    assert leave["lost_steps"] == 0 and leave["resumed_from_step"] in (leave["at_step"], leave["at_step"] + 1)
+    # The failure saves nothing: the survivors resume from the last periodic save (the join's stop save at
+    # step 3; the next periodic one would be at 3 + 5) and replay the steps after it.
+    assert fail["resumed_from_step"] == join["resumed_from_step"]
+    assert fail["lost_steps"] == fail["at_step"] - fail["resumed_from_step"] > 0
+    # The joining node's store starts empty: its stage crosses hosts. After the failure, h1's pipeline stage had
+    # no data-parallel copy: it came back from the replicated copies, then moved to the new configuration.
+    assert join["bytes"]["inter_host"] > 0 and fail["bytes"]["inter_host"] > 0
+
+
+def test_the_checks_fail_on_doctored_records(run, tmp_path):
+    workdir, _, _, _ = run
+    events = demo.parse_schedule(SCHEDULE, ("h0", "h1"), STEPS)
+    after = demo.expected_hosts(("h0", "h1"), events)
+    roots = [workdir / "elastic" / h for h in ("h0", "h1", "h2")]
+    fired = json.loads((workdir / "elastic" / "fired.json").read_text())
+
+    def doctored(edit) -> dict:
+        copy = tmp_path / f"record-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(workdir / "elastic" / "record", copy)
+        edit(copy)
+        return summarize(workdir / "reference" / "record", copy, events, fired, roots, after)[0]["checks"]
+
+    first = final_history(read_worlds(workdir / "reference" / "record"))[1]["ids"][0]
+
+    def read_twice(folder: Path) -> None:  # the last step reads step 1's first sample instead of one of its own
+        for path in folder.glob("rank-*.jsonl"):
+            docs = [json.loads(line) for line in path.read_text().splitlines()]
+            for d in docs:
+                if d["event"] == "step" and d["step"] == STEPS and d["ids"]:
+                    d["ids"][0] = first
+            path.write_text("".join(json.dumps(d) + "\n" for d in docs))
+
+    def one_ulp_off(folder: Path) -> None:
+        from safetensors.numpy import load_file, save_file
+
+        path = sorted((folder / "dumps").glob("restored-*.safetensors"))[0]
+        state = load_file(str(path))
+        name = sorted(state)[0]
+        state[name] = state[name].copy()
+        state[name].reshape(-1)[:1] = np.nextafter(state[name].reshape(-1)[:1], np.inf)
+        save_file(state, str(path))
+
+    checks = doctored(read_twice)
+    assert checks["samples_read_twice"] == 1 and checks["samples_skipped"] == 1
+    assert doctored(one_ulp_off)["state_bit_exact"] is False
+    assert doctored(lambda folder: None)["state_bit_exact"] is True  # the untouched copy passes
+
+
+def test_live_progress_names_worlds_and_steps(run):
+    _, _, _, lines = run
+    text = "\n".join(lines)
+    assert "world 6 on h0,h1,h2: dp=1,tp=2,pp=3" in text
+    assert "event 2: fail h1 at step 4" in text
+    assert f"step {STEPS:3d}" in text
+
+
+def test_plot_writes_a_png(run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from tenplex.elastic.timeline import plot
+
+    _, summary, history, _ = run
+    plot(summary, history, tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_schedules_are_refused_before_anything_starts():
+    from tenplex.errors import ConfigError
+
+    for text, words in [("join:h1@2", "already running"), ("fail:h5@2", "not running"),
+                        ("leave:h1@3,leave:h0@5", "last node"), ("join:h2@4,fail:h1@4", "steps must increase"),
+                        ("jump:h2@2", "KIND:HOST@STEP"), ("join:h2@9", "within 1..7")]:
+        with pytest.raises(ConfigError, match=words):
+            demo.parse_schedule(text, ("h0", "h1"), STEPS)
