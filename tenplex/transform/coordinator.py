@@ -17,7 +17,9 @@ whose Transform stream (which carries a heartbeat) or whose answer to a call
 stays silent for ``pull_timeout`` seconds has failed, and so has a source
 that a destination's pull hears nothing from for that long (the destination
 then reads from a replica). A partitioned peer sends no reset, so a deadline
-would only fire after minutes.
+would only fire after minutes. Once one host failed, the others are stopped
+at their next progress message (at least every second) instead of finishing
+work that will be aborted.
 """
 
 from __future__ import annotations
@@ -93,14 +95,23 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
             timeout_s=pull_timeout)
         try:
             final = None
-            for update in clients[host].transform(request, timeout=timeout):
-                if progress is not None:
-                    progress(host, update.bytes_done, update.bytes_total)
-                final = update
+            updates = clients[host].transform(request, timeout=timeout)
+            try:
+                for update in updates:
+                    if failures:  # the transformation fails anyway: stop this host's work now
+                        raise _Stopped()
+                    if progress is not None:
+                        progress(host, update.bytes_done, update.bytes_total)
+                    final = update
+            finally:
+                updates.close()  # drops the call, which cancels it on the store
             if final is None or not final.done:
                 raise TransformError(f"store of host {host} ended the transformation without reporting completion")
             with lock:
                 results[host] = final
+        except _Stopped:
+            log.info("transformation %s -> %s: stopped host %s after another host failed", old_version,
+                     new_version, host)
         except Exception as e:  # noqa: BLE001 - collected and reported for every host
             # INFO, not WARNING: the TransformError raised below carries every cause; the CLI prints it in one line.
             log.info("transformation %s -> %s failed on host %s", old_version, new_version, host, exc_info=True)
@@ -146,6 +157,10 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
             "hosts": {h: {"bytes_total": r.bytes_total, "kept_bytes": r.kept_bytes, "linked_bytes": r.linked_bytes,
                           "local_bytes": r.local_bytes, "remote_bytes": r.remote_bytes,
                           "refetched_bytes": r.refetched_bytes} for h, r in sorted(results.items())}}
+
+
+class _Stopped(Exception):
+    """A host's part was stopped because another host failed (not a failure of its own)."""
 
 
 def _abort(clients: dict[str, StoreClient], hosts: list[str], version: int,
