@@ -1,14 +1,15 @@
 """The bulk data plane: large box reads between hosts over plain TCP, beside gRPC.
 
-May import: numpy, xxhash, ``tenplex.box``, ``tenplex.errors``, this package's
-``_safetensors``, ``_hooks`` and ``wire``, and the standard library. No grpc: the
+May import: numpy, xxhash, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``, this package's
+``_hooks`` and ``wire``, and the standard library. No grpc: the
 store server hands in what it needs (a reader lookup and an error describer).
 
 Why: Python gRPC copies every byte about three times per side, which caps a
 pull near 0.4-0.6 GB/s where one TCP socket moves about 2 GB/s. Here the
-server ``sendfile``s contiguous runs straight from the safetensors file and
-the client ``recv_into``s straight into the destination memory (or a reused
-buffer), so each byte is copied once by the kernel per side.
+server ``pread``s each frame's bytes (verifying the stored block checksums,
+``tenplex.store.blocks``) and sends them, and the client ``recv_into``s
+straight into the destination memory (or a reused buffer). The server does not
+``sendfile`` from the shard: bytes must be checked before they leave.
 
 Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
 
@@ -22,7 +23,9 @@ Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
    [u64 payload length][u64 xxh3_64 of payload][payload: C-order bytes]; or
    ``{"ok": false, "code": STATUS, "message": ...}`` (unknown version, box
    outside the tensor...; the connection stays usable unless the error was
-   about the protocol or the token).
+   about the protocol or the token). A stored block found corrupted after
+   "ok" ends the reply with an error frame: length 2^64-1, checksum 0, then
+   the same ``{"ok": false, ...}`` message (``DATA_LOSS``).
 
 The client verifies every frame and reports corrupted sub-boxes, which the
 caller fetches again (``StoreClient.read_box_to``): never silent corruption.
@@ -49,12 +52,14 @@ import xxhash
 
 from ..box import Box
 from ..errors import StoreError
-from . import _hooks, _safetensors as st, wire
+from ..dtypes import itemsize
+from . import _hooks, wire
 
 log = logging.getLogger(__name__)
 PROTOCOL = 1
 _LEN = struct.Struct("<I")
 _FRAME = struct.Struct("<QQ")  # payload length, xxh3_64
+_ERROR_FRAME = (1 << 64) - 1  # a frame "length" announcing an error message instead of a payload
 _MAX_JSON = 1 << 20
 _IDLE_S = 3600.0  # a pooled connection waiting for its next request
 _SEND_TIMEOUT_S = 300.0  # a client that stops reading
@@ -169,11 +174,13 @@ class DataServer:
                       tuple(int(x) for x in request["box"]["lengths"]))
             reader = self._reader_of(int(request["version"]))
             entry = reader.find(str(request["device"]), str(request["tensor"]), box)
-            array = reader.array(entry)
+            size = itemsize(entry.dtype)
             frame_bytes = max(4096, min(int(request.get("frame_bytes") or wire.DEFAULT_CHUNK_BYTES),
                                         wire.MAX_CHUNK_BYTES))
-            data_offset, _ = st.read_header(reader.path / entry.file) if array.size else (0, None)
-            file = open(reader.path / entry.file, "rb") if array.size else None
+            frames = wire.split_box(box, size, frame_bytes)
+            edges: dict = {}  # verified partial blocks shared by consecutive frames
+            sub = next(frames)
+            data = reader.region(entry, sub, edges)  # read (and verified) before answering "ok"
         except Exception as e:  # noqa: BLE001 - reported to the client, the connection stays usable
             if isinstance(e, (KeyError, TypeError)):
                 e = ValueError(f"malformed data-plane request ({type(e).__name__}: {e}); expected version, "
@@ -181,27 +188,27 @@ class DataServer:
             code, message = self._describe(e)
             _send_json(conn, {"ok": False, "code": code, "message": message})
             return
-        try:
-            _send_json(conn, {"ok": True, "itemsize": array.itemsize, "frame_bytes": frame_bytes})
-            base = array.ctypes.data if array.size else 0
-            for sub in wire.split_box(box, array.itemsize, frame_bytes):
-                view = array[sub.local(entry.box).slices()]
-                self._send_frame(conn, file, view, data_offset + (view.ctypes.data - base if view.size else 0))
-        finally:
-            if file is not None:
-                file.close()
+        _send_json(conn, {"ok": True, "itemsize": size, "frame_bytes": frame_bytes})
+        while sub is not None:
+            self._send_frame(conn, data)
+            sub = next(frames, None)
+            if sub is None:
+                return
+            try:
+                data = reader.region(entry, sub, edges)
+            except Exception as e:  # noqa: BLE001 - e.g. a corrupted block further on: an error frame
+                code, message = self._describe(e)
+                conn.sendall(_FRAME.pack(_ERROR_FRAME, 0))
+                _send_json(conn, {"ok": False, "code": code, "message": message})
+                return
 
-    def _send_frame(self, conn: socket.socket, file, view: np.ndarray, file_offset: int) -> None:
-        contiguous = view.flags.c_contiguous
-        data = view if contiguous else np.ascontiguousarray(view)
+    def _send_frame(self, conn: socket.socket, data: np.ndarray) -> None:
+        data = np.ascontiguousarray(data)
         payload = memoryview(data.reshape(-1)).cast("B") if data.size else memoryview(b"")
         digest = xxhash.xxh3_64_intdigest(payload)
         header = _FRAME.pack(payload.nbytes, digest)
         if self._hooks is not None and self._hooks.next_chunk():
             conn.sendall(header + _hooks.damaged(payload))
-        elif contiguous and payload.nbytes:
-            conn.sendall(header)
-            conn.sendfile(file, file_offset, payload.nbytes)  # page cache -> socket, no user-space copy
         else:
             conn.sendall(header)
             conn.sendall(payload)
@@ -258,6 +265,9 @@ class DataConnection:
         for sub in wire.split_box(region, itemsize, int(reply["frame_bytes"])):
             _recv_exact(self._sock, memoryview(head))
             nbytes, digest = _FRAME.unpack(head)
+            if nbytes == _ERROR_FRAME:
+                reply = _recv_json(self._sock)
+                raise DataPlaneError(str(reply.get("message", "unknown error")), str(reply.get("code", "UNKNOWN")))
             if nbytes != sub.volume * itemsize:
                 raise DataPlaneError(f"data plane {self.where} sent a {nbytes}-byte frame for {sub} "
                                      f"({sub.volume * itemsize} bytes)", "INTERNAL")

@@ -65,7 +65,11 @@ class Store:
         if not (path / "manifest.json").is_file():
             raise NotFound(f"store {self.root} (host {self.host}) has no committed version {version}; "
                            f"committed versions: {self.versions() or 'none'}")
-        return VersionReader(path)
+        try:
+            return VersionReader(path)
+        except FileNotFoundError:  # deleted meanwhile
+            raise NotFound(f"store {self.root} (host {self.host}): version {version} was deleted while opening it; "
+                           f"committed versions: {self.versions() or 'none'}") from None
 
     # ---- writing -------------------------------------------------------
     def begin(self, version: int, part: str | None = None) -> "VersionWriter":

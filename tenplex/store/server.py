@@ -1,6 +1,6 @@
 """The gRPC store service of one host (``tenplex.v1.Store``): thin handlers over ``tenplex.store.local``.
 
-May import: grpc, numpy, xxhash, this package, ``tenplex.box``, ``tenplex.errors``
+May import: grpc, numpy, xxhash, this package, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``
 and the standard library. It never imports ``tenplex.transform``: the
 ``Transform`` RPC calls the ``transformer`` function given to :func:`serve`
 (the CLI passes ``tenplex.transform.host.run_host_part``), keeping the store
@@ -41,11 +41,12 @@ import numpy as np
 import xxhash
 
 from ..box import Box
+from ..dtypes import itemsize
 from ..errors import StoreError, TenplexError
 from . import _hooks, wire
 from ._proto import store_pb2 as pb
 from .datasets import resolve_dataset_path
-from .manifest import NotFound, OutOfRange
+from .manifest import CorruptShard, NotFound, OutOfRange
 from .auth import TokenCheck
 from .dataplane import DataServer
 from .local import Store
@@ -59,6 +60,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 # ---------------------------------------------------------------- errors --
 def _status_of(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, CorruptShard):
+        return grpc.StatusCode.DATA_LOSS
     if isinstance(exc, IndexError):  # before LookupError, its base class
         return grpc.StatusCode.OUT_OF_RANGE
     if isinstance(exc, LookupError):
@@ -120,16 +123,23 @@ class StoreService:
 
     # -- helpers
     def _reader(self, version: int) -> VersionReader:
+        """The cached reader of ``version``, re-opened when the version was deleted or re-committed since
+        (by anyone: this server, a local writer, a gc), so a reader never serves replaced data."""
         with self._lock:
             reader = self._readers.get(version)
-            if reader is not None and not (reader.path / "manifest.json").exists():
-                del self._readers[version]  # deleted or garbage-collected since
-                reader = None
-        if reader is None:
-            reader = self.store.open(version)
-            with self._lock:
-                self._readers[version] = reader
+        if reader is not None and reader.current():
+            return reader
+        self._sweep()
+        reader = self.store.open(version)
+        with self._lock:
+            self._readers[version] = reader
         return reader
+
+    def _sweep(self) -> None:
+        """Forget cached readers whose version directory is gone or replaced."""
+        with self._lock:
+            stale = [v for v, r in self._readers.items() if not r.current()]
+        self._forget_readers(stale)
 
     def _writer(self, version: int, part: str) -> VersionWriter:
         key = (int(version), part or "remote")
@@ -143,11 +153,13 @@ class StoreService:
     # -- metadata
     @_guard
     def Health(self, request, context):
+        self._sweep()
         return pb.HealthReply(host=self.store.host, root=str(self.store.root), versions=self.store.versions(),
                               pid=os.getpid(), data_port=self.data_port)
 
     @_guard
     def ListVersions(self, request, context):
+        self._sweep()
         return pb.ListVersionsReply(versions=self.store.versions())
 
     @_guard
@@ -164,7 +176,7 @@ class StoreService:
         box = wire.from_pb_box(request.box)
         reader = self._reader(request.version)
         entry = reader.find(request.device, request.tensor, box)
-        yield from self._chunks(reader.array(entry), entry.box, box, _chunk_bytes(request.chunk_bytes))
+        yield from self._chunks(reader, entry, box, _chunk_bytes(request.chunk_bytes))
 
     @_guard
     def ReadBoxes(self, request, context):
@@ -175,11 +187,13 @@ class StoreService:
             regions.append((box, reader.find(ref.device, ref.tensor, box)))
         chunk_bytes = _chunk_bytes(request.chunk_bytes)
         for index, (box, entry) in enumerate(regions):
-            yield from self._chunks(reader.array(entry), entry.box, box, chunk_bytes, index)
+            yield from self._chunks(reader, entry, box, chunk_bytes, index)
 
-    def _chunks(self, array: np.ndarray, stored: Box, box: Box, chunk_bytes: int, index: int = 0):
-        for sub in wire.split_box(box, array.itemsize, chunk_bytes):
-            data = np.ascontiguousarray(array[sub.local(stored).slices()])
+    def _chunks(self, reader: VersionReader, entry, box: Box, chunk_bytes: int, index: int = 0):
+        """Chunks of region ``box`` of a stored shard; every block they come from is verified first."""
+        edges: dict = {}
+        for sub in wire.split_box(box, itemsize(entry.dtype), chunk_bytes):
+            data = np.ascontiguousarray(reader.region(entry, sub, edges))
             view = memoryview(data.reshape(-1)).cast("B")
             head = pb.Chunk(box=wire.to_pb_box(sub), xxh3=xxhash.xxh3_64_intdigest(view), index=index)
             payload = wire.encode_with_data(head.SerializeToString(), view)

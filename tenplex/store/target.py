@@ -14,6 +14,7 @@ import numpy as np
 import xxhash
 
 from . import _safetensors as st
+from .blocks import block_digests
 from ..box import Box
 from ..dtypes import itemsize
 from ..errors import StoreError
@@ -87,13 +88,13 @@ class ShardTarget:
             written = os.pwrite(self._fd, view, offset)
             view, offset = view[written:], offset + written
 
-    def finish(self) -> str:
-        """fsync and close; return the data's checksum."""
+    def finish(self) -> list[str]:
+        """fsync and close; return the data's block checksums (``blocks``)."""
         self._array = None
         os.fsync(self._fd)  # on Linux this also writes pages dirtied through the shared map
         self.close()
         data = st.map_array(self.path, self.data_offset, self.dtype, self.box.lengths)
-        return checksum(memoryview(np.ascontiguousarray(data).reshape(-1)).cast("B")) if data.size else checksum(b"")
+        return block_digests(memoryview(np.ascontiguousarray(data).reshape(-1)).cast("B")) if data.size else []
 
     def close(self) -> None:
         if self._fd >= 0:
