@@ -32,6 +32,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _token_arguments(serve)
     serve.add_argument("--tls-cert", type=Path, help="PEM certificate: serve TLS (needs --tls-key)")
     serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    serve.add_argument("--max-streams", type=int, default=None,
+                       help="bulk streams (WriteShard, ReadBox...) served at once; more are refused with "
+                            "RESOURCE_EXHAUSTED (default: the server's threads but 16, kept for control calls)")
+    serve.add_argument("--stream-idle-s", type=float, default=60.0,
+                       help="cancel a bulk stream that makes no progress for this long (default 60)")
     serve.add_argument("--no-data-plane", action="store_true",
                        help="serve box reads over gRPC only (the plain-TCP data plane is also off with TLS)")
     serve.set_defaults(handler=_serve)
@@ -92,7 +97,8 @@ def _serve(args) -> int:
     options = _client_options(args)
     server, port = serve(store, bind=args.bind, port=args.port, token=options["token"], tls_cert=tls_cert,
                          tls_key=tls_key, transformer=run_host_part,
-                         peer_root_certificates=options["root_certificates"], data_plane=not args.no_data_plane)
+                         peer_root_certificates=options["root_certificates"], data_plane=not args.no_data_plane,
+                         max_streams=args.max_streams, stream_idle_s=args.stream_idle_s)
     if args.port_file:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{port}\n")

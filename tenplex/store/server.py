@@ -51,17 +51,23 @@ from .auth import TokenCheck
 from .dataplane import DataServer
 from .local import Store
 from .reader import VersionReader
+from .streams import Busy, StreamLimits
 from .writer import VersionWriter
 
 log = logging.getLogger(__name__)
 SERVICE = "tenplex.v1.Store"
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+CONTROL_THREADS = 16            # server threads that bulk streams can never take (Health, Commit, ...)
+DEFAULT_MAX_STREAMS = 48
+DEFAULT_STREAM_IDLE_S = 60.0    # a bulk stream with no progress for this long is cancelled
 
 
 # ---------------------------------------------------------------- errors --
 def _status_of(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, CorruptShard):
         return grpc.StatusCode.DATA_LOSS
+    if isinstance(exc, Busy):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, IndexError):  # before LookupError, its base class
         return grpc.StatusCode.OUT_OF_RANGE
     if isinstance(exc, LookupError):
@@ -110,8 +116,9 @@ def _guard(method):
 # --------------------------------------------------------------- service --
 class StoreService:
     def __init__(self, store: Store, transformer: Callable | None = None, token: str | None = None,
-                 peer_root_certificates: bytes | None = None):
+                 peer_root_certificates: bytes | None = None, limits: StreamLimits | None = None):
         self.store = store
+        self.limits = limits or StreamLimits(DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S)
         self.transformer = transformer
         self.token = token
         self.peer_root_certificates = peer_root_certificates
@@ -176,7 +183,10 @@ class StoreService:
         box = wire.from_pb_box(request.box)
         reader = self._reader(request.version)
         entry = reader.find(request.device, request.tensor, box)
-        yield from self._chunks(reader, entry, box, _chunk_bytes(request.chunk_bytes))
+        with self.limits.slot(context, f"ReadBox({request.version}, {request.tensor!r})") as progress:
+            for chunk in self._chunks(reader, entry, box, _chunk_bytes(request.chunk_bytes)):
+                yield chunk
+                progress()
 
     @_guard
     def ReadBoxes(self, request, context):
@@ -186,8 +196,11 @@ class StoreService:
             box = wire.from_pb_box(ref.box)
             regions.append((box, reader.find(ref.device, ref.tensor, box)))
         chunk_bytes = _chunk_bytes(request.chunk_bytes)
-        for index, (box, entry) in enumerate(regions):
-            yield from self._chunks(reader, entry, box, chunk_bytes, index)
+        with self.limits.slot(context, f"ReadBoxes({request.version}, {len(regions)} regions)") as progress:
+            for index, (box, entry) in enumerate(regions):
+                for chunk in self._chunks(reader, entry, box, chunk_bytes, index):
+                    yield chunk
+                    progress()
 
     def _chunks(self, reader: VersionReader, entry, box: Box, chunk_bytes: int, index: int = 0):
         """Chunks of region ``box`` of a stored shard; every block they come from is verified first."""
@@ -201,21 +214,30 @@ class StoreService:
 
     @_guard
     def WriteShard(self, request_iterator, context):
+        with self.limits.slot(context, "WriteShard") as progress:
+            return self._write_shard(_progressing(request_iterator, progress))
+
+    def _write_shard(self, request_iterator) -> pb.WriteShardReply:
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("item") != "header":
             raise ValueError("WriteShard: the first message must carry the shard header")
         h = first.header
         box = wire.from_pb_box(h.box)
         writer = self._writer(h.version, h.part)
-        target = writer.create(h.device, h.tensor, box, h.dtype, tuple(h.shape) or None)
+        target = None
         try:
+            # No space is reserved up front: a header alone (a stalled or lying client) holds none. The
+            # file's blocks are allocated as data arrives; a header larger than the free space fails here.
+            _check_free_space(self.store.root, box.volume * itemsize(h.dtype), f"shard {h.tensor!r} {box}")
+            target = writer.create(h.device, h.tensor, box, h.dtype, tuple(h.shape) or None, reserve=False)
             received = self._fill(target, request_iterator, h)
         except BaseException:
             # A broken stream or a short shard must not stay in the part: Prepare would publish it partly zero.
-            try:
-                writer.discard(target)
-            except StoreError as e:  # the part was aborted or prepared meanwhile; the stream's error matters more
-                log.warning("WriteShard of %r could not discard its partial shard: %s", h.tensor, e)
+            if target is not None:
+                try:
+                    writer.discard(target)
+                except StoreError as e:  # the part was aborted or prepared meanwhile; the stream's error matters
+                    log.warning("WriteShard of %r could not discard its partial shard: %s", h.tensor, e)
             raise
         return pb.WriteShardReply(bytes=received)
 
@@ -338,7 +360,7 @@ class StoreService:
                              f"must be >= 0 (length -1 = to the end)")
         path = resolve_dataset_path(self.store.root / "datasets", request.path, self.store.host)
         chunk_bytes = _chunk_bytes(request.chunk_bytes)
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, self.limits.slot(context, f"ReadFile({request.path!r})") as progress:
             size = os.fstat(f.fileno()).st_size
             end = size if request.length == -1 else min(size, request.offset + request.length)
             offset = request.offset
@@ -349,7 +371,22 @@ class StoreService:
                 head = pb.FileChunk(offset=offset, xxh3=xxhash.xxh3_64_intdigest(data)).SerializeToString()
                 payload = wire.encode_with_data(head, data)
                 yield self._hooks.before_send(payload) if self._hooks else payload
+                progress()
                 offset += len(data)
+
+
+def _progressing(messages, progress):
+    """The request messages, marking progress as each arrives."""
+    for message in messages:
+        progress()
+        yield message
+
+
+def _check_free_space(root, nbytes: int, what: str) -> None:
+    st = os.statvfs(root)
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise OSError(errno.ENOSPC, f"{what} needs {nbytes} bytes, but only {free} are free in {root}")
 
 
 def _chunk_bytes(requested: int) -> int:
@@ -393,8 +430,9 @@ def _handlers(service: StoreService) -> grpc.GenericRpcHandler:
 
 def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | None = None,
           tls_cert: bytes | None = None, tls_key: bytes | None = None, transformer: Callable | None = None,
-          peer_root_certificates: bytes | None = None, max_workers: int = 32,
-          data_plane: bool = True) -> tuple[grpc.Server, int]:
+          peer_root_certificates: bytes | None = None, max_workers: int = 64,
+          data_plane: bool = True, max_streams: int | None = None,
+          stream_idle_s: float = DEFAULT_STREAM_IDLE_S) -> tuple[grpc.Server, int]:
     """Start serving ``store``; return (server, bound port). Non-loopback binds need ``token``.
 
     ``data_plane``: also serve large box reads on a plain TCP port of the same
@@ -402,15 +440,23 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
 
     ``transformer(store, request, progress, cancelled=, token=, root_certificates=)`` runs
     the Transform RPC; it pulls from peers with this server's token and ``peer_root_certificates``
-    (TLS when given)."""
+    (TLS when given).
+
+    At most ``max_streams`` bulk streams (default: all but 16 of the ``max_workers`` threads) run at once,
+    and one that makes no progress for ``stream_idle_s`` seconds is cancelled (see ``streams``)."""
     if bind not in LOOPBACK and not token:
         raise StoreError(f"refusing to serve store {store.root} on {bind} without a token: anything that reaches "
                          f"the port could read and overwrite state. Pass a token (--token-file) or bind 127.0.0.1")
     if (tls_cert is None) != (tls_key is None):
         raise StoreError("TLS needs both a certificate and its private key")
     wire.keep_freed_chunk_memory()
+    if max_streams is None:
+        max_streams = max(1, max_workers - CONTROL_THREADS)
+    if max_streams > max_workers - 1:
+        raise StoreError(f"max_streams ({max_streams}) must leave threads of the {max_workers} for control calls")
     service = StoreService(store, transformer=transformer, token=token,
-                           peer_root_certificates=peer_root_certificates)
+                           peer_root_certificates=peer_root_certificates,
+                           limits=StreamLimits(max_streams, stream_idle_s))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store"),
                          interceptors=[TokenCheck(token)] if token else None,
                          options=wire.channel_options())

@@ -70,6 +70,11 @@ class ShardTarget:
             inner -= 1
         run = local.lengths[inner] * self._strides[inner] if self.box.ndim else self.itemsize
         if run < self._MIN_RUN:
+            # Allocate the span first: a store of a sparse file through a memory map on a full disk
+            # would kill the process with SIGBUS; posix_fallocate fails with ENOSPC instead.
+            first = sum(o * s for o, s in zip(local.offsets, self._strides))
+            last = sum((o + n - 1) * s for o, n, s in zip(local.offsets, local.lengths, self._strides))
+            st.reserve_space(self._fd, last + self.itemsize - first, self.data_offset + first)
             storage = np.frombuffer(buffer, dtype=self.array.dtype).reshape(region.lengths)
             self.array[local.slices()] = storage
             return

@@ -86,6 +86,12 @@ class VersionWriter:
             rel = f"{self.part}/{next(self._names):05d}.safetensors"
         return rel, self.staging / rel
 
+    def _release(self, device: str, tensor: str, box: Box, path: Path) -> None:
+        """Undo ``_claim`` for a shard whose file could not be written."""
+        with self._lock:
+            self._boxes[(device, tensor)].remove(box)
+        path.unlink(missing_ok=True)
+
     def _add(self, entry: ShardEntry, target: ShardTarget | None = None) -> None:
         with self._lock:
             self._entries.append(entry)
@@ -109,7 +115,11 @@ class VersionWriter:
             raise StoreError(f"tensor {tensor!r} on {device}: array dtype {array.dtype} cannot hold {dtype} "
                              f"(expected numpy {numpy_storage(dtype)})")
         rel, path = self._claim(device, tensor, box, dtype, shape)
-        data = st.write(path, tensor, dtype, array, self._metadata(device, tensor, box, shape))
+        try:
+            data = st.write(path, tensor, dtype, array, self._metadata(device, tensor, box, shape))
+        except BaseException:
+            self._release(device, tensor, box, path)
+            raise
         blocks = block_digests(data)
         self._add(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel, root_digest(blocks), data.nbytes,
                              BLOCK_BYTES, tuple(blocks)))
@@ -120,8 +130,12 @@ class VersionWriter:
         ``reserve=False`` defers allocating its space to ``target.reserve()`` (which may run while
         other threads already write)."""
         rel, path = self._claim(device, tensor, box, dtype, shape)
-        offset, nbytes = st.create(path, tensor, dtype, box.lengths, self._metadata(device, tensor, box, shape),
-                                   reserve=reserve)
+        try:
+            offset, nbytes = st.create(path, tensor, dtype, box.lengths, self._metadata(device, tensor, box, shape),
+                                       reserve=reserve)
+        except BaseException:  # e.g. a full disk: release the claim and the file, the box may be written again
+            self._release(device, tensor, box, path)
+            raise
         target = ShardTarget(path, offset, box, dtype)
         self._add(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel, "", nbytes), target)
         return target
