@@ -142,3 +142,123 @@ def test_write_shard_reserves_no_space_before_data_and_leaks_none(small_tmpfs):
     finally:
         channel.close()
         proc.stop()
+
+
+# ---- defect 6: data-plane connection floods -------------------------------------------------------------------
+@pytest.fixture
+def in_process_store(tmp_path):
+    """A store with version 1 (a 64x48 float32 w) served by an in-process gRPC server with a data plane."""
+    from tenplex.store.server import serve
+
+    w = np.random.default_rng(3).random(SHAPE, dtype=np.float32)
+    store = Store(tmp_path / "h0", "h0")
+    with store.begin(1) as writer:
+        writer.put("h0/0", "w", Box((0, 0), SHAPE), w, "float32", shape=SHAPE)
+        writer.commit()
+    server, port = serve(store, port=0)
+    yield server, f"127.0.0.1:{port}", w
+    server.data_server.close()
+    server.stop(grace=None)
+
+
+def _data_client(address: str) -> StoreClient:
+    return StoreClient(address, chunk_bytes=4096, data_plane_min_bytes=0, timeout=20)
+
+
+def test_data_plane_accept_loop_survives_thread_exhaustion(in_process_store, monkeypatch):
+    from tenplex.store import dataplane
+
+    server, address, w = in_process_store
+    real = threading.Thread
+    failures = [3]
+
+    class Exhausted(real):
+        def start(self):
+            if self.name == "data-conn" and failures[0] > 0:
+                failures[0] -= 1
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr(dataplane.threading, "Thread", Exhausted)
+    for _ in range(3):  # each of these connections is dropped (no thread for it): the read goes over gRPC
+        with _data_client(address) as client:
+            np.testing.assert_array_equal(client.read_box(1, "h0/0", "w", Box((0, 0), SHAPE), "float32"), w)
+    assert failures == [0]
+    with _data_client(address) as client:  # the accept loop is still alive: the data plane serves again
+        pool = client.data_pool()
+        got, bad = pool.read(1, "h0/0", "w", Box((0, 0), SHAPE), 4, 4096, out=np.empty(SHAPE, np.float32),
+                             out_box=Box((0, 0), SHAPE))
+        assert got == w.nbytes and bad == []
+
+
+def test_silent_data_connections_are_dropped_and_bounded(tmp_path):
+    from tenplex.store.dataplane import DataPool, DataServer
+    from tenplex.store.server import StoreService
+
+    w = np.arange(64 * 48, dtype=np.float32).reshape(SHAPE)
+    store = Store(tmp_path / "h0", "h0")
+    with store.begin(1) as writer:
+        writer.put("h0/0", "w", Box((0, 0), SHAPE), w, "float32", shape=SHAPE)
+        writer.commit()
+    service = StoreService(store)
+    data = DataServer("127.0.0.1", service._reader, lambda e: ("INTERNAL", str(e)), handshake_s=1.0,
+                      max_connections=8)
+    silent = []
+    try:
+        for _ in range(40):
+            silent.append(socket.create_connection(("127.0.0.1", data.port), timeout=10))
+        pool = DataPool("127.0.0.1", data.port, None, 10)
+        out = np.empty(SHAPE, np.float32)
+        got, bad = pool.read(1, "h0/0", "w", Box((0, 0), SHAPE), 4, 4096, out=out, out_box=Box((0, 0), SHAPE))
+        assert got == w.nbytes and bad == [] and (out == w).all()
+        pool.close()
+        # every silent connection is closed by the server: dropped for a newer one, or after the 1 s handshake
+        for sock in silent:
+            received = b""
+            try:
+                while True:
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    received += chunk
+            except ConnectionResetError:
+                pass
+            assert len(received) < 200  # at most the hello
+    finally:
+        for sock in silent:
+            sock.close()
+        data.close()
+
+
+def test_client_falls_back_to_grpc_when_the_data_plane_is_unreachable(in_process_store):
+    server, address, w = in_process_store
+    with _data_client(address) as client:
+        assert client.data_pool() is not None
+        server.data_server.close()
+        np.testing.assert_array_equal(client.read_box(1, "h0/0", "w", Box((0, 0), SHAPE), "float32"), w)
+
+
+# ---- defects 8 and 9: ports ------------------------------------------------------------------------------------
+def _serve_cli(tmp_path, *args, timeout=20):
+    return subprocess.run([sys.executable, "-m", "tenplex.cli.store", "serve", "--root", str(tmp_path / "x"),
+                           "--host", "x", *args], capture_output=True, text=True, timeout=timeout)  # noqa: S603
+
+
+def test_a_port_in_use_is_refused(tmp_path):
+    first = StoreProcess(tmp_path / "h0", "h0")
+    try:
+        result = _serve_cli(tmp_path, "--port", str(first.port))
+        assert result.returncode == 2, result.stderr
+        assert f"port {first.port}" in result.stderr and "in use" in result.stderr
+        assert "Traceback" not in result.stderr
+        with StoreClient(first.address) as client:
+            assert client.health()["host"] == "h0"
+    finally:
+        first.stop()
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "65536"])
+def test_ports_outside_0_65535_are_refused(tmp_path, port):
+    result = _serve_cli(tmp_path, "--port", port)
+    assert result.returncode == 2
+    assert "0-65535" in result.stderr and "Traceback" not in result.stderr

@@ -27,7 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--root", required=True, type=Path, help="store directory (created if missing)")
     serve.add_argument("--host", required=True, help="host name of this store, e.g. h0")
     serve.add_argument("--bind", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
-    serve.add_argument("--port", type=int, default=0, help="port (default 0: any free port)")
+    serve.add_argument("--port", type=_port, default=0, help="port (default 0: any free port; one in use is refused)")
     serve.add_argument("--port-file", type=Path, help="write the bound port to this file once serving")
     _token_arguments(serve)
     serve.add_argument("--tls-cert", type=Path, help="PEM certificate: serve TLS (needs --tls-key)")
@@ -63,6 +63,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("--streams", type=int, default=4, help="concurrent pulls per destination host")
     _token_arguments(tr)
     tr.set_defaults(handler=_transform)
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: use 0-65535 (0: any free port)")
+    return port
 
 
 def _token_arguments(parser: argparse.ArgumentParser) -> None:

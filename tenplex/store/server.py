@@ -449,6 +449,8 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
                          f"the port could read and overwrite state. Pass a token (--token-file) or bind 127.0.0.1")
     if (tls_cert is None) != (tls_key is None):
         raise StoreError("TLS needs both a certificate and its private key")
+    if not 0 <= int(port) <= 65535:
+        raise StoreError(f"port {port} is not a TCP port: use 0-65535 (0: any free port)")
     wire.keep_freed_chunk_memory()
     if max_streams is None:
         max_streams = max(1, max_workers - CONTROL_THREADS)
@@ -459,15 +461,20 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
                            limits=StreamLimits(max_streams, stream_idle_s))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store"),
                          interceptors=[TokenCheck(token)] if token else None,
-                         options=wire.channel_options())
+                         # never share a port with another server (clients would be split between them)
+                         options=[*wire.channel_options(), ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((_handlers(service),))
     address = f"[{bind.strip('[]')}]:{port}" if ":" in bind.strip("[]") else f"{bind}:{port}"
-    if tls_cert is not None:
-        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
-    else:
-        bound = server.add_insecure_port(address)
+    try:
+        if tls_cert is not None:
+            bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind to address"
+        bound = 0
     if not bound:
-        raise StoreError(f"could not bind the store server to {address}")
+        raise StoreError(f"could not bind the store server to {address}: port {port} is in use, or {bind} is not "
+                         f"an address of this machine; choose another port (0: any free port)")
     if data_plane and tls_cert is None:
         data = DataServer(bind, service._reader, lambda e: (_status_of(e).name, _message(e)), token=token)
         service.data_port = data.port
