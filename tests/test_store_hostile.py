@@ -262,3 +262,57 @@ def test_ports_outside_0_65535_are_refused(tmp_path, port):
     result = _serve_cli(tmp_path, "--port", port)
     assert result.returncode == 2
     assert "0-65535" in result.stderr and "Traceback" not in result.stderr
+
+
+# ---- defect 11: concurrent transforms ---------------------------------------------------------------------------
+def test_concurrent_identical_transforms_fail_cleanly_or_succeed_once(tmp_path):
+    from tenplex.errors import TransformError
+    from tenplex.planner import plan
+    from tenplex.transform import transform
+
+    from store_helpers import Cluster, assert_version_matches, random_globals, tiny_layout, write_version
+
+    tensors = {"a": ((1024, 768), "float32"), "b": ((768, 1024), "float32")}
+    old = tiny_layout(tensors, {"h0/0": [("a", (0, 0), (1024, 768)), ("b", (0, 0), (768, 1024))]})
+    new = tiny_layout(tensors, {"h1/0": [("a", (0, 0), (512, 768)), ("b", (0, 0), (768, 512))],
+                                "h2/0": [("a", (512, 0), (512, 768)), ("b", (0, 512), (768, 512))]})
+    the_plan = plan(old, new)
+    with Cluster(tmp_path, ["h0", "h1", "h2"]) as cluster:
+        arrays = random_globals(old)
+        write_version(cluster.roots, old, 1, arrays)
+        for new_version in (2, 3, 4):
+            outcomes: list = [None, None]
+
+            def run(i: int) -> None:
+                try:
+                    outcomes[i] = transform(the_plan, old, new, cluster.addresses, 1, new_version, chunk_bytes=4096)
+                except TransformError as e:
+                    outcomes[i] = e
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            committed = [Store(cluster.roots[h], h).versions() for h in ("h1", "h2")]
+            errors = [o for o in outcomes if isinstance(o, TransformError)]
+            for error in errors:
+                text = str(error)
+                assert "INTERNAL" not in text and "FileExistsError" not in text and "FileNotFound" not in text, text
+                assert all(("ABORTED" in cause or "ALREADY_EXISTS" in cause) for cause in error.failures.values()), \
+                    text
+                assert "another transformation" in text, text
+                if new_version in committed[0]:
+                    assert f"{new_version} was not committed" not in text, text
+            assert committed[0] == committed[1], "a version was committed on some hosts only"
+            if len(errors) < 2:
+                assert new_version in committed[0]
+                assert_version_matches(cluster.roots, new, new_version, arrays)
+            else:
+                assert new_version not in committed[0]
+        # once committed, the same transform is refused with ALREADY_EXISTS and a true message
+        transform(the_plan, old, new, cluster.addresses, 1, 5)
+        with pytest.raises(TransformError) as info:
+            transform(the_plan, old, new, cluster.addresses, 1, 5)
+        assert "ALREADY_EXISTS" in str(info.value) and "already committed" in str(info.value)
+        assert Store(cluster.roots["h1"], "h1").versions() == Store(cluster.roots["h2"], "h2").versions()

@@ -23,6 +23,14 @@ class OutOfRange(StoreError, IndexError):
     """A region outside what is stored (gRPC OUT_OF_RANGE)."""
 
 
+class AlreadyCommitted(StoreError):
+    """The version is already committed here (gRPC ALREADY_EXISTS): write a higher version."""
+
+
+class Conflict(StoreError):
+    """Another writer is writing the same version right now (gRPC ABORTED)."""
+
+
 class CorruptShard(StoreError):
     """Stored bytes do not match their checksum, or the file is truncated (gRPC DATA_LOSS). The message names
     the version, host, device, tensor and file; read the region from another replica."""

@@ -46,7 +46,7 @@ from ..errors import StoreError, TenplexError
 from . import _hooks, wire
 from ._proto import store_pb2 as pb
 from .datasets import resolve_dataset_path
-from .manifest import CorruptShard, NotFound, OutOfRange
+from .manifest import AlreadyCommitted, Conflict, CorruptShard, NotFound, OutOfRange
 from .auth import TokenCheck
 from .dataplane import DataServer
 from .local import Store
@@ -68,6 +68,10 @@ def _status_of(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.DATA_LOSS
     if isinstance(exc, Busy):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, AlreadyCommitted):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(exc, Conflict):
+        return grpc.StatusCode.ABORTED
     if isinstance(exc, IndexError):  # before LookupError, its base class
         return grpc.StatusCode.OUT_OF_RANGE
     if isinstance(exc, LookupError):
@@ -124,6 +128,7 @@ class StoreService:
         self.peer_root_certificates = peer_root_certificates
         self._readers: dict[int, VersionReader] = {}
         self._writers: dict[tuple[int, str], VersionWriter] = {}
+        self._transforming: set[int] = set()  # new versions whose transformation runs here now
         self._lock = threading.Lock()
         self._hooks = _hooks.from_environment()
         self.data_port = 0  # set by serve() when the data plane runs
@@ -322,6 +327,15 @@ class StoreService:
     def Transform(self, request, context):
         if self.transformer is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this store server was started without a transformer")
+        version = request.new_version
+        with self._lock:
+            if version in self._transforming:
+                raise Conflict(f"another transformation to version {version} is running on host {self.store.host} "
+                               f"right now (a second coordinator?); this one changed nothing here")
+            if version in self.store.versions():
+                raise AlreadyCommitted(f"version {version} is already committed on host {self.store.host} (by "
+                                       f"another transformation or writer); this one changed nothing here")
+            self._transforming.add(version)
         updates: queue.Queue = queue.Queue()
         cancelled = threading.Event()
         context.add_callback(cancelled.set)  # the coordinator went away: stop pulling
@@ -334,6 +348,9 @@ class StoreService:
                 updates.put(("done", result))
             except BaseException as e:  # noqa: BLE001 - reported to the coordinator below
                 updates.put(("error", e))
+            finally:
+                with self._lock:
+                    self._transforming.discard(version)
 
         threading.Thread(target=work, name=f"transform-{request.new_version}", daemon=True).start()
         while True:
