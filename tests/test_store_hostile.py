@@ -316,3 +316,21 @@ def test_concurrent_identical_transforms_fail_cleanly_or_succeed_once(tmp_path):
             transform(the_plan, old, new, cluster.addresses, 1, 5)
         assert "ALREADY_EXISTS" in str(info.value) and "already committed" in str(info.value)
         assert Store(cluster.roots["h1"], "h1").versions() == Store(cluster.roots["h2"], "h2").versions()
+
+
+# ---- defect 12: the token in plaintext ---------------------------------------------------------------------------
+def test_token_without_tls_off_loopback_is_warned_about(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    proc = StoreProcess(tmp_path / "h0", "h0", token_file=token_file, bind="0.0.0.0")
+    try:
+        with StoreClient(proc.address, token="s3cret-token") as client:
+            client.versions()
+    finally:
+        proc.stop()
+    log = (tmp_path / ".h0.log").read_text()
+    assert "WARNING" in log and "plaintext" in log and "--tls-cert" in log
+    assert "s3cret-token" not in log
+    help_text = subprocess.run([sys.executable, "-m", "tenplex.cli.store", "serve", "--help"], capture_output=True,
+                               text=True, timeout=60).stdout
+    assert "plaintext" in " ".join(help_text.split())

@@ -23,7 +23,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("store", help="run or query a host's tensor store")
     sub = parser.add_subparsers(dest="store_command", metavar="ACTION", required=True)
 
-    serve = sub.add_parser("serve", help="serve a store directory over gRPC (tenplex.v1.Store)")
+    serve = sub.add_parser("serve", help="serve a store directory over gRPC (tenplex.v1.Store)",
+                           description="Serve a store directory over gRPC (tenplex.v1.Store). Off loopback a token "
+                                       "is required; without --tls-cert/--tls-key every gRPC call carries that "
+                                       "token in plaintext, readable by anyone on the network path (the data "
+                                       "plane sends only an HMAC of it): use TLS off trusted networks.")
     serve.add_argument("--root", required=True, type=Path, help="store directory (created if missing)")
     serve.add_argument("--host", required=True, help="host name of this store, e.g. h0")
     serve.add_argument("--bind", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
@@ -101,6 +105,8 @@ def _serve(args) -> int:
     from ..transform.host import run_host_part
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.tls_cert and args.tls_key:
+        _check_tls_pair(args.tls_cert, args.tls_key)
     tls_cert = args.tls_cert.read_bytes() if args.tls_cert else None
     tls_key = args.tls_key.read_bytes() if args.tls_key else None
     store = Store(args.root, args.host)
@@ -120,6 +126,17 @@ def _serve(args) -> int:
     stop.wait()
     server.stop(grace=2).wait()
     return 0
+
+
+def _check_tls_pair(cert: Path, key: Path) -> None:
+    """Fail with one clear line, before gRPC reports a bad certificate as "Failed to bind to address"."""
+    import ssl
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its matching private "
+                         f"key ({e.reason or e})") from None
 
 
 def _ls(args) -> int:

@@ -9,7 +9,8 @@ below the transformer in the layering.
 Security: :func:`serve` binds 127.0.0.1 unless told otherwise; any other
 address requires a shared token, which every call must then present as
 ``authorization: Bearer TOKEN`` metadata (else UNAUTHENTICATED). TLS is on
-when a certificate and key are given.
+when a certificate and key are given. Without TLS that metadata, the token
+itself, crosses the network in plaintext; serve() warns about it at start-up.
 
 Bulk data plane: unless TLS is configured (or ``data_plane=False``),
 :func:`serve` also starts ``tenplex.store.dataplane.DataServer`` on the same
@@ -497,6 +498,10 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
         service.data_port = data.port
         server.data_server = data  # kept alive with the gRPC server; its threads are daemons
     server.start()
+    if bind not in LOOPBACK and tls_cert is None:
+        log.warning("serving on %s without TLS: the store token travels in plaintext in the metadata of every gRPC "
+                    "call, readable by anyone on the network path (the data plane sends only an HMAC of it); "
+                    "use --tls-cert/--tls-key off trusted networks", bind)
     log.info("store %s (host %s) serving on %s:%d (data plane port %d)", store.root, store.host, bind, bound,
              service.data_port)
     return server, bound
