@@ -344,3 +344,46 @@ def test_local_gc_frees_the_space_the_server_read(small_tmpfs):
             assert freed >= 2 * ROWS * COLS * 4, f"only {freed} bytes were freed"
     finally:
         proc.stop()
+
+
+# ---- block checksums computed while a shard is written ------------------------------------------------------
+@pytest.mark.parametrize("order", ["whole", "rows", "columns", "shuffled", "allocate"])
+def test_shard_target_block_checksums_match_the_data_in_any_write_order(tmp_path, order):
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    store = Store(tmp_path / "s", "h0")
+    data = _matrix(5)
+    whole = Box((0, 0), (ROWS, COLS))
+    writer = store.begin(1)
+    target = writer.create("h0/0", "w", whole, "float32", shape=(ROWS, COLS))
+    reads = []
+    original = target._read_block
+    target._read_block = lambda index, view: (reads.append(index), original(index, view))
+    if order == "whole":
+        target.write(whole, data)
+    elif order == "rows":  # 100-row slabs: long runs (pwrite), block edges inside writes
+        for r in range(0, ROWS, 100):
+            box = Box((r, 0), (min(100, ROWS - r), COLS))
+            target.write(box, data[box.slices()])
+    elif order == "columns":  # 16-column strips: short runs through the map
+        for c in range(0, COLS, 16):
+            box = Box((0, c), (ROWS, 16))
+            target.write(box, data[box.slices()])
+    elif order == "shuffled":  # 32x256 tiles from 4 threads in random order
+        tiles = [Box((r, c), (32, 256)) for r in range(0, ROWS, 32) for c in range(0, COLS, 256)]
+        random.Random(0).shuffle(tiles)
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda b: target.write(b, data[b.slices()]), tiles))
+    else:
+        target.array[...] = data
+    writer.prepare()
+    store.commit(1)
+    row = store.open(1).manifest["shards"][0]
+    raw = data.tobytes()
+    assert row["blocks"] == [checksum(raw[i:i + BLOCK_BYTES]) for i in range(0, len(raw), BLOCK_BYTES)]
+    assert store.open(1).verify() == []
+    if order == "whole":
+        assert reads == [], "blocks inside one write must be hashed from the written bytes"
+    if order == "rows":
+        assert sorted(reads) == sorted(set(reads)), "a block is read back at most once, when it completes"

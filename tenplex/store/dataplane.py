@@ -185,7 +185,7 @@ class DataServer:
                 except OSError:
                     pass
             self._conns[conn] = [time.monotonic()]
-        log.debug("data connection from %s:%s", peer[0], peer[1])
+        log.info("data connection from %s:%s", peer[0], peer[1])
         threading.Thread(target=self._serve, args=(conn,), name="data-conn", daemon=True).start()
 
     def _forget(self, conn: socket.socket) -> None:

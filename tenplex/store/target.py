@@ -14,7 +14,7 @@ import numpy as np
 import xxhash
 
 from . import _safetensors as st
-from .blocks import block_digests
+from .blocks import BlockTally
 from ..box import Box
 from ..dtypes import itemsize
 from ..errors import StoreError
@@ -32,6 +32,8 @@ class ShardTarget:
     ``pwrite`` when the region is made of long contiguous runs of the file,
     which avoids a page fault per 4 KiB page that writing through a memory map
     costs (notably on tmpfs); short runs go through a writable memory map.
+    Each write feeds the block checksums (``BlockTally``), so ``finish`` has
+    (almost) nothing left to hash.
     """
 
     _MIN_RUN = 64 << 10  # below this, per-run system calls cost more than page faults
@@ -47,13 +49,33 @@ class ShardTarget:
             strides.append(step)
             step *= n
         self._strides = tuple(reversed(strides))
+        self._tally = BlockTally(box.volume * self.itemsize, self._read_block)
 
-    @property
-    def array(self) -> np.ndarray:
-        """The whole shard as a writable memory map (created on first use)."""
+    def _map(self) -> np.ndarray:
         if self._array is None:
             self._array = st.map_array(self.path, self.data_offset, self.dtype, self.box.lengths, writable=True)
         return self._array
+
+    @property
+    def array(self) -> np.ndarray:
+        """The whole shard as a writable memory map (created on first use); what is written through it is
+        hashed at ``finish``."""
+        self._tally.forget()
+        return self._map()
+
+    def read(self, region: Box) -> np.ndarray:
+        """A read-only view of region ``region`` (global coordinates) as written so far."""
+        view = self._map()[region.local(self.box).slices()]
+        view.flags.writeable = False
+        return view
+
+    def _read_block(self, index: int, view: memoryview) -> None:
+        offset = self.data_offset + index * self._tally.block_bytes
+        while view.nbytes:
+            n = os.preadv(self._fd, [view], offset)
+            if n <= 0:
+                raise StoreError(f"{self.path}: short read of block {index} while checksumming it")
+            view, offset = view[n:], offset + n
 
     def write(self, region: Box, data) -> None:
         """Store ``data`` (C-order bytes or an array of region.lengths) as the region ``region`` (global coordinates)."""
@@ -75,14 +97,20 @@ class ShardTarget:
             first = sum(o * s for o, s in zip(local.offsets, self._strides))
             last = sum((o + n - 1) * s for o, n, s in zip(local.offsets, local.lengths, self._strides))
             st.reserve_space(self._fd, last + self.itemsize - first, self.data_offset + first)
-            storage = np.frombuffer(buffer, dtype=self.array.dtype).reshape(region.lengths)
-            self.array[local.slices()] = storage
+            array = self._map()
+            array[local.slices()] = np.frombuffer(buffer, dtype=array.dtype).reshape(region.lengths)
+            starts = np.array([first], np.int64)  # data offset of every run: the outer dims' index grid
+            for d in range(inner):
+                starts = (starts[:, None] + np.arange(local.lengths[d], dtype=np.int64) * self._strides[d]).ravel()
+            self._tally.wrote_runs(starts, run)
             return
-        base = self.data_offset + sum(o * s for o, s in zip(local.offsets, self._strides))
+        base = sum(o * s for o, s in zip(local.offsets, self._strides))
         outer = [range(n) for n in local.lengths[:inner]]
         for i, index in enumerate(itertools.product(*outer)):
             offset = base + sum(j * s for j, s in zip(index, self._strides))
-            self._pwrite(buffer[i * run:(i + 1) * run], offset)
+            piece = buffer[i * run:(i + 1) * run]
+            self._pwrite(piece, self.data_offset + offset)
+            self._tally.wrote(offset, piece)
 
     def reserve(self) -> None:
         """Allocate the file's space now (fails early on a full disk); safe while others write."""
@@ -97,9 +125,10 @@ class ShardTarget:
         """fsync and close; return the data's block checksums (``blocks``)."""
         self._array = None
         os.fsync(self._fd)  # on Linux this also writes pages dirtied through the shared map
-        self.close()
-        data = st.map_array(self.path, self.data_offset, self.dtype, self.box.lengths)
-        return block_digests(memoryview(np.ascontiguousarray(data).reshape(-1)).cast("B")) if data.size else []
+        try:
+            return self._tally.digests()
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -359,7 +359,7 @@ def _new_region(targets: dict, linked: dict, reader: VersionReader | None, devic
     """Region ``box`` of ``device``'s new shard of ``tensor`` (staged here, or hard-linked and read verified)."""
     for key, target in targets.items():
         if key[0] == device and key[1] == tensor and key[2].contains(box):
-            return target.array[box.local(key[2]).slices()]
+            return target.read(box)
     for key, entry in linked.items():
         if key[0] == device and key[1] == tensor and key[2].contains(box):
             return reader.region(entry, box)
