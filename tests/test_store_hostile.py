@@ -230,6 +230,28 @@ def test_silent_data_connections_are_dropped_and_bounded(tmp_path):
         data.close()
 
 
+def test_a_pooled_connection_the_server_dropped_is_replaced_transparently(tmp_path):
+    from tenplex.store.dataplane import DataPool, DataServer
+    from tenplex.store.server import StoreService
+
+    w = np.arange(64 * 48, dtype=np.float32).reshape(SHAPE)
+    store = Store(tmp_path / "h0", "h0")
+    with store.begin(1) as writer:
+        writer.put("h0/0", "w", Box((0, 0), SHAPE), w, "float32", shape=SHAPE)
+        writer.commit()
+    data = DataServer("127.0.0.1", StoreService(store)._reader, lambda e: ("INTERNAL", str(e)), max_connections=1)
+    pools = [DataPool("127.0.0.1", data.port, None, 10) for _ in range(2)]
+    try:
+        for pool in (*pools, *pools):  # each read evicts the other pool's idle connection
+            out = np.empty(SHAPE, np.float32)
+            got, bad = pool.read(1, "h0/0", "w", Box((0, 0), SHAPE), 4, 4096, out=out, out_box=Box((0, 0), SHAPE))
+            assert got == w.nbytes and bad == [] and (out == w).all()
+    finally:
+        for pool in pools:
+            pool.close()
+        data.close()
+
+
 def test_client_falls_back_to_grpc_when_the_data_plane_is_unreachable(in_process_store):
     server, address, w = in_process_store
     with _data_client(address) as client:

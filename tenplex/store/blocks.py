@@ -121,7 +121,7 @@ class ShardFile:
             return
         if start < 0 or start + length > self.entry.nbytes:
             raise ValueError(f"{self.where}: data bytes {start}-{start + length} outside 0-{self.entry.nbytes}")
-        fd = self._open(self.entry.file)
+        fd = self._open_file()
         try:
             offset = self._check_size(fd)
             if self.entry.blocks is None:
@@ -146,10 +146,14 @@ class ShardFile:
                 block = self._edge(fd, offset, index, edges)
                 lo, hi = max(start, index * size), min(end, (index + 1) * size)
                 dest[lo - start:hi - start] = block[lo - index * size:hi - index * size]
-        except FileNotFoundError:
-            raise CorruptShard(f"{self.where}: the file is gone (the version was deleted meanwhile?)") from None
         finally:
             os.close(fd)
+
+    def _open_file(self) -> int:
+        try:
+            return self._open(self.entry.file)
+        except FileNotFoundError:
+            raise CorruptShard(f"{self.where}: the file is gone (deleted from the committed version)") from None
 
     def _edge(self, fd: int, offset: int, index: int, edges: dict | None) -> memoryview:
         if edges is not None and index in edges:
@@ -182,7 +186,7 @@ class ShardFile:
         """Check every byte of the shard; a description of the first problem, or None."""
         try:
             if self.entry.blocks is None:
-                fd = self._open(self.entry.file)
+                fd = self._open_file()
                 try:
                     self.whole_verified = False
                     self._verify_whole(fd, self._check_size(fd))

@@ -83,6 +83,13 @@ class DataPlaneUnreachable(DataPlaneError):
         super().__init__(message, "UNAVAILABLE")
 
 
+class _ClosedBeforeReply(DataPlaneError):
+    """The server closed the connection before answering a request (a pooled connection it dropped)."""
+
+    def __init__(self, message: str):
+        super().__init__(f"connection closed before the reply: {message}", "UNAVAILABLE")
+
+
 def auth_digest(token: str, nonce: str) -> str:
     return hmac.new(token.encode(), bytes.fromhex(nonce), hashlib.sha256).hexdigest()
 
@@ -141,8 +148,8 @@ class DataServer:
         self._listener = socket.create_server((host, port), family=family, backlog=64)
         self.port = self._listener.getsockname()[1]
         self._closed = False
-        self._conns: dict[socket.socket, list] = {}  # connection -> [idle since (None: busy), ...]
-        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, list] = {}  # connection -> [idle since, or None while busy]
+        self._idle = threading.Condition()  # guards _conns; notified when a connection turns idle
         threading.Thread(target=self._accept, name="data-accept", daemon=True).start()
 
     def close(self) -> None:
@@ -170,8 +177,10 @@ class DataServer:
                 conn.close()
 
     def _admit(self, conn: socket.socket, peer) -> None:
-        with self._lock:
+        with self._idle:
             if len(self._conns) >= self._max_connections:
+                # a connection that just sent its last frame turns idle a moment later: wait for it briefly
+                self._idle.wait_for(lambda: any(since is not None for since, in self._conns.values()), 0.5)
                 idle = [(since, c) for c, (since,) in self._conns.items() if since is not None]
                 if not idle:
                     log.warning("data connection from %s refused: %d connections, all busy", peer[0],
@@ -189,14 +198,16 @@ class DataServer:
         threading.Thread(target=self._serve, args=(conn,), name="data-conn", daemon=True).start()
 
     def _forget(self, conn: socket.socket) -> None:
-        with self._lock:
+        with self._idle:
             self._conns.pop(conn, None)
 
     def _mark(self, conn: socket.socket, idle: bool) -> None:
-        with self._lock:
+        with self._idle:
             state = self._conns.get(conn)
             if state is not None:
                 state[0] = time.monotonic() if idle else None
+                if idle:
+                    self._idle.notify_all()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -326,7 +337,10 @@ class DataConnection:
                                 "tensor": tensor, "box": {"offsets": list(region.offsets),
                                                           "lengths": list(region.lengths)},
                                 "frame_bytes": frame_bytes})
-        reply = _recv_json(self._sock)
+        try:
+            reply = _recv_json(self._sock)
+        except (ConnectionError, BrokenPipeError) as e:  # e.g. the server dropped this connection while idle
+            raise _ClosedBeforeReply(str(e)) from None
         if not reply.get("ok"):
             raise DataPlaneError(str(reply.get("message", "unknown error")), str(reply.get("code", "UNKNOWN")))
         if reply.get("itemsize") != itemsize:
@@ -375,10 +389,19 @@ class DataPool:
     def read(self, *args, **kwargs) -> tuple[int, list[Box]]:
         with self._lock:
             conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = DataConnection(self.host, self.port, self._token, self._timeout)
+        if conn is not None:
+            try:
+                return self._read_on(conn, *args, **kwargs)
+            except _ClosedBeforeReply:
+                pass  # the server had closed this idle connection (idle too long, or replaced): a new one
+        return self._read_on(DataConnection(self.host, self.port, self._token, self._timeout), *args, **kwargs)
+
+    def _read_on(self, conn: DataConnection, *args, **kwargs) -> tuple[int, list[Box]]:
         try:
             result = conn.read(*args, **kwargs)
+        except _ClosedBeforeReply:
+            conn.close()
+            raise
         except DataPlaneError:
             conn.close()  # errors are rare; a fresh connection avoids reasoning about what the server closed
             raise

@@ -33,7 +33,7 @@ from typing import Iterator
 
 from ..box import Box
 from ..errors import StoreError
-from .manifest import MANIFEST_FORMAT, AlreadyCommitted, NotFound, ShardEntry, check_name, fsync_dir, write_json_durable
+from .manifest import MANIFEST_FORMAT, AlreadyCommitted, InvalidArgument, NotFound, ShardEntry, check_name, fsync_dir, write_json_durable
 from .reader import VersionReader
 from .writer import VersionWriter
 
@@ -77,7 +77,7 @@ class Store:
         parts of one version; ``VersionWriter.commit`` or :meth:`commit` publishes them together."""
         version = int(version)
         if version < 0:
-            raise StoreError(f"version must be a non-negative integer, got {version}")
+            raise InvalidArgument(f"version must be a non-negative integer, got {version}")
         if (self.root / "versions" / str(version)).exists():
             raise AlreadyCommitted(f"version {version} is already committed in store {self.root}; "
                              f"write a higher version (latest is {self.latest()})")

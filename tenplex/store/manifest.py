@@ -23,6 +23,10 @@ class OutOfRange(StoreError, IndexError):
     """A region outside what is stored (gRPC OUT_OF_RANGE)."""
 
 
+class InvalidArgument(StoreError, ValueError):
+    """A malformed name, version or request (gRPC INVALID_ARGUMENT)."""
+
+
 class AlreadyCommitted(StoreError):
     """The version is already committed here (gRPC ALREADY_EXISTS): write a higher version."""
 
@@ -44,9 +48,14 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 def check_name(kind: str, name: str) -> str:
     if not isinstance(name, str) or not NAME_PATTERN.match(name):
-        raise StoreError(f"{kind} name {name!r} is not a simple identifier (letters, digits, '_', '.', '-'; "
-                         f"not starting with '.' or '-')")
+        raise InvalidArgument(f"{kind} name {_shorten(name)} is not a simple identifier (letters, digits, '_', '.', '-'; "
+                              f"not starting with '.' or '-'; at most 128 characters)")
     return name
+
+
+def _shorten(name) -> str:
+    text = repr(name)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(name)} characters)"
 
 
 def fsync_dir(path: Path) -> None:
