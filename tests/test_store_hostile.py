@@ -356,3 +356,58 @@ def test_token_without_tls_off_loopback_is_warned_about(tmp_path):
     help_text = subprocess.run([sys.executable, "-m", "tenplex.cli.store", "serve", "--help"], capture_output=True,
                                text=True, timeout=60).stdout
     assert "plaintext" in " ".join(help_text.split())
+
+
+# ---- weaker spots ---------------------------------------------------------------------------------------------
+def test_a_version_without_its_manifest_is_named_damaged_and_gc_removes_it(tmp_path):
+    from tenplex.errors import StoreError
+
+    store = Store(tmp_path / "s", "h0")
+    for v in (1, 2):
+        with store.begin(v) as w:
+            w.put("h0/0", "w", Box((0,), (4,)), np.ones(4, np.float32), "float32")
+            w.commit()
+    (store.root / "versions" / "1" / "manifest.json").unlink()
+    assert store.versions() == [2]
+    with pytest.raises(StoreError, match="no manifest.json"):
+        store.begin(1)
+    assert store.gc(keep=1) == []
+    assert not (store.root / "versions" / "1").exists(), "gc left the damaged version behind"
+    with store.begin(1) as w:  # the number is free again
+        w.put("h0/0", "w", Box((0,), (4,)), np.zeros(4, np.float32), "float32")
+        w.commit()
+    assert store.versions() == [1, 2]
+
+
+def test_abandoned_remote_parts_expire_and_release_their_descriptors(tmp_path):
+    proc = StoreProcess(tmp_path / "h0", "h0", extra_args=("--part-idle-s", "2"))
+    try:
+        with StoreClient(proc.address, timeout=30) as client:
+            for i in range(40):  # written, never prepared: each would hold its shard file open
+                client.write_shard(1, f"p{i}", "h0/0", "w", Box((0,), (4,)), np.ones(4, np.float32), "float32")
+            held = len(os.listdir(f"/proc/{proc.proc.pid}/fd"))
+            assert held < 40, f"{held} descriptors held by finished WriteShard streams"
+            staging = tmp_path / "h0" / "staging" / "1"
+            deadline = time.monotonic() + 30
+            while staging.exists() and any(staging.iterdir()) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert not staging.exists() or not any(staging.iterdir()), "abandoned parts were never expired"
+            with pytest.raises(Exception, match="no open part"):
+                client.prepare(1, "p0")
+    finally:
+        proc.stop()
+
+
+@pytest.mark.parametrize("dp", ["0", "-1"])
+def test_data_state_refuses_a_dp_below_one(tmp_path, dp):
+    def tenplex(*args):
+        return subprocess.run([sys.executable, "-c", "import sys; from tenplex.cli import main; sys.exit(main())",
+                               *args], capture_output=True, text=True, timeout=60)
+
+    np.arange(400, dtype=np.uint16).tofile(tmp_path / "tokens.bin")
+    assert tenplex("data", "pack", str(tmp_path / "tokens.bin"), str(tmp_path / "ds"), "--seq-len", "4", "--dtype",
+                   "uint16", "--quiet").returncode == 0
+    result = tenplex("data", "state", str(tmp_path / "ds"), "--seed", "0", "--global-batch", "4", "--dp", dp,
+                     "-o", str(tmp_path / "state.json"))
+    assert result.returncode == 2 and "--dp" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "state.json").exists()

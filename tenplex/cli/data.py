@@ -53,10 +53,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_plan)
 
 
+def _degree(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a data-parallel degree (an integer >= 1)")
+    return value
+
+
 def _state_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--global-batch", type=int, required=True)
-    p.add_argument("--dp", type=int, required=True, help="data-parallel degree")
+    p.add_argument("--dp", type=_degree, required=True, help="data-parallel degree (>= 1)")
     p.add_argument("--position", type=int, default=0,
                    help="samples consumed since the start of epoch 0 (a global-batch boundary)")
     p.add_argument("--keep-last", action="store_true", help="keep each epoch's final partial batch")

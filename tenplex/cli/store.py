@@ -41,6 +41,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "RESOURCE_EXHAUSTED (default: the server's threads but 16, kept for control calls)")
     serve.add_argument("--stream-idle-s", type=float, default=60.0,
                        help="cancel a bulk stream that makes no progress for this long (default 60)")
+    serve.add_argument("--part-idle-s", type=float, default=3600.0,
+                       help="abort a part written over gRPC (WriteShard/PutJson) that is neither prepared nor "
+                            "aborted and unused for this long (default 3600)")
     serve.add_argument("--no-data-plane", action="store_true",
                        help="serve box reads over gRPC only (the plain-TCP data plane is also off with TLS)")
     serve.set_defaults(handler=_serve)
@@ -114,7 +117,8 @@ def _serve(args) -> int:
     server, port = serve(store, bind=args.bind, port=args.port, token=options["token"], tls_cert=tls_cert,
                          tls_key=tls_key, transformer=run_host_part,
                          peer_root_certificates=options["root_certificates"], data_plane=not args.no_data_plane,
-                         max_streams=args.max_streams, stream_idle_s=args.stream_idle_s)
+                         max_streams=args.max_streams, stream_idle_s=args.stream_idle_s,
+                         part_idle_s=args.part_idle_s)
     if args.port_file:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{port}\n")

@@ -78,7 +78,11 @@ class Store:
         version = int(version)
         if version < 0:
             raise InvalidArgument(f"version must be a non-negative integer, got {version}")
-        if (self.root / "versions" / str(version)).exists():
+        path = self.root / "versions" / str(version)
+        if path.exists() and not (path / "manifest.json").is_file():
+            raise StoreError(f"version {version} in store {self.root} is damaged (no manifest.json): it cannot be "
+                             f"read; delete it (Store.delete, or gc removes it) before writing that number again")
+        if path.exists():
             raise AlreadyCommitted(f"version {version} is already committed in store {self.root}; "
                              f"write a higher version (latest is {self.latest()})")
         part = check_name("part", part or f"p{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -146,7 +150,8 @@ class Store:
             return self._delete(int(version))
 
     def gc(self, keep: int) -> list[int]:
-        """Delete all but the newest ``keep`` committed versions, stale staging and trash; return deleted versions."""
+        """Delete all but the newest ``keep`` committed versions, damaged version directories (no manifest),
+        stale staging and trash; return the deleted committed versions."""
         if keep < 1:
             raise StoreError(f"gc must keep at least one version, got keep={keep}")
         with self._locked():
@@ -154,6 +159,11 @@ class Store:
             doomed = versions[:-keep]
             for v in doomed:
                 self._delete(v)
+            for entry in (self.root / "versions").iterdir():
+                # A committed directory always holds its manifest (commit renames it in with it): one without
+                # is damaged, invisible to readers, and would block its number forever.
+                if entry.name.isdigit() and not (entry / "manifest.json").is_file():
+                    self._delete(int(entry.name))
             newest = versions[-1] if versions else None
             for staging in (self.root / "staging").iterdir():
                 # Versions only grow, so a staged version not newer than the newest committed one is

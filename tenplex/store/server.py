@@ -34,8 +34,10 @@ import logging
 import os
 import queue
 import threading
+import time
 from concurrent import futures
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import grpc
 import numpy as np
@@ -61,6 +63,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 CONTROL_THREADS = 16            # server threads that bulk streams can never take (Health, Commit, ...)
 DEFAULT_MAX_STREAMS = 48
 DEFAULT_STREAM_IDLE_S = 60.0    # a bulk stream with no progress for this long is cancelled
+DEFAULT_PART_IDLE_S = 3600.0    # a remote part nobody used for this long is aborted
 
 
 # ---------------------------------------------------------------- errors --
@@ -121,18 +124,22 @@ def _guard(method):
 # --------------------------------------------------------------- service --
 class StoreService:
     def __init__(self, store: Store, transformer: Callable | None = None, token: str | None = None,
-                 peer_root_certificates: bytes | None = None, limits: StreamLimits | None = None):
+                 peer_root_certificates: bytes | None = None, limits: StreamLimits | None = None,
+                 part_idle_s: float = DEFAULT_PART_IDLE_S):
         self.store = store
+        self.part_idle_s = part_idle_s
         self.limits = limits or StreamLimits(DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S)
         self.transformer = transformer
         self.token = token
         self.peer_root_certificates = peer_root_certificates
         self._readers: dict[int, VersionReader] = {}
         self._writers: dict[tuple[int, str], VersionWriter] = {}
+        self._writer_use: dict[tuple[int, str], list] = {}  # key -> [calls in flight, last used]
         self._transforming: set[int] = set()  # new versions whose transformation runs here now
         self._lock = threading.Lock()
         self._hooks = _hooks.from_environment()
         self.data_port = 0  # set by serve() when the data plane runs
+        threading.Thread(target=self._housekeeping, name="store-housekeeping", daemon=True).start()
 
     # -- helpers
     def _reader(self, version: int) -> VersionReader:
@@ -154,14 +161,46 @@ class StoreService:
             stale = [v for v, r in self._readers.items() if not r.current()]
         self._forget_readers(stale)
 
-    def _writer(self, version: int, part: str) -> VersionWriter:
+    @contextmanager
+    def _writer(self, version: int, part: str) -> Iterator[VersionWriter]:
+        """The open remote part (version, part), created on first use; marked in use while the block runs."""
         key = (int(version), part or "remote")
         with self._lock:
             writer = self._writers.get(key)
             if writer is None:
                 writer = self.store.begin(key[0], key[1])
                 self._writers[key] = writer
-            return writer
+                self._writer_use[key] = [0, time.monotonic()]
+            use = self._writer_use[key]
+            use[0] += 1
+        try:
+            yield writer
+        finally:
+            with self._lock:
+                use[0] -= 1
+                use[1] = time.monotonic()
+
+    def _housekeeping(self) -> None:
+        while True:
+            time.sleep(min(5.0, self.part_idle_s / 4))
+            try:
+                self._expire_parts()
+                self._sweep()
+            except Exception as e:  # noqa: BLE001 - housekeeping must go on
+                log.warning("store housekeeping failed: %s", e)
+
+    def _expire_parts(self) -> None:
+        """Abort remote parts that nobody wrote, prepared or aborted for ``part_idle_s`` (a writer that went
+        away): their staged files and descriptors would stay until an Abort."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [k for k, (busy, last) in self._writer_use.items() if not busy and now - last > self.part_idle_s]
+            writers = [self._writers.pop(k) for k in expired]
+            for key in expired:
+                del self._writer_use[key]
+        for key, writer in zip(expired, writers):
+            log.warning("aborting part %r of version %d: unused for %.0f s", key[1], key[0], self.part_idle_s)
+            writer.abort()
 
     # -- metadata
     @_guard
@@ -229,7 +268,10 @@ class StoreService:
             raise ValueError("WriteShard: the first message must carry the shard header")
         h = first.header
         box = wire.from_pb_box(h.box)
-        writer = self._writer(h.version, h.part)
+        with self._writer(h.version, h.part) as writer:
+            return self._fill_shard(writer, h, box, request_iterator)
+
+    def _fill_shard(self, writer: VersionWriter, h, box: Box, request_iterator) -> pb.WriteShardReply:
         target = None
         try:
             # No space is reserved up front: a header alone (a stalled or lying client) holds none. The
@@ -245,6 +287,7 @@ class StoreService:
                 except StoreError as e:  # the part was aborted or prepared meanwhile; the stream's error matters
                     log.warning("WriteShard of %r could not discard its partial shard: %s", h.tensor, e)
             raise
+        target.release()  # filled: no descriptor held until Prepare
         return pb.WriteShardReply(bytes=received)
 
     @staticmethod
@@ -274,7 +317,8 @@ class StoreService:
             doc = json.loads(request.json)
         except json.JSONDecodeError as e:
             raise ValueError(f"PutJson {request.name!r}: not valid JSON ({e})") from None
-        self._writer(request.version, request.part).put_json(request.name, doc)
+        with self._writer(request.version, request.part) as writer:
+            writer.put_json(request.name, doc)
         return pb.PutJsonReply()
 
     @_guard
@@ -282,6 +326,7 @@ class StoreService:
         key = (int(request.version), request.part or "remote")
         with self._lock:
             writer = self._writers.pop(key, None)
+            self._writer_use.pop(key, None)
         if writer is None:
             raise NotFound(f"no open part {key[1]!r} of version {key[0]} on host {self.store.host}")
         try:
@@ -300,6 +345,7 @@ class StoreService:
     def Abort(self, request, context):
         with self._lock:
             for key in [k for k in self._writers if k[0] == request.version]:
+                self._writer_use.pop(key, None)
                 self._writers.pop(key).abort()
         self.store.abort(request.version)
         return pb.AbortReply()
@@ -450,7 +496,8 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
           tls_cert: bytes | None = None, tls_key: bytes | None = None, transformer: Callable | None = None,
           peer_root_certificates: bytes | None = None, max_workers: int = 64,
           data_plane: bool = True, max_streams: int | None = None,
-          stream_idle_s: float = DEFAULT_STREAM_IDLE_S) -> tuple[grpc.Server, int]:
+          stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
+          part_idle_s: float = DEFAULT_PART_IDLE_S) -> tuple[grpc.Server, int]:
     """Start serving ``store``; return (server, bound port). Non-loopback binds need ``token``.
 
     ``data_plane``: also serve large box reads on a plain TCP port of the same
@@ -461,7 +508,8 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
     (TLS when given).
 
     At most ``max_streams`` bulk streams (default: all but 16 of the ``max_workers`` threads) run at once,
-    and one that makes no progress for ``stream_idle_s`` seconds is cancelled (see ``streams``)."""
+    and one that makes no progress for ``stream_idle_s`` seconds is cancelled (see ``streams``). A remote
+    part (WriteShard/PutJson) unused for ``part_idle_s`` seconds without Prepare or Abort is aborted."""
     if bind not in LOOPBACK and not token:
         raise StoreError(f"refusing to serve store {store.root} on {bind} without a token: anything that reaches "
                          f"the port could read and overwrite state. Pass a token (--token-file) or bind 127.0.0.1")
@@ -476,7 +524,7 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
         raise StoreError(f"max_streams ({max_streams}) must leave threads of the {max_workers} for control calls")
     service = StoreService(store, transformer=transformer, token=token,
                            peer_root_certificates=peer_root_certificates,
-                           limits=StreamLimits(max_streams, stream_idle_s))
+                           limits=StreamLimits(max_streams, stream_idle_s), part_idle_s=part_idle_s)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store"),
                          interceptors=[TokenCheck(token)] if token else None,
                          # never share a port with another server (clients would be split between them)

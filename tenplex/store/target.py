@@ -72,7 +72,7 @@ class ShardTarget:
     def _read_block(self, index: int, view: memoryview) -> None:
         offset = self.data_offset + index * self._tally.block_bytes
         while view.nbytes:
-            n = os.preadv(self._fd, [view], offset)
+            n = os.preadv(self._descriptor(), [view], offset)
             if n <= 0:
                 raise StoreError(f"{self.path}: short read of block {index} while checksumming it")
             view, offset = view[n:], offset + n
@@ -96,7 +96,7 @@ class ShardTarget:
             # would kill the process with SIGBUS; posix_fallocate fails with ENOSPC instead.
             first = sum(o * s for o, s in zip(local.offsets, self._strides))
             last = sum((o + n - 1) * s for o, n, s in zip(local.offsets, local.lengths, self._strides))
-            st.reserve_space(self._fd, last + self.itemsize - first, self.data_offset + first)
+            st.reserve_space(self._descriptor(), last + self.itemsize - first, self.data_offset + first)
             array = self._map()
             array[local.slices()] = np.frombuffer(buffer, dtype=array.dtype).reshape(region.lengths)
             starts = np.array([first], np.int64)  # data offset of every run: the outer dims' index grid
@@ -114,21 +114,32 @@ class ShardTarget:
 
     def reserve(self) -> None:
         """Allocate the file's space now (fails early on a full disk); safe while others write."""
-        st.reserve_space(self._fd, self.data_offset + self.box.volume * self.itemsize)
+        st.reserve_space(self._descriptor(), self.data_offset + self.box.volume * self.itemsize)
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
         while view.nbytes:
-            written = os.pwrite(self._fd, view, offset)
+            written = os.pwrite(self._descriptor(), view, offset)
             view, offset = view[written:], offset + written
 
     def finish(self) -> list[str]:
         """fsync and close; return the data's block checksums (``blocks``)."""
         self._array = None
-        os.fsync(self._fd)  # on Linux this also writes pages dirtied through the shared map
+        os.fsync(self._descriptor())  # on Linux this also writes pages dirtied through the shared map
         try:
             return self._tally.digests()
         finally:
             self.close()
+
+    def _descriptor(self) -> int:
+        if self._fd < 0:  # released between writes (see ``release``)
+            self._fd = os.open(self.path, os.O_RDWR)
+        return self._fd
+
+    def release(self) -> None:
+        """Close the file and its map until the next write (a filled shard waiting for ``prepare`` holds no
+        descriptor); what was written stays, and so do the block checksums computed so far."""
+        self._array = None
+        self.close()
 
     def close(self) -> None:
         if self._fd >= 0:
