@@ -22,8 +22,9 @@ besides its own bytes) while the per-block bookkeeping stays negligible
 
 Reads never memory-map a committed file: a file truncated under a map kills the
 process with SIGBUS on the next access. :class:`ShardFile` opens the file for
-each read, checks its size against the manifest and ``pread``s, so a bad file
-fails only its own reads, with a :class:`CorruptShard` that names it.
+each read, checks its size against the manifest and ``pread``s it piece by
+piece through a small buffer, so a bad file fails only its own reads, with a
+:class:`CorruptShard` that names it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import json
 import os
 import struct
 import threading
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import numpy as np
 import xxhash
@@ -41,6 +43,7 @@ from .manifest import CorruptShard, ShardEntry
 
 BLOCK_BYTES = 1 << 20
 _MAX_HEADER = 100 << 20  # safetensors' own limit on a header
+_PIECE = 1 << 20  # reads go through a buffer this big: it stays in the CPU cache between pread, hash and copy
 
 
 def block_digests(data, block_bytes: int = BLOCK_BYTES) -> list[str]:
@@ -58,17 +61,35 @@ class ShardFile:
     """One committed shard file, read with ``pread`` and verified against its manifest row.
 
     ``where`` names the shard in errors (version, host, device, tensor, file).
-    ``opener(name, flags)`` opens a file of the version (relative to the version
-    directory the reader opened, so a replaced version is never read by mistake)."""
+    ``opener(name)`` opens a file of the version (relative to the version
+    directory the reader opened, so a replaced version is never read by mistake).
+
+    Reads go piece by piece (``_PIECE``, small enough to stay in the CPU cache):
+    each piece is ``pread`` straight into the destination (or, at the ragged
+    ends of a range and when the caller only verifies before a ``sendfile``,
+    into a per-thread buffer), then hashed into its block's digest while it is
+    still in cache, so verifying costs little more than the read itself. A row without block checksums counts as one block: the whole shard is
+    verified on the first read through this object, later reads trust it."""
 
     def __init__(self, entry: ShardEntry, opener: Callable[[str], int], where: str):
         self.entry, self._open, self.where = entry, opener, where
         self.data_offset: int | None = None
-        self.whole_verified = False  # rows without blocks: verified once, whole
+        if entry.blocks is None:  # written before block checksums: one block, the whole data
+            self._size, self._blocks = max(entry.nbytes, 1), (entry.xxh3,)
+        else:
+            self._size, self._blocks = entry.block_bytes, entry.blocks
+        self._trusted: set[int] = set()  # legacy rows: block 0 once verified
+        self._scratch = threading.local()
 
     def _fail(self, what: str) -> CorruptShard:
         return CorruptShard(f"{self.where}: {what}; the stored shard is damaged: read it from another replica, or "
                             f"delete this version")
+
+    def _open_file(self) -> int:
+        try:
+            return self._open(self.entry.file)
+        except FileNotFoundError:
+            raise CorruptShard(f"{self.where}: the file is gone (deleted from the committed version)") from None
 
     def _check_size(self, fd: int) -> int:
         """The data offset, after checking the header and that the file holds all of the data."""
@@ -94,109 +115,103 @@ class ShardFile:
             raise self._fail(f"truncated: {size} bytes, the data needs {self.data_offset + self.entry.nbytes}")
         return self.data_offset
 
-    def _pread_into(self, fd: int, view: memoryview, offset: int) -> None:
+    def _piece_buffer(self) -> memoryview:
+        buffer = getattr(self._scratch, "buffer", None)
+        if buffer is None:
+            buffer = self._scratch.buffer = memoryview(bytearray(_PIECE))
+        return buffer
+
+    def _pread(self, fd: int, view: memoryview, offset: int) -> None:
         while view.nbytes:
             n = os.preadv(fd, [view], offset)
             if n <= 0:
                 raise self._fail(f"truncated while reading (ended at data byte {offset - self.data_offset})")
             view, offset = view[n:], offset + n
 
-    def _check(self, index: int, data) -> None:
-        expected = self.entry.blocks[index]
-        actual = f"{xxhash.xxh3_64_intdigest(data):016x}"
-        if actual != expected:
-            start = index * self.entry.block_bytes
-            raise self._fail(f"block {index} (data bytes {start}-{start + len(data)}) has xxh3 {actual}, "
-                             f"the manifest {expected}")
+    def read_into(self, start: int, dest: memoryview | None, length: int | None = None, verified: set | None = None,
+                  digest=None) -> int:
+        """Read data bytes [start, start + length) (``length`` defaults to ``len(dest)``) into ``dest``,
+        verifying every block they touch; return the file offset of ``start``.
 
-    def read_into(self, start: int, dest: memoryview, edges: dict | None = None) -> None:
-        """Fill ``dest`` with data bytes [start, start + len(dest)), verifying every block they touch.
-
-        Whole blocks are read straight into ``dest`` and hashed there; the (at most two) partial blocks at
-        the ends are read whole into a scratch buffer. ``edges`` (a dict the caller keeps for consecutive
-        reads of one shard) remembers verified partial blocks so the next read does not fetch them again."""
-        dest = dest.cast("B") if dest.format != "B" else dest
-        length = dest.nbytes
+        ``dest`` None: only verify (the caller sends the bytes from the file itself). ``digest``: an
+        ``xxhash.xxh3_64`` fed the bytes in order (a frame checksum at no extra pass). ``verified``: a set
+        the caller keeps over consecutive reads of one request; blocks in it are not read outside the
+        range again, and the blocks verified here are added."""
+        if dest is not None:
+            dest = dest.cast("B") if dest.format != "B" else dest
+            length = dest.nbytes
         if not length:
-            return
-        if start < 0 or start + length > self.entry.nbytes:
-            raise ValueError(f"{self.where}: data bytes {start}-{start + length} outside 0-{self.entry.nbytes}")
+            return 0
+        end = start + length
+        if start < 0 or end > self.entry.nbytes:
+            raise ValueError(f"{self.where}: data bytes {start}-{end} outside 0-{self.entry.nbytes}")
         fd = self._open_file()
         try:
-            offset = self._check_size(fd)
-            if self.entry.blocks is None:
-                self._verify_whole(fd, offset)
-                self._pread_into(fd, dest, offset + start)
-                return
-            size = self.entry.block_bytes
-            end = start + length
-            first, last = start // size, (end - 1) // size
-            inner_lo = first if start % size == 0 else first + 1           # first whole block inside dest
-            inner_hi = last if end % size == 0 or end == self.entry.nbytes else last - 1  # last whole one
-            if inner_lo <= inner_hi:
-                lo, hi = inner_lo * size, min((inner_hi + 1) * size, self.entry.nbytes)
-                view = dest[lo - start:hi - start]
-                self._pread_into(fd, view, offset + lo)
-                for index in range(inner_lo, inner_hi + 1):
-                    a = index * size - lo
-                    self._check(index, view[a:a + size])
-            for index in sorted({first, last}):
-                if inner_lo <= index <= inner_hi:
-                    continue
-                block = self._edge(fd, offset, index, edges)
-                lo, hi = max(start, index * size), min(end, (index + 1) * size)
-                dest[lo - start:hi - start] = block[lo - index * size:hi - index * size]
+            return self._scan(fd, start, end, dest, verified, digest)
         finally:
             os.close(fd)
 
-    def _open_file(self) -> int:
+    @contextmanager
+    def verified_range(self, start: int, length: int, verified: set | None = None, digest=None) -> Iterator[int]:
+        """Verify data bytes [start, start + length) (see :meth:`read_into`, without a destination) and yield
+        an open descriptor of the file, to send the range from with ``os.sendfile`` at ``file_offset(start)``."""
+        fd = self._open_file()
         try:
-            return self._open(self.entry.file)
-        except FileNotFoundError:
-            raise CorruptShard(f"{self.where}: the file is gone (deleted from the committed version)") from None
+            self._scan(fd, start, start + length, None, verified, digest)
+            yield fd
+        finally:
+            os.close(fd)
 
-    def _edge(self, fd: int, offset: int, index: int, edges: dict | None) -> memoryview:
-        if edges is not None and index in edges:
-            return edges[index]
-        size = self.entry.block_bytes
-        block = memoryview(bytearray(min(size, self.entry.nbytes - index * size)))
-        self._pread_into(fd, block, offset + index * size)
-        self._check(index, block)
-        if edges is not None:
-            if len(edges) >= 4:
-                edges.pop(next(iter(edges)))
-            edges[index] = block
-        return block
+    def file_offset(self, start: int) -> int:
+        """Where data byte ``start`` lies in the file (after a read or verification found the header)."""
+        return self.data_offset + start
 
-    def _verify_whole(self, fd: int, offset: int) -> None:
-        if self.whole_verified:
-            return
-        digest = xxhash.xxh3_64()
-        buffer = memoryview(bytearray(min(self.entry.nbytes, 16 << 20)))
-        for lo in range(0, self.entry.nbytes, buffer.nbytes):
-            view = buffer[:min(buffer.nbytes, self.entry.nbytes - lo)]
-            self._pread_into(fd, view, offset + lo)
-            digest.update(view)
-        if f"{digest.intdigest():016x}" != self.entry.xxh3:
-            raise self._fail(f"the whole shard has xxh3 {digest.intdigest():016x}, the manifest {self.entry.xxh3} "
-                             f"(a version written without block checksums: verified whole)")
-        self.whole_verified = True
+    def _scan(self, fd: int, start: int, end: int, dest: memoryview | None, verified: set | None, digest) -> int:
+        """Stream data bytes [start, end) through the piece buffer: verify, copy, digest (see read_into)."""
+        verified = self._trusted if self.entry.blocks is None else (set() if verified is None else verified)
+        offset = self._check_size(fd)
+        scratch = self._piece_buffer()
+        size = self._size
+        for index in range(start // size, (end - 1) // size + 1):
+            lo, hi = index * size, min((index + 1) * size, self.entry.nbytes)
+            check = index not in verified
+            if not check:
+                lo, hi = max(lo, start), min(hi, end)  # read only what the caller wants
+            hasher = xxhash.xxh3_64() if check else None
+            for piece in range(lo, hi, _PIECE):
+                piece_end = min(piece + _PIECE, hi)
+                inside = dest is not None and start <= piece and piece_end <= end
+                # a piece the caller wants whole goes straight into its destination, else through the buffer
+                view = dest[piece - start:piece_end - start] if inside else scratch[:piece_end - piece]
+                self._pread(fd, view, offset + piece)
+                if hasher is not None:
+                    hasher.update(view)
+                a, b = max(piece, start), min(piece_end, end)
+                if a < b:
+                    if dest is not None and not inside:
+                        dest[a - start:b - start] = view[a - piece:b - piece]
+                    if digest is not None:
+                        digest.update(view[a - piece:b - piece])
+            if hasher is not None:
+                actual = f"{hasher.intdigest():016x}"
+                if actual != self._blocks[index]:
+                    raise self._fail(self._mismatch(index, actual))
+                verified.add(index)
+        return offset + start
+
+    def _mismatch(self, index: int, actual: str) -> str:
+        if self.entry.blocks is None:
+            return (f"the whole shard has xxh3 {actual}, the manifest {self.entry.xxh3} (a version written "
+                    f"without block checksums: verified whole)")
+        start = index * self._size
+        return (f"block {index} (data bytes {start}-{min(start + self._size, self.entry.nbytes)}) has xxh3 "
+                f"{actual}, the manifest {self._blocks[index]}")
 
     def verify(self) -> str | None:
         """Check every byte of the shard; a description of the first problem, or None."""
+        self._trusted.clear()
         try:
-            if self.entry.blocks is None:
-                fd = self._open_file()
-                try:
-                    self.whole_verified = False
-                    self._verify_whole(fd, self._check_size(fd))
-                finally:
-                    os.close(fd)
-                return None
-            step = self.entry.block_bytes * 16
-            buffer = memoryview(bytearray(min(step, self.entry.nbytes)))
-            for lo in range(0, self.entry.nbytes, step):
-                self.read_into(lo, buffer[:min(step, self.entry.nbytes - lo)])
+            self.read_into(0, None, self.entry.nbytes)
         except (CorruptShard, OSError) as e:
             return str(e)
         return None

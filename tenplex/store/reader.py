@@ -111,7 +111,7 @@ class VersionReader:
                          f"(stored: {', '.join(str(e.box) for e in candidates)}) in version {self.version}")
 
     @staticmethod
-    def _span(entry: ShardEntry, box: Box) -> tuple[int, int, tuple[int, ...]]:
+    def byte_span(entry: ShardEntry, box: Box) -> tuple[int, int, tuple[int, ...]]:
         """(first data byte, bytes up to the last element, byte strides) of region ``box`` in ``entry``'s file."""
         strides, step = [], itemsize(entry.dtype)
         for n in reversed(entry.box.lengths):
@@ -123,17 +123,22 @@ class VersionReader:
         span = sum((n - 1) * s for n, s in zip(local.lengths, strides)) + itemsize(entry.dtype)
         return start, span, tuple(strides)
 
-    def region(self, entry: ShardEntry, box: Box, edges: dict | None = None) -> np.ndarray:
+    def shard_file(self, entry: ShardEntry) -> ShardFile:
+        """The verified reader of one stored shard (for callers that stream or ``sendfile`` its bytes)."""
+        return self._files[entry.file]
+
+    def region(self, entry: ShardEntry, box: Box, verified: set | None = None, digest=None) -> np.ndarray:
         """The region ``box`` (global coordinates, inside ``entry.box``) of a stored shard, read and verified.
 
         Reads the bytes from the region's first to its last element (just the region when it is
-        contiguous in the file) and checks every block they touch. ``edges``: see ``ShardFile.read_into``."""
+        contiguous in the file) and checks every block they touch. ``verified`` and ``digest`` (fed the
+        bytes read, in order): see ``ShardFile.read_into``."""
         dtype = np.dtype(numpy_storage(entry.dtype))
         if box.is_empty():
             return np.empty(box.lengths, dtype)
-        start, span, strides = self._span(entry, box)
+        start, span, strides = self.byte_span(entry, box)
         buffer = np.empty(span, np.uint8)
-        self._files[entry.file].read_into(start, memoryview(buffer), edges)
+        self._files[entry.file].read_into(start, memoryview(buffer), verified=verified, digest=digest)
         return np.ndarray(box.lengths, dtype=dtype, buffer=buffer, strides=strides)
 
     def array(self, entry: ShardEntry) -> np.ndarray:
@@ -156,7 +161,7 @@ class VersionReader:
                              f"{box.volume * itemsize(entry.dtype)}")
         if box.is_empty():
             return
-        start, span, _ = self._span(entry, box)
+        start, span, _ = self.byte_span(entry, box)
         if span == dest.nbytes:
             self._files[entry.file].read_into(start, dest)
             return
