@@ -1,7 +1,7 @@
 """Reading a committed version: manifest, verified shard regions, JSON documents, layouts.
 
 May import: numpy, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``, ``tenplex.layout``, this
-package's ``blocks`` and ``manifest``, and the standard library.
+package's ``manifest`` and ``shardfile``, and the standard library.
 
 A reader holds its version directory open (a directory descriptor) and opens
 every file relative to it, so it reads exactly the version it opened: after a
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .blocks import ShardFile
+from .shardfile import ShardFile
 from .manifest import LAYOUT_DOC, MANIFEST_FORMAT, NotFound, OutOfRange, ShardEntry
 from ..box import Box
 from ..dtypes import itemsize, numpy_storage

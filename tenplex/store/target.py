@@ -1,7 +1,7 @@
 """A new shard file being filled region by region.
 
-May import: numpy, xxhash, ``tenplex.box``,
-``tenplex.dtypes``, ``tenplex.errors``, ``_safetensors`` and the standard library.
+May import: numpy, xxhash, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``, this package's
+``_safetensors`` and ``blocks``, and the standard library.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Staging one part of a version: shard files, JSON documents, prepare (durable), commit.
 
 May import: numpy, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``,
-``tenplex.layout``, this package's ``_safetensors``, ``manifest`` and ``target``,
+``tenplex.layout``, this package's ``_safetensors``, ``blocks``, ``manifest`` and ``target``,
 and the standard library.
 """
 
