@@ -10,11 +10,13 @@ corrupted data. gRPC failures surface as :class:`RemoteStoreError`, which
 carries the status code and names the store address.
 
 Box reads of at least ``data_plane_min_bytes`` go over the server's bulk data
-plane (``dataplane``: plain TCP, pread and verified on the server, recv_into
-the destination here) when the server advertises one and TLS is off; everything
-else, every box read of a TLS client, and a read for which no data connection
-could be opened (refused, or dropped by a flooded server) uses gRPC. Both paths verify every
-frame or chunk and re-fetch corrupted pieces the same way.
+plane (``dataplane``: plain TCP, verified and sendfile'd on the server,
+recv_into the destination here) when the server advertises one and TLS is
+off; everything else, every box read of a TLS client, and a read for which no
+data connection could be opened (refused, or dropped by a flooded server) uses
+gRPC. Both paths verify every frame or chunk and re-fetch corrupted pieces the
+same way. A store whose stored bytes fail their block checksums answers
+DATA_LOSS, which is never retried here: read another replica.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ from typing import Iterator
 
 from ..box import Box
 from ..errors import StoreError
-from .manifest import MANIFEST_FORMAT, AlreadyCommitted, InvalidArgument, NotFound, ShardEntry, check_name, fsync_dir, write_json_durable
+from .manifest import (MANIFEST_FORMAT, AlreadyCommitted, InvalidArgument, NotFound, ShardEntry, check_name, fsync_dir,
+                       write_json_durable)
 from .reader import VersionReader
 from .writer import VersionWriter
 

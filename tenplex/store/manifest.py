@@ -48,8 +48,8 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 def check_name(kind: str, name: str) -> str:
     if not isinstance(name, str) or not NAME_PATTERN.match(name):
-        raise InvalidArgument(f"{kind} name {_shorten(name)} is not a simple identifier (letters, digits, '_', '.', '-'; "
-                              f"not starting with '.' or '-'; at most 128 characters)")
+        raise InvalidArgument(f"{kind} name {_shorten(name)} is not a simple identifier (letters, digits, '_', '.', "
+                              f"'-'; not starting with '.' or '-'; at most 128 characters)")
     return name
 
 

@@ -37,8 +37,9 @@ class ShardFile:
     each piece is ``pread`` straight into the destination (or, at the ragged
     ends of a range and when the caller only verifies before a ``sendfile``,
     into a per-thread buffer), then hashed into its block's digest while it is
-    still in cache, so verifying costs little more than the read itself. A row without block checksums counts as one block: the whole shard is
-    verified on the first read through this object, later reads trust it."""
+    still in cache: verifying adds one hash of cached data to the read. A row
+    without block checksums counts as one block: the whole shard is verified on
+    the first read through this object, later reads trust it."""
 
     def __init__(self, entry: ShardEntry, opener: Callable[[str], int], where: str):
         self.entry, self._open, self.where = entry, opener, where
