@@ -45,7 +45,7 @@ under ``<root>/datasets/``) and ``transform`` (this host's part of a plan).
 ``wire`` holds the chunking, chunk framing and channel options both ends use.
 ``dataplane`` is the bulk data plane beside gRPC: each server also listens on a
 plain TCP port (advertised in ``Health.data_port``) where large box reads
-travel as checksummed frames, verified and sendfile'd from the shard file and received
+travel as checksummed frames, read and verified from the shard file and received
 straight into the destination; same token (HMAC of a nonce), off with TLS.
 """
 

@@ -10,7 +10,7 @@ corrupted data. gRPC failures surface as :class:`RemoteStoreError`, which
 carries the status code and names the store address.
 
 Box reads of at least ``data_plane_min_bytes`` go over the server's bulk data
-plane (``dataplane``: plain TCP, verified and sendfile'd on the server,
+plane (``dataplane``: plain TCP, verified on the server,
 recv_into the destination here) when the server advertises one and TLS is
 off; everything else, every box read of a TLS client, and a read for which no
 data connection could be opened (refused, or dropped by a flooded server) uses

@@ -6,10 +6,12 @@ store server hands in what it needs (a reader lookup and an error describer).
 
 Why: Python gRPC copies every byte about three times per side, which caps a
 pull near 0.4-0.6 GB/s where one TCP socket moves about 2 GB/s. Here the
-server verifies each frame's stored blocks and computes the frame checksum in
-one pass (``tenplex.store.blocks``), then ``sendfile``s a contiguous run
-straight from the safetensors file, and the client ``recv_into``s straight
-into the destination memory (or a reused buffer).
+server reads each frame (at most one 1 MiB checksum block) into a reused
+buffer, verifies the stored block checksums and computes the frame checksum in
+the same pass while the bytes are in the CPU cache (``tenplex.store.shardfile``),
+and sends it; the client ``recv_into``s straight into the destination memory
+(or a reused buffer). It does not ``sendfile`` from the shard: the bytes that
+leave must be the bytes that were verified.
 
 Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
 
@@ -18,7 +20,8 @@ Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
    "tensor": T, "box": {"offsets": [...], "lengths": [...]}, "frame_bytes": F}``.
    ``auth`` is hex HMAC-SHA256(token, nonce) when the server has a token (the
    token itself never crosses the wire); a wrong one closes the connection.
-3. server -> client: ``{"ok": true, "itemsize": S, "frame_bytes": F}`` then one
+3. server -> client: ``{"ok": true, "itemsize": S, "frame_bytes": F}`` (F is
+   the request's, capped at 1 MiB) then one
    frame per sub-box of ``wire.split_box(box, S, F)`` in that order, each
    [u64 payload length][u64 xxh3_64 of payload][payload: C-order bytes]; or
    ``{"ok": false, "code": STATUS, "message": ...}`` (unknown version, box
@@ -55,6 +58,7 @@ from ..box import Box
 from ..errors import StoreError
 from ..dtypes import itemsize
 from . import _hooks, wire
+from .blocks import BLOCK_BYTES
 from .manifest import CorruptShard
 
 log = logging.getLogger(__name__)
@@ -259,8 +263,9 @@ class DataServer:
             reader = self._reader_of(int(request["version"]))
             entry = reader.find(str(request["device"]), str(request["tensor"]), box)
             size = itemsize(entry.dtype)
-            frame_bytes = max(4096, min(int(request.get("frame_bytes") or wire.DEFAULT_CHUNK_BYTES),
-                                        wire.MAX_CHUNK_BYTES))
+            # Frames of at most one checksum block: each is read, verified, checksummed and sent while it is
+            # in the CPU cache, and the client receives the first bytes while the rest is still being read.
+            frame_bytes = max(4096, min(int(request.get("frame_bytes") or wire.DEFAULT_CHUNK_BYTES), BLOCK_BYTES))
             verified: set = set()  # blocks checked by this reply: consecutive frames do not check them again
             frames = [(sub, *reader.byte_span(entry, sub)[:2]) for sub in wire.split_box(box, size, frame_bytes)]
             # the first frame's blocks are checked before answering "ok": most damage gets a plain error reply
@@ -289,13 +294,13 @@ class DataServer:
 
     @staticmethod
     def _send_run(conn: socket.socket, shard, start: int, length: int, verified: set) -> None:
-        """A frame that is one run of the shard file: verified and checksummed in one pass, then sent from
-        the file by the kernel (``sendfile``); a file cut short meanwhile ends the connection."""
+        """A frame that is one run of the shard file: read, verified and checksummed in one pass through a
+        per-thread buffer, then sent from it."""
+        buffer = _frame_buffer(length)
         digest = xxhash.xxh3_64()
-        with shard.verified_range(start, length, verified, digest) as fd, open(fd, "rb", closefd=False) as file:
-            conn.sendall(_FRAME.pack(length, digest.intdigest()))
-            if conn.sendfile(file, shard.file_offset(start), length) != length:  # page cache -> socket
-                raise ConnectionError(f"{shard.where}: the file ended while sending it")
+        shard.read_into(start, buffer, verified=verified, digest=digest)
+        conn.sendall(_FRAME.pack(length, digest.intdigest()))
+        conn.sendall(buffer)
 
     def _send_frame(self, conn: socket.socket, data: np.ndarray) -> None:
         payload = memoryview(data.reshape(-1)).cast("B") if data.size else memoryview(b"")
@@ -306,6 +311,17 @@ class DataServer:
         else:
             conn.sendall(header)
             conn.sendall(payload)
+
+
+_buffers = threading.local()
+
+
+def _frame_buffer(nbytes: int) -> memoryview:
+    """A reused buffer of this thread for one frame (frames are at most one block)."""
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _buffers.buffer = memoryview(bytearray(max(nbytes, BLOCK_BYTES)))
+    return buffer[:nbytes]
 
 
 # ---------------------------------------------------------------- client --

@@ -124,7 +124,7 @@ class VersionReader:
         return start, span, tuple(strides)
 
     def shard_file(self, entry: ShardEntry) -> ShardFile:
-        """The verified reader of one stored shard (for callers that stream or ``sendfile`` its bytes)."""
+        """The verified reader of one stored shard (for callers that stream its bytes)."""
         return self._files[entry.file]
 
     def region(self, entry: ShardEntry, box: Box, verified: set | None = None, digest=None) -> np.ndarray:

@@ -251,10 +251,13 @@ class StoreService:
         """Chunks of region ``box`` of a stored shard; every block they come from is verified first, and a
         chunk that is one run of the file gets its checksum in the same pass."""
         verified: set = set()  # blocks checked by this call: consecutive chunks do not check them again
+        buffer = None  # one buffer for every chunk: encode_with_data copies each out of it
         for sub in wire.split_box(box, itemsize(entry.dtype), chunk_bytes):
             start, span, _ = reader.byte_span(entry, sub)
             if span == sub.volume * itemsize(entry.dtype) and sub.volume:
-                view = memoryview(np.empty(span, np.uint8))
+                if buffer is None or buffer.nbytes < span:
+                    buffer = memoryview(np.empty(span, np.uint8))
+                view = buffer[:span]
                 digest = xxhash.xxh3_64()
                 reader.shard_file(entry).read_into(start, view, verified=verified, digest=digest)
                 digest = digest.intdigest()

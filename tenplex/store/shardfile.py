@@ -15,8 +15,7 @@ import json
 import os
 import struct
 import threading
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 import xxhash
 
@@ -35,8 +34,8 @@ class ShardFile:
 
     Reads go piece by piece (``_PIECE``, small enough to stay in the CPU cache):
     each piece is ``pread`` straight into the destination (or, at the ragged
-    ends of a range and when the caller only verifies before a ``sendfile``,
-    into a per-thread buffer), then hashed into its block's digest while it is
+    ends of a range and when the caller only verifies, into a per-thread
+    buffer), then hashed into its block's digest while it is
     still in cache: verifying adds one hash of cached data to the read. A row
     without block checksums counts as one block: the whole shard is verified on
     the first read through this object, later reads trust it."""
@@ -103,7 +102,7 @@ class ShardFile:
         """Read data bytes [start, start + length) (``length`` defaults to ``len(dest)``) into ``dest``,
         verifying every block they touch; return the file offset of ``start``.
 
-        ``dest`` None: only verify (the caller sends the bytes from the file itself). ``digest``: an
+        ``dest`` None: only verify. ``digest``: an
         ``xxhash.xxh3_64`` fed the bytes in order (a frame checksum at no extra pass). ``verified``: a set
         the caller keeps over consecutive reads of one request; blocks in it are not read outside the
         range again, and the blocks verified here are added."""
@@ -120,21 +119,6 @@ class ShardFile:
             return self._scan(fd, start, end, dest, verified, digest)
         finally:
             os.close(fd)
-
-    @contextmanager
-    def verified_range(self, start: int, length: int, verified: set | None = None, digest=None) -> Iterator[int]:
-        """Verify data bytes [start, start + length) (see :meth:`read_into`, without a destination) and yield
-        an open descriptor of the file, to send the range from with ``os.sendfile`` at ``file_offset(start)``."""
-        fd = self._open_file()
-        try:
-            self._scan(fd, start, start + length, None, verified, digest)
-            yield fd
-        finally:
-            os.close(fd)
-
-    def file_offset(self, start: int) -> int:
-        """Where data byte ``start`` lies in the file (after a read or verification found the header)."""
-        return self.data_offset + start
 
     def _scan(self, fd: int, start: int, end: int, dest: memoryview | None, verified: set | None, digest) -> int:
         """Stream data bytes [start, end) through the piece buffer: verify, copy, digest (see read_into)."""
