@@ -21,10 +21,9 @@ import xxhash
 from tenplex.box import Box
 from tenplex.store import Store, wire
 from tenplex.store._proto import store_pb2 as pb
-from tenplex.store._safetensors import read_header
 from tenplex.store.client import RemoteStoreError, StoreClient
 
-from store_helpers import StoreProcess
+from store_helpers import StoreProcess, flip_data_byte
 
 BIG = (768, 1024)  # float32, 3 MiB: three checksum blocks
 SMALL = (10, 7)
@@ -113,19 +112,10 @@ def _code(call) -> grpc.StatusCode:
     return code, details
 
 
-def _flip(path, data_byte: int) -> None:
-    offset, _ = read_header(path)
-    with open(path, "r+b") as f:
-        f.seek(offset + data_byte)
-        b = f.read(1)
-        f.seek(offset + data_byte)
-        f.write(bytes([b[0] ^ 0x40]))
-
-
 # ---------------------------------------------------------------------------------- on-disk faults --
 def flipped_bit(s: Served):
     v, _ = s.victim()
-    _flip(s.shard_file(v), 2 * (1 << 20) + 17)
+    flip_data_byte(s.shard_file(v), 2 * (1 << 20) + 17, mask=0x40)
     for client in (s.grpc, s.data):
         code, details = _code(lambda: client.read_box(v, "h0/0", "big", Box((0, 0), BIG), "float32"))
         assert code == grpc.StatusCode.DATA_LOSS and "block 2" in details
@@ -133,7 +123,7 @@ def flipped_bit(s: Served):
 
 def flipped_bit_in_small_shard(s: Served):
     v, _ = s.victim()
-    _flip(s.shard_file(v, "h0/1"), 3)
+    flip_data_byte(s.shard_file(v, "h0/1"), 3, mask=0x40)
     code, details = _code(lambda: s.grpc.read_box(v, "h0/1", "small", Box((0, 0), SMALL), "bfloat16"))
     assert code == grpc.StatusCode.DATA_LOSS and "'small'" in details
 

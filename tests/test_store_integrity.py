@@ -19,7 +19,8 @@ from tenplex.store.client import RemoteStoreError, StoreClient
 from tenplex.store.manifest import CorruptShard
 from tenplex.transform import transform
 
-from store_helpers import Cluster, StoreProcess, assert_version_matches, random_globals, tiny_layout, write_version
+from store_helpers import (Cluster, StoreProcess, assert_version_matches, flip_data_byte, random_globals, tiny_layout,
+                           write_version)
 
 ROWS, COLS = 768, 1024  # float32: 3 MiB, three 1 MiB blocks; one row is 4 KiB
 BLOCK_ROWS = BLOCK_BYTES // (COLS * 4)
@@ -38,17 +39,9 @@ def _write(store: Store, version: int, data: np.ndarray) -> None:
 
 def _flip(store: Store, version: int, data_byte: int) -> str:
     """Flip one byte of the stored data of h0/0's shard of ``w`` (``data_byte`` counts from the data start)."""
-    from tenplex.store._safetensors import read_header
-
     reader = store.open(version)
     entry = reader.find("h0/0", "w", Box((0, 0), (1, 1)))
-    path = reader.path / entry.file
-    offset, _ = read_header(path)
-    with open(path, "r+b") as f:
-        f.seek(offset + data_byte)
-        byte = f.read(1)
-        f.seek(offset + data_byte)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_data_byte(reader.path / entry.file, data_byte)
     return entry.file
 
 
@@ -160,16 +153,8 @@ def _replicated():
 
 
 def _corrupt_shard(root, host: str, version: int, data_byte: int) -> None:
-    from tenplex.store._safetensors import read_header
-
     reader = Store(root, host).open(version)
-    path = reader.path / reader.entries[0].file
-    offset, _ = read_header(path)
-    with open(path, "r+b") as f:
-        f.seek(offset + data_byte)
-        byte = f.read(1)
-        f.seek(offset + data_byte)
-        f.write(bytes([byte[0] ^ 1]))
+    flip_data_byte(reader.path / reader.entries[0].file, data_byte, mask=1)
 
 
 def test_transform_never_launders_corruption_and_falls_back_to_a_replica(tmp_path):
