@@ -321,7 +321,7 @@ def test_concurrent_identical_transforms_fail_cleanly_or_succeed_once(tmp_path):
             for error in errors:
                 text = str(error)
                 assert "INTERNAL" not in text and "FileExistsError" not in text and "FileNotFound" not in text, text
-                assert all(("ABORTED" in cause or "ALREADY_EXISTS" in cause) for cause in error.failures.values()), \
+                assert all(("ABORTED" in str(cause) or "ALREADY_EXISTS" in str(cause)) for cause in error.failures.values()), \
                     text
                 assert "another transformation" in text, text
                 if new_version in committed[0]:

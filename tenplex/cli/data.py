@@ -13,6 +13,7 @@ import numpy as np
 
 from ..dataset import DatasetState, open_dataset, pack, upcoming_batches, write_state_file
 from ..dataset.pack import DEFAULT_FILE_BYTES
+from ..errors import UsageError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -77,7 +78,7 @@ def _pack(args: argparse.Namespace) -> int:
         try:
             np.dtype(args.dtype)
         except TypeError:
-            raise ValueError(f"--dtype {args.dtype!r} is not a numpy dtype name; use e.g. uint16 or int32") from None
+            raise UsageError(f"--dtype {args.dtype!r} is not a numpy dtype name; use e.g. uint16 or int32") from None
     info = pack(args.source, args.output, seq_len=args.seq_len, dtype=args.dtype, file_bytes=args.file_bytes,
                 quiet=args.quiet)
     print(f"packed {info.num_samples} samples ({info.kind}) into {len(info.files)} record file(s) in "

@@ -141,7 +141,7 @@ def _check_tls_pair(cert: Path, key: Path) -> None:
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
     except ssl.SSLError as e:
-        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its matching private "
+        raise UsageError(f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its matching private "
                          f"key ({e.reason or e})") from None
 
 
