@@ -9,6 +9,8 @@ import argparse
 import dataclasses
 import json
 
+import numpy as np
+
 from ..dataset import DatasetState, open_dataset, pack, plan_steps, write_state_file
 from ..dataset.pack import DEFAULT_FILE_BYTES
 
@@ -61,6 +63,11 @@ def _state_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _pack(args: argparse.Namespace) -> int:
+    if args.dtype is not None:
+        try:
+            np.dtype(args.dtype)
+        except TypeError:
+            raise ValueError(f"--dtype {args.dtype!r} is not a numpy dtype name; use e.g. uint16 or int32") from None
     info = pack(args.source, args.output, seq_len=args.seq_len, dtype=args.dtype, file_bytes=args.file_bytes,
                 quiet=args.quiet)
     print(f"packed {info.num_samples} samples ({info.kind}) into {len(info.files)} record file(s) in "

@@ -38,7 +38,7 @@ from ..errors import TenplexError
 from .hosts import Hosts
 from .launch import place, run_job
 
-SEQ, VOCAB = 8, 37  # the example GPT's defaults (examples/01-gpt-train/gpt.py, GPTConfig)
+SEQ, VOCAB, HEADS = 8, 37, 4  # the example GPT's defaults (examples/01-gpt-train/gpt.py, GPTConfig)
 CLI = "import sys; from tenplex.cli import main; sys.exit(main())"
 LOSS_RTOL = 1e-4   # elastic vs reference: different reduction orders, compounded over the steps by AdamW
 
@@ -59,6 +59,14 @@ def degrees(parallel: str) -> dict[str, int]:
     """``"tp=2,dp=2"`` -> {"dp": 2, "tp": 2, "pp": 1} (other keys, such as fsdp, are the worker's business)."""
     given = {k.strip(): int(v) for k, _, v in (item.partition("=") for item in parallel.split(",") if item)}
     return {k: given.get(k, 1) for k in ("dp", "tp", "pp")}
+
+
+def check_parallel(flag: str, parallel: str) -> None:
+    """Refuse, before any worker starts, a tensor parallelism the example GPT cannot be split into."""
+    tp = degrees(parallel)["tp"]
+    if tp < 1 or HEADS % tp:
+        raise ValueError(f"{flag} {parallel}: tp={tp} must divide the example GPT's {HEADS} attention heads; "
+                         f"use tp=1, 2 or 4")
 
 
 def world_of(parallel: str) -> int:

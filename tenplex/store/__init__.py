@@ -47,11 +47,12 @@ straight into the destination; same token (HMAC of a nonce), off with TLS.
 
 from ..errors import StoreError
 from .local import Store
-from .manifest import LAYOUT_DOC, MANIFEST_FORMAT, NotFound, OutOfRange, ShardEntry
+from .manifest import (LAYOUT_DOC, MANIFEST_FORMAT, AlreadyCommitted, Conflict, CorruptShard, NotFound, OutOfRange,
+                       ShardEntry)
 from .reader import VersionReader, layout_from_manifests
 from .target import ShardTarget, checksum
 from .writer import VersionWriter
 
 __all__ = ["Store", "VersionWriter", "VersionReader", "ShardEntry", "ShardTarget", "StoreError", "NotFound",
-           "OutOfRange", "checksum",
+           "OutOfRange", "CorruptShard", "AlreadyCommitted", "Conflict", "checksum",
            "layout_from_manifests", "MANIFEST_FORMAT", "LAYOUT_DOC"]

@@ -10,9 +10,10 @@ corrupted data. gRPC failures surface as :class:`RemoteStoreError`, which
 carries the status code and names the store address.
 
 Box reads of at least ``data_plane_min_bytes`` go over the server's bulk data
-plane (``dataplane``: plain TCP, sendfile on the server, recv_into the
-destination here) when the server advertises one and TLS is off; everything
-else, and every box read of a TLS client, uses gRPC. Both paths verify every
+plane (``dataplane``: plain TCP, pread and verified on the server, recv_into
+the destination here) when the server advertises one and TLS is off; everything
+else, every box read of a TLS client, and a read for which no data connection
+could be opened (refused, or dropped by a flooded server) uses gRPC. Both paths verify every
 frame or chunk and re-fetch corrupted pieces the same way.
 """
 
@@ -30,7 +31,7 @@ from ..box import Box
 from ..dtypes import numpy_storage
 from ..errors import StoreError
 from . import wire
-from .dataplane import DataPlaneError, DataPool
+from .dataplane import DataPlaneError, DataPlaneUnreachable, DataPool
 from ._proto import store_pb2 as pb
 from ._proto import store_pb2_grpc as pb_grpc
 
@@ -173,11 +174,12 @@ class StoreClient:
         while pending:
             bad: list[Box] = []
             for region in pending:
+                got = None
                 if pool is not None:
-                    total += self._data_box(pool, version, device, tensor, region, itemsize, sink, out, out_box,
-                                            bad)
-                else:
-                    total += self._stream_box(version, device, tensor, region, itemsize, sink, bad)
+                    got = self._data_box(pool, version, device, tensor, region, itemsize, sink, out, out_box, bad)
+                if got is None:  # no data plane, or it could not be reached: gRPC
+                    got = self._stream_box(version, device, tensor, region, itemsize, sink, bad)
+                total += got
             if bad:
                 attempts += 1
                 if attempts > self.retries:
@@ -197,11 +199,14 @@ class StoreClient:
         return self._read_region(version, device, tensor, box, out.itemsize, sink, out, box)
 
     def _data_box(self, pool: DataPool, version, device, tensor, region: Box, itemsize: int, sink,
-                  out: np.ndarray | None, out_box: Box, bad: list) -> int:
-        """Read ``region`` over the data plane: frames land in ``out`` directly when given, else go to ``sink``."""
+                  out: np.ndarray | None, out_box: Box, bad: list) -> int | None:
+        """Read ``region`` over the data plane: frames land in ``out`` directly when given, else go to ``sink``.
+        None when no data connection could be opened (a flooded or restarted data plane): read over gRPC."""
         try:
             got, corrupted = pool.read(version, device, tensor, region, itemsize, self.chunk_bytes, sink=sink,
                                        out=out, out_box=out_box)
+        except DataPlaneUnreachable:
+            return None
         except DataPlaneError as e:
             code = getattr(grpc.StatusCode, e.code, grpc.StatusCode.UNKNOWN)
             raise RemoteStoreError(f"store {self.address}: data-plane read ({version}, {device}, {tensor!r}, "

@@ -1,14 +1,15 @@
 """The bulk data plane: large box reads between hosts over plain TCP, beside gRPC.
 
-May import: numpy, xxhash, ``tenplex.box``, ``tenplex.errors``, this package's
-``_safetensors``, ``_hooks`` and ``wire``, and the standard library. No grpc: the
+May import: numpy, xxhash, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``, this package's
+``_hooks`` and ``wire``, and the standard library. No grpc: the
 store server hands in what it needs (a reader lookup and an error describer).
 
 Why: Python gRPC copies every byte about three times per side, which caps a
 pull near 0.4-0.6 GB/s where one TCP socket moves about 2 GB/s. Here the
-server ``sendfile``s contiguous runs straight from the safetensors file and
-the client ``recv_into``s straight into the destination memory (or a reused
-buffer), so each byte is copied once by the kernel per side.
+server ``pread``s each frame's bytes (verifying the stored block checksums,
+``tenplex.store.blocks``) and sends them, and the client ``recv_into``s
+straight into the destination memory (or a reused buffer). The server does not
+``sendfile`` from the shard: bytes must be checked before they leave.
 
 Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
 
@@ -22,7 +23,9 @@ Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
    [u64 payload length][u64 xxh3_64 of payload][payload: C-order bytes]; or
    ``{"ok": false, "code": STATUS, "message": ...}`` (unknown version, box
    outside the tensor...; the connection stays usable unless the error was
-   about the protocol or the token).
+   about the protocol or the token). A stored block found corrupted after
+   "ok" ends the reply with an error frame: length 2^64-1, checksum 0, then
+   the same ``{"ok": false, ...}`` message (``DATA_LOSS``).
 
 The client verifies every frame and reports corrupted sub-boxes, which the
 caller fetches again (``StoreClient.read_box_to``): never silent corruption.
@@ -42,6 +45,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -49,14 +53,18 @@ import xxhash
 
 from ..box import Box
 from ..errors import StoreError
-from . import _hooks, _safetensors as st, wire
+from ..dtypes import itemsize
+from . import _hooks, wire
 
 log = logging.getLogger(__name__)
 PROTOCOL = 1
 _LEN = struct.Struct("<I")
 _FRAME = struct.Struct("<QQ")  # payload length, xxh3_64
+_ERROR_FRAME = (1 << 64) - 1  # a frame "length" announcing an error message instead of a payload
 _MAX_JSON = 1 << 20
-_IDLE_S = 3600.0  # a pooled connection waiting for its next request
+_IDLE_S = 600.0  # a pooled connection waiting for its next request (dropped sooner when connections run out)
+HANDSHAKE_S = 10.0  # a new connection must send its first (authenticated) request within this
+MAX_CONNECTIONS = 256
 _SEND_TIMEOUT_S = 300.0  # a client that stops reading
 
 
@@ -66,6 +74,13 @@ class DataPlaneError(StoreError):
     def __init__(self, message: str, code: str):
         super().__init__(message)
         self.code = code
+
+
+class DataPlaneUnreachable(DataPlaneError):
+    """No data connection could be opened (refused, or closed before the hello): the client reads over gRPC."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "UNAVAILABLE")
 
 
 def auth_digest(token: str, nonce: str) -> str:
@@ -105,21 +120,37 @@ class DataServer:
     """Serves boxes of committed versions on a plain TCP port; one thread per connection.
 
     ``reader_of(version)`` returns the VersionReader; ``describe(exc)`` returns
-    (status code name, message) for an error frame."""
+    (status code name, message) for an error frame.
+
+    Hostile clients: a connection must send its first request (which carries
+    the token's HMAC) within ``handshake_s`` seconds or it is closed. At most
+    ``max_connections`` are open at once; a new one then replaces the oldest
+    idle connection (one waiting for a request), or is closed at once when
+    every connection is busy sending. The accept loop survives its own errors
+    (e.g. no thread can be started: that connection is closed, the client
+    falls back to gRPC)."""
 
     def __init__(self, bind: str, reader_of: Callable, describe: Callable[[BaseException], tuple[str, str]],
-                 token: str | None = None, port: int = 0):
+                 token: str | None = None, port: int = 0, handshake_s: float = HANDSHAKE_S,
+                 max_connections: int = MAX_CONNECTIONS):
         self._reader_of, self._describe, self._token = reader_of, describe, token
+        self._handshake_s, self._max_connections = handshake_s, max_connections
         self._hooks = _hooks.from_environment()
         host = bind.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=64)
         self.port = self._listener.getsockname()[1]
         self._closed = False
+        self._conns: dict[socket.socket, list] = {}  # connection -> [idle since (None: busy), ...]
+        self._lock = threading.Lock()
         threading.Thread(target=self._accept, name="data-accept", daemon=True).start()
 
     def close(self) -> None:
         self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        except OSError:
+            pass
         self._listener.close()
 
     def _accept(self) -> None:
@@ -127,41 +158,87 @@ class DataServer:
             try:
                 conn, peer = self._listener.accept()
             except OSError:
-                return  # closed
-            log.info("data connection from %s:%s", peer[0], peer[1])
-            threading.Thread(target=self._serve, args=(conn,), name="data-conn", daemon=True).start()
+                if self._closed:
+                    return
+                time.sleep(0.05)  # e.g. EMFILE: out of descriptors; try again
+                continue
+            try:
+                self._admit(conn, peer)
+            except Exception as e:  # noqa: BLE001 - e.g. "can't start new thread": drop this one, keep accepting
+                log.warning("data connection from %s dropped: %s", peer[0], e)
+                self._forget(conn)
+                conn.close()
+
+    def _admit(self, conn: socket.socket, peer) -> None:
+        with self._lock:
+            if len(self._conns) >= self._max_connections:
+                idle = [(since, c) for c, (since,) in self._conns.items() if since is not None]
+                if not idle:
+                    log.warning("data connection from %s refused: %d connections, all busy", peer[0],
+                                len(self._conns))
+                    conn.close()
+                    return
+                victim = min(idle, key=lambda item: item[0])[1]
+                del self._conns[victim]
+                try:
+                    victim.shutdown(socket.SHUT_RDWR)  # its thread sees the end of the stream and exits
+                except OSError:
+                    pass
+            self._conns[conn] = [time.monotonic()]
+        log.debug("data connection from %s:%s", peer[0], peer[1])
+        threading.Thread(target=self._serve, args=(conn,), name="data-conn", daemon=True).start()
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.pop(conn, None)
+
+    def _mark(self, conn: socket.socket, idle: bool) -> None:
+        with self._lock:
+            state = self._conns.get(conn)
+            if state is not None:
+                state[0] = time.monotonic() if idle else None
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            nonce = secrets.token_hex(16)
-            expected = auth_digest(self._token, nonce) if self._token else None
-            try:
+        try:
+            with conn:
+                self._converse(conn)
+        finally:
+            self._forget(conn)
+
+    def _converse(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = secrets.token_hex(16)
+        expected = auth_digest(self._token, nonce) if self._token else None
+        try:
+            conn.settimeout(_SEND_TIMEOUT_S)
+            _send_json(conn, {"tenplex_data": PROTOCOL, "nonce": nonce, "auth": expected is not None})
+            wait = self._handshake_s  # the first request (and its token) must come soon
+            while True:
+                conn.settimeout(wait)
+                try:
+                    request = _recv_json(conn)
+                except ConnectionError:
+                    return  # the client is done with this connection
+                except ValueError as e:
+                    _send_json(conn, {"ok": False, "code": "INVALID_ARGUMENT",
+                                      "message": f"malformed data-plane request: {e}"})
+                    return
+                self._mark(conn, idle=False)
                 conn.settimeout(_SEND_TIMEOUT_S)
-                _send_json(conn, {"tenplex_data": PROTOCOL, "nonce": nonce, "auth": expected is not None})
-                while True:
-                    conn.settimeout(_IDLE_S)
-                    try:
-                        request = _recv_json(conn)
-                    except ConnectionError:
-                        return  # the client is done with this connection
-                    except ValueError as e:
-                        _send_json(conn, {"ok": False, "code": "INVALID_ARGUMENT",
-                                          "message": f"malformed data-plane request: {e}"})
-                        return
-                    conn.settimeout(_SEND_TIMEOUT_S)
-                    if request.get("v") != PROTOCOL:
-                        _send_json(conn, {"ok": False, "code": "INVALID_ARGUMENT",
-                                          "message": f"data-plane protocol version {request.get('v')!r} is not "
-                                                     f"supported; this store speaks version {PROTOCOL}"})
-                        return
-                    if expected is not None and not hmac.compare_digest(str(request.get("auth", "")), expected):
-                        _send_json(conn, {"ok": False, "code": "UNAUTHENTICATED",
-                                          "message": "missing or wrong store token on the data connection"})
-                        return
-                    self._answer(conn, request)
-            except OSError as e:  # client gone or stalled: nothing to report to
-                log.debug("data connection ended: %s", e)
+                if request.get("v") != PROTOCOL:
+                    _send_json(conn, {"ok": False, "code": "INVALID_ARGUMENT",
+                                      "message": f"data-plane protocol version {request.get('v')!r} is not "
+                                                 f"supported; this store speaks version {PROTOCOL}"})
+                    return
+                if expected is not None and not hmac.compare_digest(str(request.get("auth", "")), expected):
+                    _send_json(conn, {"ok": False, "code": "UNAUTHENTICATED",
+                                      "message": "missing or wrong store token on the data connection"})
+                    return
+                self._answer(conn, request)
+                self._mark(conn, idle=True)
+                wait = _IDLE_S
+        except OSError as e:  # client gone, stalled or silent: nothing to report to
+            log.debug("data connection ended: %s", e)
 
     def _answer(self, conn: socket.socket, request: dict) -> None:
         try:
@@ -169,11 +246,13 @@ class DataServer:
                       tuple(int(x) for x in request["box"]["lengths"]))
             reader = self._reader_of(int(request["version"]))
             entry = reader.find(str(request["device"]), str(request["tensor"]), box)
-            array = reader.array(entry)
+            size = itemsize(entry.dtype)
             frame_bytes = max(4096, min(int(request.get("frame_bytes") or wire.DEFAULT_CHUNK_BYTES),
                                         wire.MAX_CHUNK_BYTES))
-            data_offset, _ = st.read_header(reader.path / entry.file) if array.size else (0, None)
-            file = open(reader.path / entry.file, "rb") if array.size else None
+            frames = wire.split_box(box, size, frame_bytes)
+            edges: dict = {}  # verified partial blocks shared by consecutive frames
+            sub = next(frames)
+            data = reader.region(entry, sub, edges)  # read (and verified) before answering "ok"
         except Exception as e:  # noqa: BLE001 - reported to the client, the connection stays usable
             if isinstance(e, (KeyError, TypeError)):
                 e = ValueError(f"malformed data-plane request ({type(e).__name__}: {e}); expected version, "
@@ -181,27 +260,27 @@ class DataServer:
             code, message = self._describe(e)
             _send_json(conn, {"ok": False, "code": code, "message": message})
             return
-        try:
-            _send_json(conn, {"ok": True, "itemsize": array.itemsize, "frame_bytes": frame_bytes})
-            base = array.ctypes.data if array.size else 0
-            for sub in wire.split_box(box, array.itemsize, frame_bytes):
-                view = array[sub.local(entry.box).slices()]
-                self._send_frame(conn, file, view, data_offset + (view.ctypes.data - base if view.size else 0))
-        finally:
-            if file is not None:
-                file.close()
+        _send_json(conn, {"ok": True, "itemsize": size, "frame_bytes": frame_bytes})
+        while sub is not None:
+            self._send_frame(conn, data)
+            sub = next(frames, None)
+            if sub is None:
+                return
+            try:
+                data = reader.region(entry, sub, edges)
+            except Exception as e:  # noqa: BLE001 - e.g. a corrupted block further on: an error frame
+                code, message = self._describe(e)
+                conn.sendall(_FRAME.pack(_ERROR_FRAME, 0))
+                _send_json(conn, {"ok": False, "code": code, "message": message})
+                return
 
-    def _send_frame(self, conn: socket.socket, file, view: np.ndarray, file_offset: int) -> None:
-        contiguous = view.flags.c_contiguous
-        data = view if contiguous else np.ascontiguousarray(view)
+    def _send_frame(self, conn: socket.socket, data: np.ndarray) -> None:
+        data = np.ascontiguousarray(data)
         payload = memoryview(data.reshape(-1)).cast("B") if data.size else memoryview(b"")
         digest = xxhash.xxh3_64_intdigest(payload)
         header = _FRAME.pack(payload.nbytes, digest)
         if self._hooks is not None and self._hooks.next_chunk():
             conn.sendall(header + _hooks.damaged(payload))
-        elif contiguous and payload.nbytes:
-            conn.sendall(header)
-            conn.sendfile(file, file_offset, payload.nbytes)  # page cache -> socket, no user-space copy
         else:
             conn.sendall(header)
             conn.sendall(payload)
@@ -225,7 +304,7 @@ class DataConnection:
                 raise DataPlaneError(f"data plane {self.where} did not answer within {timeout}s",
                                      "DEADLINE_EXCEEDED") from None
             if isinstance(e, (OSError, ValueError)):
-                raise DataPlaneError(f"data plane {self.where} unreachable: {e}", "UNAVAILABLE") from None
+                raise DataPlaneUnreachable(f"data plane {self.where} unreachable: {e}") from None
             raise
         self._sock = sock
         if hello.get("tenplex_data") != PROTOCOL:
@@ -258,6 +337,9 @@ class DataConnection:
         for sub in wire.split_box(region, itemsize, int(reply["frame_bytes"])):
             _recv_exact(self._sock, memoryview(head))
             nbytes, digest = _FRAME.unpack(head)
+            if nbytes == _ERROR_FRAME:
+                reply = _recv_json(self._sock)
+                raise DataPlaneError(str(reply.get("message", "unknown error")), str(reply.get("code", "UNKNOWN")))
             if nbytes != sub.volume * itemsize:
                 raise DataPlaneError(f"data plane {self.where} sent a {nbytes}-byte frame for {sub} "
                                      f"({sub.volume * itemsize} bytes)", "INTERNAL")

@@ -33,7 +33,7 @@ from typing import Iterator
 
 from ..box import Box
 from ..errors import StoreError
-from .manifest import MANIFEST_FORMAT, NotFound, ShardEntry, check_name, fsync_dir, write_json_durable
+from .manifest import MANIFEST_FORMAT, AlreadyCommitted, NotFound, ShardEntry, check_name, fsync_dir, write_json_durable
 from .reader import VersionReader
 from .writer import VersionWriter
 
@@ -65,7 +65,11 @@ class Store:
         if not (path / "manifest.json").is_file():
             raise NotFound(f"store {self.root} (host {self.host}) has no committed version {version}; "
                            f"committed versions: {self.versions() or 'none'}")
-        return VersionReader(path)
+        try:
+            return VersionReader(path)
+        except FileNotFoundError:  # deleted meanwhile
+            raise NotFound(f"store {self.root} (host {self.host}): version {version} was deleted while opening it; "
+                           f"committed versions: {self.versions() or 'none'}") from None
 
     # ---- writing -------------------------------------------------------
     def begin(self, version: int, part: str | None = None) -> "VersionWriter":
@@ -75,7 +79,7 @@ class Store:
         if version < 0:
             raise StoreError(f"version must be a non-negative integer, got {version}")
         if (self.root / "versions" / str(version)).exists():
-            raise StoreError(f"version {version} is already committed in store {self.root}; "
+            raise AlreadyCommitted(f"version {version} is already committed in store {self.root}; "
                              f"write a higher version (latest is {self.latest()})")
         part = check_name("part", part or f"p{os.getpid()}-{uuid.uuid4().hex[:8]}")
         return VersionWriter(self, version, part)
@@ -97,7 +101,7 @@ class Store:
         with self._locked():
             target = self.root / "versions" / str(version)
             if target.exists():
-                raise StoreError(f"version {version} is already committed in store {self.root}")
+                raise AlreadyCommitted(f"version {version} is already committed in store {self.root}")
             prepared = self.staged_parts(version)
             if parts is not None:
                 missing = sorted(set(parts) - set(prepared))

@@ -14,6 +14,7 @@ import numpy as np
 import xxhash
 
 from . import _safetensors as st
+from .blocks import block_digests
 from ..box import Box
 from ..dtypes import itemsize
 from ..errors import StoreError
@@ -69,6 +70,11 @@ class ShardTarget:
             inner -= 1
         run = local.lengths[inner] * self._strides[inner] if self.box.ndim else self.itemsize
         if run < self._MIN_RUN:
+            # Allocate the span first: a store of a sparse file through a memory map on a full disk
+            # would kill the process with SIGBUS; posix_fallocate fails with ENOSPC instead.
+            first = sum(o * s for o, s in zip(local.offsets, self._strides))
+            last = sum((o + n - 1) * s for o, n, s in zip(local.offsets, local.lengths, self._strides))
+            st.reserve_space(self._fd, last + self.itemsize - first, self.data_offset + first)
             storage = np.frombuffer(buffer, dtype=self.array.dtype).reshape(region.lengths)
             self.array[local.slices()] = storage
             return
@@ -87,13 +93,13 @@ class ShardTarget:
             written = os.pwrite(self._fd, view, offset)
             view, offset = view[written:], offset + written
 
-    def finish(self) -> str:
-        """fsync and close; return the data's checksum."""
+    def finish(self) -> list[str]:
+        """fsync and close; return the data's block checksums (``blocks``)."""
         self._array = None
         os.fsync(self._fd)  # on Linux this also writes pages dirtied through the shared map
         self.close()
         data = st.map_array(self.path, self.data_offset, self.dtype, self.box.lengths)
-        return checksum(memoryview(np.ascontiguousarray(data).reshape(-1)).cast("B")) if data.size else checksum(b"")
+        return block_digests(memoryview(np.ascontiguousarray(data).reshape(-1)).cast("B")) if data.size else []
 
     def close(self) -> None:
         if self._fd >= 0:

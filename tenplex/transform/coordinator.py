@@ -69,6 +69,7 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
                for h, a in stores.items()}
     results: dict[str, pb.TransformProgress] = {}
     failures: dict[str, str] = {}
+    conflicts: set[str] = set()  # hosts where another transformation holds or committed new_version
     lock = threading.Lock()
 
     def run(host: str) -> None:
@@ -91,6 +92,8 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
         except Exception as e:  # noqa: BLE001 - collected and reported for every host
             with lock:
                 failures[host] = str(e)
+                if _conflict(e):
+                    conflicts.add(host)
 
     try:
         threads = [threading.Thread(target=run, args=(h,), name=f"transform-{h}") for h in destinations]
@@ -103,9 +106,9 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
                 before_commit()
             except Exception as e:  # noqa: BLE001
                 failures["coordinator"] = f"before_commit hook failed: {e}"
-        if failures:
-            _abort(clients, destinations, new_version, failures)
-            raise TransformError(_summary("prepare", old_version, new_version, failures), failures)
+        if failures:  # what another transformation staged or committed is its own: left alone
+            _abort(clients, [h for h in destinations if h not in conflicts], new_version, failures)
+            raise TransformError(_summary("prepare", old_version, new_version, failures, conflicts), failures)
         committed = []
         for host in destinations:
             try:
@@ -113,14 +116,17 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
                 committed.append(host)
             except Exception as e:  # noqa: BLE001
                 failures[host] = str(e)
+                if _conflict(e):
+                    conflicts.add(host)
         if failures:
             for host in committed:  # nobody can have used the new version yet: take it back
                 try:
                     clients[host].delete(new_version)
                 except Exception as e:  # noqa: BLE001
                     failures[host] = f"committed, and could not be rolled back: {e}"
-            _abort(clients, [h for h in destinations if h not in committed], new_version, failures)
-            raise TransformError(_summary("commit", old_version, new_version, failures), failures)
+            _abort(clients, [h for h in destinations if h not in committed and h not in conflicts], new_version,
+                   failures)
+            raise TransformError(_summary("commit", old_version, new_version, failures, conflicts), failures)
     finally:
         for client in clients.values():
             client.close()
@@ -139,8 +145,17 @@ def _abort(clients: dict[str, StoreClient], hosts: list[str], version: int, fail
                 failures[host] = f"abort failed (staged data stays invisible until gc): {e}"
 
 
-def _summary(phase: str, old_version: int, new_version: int, failures: dict[str, str]) -> str:
+def _conflict(error: Exception) -> bool:
+    """A store refused because another transformation runs to, or already committed, the same version."""
+    return getattr(getattr(error, "code", None), "name", None) in ("ABORTED", "ALREADY_EXISTS")
+
+
+def _summary(phase: str, old_version: int, new_version: int, failures: dict[str, str],
+             conflicts: set[str] = frozenset()) -> str:
+    outcome = f"{new_version} was not committed" if not conflicts else \
+        (f"another transformation is writing or already committed version {new_version} on "
+         f"{', '.join(sorted(conflicts))}; this one left that alone and committed nothing")
     lines = [f"transformation {old_version} -> {new_version} failed in the {phase} phase on "
-             f"{len(failures)} host(s); version {old_version} is unchanged and {new_version} was not committed:"]
+             f"{len(failures)} host(s); version {old_version} is unchanged; {outcome}:"]
     lines += [f"  {host}: {cause}" for host, cause in sorted(failures.items())]
     return "\n".join(lines)

@@ -42,7 +42,7 @@ from ..devices import host_of
 from ..errors import StoreError, TransformError
 from ..layout import Layout, from_dict as layout_from_dict
 from ..transfer_plan import Transfer, plan_from_dict
-from ..store import LAYOUT_DOC, ShardTarget, Store, VersionReader, wire
+from ..store import LAYOUT_DOC, CorruptShard, ShardEntry, ShardTarget, Store, VersionReader, wire
 from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient
 
@@ -171,8 +171,16 @@ class _Sources:
         self.client(source_host).read_box_to(self.version, device, tensor, box, target.itemsize, target.write)
 
     def _mark_failed(self, host: str, error: Exception) -> None:
+        if _damaged_shard(error):
+            return  # one stored shard failed its checksums: its host still serves the others
         with self._lock:
             self.failed.setdefault(host, str(error))
+
+
+def _damaged_shard(error: Exception) -> bool:
+    """A source shard whose stored bytes failed verification (here or on its store server)."""
+    code = getattr(error, "code", None)
+    return isinstance(error, CorruptShard) or getattr(code, "name", None) == "DATA_LOSS"
 
 
 def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable[[pb.TransformProgress], None],
@@ -239,7 +247,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
                 progress(counters.message())
 
     targets: dict[tuple[str, str, Box], ShardTarget] = {}
-    linked: dict[tuple[str, str, Box], np.ndarray] = {}  # fan-out sources that were hard-linked
+    linked: dict[tuple[str, str, Box], ShardEntry] = {}  # fan-out sources that were hard-linked
     jobs: list[Callable[[], None]] = []
     fan_out: list[tuple[Transfer, tuple]] = []
     small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = {}  # source host -> small remote regions
@@ -254,7 +262,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
         linkable = _linkable(host, fills, box, reader)
         if linkable is not None:
             writer.link(device, reader, linkable)
-            linked[key] = reader.array(linkable)
+            linked[key] = linkable
             advance(box.volume * spec.itemsize, "linked")
             continue
         # Space is reserved by the first jobs (below) so allocation overlaps the first pulls.
@@ -286,8 +294,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
     for t, key in fan_out:
         if cancelled.is_set():
             raise TransformError(f"host {host}: transformation cancelled")
-        source_key, source = _containing(targets, linked, t.src, t.tensor, t.box)
-        targets[key].write(t.box, source[t.box.local(source_key[2]).slices()])
+        targets[key].write(t.box, _new_region(targets, linked, reader, t.src, t.tensor, t.box))
         advance(t.box.volume * new.tensors[t.tensor].itemsize, "local")
     with counters.lock:
         progress(counters.message())
@@ -347,14 +354,15 @@ def _linkable(host: str, fills: list[Transfer], box: Box, reader: VersionReader 
     return entry if entry.box == box else None
 
 
-def _containing(targets: dict, linked: dict, device: str, tensor: str, box: Box):
-    """(new shard key, its array) of ``device``'s new shard of ``tensor`` that contains ``box``."""
+def _new_region(targets: dict, linked: dict, reader: VersionReader | None, device: str, tensor: str,
+                box: Box) -> np.ndarray:
+    """Region ``box`` of ``device``'s new shard of ``tensor`` (staged here, or hard-linked and read verified)."""
     for key, target in targets.items():
         if key[0] == device and key[1] == tensor and key[2].contains(box):
-            return key, target.array
-    for key, array in linked.items():
+            return target.array[box.local(key[2]).slices()]
+    for key, entry in linked.items():
         if key[0] == device and key[1] == tensor and key[2].contains(box):
-            return key, array
+            return reader.region(entry, box)
     raise TransformError(f"plan fans out {tensor!r} {box} from {device}'s new shards, but this host stages no such "
                          f"shard; the plan does not match the new layout")
 
