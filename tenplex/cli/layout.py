@@ -1,18 +1,17 @@
 """``tenplex layout``: write the layout of a built-in model under a parallel configuration.
 
-May import: ``tenplex.gpt``, ``tenplex.ptc``, ``tenplex.parallel``, ``tenplex.files``,
+May import: ``tenplex.gpt``, ``tenplex.ptc``, ``tenplex.parallel``, ``tenplex.files``, ``tenplex.dtypes``,
 ``tenplex.errors`` and the standard library.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from ..dtypes import ITEMSIZE
 from ..errors import ConfigError
-from ..files import save_layout
+from ..files import dumps, save_layout
 from ..gpt import gpt
 from ..parallel import SHARDING_MODES, ParallelConfig, parse_degrees
 from ..ptc import layout
@@ -66,8 +65,8 @@ def run(args: argparse.Namespace) -> int:
               optimizer=args.optimizer, tied=args.tied, gated=args.gated, vocab_pad_multiple=args.vocab_pad_multiple)
     result = layout(ptc, config)
     if args.output is None:
-        json.dump(result.to_dict(), sys.stdout, separators=(",", ":"))
-        print()
+        sys.stdout.flush()
+        sys.stdout.buffer.write(dumps(result.to_dict()) + b"\n")
         return 0
     save_layout(result, args.output)
     boxes = sum(len(shards) for shards in result.devices.values())
