@@ -20,6 +20,10 @@ Order of work, per new shard of this host's devices:
 3. ``"from": "new"`` regions (the local fan-out) are copied in plan order
    from new shards that step 2 filled.
 
+A shard that no fan-out writes into is finished (fsynced and checksummed)
+by the pull thread that wrote its last region, so the hashing overlaps the
+other pulls instead of running serially in ``prepare``.
+
 A region whose source fails (host down, timeout, corrupted data after
 retries, missing version) is fetched again from the other replicas the old
 layout lists, this host's own first; only when no replica covers it does the
@@ -183,6 +187,30 @@ def _damaged_shard(error: Exception) -> bool:
     return isinstance(error, CorruptShard) or getattr(code, "name", None) == "DATA_LOSS"
 
 
+class _Completion:
+    """Counts the pieces still to land in each new shard; the thread that writes a shard's last piece finishes it."""
+
+    def __init__(self) -> None:
+        self._left: dict[ShardTarget, int] = {}
+        self._lock = threading.Lock()
+
+    def expect(self, target: ShardTarget) -> None:
+        self._left[target] = self._left.get(target, 0) + 1
+
+    def exclude(self, target: ShardTarget) -> None:
+        """A shard that more writes (the fan-out) reach after the pulls: ``prepare`` finishes it."""
+        self._left.pop(target, None)
+
+    def landed(self, target: ShardTarget) -> None:
+        with self._lock:
+            left = self._left.get(target)
+            if left is None:
+                return
+            self._left[target] = left - 1
+        if left == 1:
+            target.finish()
+
+
 def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable[[pb.TransformProgress], None],
                   cancelled: threading.Event | None = None, token: str | None = None,
                   root_certificates: bytes | None = None) -> pb.TransformProgress:
@@ -252,6 +280,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
     fan_out: list[tuple[Transfer, tuple]] = []
     small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = {}  # source host -> small remote regions
     reserves: list[Callable[[], None]] = []
+    completion = _Completion()
     for key, fills in by_shard.items():
         device, tensor, box = key
         spec = new.tensors[tensor]
@@ -275,12 +304,15 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
                 continue
             kind = "kept" if t.kept else ("local" if host_of(t.src) == host else "remote")
             for piece in wire.split_box(t.box, spec.itemsize, PIECE_BYTES):
+                completion.expect(target)
                 if kind == "remote" and piece.volume * spec.itemsize < SMALL_BYTES:
                     small.setdefault(host_of(t.src), []).append((t.src, t.tensor, piece, target))
                 else:
-                    jobs.append(_job(sources, t, piece, target, kind, advance, cancelled))
+                    jobs.append(_job(sources, t, piece, target, kind, advance, cancelled, completion))
+    for _, key in fan_out:
+        completion.exclude(targets[key])
     for items in small.values():
-        jobs.extend(_batch_job(sources, batch, advance, cancelled) for batch in _batches(items))
+        jobs.extend(_batch_job(sources, batch, advance, cancelled, completion) for batch in _batches(items))
     with ThreadPoolExecutor(max_workers=max(1, streams), thread_name_prefix=f"pull-{host}") as pool:
         running = [pool.submit(job) for job in (*reserves, *jobs)]
         done, _ = wait(running, return_when=FIRST_EXCEPTION)
@@ -300,7 +332,8 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
         progress(counters.message())
 
 
-def _job(sources: _Sources, t: Transfer, piece: Box, target: ShardTarget, kind: str, advance, cancelled):
+def _job(sources: _Sources, t: Transfer, piece: Box, target: ShardTarget, kind: str, advance, cancelled,
+         completion: _Completion):
     def run() -> None:
         if cancelled.is_set():
             return
@@ -310,6 +343,7 @@ def _job(sources: _Sources, t: Transfer, piece: Box, target: ShardTarget, kind: 
             advance(refetched, "refetched")
         if nbytes > refetched:
             advance(nbytes - refetched, kind)
+        completion.landed(target)
     return run
 
 
@@ -326,7 +360,7 @@ def _batches(items: list) -> Iterator[list]:
         yield batch
 
 
-def _batch_job(sources: _Sources, batch: list, advance, cancelled):
+def _batch_job(sources: _Sources, batch: list, advance, cancelled, completion: _Completion):
     def run() -> None:
         if cancelled.is_set():
             return
@@ -336,6 +370,7 @@ def _batch_job(sources: _Sources, batch: list, advance, cancelled):
                 advance(refetched, "refetched")
             if nbytes > refetched:
                 advance(nbytes - refetched, "remote")
+            completion.landed(target)
     return run
 
 
