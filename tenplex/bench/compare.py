@@ -29,8 +29,10 @@ and read from the checkpoint directory, which a cluster keeps on shared
 storage), the plan's ``inter_host_lower_bound``, per host the bytes ``sent`` /
 ``received`` between hosts and ``read`` / ``written`` on its filesystem, and
 the peak RSS (``VmHWM``) of every process: the store servers, or DCP's ranks,
-which hold the training state. ``raw_socket_file_gbps`` (one TCP socket from a
-file into a fresh file on the stores' filesystem) is measured in the same run.
+which hold the training state. Baselines measured at the start and the end of
+the same run (the mean is reported): ``raw_socket_file_gbps``, one TCP socket
+from a file into a fresh file on the stores' filesystem, and
+``fresh_file_write_gbps``, writing such a file in one process.
 ``--verify`` checks every new shard bit for bit; ``--quick`` is a tiny model
 that checks the command works.
 """
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..parallel import ParallelConfig
     from ..planner import plan
     from ..ptc import layout
-    from .transfer import socket_file_seconds
+    from .transfer import _fresh_file_seconds, socket_file_seconds
 
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
@@ -109,7 +111,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="tenplex-compare-", dir=base_dir) as tmp:
         tmp = Path(tmp)
         baseline = min(BASELINE_BYTES, max(1 << 20, old.total_bytes()))
-        file_gbps = baseline / socket_file_seconds(tmp, baseline) / 1e9
+        # the baselines at the start and at the end: on a shared machine the load drifts during the run
+        file_gbps = [baseline / socket_file_seconds(tmp, baseline) / 1e9]
+        write_gbps = [baseline / _fresh_file_seconds(tmp, baseline) / 1e9]
         # Method by method, so that tmpfs holds one method's copies of the state at a time.
         if {"tenplex", "centralised"} & set(methods):
             from .gpt_state import write_version
@@ -124,6 +128,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         for method, where in (("dcp_tmpfs", tmp), ("dcp_disk", args.disk)):
             if method in methods:
                 rows.update(_run_dcp_method(method, where, tmp, old, news, verify))
+        file_gbps.append(baseline / socket_file_seconds(tmp, baseline) / 1e9)
+        write_gbps.append(baseline / _fresh_file_seconds(tmp, baseline) / 1e9)
     results = []
     load = [round(x, 2) for x in os.getloadavg()]
     for name, new in news.items():
@@ -135,7 +141,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                             "inter_host_lower_bound": stats.inter_host_lower_bound,
                             "peak_rss_bytes": max(row["peak_rss"].values()), **row,
                             "from": base[0], "state_bytes": old.total_bytes(), "target_bytes": stats.target_bytes,
-                            "raw_socket_file_gbps": round(file_gbps, 3), "cpus": os.cpu_count(),
+                            "raw_socket_file_gbps": round(sum(file_gbps) / 2, 3),
+                            "raw_socket_file_gbps_start_end": [round(x, 3) for x in file_gbps],
+                            "fresh_file_write_gbps": round(sum(write_gbps) / 2, 3), "cpus": os.cpu_count(),
                             "load_average": load})
     for row in results:
         tenplex = next((r for r in results if r["change"] == row["change"] and r["method"] == "tenplex"), None)
