@@ -308,7 +308,7 @@ def table(results: list[dict]) -> str:
     if not results:
         return "no results"
     first = results[0]
-    lines = [f"state {first['state_bytes'] / 1e9:.2f} GB from {first['from']}; raw socket -> file "
+    lines = [f"state {first['state_bytes'] / 1e9:.3g} GB from {first['from']}; raw socket -> file "
              f"{first['raw_socket_file_gbps']} GB/s; load average {first['load_average']}",
              f"{'change':<18} {'method':<12} {'seconds':>8} {'x tenplex':>9} {'inter-host GB':>13} "
              f"{'lower bound GB':>14} {'peak RSS GB':>11}"]
