@@ -84,6 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    from ..errors import ConfigError
     from ..gpt import gpt
     from ..parallel import ParallelConfig
     from ..planner import plan
@@ -96,7 +97,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     base, changes = (QUICK_BASE, QUICK_CHANGES) if args.quick else (BASE, CHANGES)
     if args.changes:
-        changes = [changes[int(i) - 1] for i in args.changes.split(",")]
+        picked = [i.strip() for i in args.changes.split(",") if i.strip()]
+        if not all(i.isdigit() and 1 <= int(i) <= len(changes) for i in picked):
+            raise ConfigError(f"--changes {args.changes!r} should be comma-separated numbers from 1 to {len(changes)}")
+        changes = [changes[int(i) - 1] for i in picked]
     shape = QUICK_MODEL if args.quick else {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab")}
     verify = args.verify or args.quick
     model = gpt(**shape, optimizer="adam")
@@ -108,6 +112,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     news = {name: make(*config) for name, *config in changes}
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
     rows: dict[tuple[str, str], dict] = {}
+    load_start = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="tenplex-compare-", dir=base_dir) as tmp:
         tmp = Path(tmp)
         baseline = min(BASELINE_BYTES, max(1 << 20, old.total_bytes()))
@@ -144,7 +149,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                             "raw_socket_file_gbps": round(sum(file_gbps) / 2, 3),
                             "raw_socket_file_gbps_start_end": [round(x, 3) for x in file_gbps],
                             "fresh_file_write_gbps": round(sum(write_gbps) / 2, 3), "cpus": os.cpu_count(),
-                            "load_average": load})
+                            "load_average_start": load_start, "load_average": load})
     for row in results:
         tenplex = next((r for r in results if r["change"] == row["change"] and r["method"] == "tenplex"), None)
         if tenplex is not None:
