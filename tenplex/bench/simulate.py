@@ -242,6 +242,6 @@ def validate(path: Path) -> list[dict]:
         modelled = seconds(old, new, Cluster(rate, math.inf, rate, math.inf, local))[f"{measured['method']}_s"]
         rows.append({"model": f"compare: {old.total_bytes() / 1e9:.2f} GB GPT+Adam", "change": measured["change"],
                      "method": measured["method"], "measured_s": measured["seconds"], "modelled_s": round(modelled, 4),
-                     "measured_over_modelled": round(measured["seconds"] / max(modelled, 1e-12), 2),
+                     "measured_over_modelled": round(measured["seconds"] / modelled, 2) if modelled else None,
                      "link_gbps": rate, "fabric_gbps": rate, "local_fabric_gbps": local})
     return rows
