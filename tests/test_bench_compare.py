@@ -31,7 +31,7 @@ def test_bench_compare_quick_runs_every_method_and_checks_the_new_state(tmp_path
     cli = "import sys; from tenplex.cli import main; sys.exit(main())"
     png = tmp_path / "compare.png"
     proc = subprocess.run([sys.executable, "-c", cli, "bench", "compare", "--quick", "--json", "--dir", str(tmp_path),
-                           "--disk", str(tmp_path), "--plot", str(png)], capture_output=True, text=True, timeout=300)
+                           "--disk", str(tmp_path), "--plot", str(png)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.strip().splitlines()]
     assert [r["method"] for r in rows] == list(METHODS)

@@ -243,5 +243,8 @@ def test_bench_transfer_reports_both_paths_and_baselines():
     assert done.returncode == 0, done.stderr
     row = json.loads(done.stdout)
     assert row["path"] == "dataplane" and row["bytes"] == 8 << 20
-    for key in ("tenplex_gbps", "grpc_gbps", "raw_socket_gbps", "memcpy_gbps", "tenplex_pull_gbps", "grpc_pull_gbps"):
+    for key in ("tenplex_gbps", "grpc_gbps", "raw_socket_gbps", "memcpy_gbps", "tenplex_pull_gbps", "grpc_pull_gbps",
+                "raw_socket_file_gbps"):
         assert row[key] > 0, key
+    assert row["tenplex_vs_file_ratio"] == round(row["tenplex_gbps"] / row["raw_socket_file_gbps"], 3) or \
+        abs(row["tenplex_vs_file_ratio"] - row["tenplex_gbps"] / row["raw_socket_file_gbps"]) < 0.01

@@ -29,8 +29,10 @@ and read from the checkpoint directory, which a cluster keeps on shared
 storage), the plan's ``inter_host_lower_bound``, per host the bytes ``sent`` /
 ``received`` between hosts and ``read`` / ``written`` on its filesystem, and
 the peak RSS (``VmHWM``) of every process: the store servers, or DCP's ranks,
-which hold the training state. ``raw_socket_file_gbps`` (one TCP socket from a
-file into a fresh file on the stores' filesystem) is measured in the same run.
+which hold the training state. Baselines measured at the start and the end of
+the same run (the mean is reported): ``raw_socket_file_gbps``, one TCP socket
+from a file into a fresh file on the stores' filesystem, and
+``fresh_file_write_gbps``, writing such a file in one process.
 ``--verify`` checks every new shard bit for bit; ``--quick`` is a tiny model
 that checks the command works. With ``--link-mbit N`` the store methods run on
 hosts with links of their own and report what the links carried
@@ -87,12 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    from ..errors import ConfigError
     from ..gpt import gpt
     from ..parallel import ParallelConfig
     from ..planner import plan
     from ..ptc import layout
     from .compare_linked import link_speedups, run_store_method
-    from .transfer import socket_file_seconds
+    from .transfer import _fresh_file_seconds, socket_file_seconds
 
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
@@ -100,7 +103,10 @@ def run(args: argparse.Namespace) -> list[dict]:
         raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     base, changes = (QUICK_BASE, QUICK_CHANGES) if args.quick else (BASE, CHANGES)
     if args.changes:
-        changes = [changes[int(i) - 1] for i in args.changes.split(",")]
+        picked = [i.strip() for i in args.changes.split(",") if i.strip()]
+        if not all(i.isdigit() and 1 <= int(i) <= len(changes) for i in picked):
+            raise ConfigError(f"--changes {args.changes!r} should be comma-separated numbers from 1 to {len(changes)}")
+        changes = [changes[int(i) - 1] for i in picked]
     shape = QUICK_MODEL if args.quick else {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab")}
     verify = args.verify or args.quick
     model = gpt(**shape, optimizer="adam")
@@ -112,10 +118,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     news = {name: make(*config) for name, *config in changes}
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
     rows: dict[tuple[str, str], dict] = {}
+    load_start = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="tenplex-compare-", dir=base_dir) as tmp_name:
         tmp = Path(tmp_name)
         baseline = min(BASELINE_BYTES, max(1 << 20, old.total_bytes()))
-        file_gbps = baseline / socket_file_seconds(tmp, baseline) / 1e9
+        # the baselines at the start and at the end: on a shared machine the load drifts during the run
+        file_gbps = [baseline / socket_file_seconds(tmp, baseline) / 1e9]
+        write_gbps = [baseline / _fresh_file_seconds(tmp, baseline) / 1e9]
         # Method by method, so that tmpfs holds one method's copies of the state at a time.
         if {"tenplex", "centralised"} & set(methods):
             from .gpt_state import write_version
@@ -133,6 +142,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         for method, where in (("dcp_tmpfs", tmp), ("dcp_disk", args.disk)):
             if method in methods:
                 rows.update(_run_dcp_method(method, where, tmp, old, news, verify))
+        file_gbps.append(baseline / socket_file_seconds(tmp, baseline) / 1e9)
+        write_gbps.append(baseline / _fresh_file_seconds(tmp, baseline) / 1e9)
     results = []
     load = [round(x, 2) for x in os.getloadavg()]
     for name, new in news.items():
@@ -144,8 +155,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                             "inter_host_lower_bound": stats.inter_host_lower_bound,
                             "peak_rss_bytes": max(row["peak_rss"].values()), **row,
                             "from": base[0], "state_bytes": old.total_bytes(), "target_bytes": stats.target_bytes,
-                            "raw_socket_file_gbps": round(file_gbps, 3), "cpus": os.cpu_count(),
-                            "load_average": load})
+                            "raw_socket_file_gbps": round(sum(file_gbps) / 2, 3),
+                            "raw_socket_file_gbps_start_end": [round(x, 3) for x in file_gbps],
+                            "fresh_file_write_gbps": round(sum(write_gbps) / 2, 3), "cpus": os.cpu_count(),
+                            "load_average_start": load_start, "load_average": load})
     for row in results:
         tenplex = next((r for r in results if r["change"] == row["change"] and r["method"] == "tenplex"), None)
         if tenplex is not None:
@@ -303,7 +316,7 @@ def table(results: list[dict]) -> str:
     if not results:
         return "no results"
     first = results[0]
-    lines = [f"state {first['state_bytes'] / 1e9:.2f} GB from {first['from']}; raw socket -> file "
+    lines = [f"state {first['state_bytes'] / 1e9:.3g} GB from {first['from']}; raw socket -> file "
              f"{first['raw_socket_file_gbps']} GB/s; load average {first['load_average']}",
              f"{'change':<18} {'method':<12} {'seconds':>8} {'x tenplex':>9} {'inter-host GB':>13} "
              f"{'lower bound GB':>14} {'peak RSS GB':>11}"]

@@ -1,7 +1,7 @@
 """The DCP side of ``tenplex bench compare``: ``dcp.save`` under one layout, ``dcp.load`` with resharding under another.
 
 May import: torch, numpy, ``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``,
-``tenplex.files``, this package's ``gpt_state`` and the standard library.
+``tenplex.files``, this package's ``gpt_state`` and ``restore`` and the standard library.
 
 One process per device of the layout, one real gloo process group
 (``python -m tenplex.bench.compare_dcp SPEC RANK``; rank r is the r-th device
@@ -126,6 +126,8 @@ def _worker(spec_path: str, rank: int) -> None:
     state = {name: _sharded(name, layout.tensors[name].shape, held, rank, len(layout.devices), fill=saving)
              for name, held in sorted(boxes.items())}
     if not saving and rank == 0 and spec.get("drop_cache"):
+        from .restore import _drop_page_cache  # as bench restore does: the disk load reads the disk
+
         _drop_page_cache(Path(spec["checkpoint"]))
     dist.barrier()
     before = _io()
@@ -151,15 +153,6 @@ def _worker(spec_path: str, rank: int) -> None:
     Path(spec["result_dir"], f"result-{rank}.json").write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _drop_page_cache(directory: Path) -> None:
-    """Evict the checkpoint from the page cache, so that a disk load reads the disk as after a restart."""
-    for path in directory.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,12 @@ plans with ``tenplex.planner.plan`` and runs ``tenplex.transform.transform``
 Per change it prints the measured seconds and the bytes the stores actually
 moved in each category (linked = kept without copying), next to the plan's
 statistics. Baselines from the same run: the time ``memcpy`` would need for
-the target bytes, and the time one raw TCP socket would need for the
-inter-host bytes.
+the target bytes, the time one raw TCP socket would need for the inter-host
+bytes, and ``raw_socket_file_gbps``: one TCP socket from a file into a fresh,
+fsynced file on the stores' filesystem (``bench transfer``'s baseline), the
+physical limit of moving a shard between hosts into a new version. Next to
+it, per change, ``inter_host_gbps`` (inter-host bytes / seconds) and their
+ratio ``inter_host_vs_file_ratio``.
 
 With ``--link-mbit N`` every host's store runs inside an emulated cluster
 (``tenplex.bench.cluster``: a network namespace per host, N Mbit/s each way
@@ -69,7 +73,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..transform import transform
     from .cluster import EmulatedCluster
     from .linked import LinkedStores, measured_transform
-    from .transfer import _memcpy_seconds, _socket_seconds, _start_server
+    from .transfer import _memcpy_seconds, _socket_seconds, _start_server, socket_file_seconds
 
     model = gpt(args.layers, args.hidden, args.heads, args.vocab, optimizer="adam")
 
@@ -86,6 +90,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory(prefix="tenplex-reconfig-", dir=base_dir) as tmp_name:
         tmp = Path(tmp_name)
+        file_gbps = (512 << 20) / socket_file_seconds(tmp, 512 << 20) / 1e9
         _write_base(tmp, old)
         with contextlib.ExitStack() as stack:
             if args.link_mbit:  # refuses (ClusterUnavailable) rather than measuring loopback
@@ -122,6 +127,9 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "measured_inter_host_bytes": sum(h["remote_bytes"] for h in moved.values()),
                     "transfers": len(the_plan.transfers),
                     "target_gbps": round(stats.target_bytes / report["seconds"] / 1e9, 3),
+                    "inter_host_gbps": round(stats.inter_host_bytes / report["seconds"] / 1e9, 3),
+                    "raw_socket_file_gbps": round(file_gbps, 3),
+                    "inter_host_vs_file_ratio": round(stats.inter_host_bytes / report["seconds"] / 1e9 / file_gbps, 3),
                     "baseline_memcpy_seconds": round(stats.target_bytes / memcpy_gbps / 1e9, 3),
                     "baseline_raw_socket_seconds": round(stats.inter_host_bytes / socket_gbps / 1e9, 3),
                     "streams": args.streams, "store_dir": str(base_dir), "cpus": os.cpu_count(),

@@ -7,12 +7,11 @@ May import: ``tenplex.gpt``, ``tenplex.ptc``, ``tenplex.parallel``, ``tenplex.dt
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from ..dtypes import ITEMSIZE
 from ..errors import ConfigError
-from ..files import save_layout
+from ..files import dumps, save_layout
 from ..gpt import gpt
 from ..parallel import SHARDING_MODES, ParallelConfig, parse_degrees
 from ..ptc import layout
@@ -67,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
               optimizer=args.optimizer, tied=args.tied, gated=args.gated, vocab_pad_multiple=args.vocab_pad_multiple)
     result = layout(ptc, config)
     if args.output is None:
-        json.dump(result.to_dict(), sys.stdout, separators=(",", ":"))
-        print()
+        sys.stdout.flush()
+        sys.stdout.buffer.write(dumps(result.to_dict()) + b"\n")
         return 0
     save_layout(result, args.output)
     boxes = sum(len(shards) for shards in result.devices.values())

@@ -7,13 +7,12 @@ tqdm and the standard library.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 from tqdm import tqdm
 
-from ..files import load_layout, save_plan
+from ..files import dumps, load_layout, write_json_atomic
 from ..transfer_plan import Plan
 from ..planner import plan
 from .units import human_bytes
@@ -47,11 +46,12 @@ def run(args: argparse.Namespace) -> int:
         result = plan(old, new, allow_new_tensors=args.allow_new_tensors)
         seconds = time.perf_counter() - started
         progress.update()
+    doc = result.to_dict() if args.output or args.json else None
     if args.output:
-        save_plan(result, args.output)
+        write_json_atomic(args.output, doc)
     if args.json:
-        json.dump(result.to_dict(), sys.stdout, separators=(",", ":"))
-        print()
+        sys.stdout.flush()
+        sys.stdout.buffer.write(dumps(doc) + b"\n")
     else:
         print(summary(result, {n: s.itemsize for n, s in new.tensors.items()}, seconds,
                       f"{len(old.devices)} devices / {len(old.hosts())} hosts",

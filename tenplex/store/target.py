@@ -43,6 +43,7 @@ class ShardTarget:
         self.itemsize = itemsize(dtype)
         self._fd = os.open(path, os.O_RDWR)
         self._array: np.ndarray | None = None
+        self._blocks: list[str] | None = None  # set by finish()
         # byte stride of each dimension within the shard (C order)
         strides, step = [], self.itemsize
         for n in reversed(box.lengths):
@@ -82,6 +83,8 @@ class ShardTarget:
         local = region.local(self.box)
         buffer = memoryview(np.ascontiguousarray(data).reshape(-1)).cast("B") if isinstance(data, np.ndarray) \
             else memoryview(data).cast("B")
+        if self._blocks is not None:
+            raise StoreError(f"shard {self.path.name} was already finished; region {region} cannot be written")
         if buffer.nbytes != region.volume * self.itemsize:
             raise StoreError(f"region {region} needs {region.volume * self.itemsize} bytes, got {buffer.nbytes}")
         if region.is_empty():
@@ -122,11 +125,15 @@ class ShardTarget:
             view, offset = view[written:], offset + written
 
     def finish(self) -> list[str]:
-        """fsync and close; return the data's block checksums (``blocks``)."""
+        """fsync and close; return the data's block checksums (``blocks``). Later calls return the same list
+        (the transformer finishes a shard as soon as its last region lands; ``prepare`` then reuses it)."""
+        if self._blocks is not None:
+            return self._blocks
         self._array = None
         os.fsync(self._descriptor())  # on Linux this also writes pages dirtied through the shared map
         try:
-            return self._tally.digests()
+            self._blocks = self._tally.digests()
+            return self._blocks
         finally:
             self.close()
 

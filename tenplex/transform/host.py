@@ -22,6 +22,10 @@ Order of work, per new shard of this host's devices:
 3. ``"from": "new"`` regions (the local fan-out) are copied in plan order
    from new shards that step 2 filled.
 
+A shard that no fan-out writes into is finished (fsynced, its block
+checksums collected) by the pull thread that wrote its last region, so that
+work overlaps the other pulls instead of running serially in ``prepare``.
+
 A region whose source fails (host down, cut off, corrupted data after
 retries, missing version) is fetched again from the other replicas the old
 layout lists, this host's own first; only when no replica covers it does the
@@ -201,6 +205,30 @@ def _damaged_shard(error: Exception) -> bool:
     return isinstance(error, CorruptShard) or getattr(code, "name", None) == "DATA_LOSS"
 
 
+class _Completion:
+    """Counts the pieces still to land in each new shard; the thread that writes a shard's last piece finishes it."""
+
+    def __init__(self) -> None:
+        self._left: dict[ShardTarget, int] = {}
+        self._lock = threading.Lock()
+
+    def expect(self, target: ShardTarget) -> None:
+        self._left[target] = self._left.get(target, 0) + 1
+
+    def exclude(self, target: ShardTarget) -> None:
+        """A shard that more writes (the fan-out) reach after the pulls: ``prepare`` finishes it."""
+        self._left.pop(target, None)
+
+    def landed(self, target: ShardTarget) -> None:
+        with self._lock:
+            left = self._left.get(target)
+            if left is None:
+                return
+            self._left[target] = left - 1
+        if left == 1:
+            target.finish()
+
+
 def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable[[pb.TransformProgress], None],
                   cancelled: threading.Event | None = None, token: str | None = None,
                   root_certificates: bytes | None = None) -> pb.TransformProgress:
@@ -285,6 +313,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
     fan_out: list[tuple[Transfer, tuple]] = []
     small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = {}  # source host -> small remote regions
     reserves: list[Callable[[], None]] = []
+    completion = _Completion()
     for key, fills in by_shard.items():
         device, tensor, box = key
         spec = new.tensors[tensor]
@@ -309,22 +338,25 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
             kind = "kept" if t.kept else ("local" if host_of(t.src) == host else "remote")
             for piece in wire.split_box(t.box, spec.itemsize, PIECE_BYTES):
                 nbytes = piece.volume * spec.itemsize
+                completion.expect(target)
                 if kind != "remote":
                     pieces.append(Piece(LOCAL, nbytes, _job(sources, t.src, {}, t.tensor, piece, target, kind,
-                                                            advance, cancelled)))
+                                                            advance, cancelled, completion)))
                 elif nbytes < SMALL_BYTES:
                     small.setdefault(host_of(t.src), []).append((t.src, t.tensor, piece, target))
                 else:
                     holders = sources.holders(t.tensor, piece)
                     pieces.append(Piece(host_of(t.src), nbytes, _job(sources, t.src, holders, t.tensor, piece, target,
-                                                                     kind, advance, cancelled),
+                                                                     kind, advance, cancelled, completion),
                                         frozenset(holders) - {host_of(t.src)}))
+    for _, key in fan_out:
+        completion.exclude(targets[key])
     for source_host, items in small.items():
         for batch in _batches(items):
             batch_holders = [sources.holders(tensor, piece) for _, tensor, piece, _ in batch]
             shared = frozenset.intersection(*(frozenset(h) for h in batch_holders)) - {source_host}
             pieces.append(Piece(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
-                                _batch_job(sources, batch, batch_holders, advance, cancelled), shared))
+                                _batch_job(sources, batch, batch_holders, advance, cancelled, completion), shared))
     # Destinations start their round of sources at different places (see schedule).
     schedule = Schedule(pieces, start=new.hosts().index(host) if host in new.hosts() else 0,
                         failed=lambda h: h in sources.failed)
@@ -374,7 +406,7 @@ def _run(host: str, reserves: list[Callable[[], None]], schedule: Schedule, stre
 
 
 def _job(sources: _Sources, device: str, holders: dict[str, str], tensor: str, piece: Box, target: ShardTarget,
-         kind: str, advance, cancelled):
+         kind: str, advance, cancelled, completion: _Completion):
     """Read ``piece`` from ``device``, or from the device of ``holders[server]`` when the schedule gives the
     piece to a replica's host."""
     def run(server: str) -> None:
@@ -387,6 +419,7 @@ def _job(sources: _Sources, device: str, holders: dict[str, str], tensor: str, p
             advance(refetched, "refetched")
         if nbytes > refetched:
             advance(nbytes - refetched, kind)
+        completion.landed(target)
     return run
 
 
@@ -403,7 +436,8 @@ def _batches(items: list) -> Iterator[list]:
         yield batch
 
 
-def _batch_job(sources: _Sources, batch: list, holders: list[dict[str, str]], advance, cancelled):
+def _batch_job(sources: _Sources, batch: list, holders: list[dict[str, str]], advance, cancelled,
+               completion: _Completion):
     """Read a batch of small regions from their planned host, or from ``server``'s devices (``holders``)."""
     def run(server: str) -> None:
         if cancelled.is_set():
@@ -416,6 +450,7 @@ def _batch_job(sources: _Sources, batch: list, holders: list[dict[str, str]], ad
                 advance(refetched, "refetched")
             if nbytes > refetched:
                 advance(nbytes - refetched, "remote")
+            completion.landed(target)
     return run
 
 
