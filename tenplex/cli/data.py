@@ -1,6 +1,6 @@
 """``tenplex data``: pack a dataset, inspect it, write a dataset state, and plan which rank reads what.
 
-May import: ``tenplex.dataset`` and the standard library.
+May import: ``tenplex.dataset``, ``tenplex.errors``, numpy (to check ``--dtype``) and the standard library.
 """
 
 from __future__ import annotations
