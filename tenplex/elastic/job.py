@@ -139,6 +139,8 @@ class Job:
         self.world_id = peers[0]["token"]  # names this world (rank 0's token) in logs; the same on every rank
         self.choice: Choice = choose(self.world_size, per_node, max_tp=max_tp, pp=pp, pinned=pinned, policy=policy,
                                      hosts=self.hosts if len(self.hosts) * per_node == self.world_size else None)
+        # Ranks left idle by the policy train nothing: the others save, restore and agree within their own group.
+        self.group = dist.new_group(list(range(self.choice.used))) if self.choice.idle else None
         self.global_batch, self.dataset, self.seed, self.drop_last = global_batch, dataset, seed, drop_last
         self.save_every, self.save_budget, self.on_save, self.on_exit = save_every, save_budget, on_save, on_exit
         self.checkpointer_options = dict(checkpointer_options or {}, replicas=replicas)
@@ -188,9 +190,9 @@ class Job:
 
         if self.idle:
             raise ConfigError(f"rank {self.rank} is idle in this world ({self.choice.reason}); idle ranks train "
-                              f"nothing and must not restore a model")
+                              f"nothing: call job.wait_idle() instead")
         begin = time.monotonic()
-        ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), **self.checkpointer_options)
+        ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), group=self.group, **self.checkpointer_options)
         extra: dict = {}
         step = tenplex.restore(model, optimizer, scheduler=scheduler, scaler=scaler, annotations=annotations,
                                extra=extra, checkpointer=ckpt)
@@ -275,7 +277,7 @@ class Job:
         try:
             flags = torch.tensor([1.0 if self.stop_requested else 0.0, step_s, self._save_s_local], dtype=torch.float64)
             self._save_s_local = 0.0
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as e:  # noqa: BLE001 -- a peer is gone: nothing can be agreed, nothing is saved
             self._die(f"step {self.step}: the ranks cannot agree ({type(e).__name__}: {e}); a peer is gone, "
                       f"exiting without saving")
@@ -335,9 +337,54 @@ class Job:
         c["interval"] = None if self._next_save is None else max(1, self._next_save - (self._saved_step or 0))
         return c
 
+    def wait_idle(self) -> None:
+        """An idle rank's whole job: wait until the training ranks finish (exit 0) or stop (exit as they do).
+
+        Rank 0 leaves the word in the job's c10d store (``MASTER_ADDR:MASTER_PORT``;
+        gloo's point-to-point receive cannot be polled), and waits briefly for
+        each idle rank to acknowledge it; a SIGTERM from torchrun ends the wait too.
+        """
+        if not self.idle:
+            raise ConfigError(f"rank {self.rank} trains in this world ({self.choice.degrees()}); wait_idle() is for "
+                              f"the ranks the policy left idle")
+        store, key = self._idle_store(), f"tenplex/{self.world_id}/idle"
+        while not self.stop_requested:
+            try:
+                if store.check([key]):
+                    word = store.get(key).decode()
+                    store.set(f"{key}/ack{self.rank}", "1")
+                    break
+            except Exception:  # noqa: BLE001 -- rank 0 and its store are gone: the world is over
+                word = "stop"
+                break
+            time.sleep(0.1)
+        else:
+            self._exit(0, "stopped by SIGTERM while idle")
+        if word == "done":
+            self._exit(0, "the training ranks finished")
+        self._exit(EXIT_RESTART, "the training ranks stopped")
+
+    def _idle_store(self):
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=30))
+
+    def _tell_idle(self, stopping: bool) -> None:
+        if self.rank != 0 or not self.choice.idle:
+            return
+        key = f"tenplex/{self.world_id}/idle"
+        try:
+            store = self._idle_store()
+            store.set(key, "stop" if stopping else "done")
+            # Rank 0 hosts that store: keep it up until every idle rank has read the word.
+            store.wait([f"{key}/ack{r}" for r in self.choice.idle], timedelta(seconds=10))
+        except Exception:  # noqa: BLE001 -- idle ranks stopped by SIGTERM need no word
+            pass
+
     def _exit(self, code: int, why: str) -> None:
         if self.on_exit is not None:
             self.on_exit(code, why)
+        if not self.idle:
+            self._tell_idle(stopping=True)
         try:
             dist.destroy_process_group()
         finally:
@@ -358,4 +405,5 @@ class Job:
             if self._saved_step != self.step:
                 self._save("final")
             self._tracked["checkpointer"].wait_replicated(self.replication_wait)
+        self._tell_idle(stopping=False)
         dist.destroy_process_group()
