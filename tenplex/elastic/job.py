@@ -1,6 +1,6 @@
 """The training-loop API of an elastic job: configuration, one-call restore, data share, step boundaries.
 
-May import: ``tenplex.elastic.policy``, ``tenplex.integration``, ``tenplex.dataset``,
+May import: ``tenplex.elastic.policy`` and ``.launcher`` (its exit code), ``tenplex.integration``, ``tenplex.dataset``,
 ``tenplex.errors``, torch, torch.distributed and the standard library.
 
 A script started by ``tenplex run`` (torchrun) is the same in every world::

@@ -167,7 +167,8 @@ def summarize(reference: Path, elastic: Path, events: list, fired: list[dict], r
         out_events.append({
             "kind": e.kind, "host": e.host, "at_step": f["step"], "resumed_from_step": resumed,
             "lost_steps": max(0, reached - resumed), "from": source.describe(), "to": target.describe(),
-            "detect_s": round(detected - f["time"], 3), "restart_s": round(target.ready - target.restore_s - detected, 3),
+            "detect_s": round(detected - f["time"], 3),
+            "restart_s": round(target.ready - target.restore_s - detected, 3),
             "restore_s": round(target.restore_s, 3), "bytes": _bytes(target, roots)})
     losses = [(s, h["loss"], ref_history[s]["loss"]) for s, h in history.items() if s in ref_history]
     rel = max((abs(a - b) / max(abs(b), 1e-12) for _, a, b in losses), default=float("inf"))

@@ -1,6 +1,7 @@
 """One rank of the mid-step SIGTERM test: a tiny model trained through tenplex.elastic.Job (gloo, 2 ranks).
 
-Usage: ``python sigterm_worker.py OUT MODE`` with torchrun's environment and TENPLEX_STORE_ROOT/TENPLEX_HOST set.
+Usage: ``python sigterm_worker.py OUT MODE`` with torchrun's environment and TENPLEX_STORE_ROOT and
+TENPLEX_HOST set.
 Each step takes about half a second, in two halves around a collective; before it starts, the rank writes
 the step's index to ``OUT/r{rank}.in-step``. It saves at step 2 (``save_every=2``) and whenever the ranks
 agree to stop. After each committed save, ``OUT/saved-{step}-r{rank}.safetensors`` holds its parameters.
@@ -27,8 +28,9 @@ from tenplex.store.writer import VersionWriter
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
     job = tenplex.elastic.Job(global_batch=4, save_every=2, replicas=0, timeout=60, pinned={3: "dp=2"},
-                              on_save=lambda info: save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-                                                             str(out / f"saved-{info['step']}-r{job.rank}.safetensors")),
+                              on_save=lambda info: save_file(
+                                  {k: v.contiguous() for k, v in model.state_dict().items()},
+                                  str(out / f"saved-{info['step']}-r{job.rank}.safetensors")),
                               on_exit=lambda code, why: (out / f"exit-r{job.rank}.json").write_text(
                                   json.dumps({"code": code, "why": why, "step": job.step})))
     if job.idle:
