@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test proto
+.PHONY: setup demo test lint proto
 setup:
 	VENV=$(VENV) scripts/setup.sh
 
@@ -12,6 +12,11 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff and mypy with the rule sets in pyproject.toml; .ci/run runs this before the tests.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # Regenerates the gRPC/protobuf code from proto/ (tests fail when it is stale).
 proto: setup

@@ -55,7 +55,7 @@ binding.select()  # before the first import of mfusepy: it loads its libfuse whe
 try:
     import mfusepy as fuse
 except ImportError:  # pragma: no cover - the unmaintained fusepy has the same API
-    import fuse  # type: ignore[no-redef]
+    import fuse
 
 # "major.minor" of the libfuse in use (fusepy only runs on libfuse2).
 LIBFUSE_VERSION = f"{getattr(fuse, 'fuse_version_major', 2)}.{getattr(fuse, 'fuse_version_minor', 9)}"
@@ -179,6 +179,8 @@ class TenplexFS(fuse.Operations):
 
     def getattr(self, path: str, fh: Any = None) -> dict[str, Any]:
         handle = self._handles.get(fh.fh) if fh is not None and hasattr(fh, "fh") else None
+        rank: int | None
+        name: str | None
         if handle is not None and handle.rank is not None:  # fstat of an open file: its own generation
             gen, kind, rank, name = handle.generation, "view", handle.rank, handle.name
         else:
@@ -195,7 +197,7 @@ class TenplexFS(fuse.Operations):
                 **times, **owner}
 
     @staticmethod
-    def _link_target(gen: Generation, rank: int) -> str:
+    def _link_target(gen: Generation, rank: int | None) -> str:  # rank is set for every "link" path
         return f"{_gen_dir(gen)}/rank{rank}"
 
     def readlink(self, path: str) -> str:

@@ -1,6 +1,6 @@
 """Checks that FUSE can be used and that a mount point is free, with errors that say what to do.
 
-May import: ``fuse_vfs`` (errors, binding) and the standard library.
+May import: ``fuse_vfs`` (errors, binding), mfusepy (only to say whether it loads) and the standard library.
 """
 
 from __future__ import annotations

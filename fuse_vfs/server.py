@@ -48,7 +48,7 @@ class Server:
         self.info = info or open_dataset(dataset)
         self.source = source or LocalRecords(self.info)
         self.mountpoint, self.state_file = Path(mountpoint), Path(state_file).resolve()
-        self.loads, self.state_error = 1, None
+        self.loads, self.state_error = 1, None  # type: int, str | None
         self._state_key = _stat_key(self.state_file)
         state, dp = load_state_file(self.state_file, self.info)
         self._meta_keys = self._dataset_keys()

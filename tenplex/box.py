@@ -22,6 +22,12 @@ K = TypeVar("K")  # what a caller keys the candidate boxes of ``tile`` by (a dev
 
 @dataclass(frozen=True, order=True)
 class Box:
+    """``offsets`` and ``lengths`` per dimension (see the module docstring).
+
+    Frozen, with one hidden cache: :attr:`ends` is computed once and kept in
+    the instance dict (outside equality, order and hash).
+    """
+
     offsets: tuple[int, ...]
     lengths: tuple[int, ...]
 

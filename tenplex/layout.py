@@ -59,6 +59,11 @@ class Layout:
 
     ``devices`` maps each device id to a tuple of shards. Construct through
     :meth:`build` (which validates) or :func:`from_dict`.
+
+    Frozen, with one hidden cache: the first :meth:`shards_of` indexes every
+    tensor's shards into ``_by_tensor`` (outside equality and repr). So
+    ``tensors`` and ``devices`` must not be mutated after construction: build
+    a new layout instead.
     """
 
     tensors: Mapping[str, TensorSpec]

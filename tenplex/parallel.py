@@ -41,6 +41,9 @@ class ParallelConfig:
     ``stage_layers``, when given, fixes how many transformer layers each
     pipeline stage holds (``len == pp``); otherwise stages are as even as
     possible (see :func:`tenplex.ptc.stage_layer_counts`).
+
+    Frozen, with one hidden cache: :meth:`rank_of` under a ``mapping`` keeps
+    the inverse mapping in the instance (``_inverse_cache``, outside equality).
     """
 
     dp: int
@@ -131,7 +134,8 @@ class ParallelConfig:
 
     def describe(self) -> str:
         extra = f", sharding={self.sharding}" if self.sharding != "none" else ""
-        return f"dp={self.dp},tp={self.tp},pp={self.pp}{extra} on {len(self.devices)} devices / {len(self.hosts())} hosts"
+        return (f"dp={self.dp},tp={self.tp},pp={self.pp}{extra} on {len(self.devices)} devices / "
+                f"{len(self.hosts())} hosts")
 
 
 def parse_degrees(text: str, options: tuple[str, ...] = ()) -> dict[str, int]:

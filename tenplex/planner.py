@@ -182,89 +182,113 @@ class _Builder:
         return self.least_loaded(holders_on[hosts[0]])
 
 
+class _TensorIndex:
+    """One tensor's distinct old and new boxes as regions, who holds each old one, and whether both are tiled."""
+
+    def __init__(self, host: dict[str, str], old: list[tuple[str, Box]], new: list[tuple[str, Box]]) -> None:
+        self.regions = sorted({(box.offsets, box.ends) for _, box in old})
+        number = {r: i for i, r in enumerate(self.regions)}
+        self.holders_on: list[dict[str, list[str]]] = [{} for _ in self.regions]  # old region -> host -> devices
+        self.own: dict[str, set[int]] = {}  # device -> old regions it holds
+        for device, box in old:
+            i = number[(box.offsets, box.ends)]
+            self.holders_on[i].setdefault(host[device], []).append(device)
+            self.own.setdefault(device, set()).add(i)
+        self.index = _RegionIndex(self.regions)
+        self.targets = sorted({(box.offsets, box.ends) for _, box in new})
+        self.target_index = _RegionIndex(self.targets)
+        # "Tiled": the distinct boxes of each layout are pairwise disjoint (replicas share boxes, nothing partly
+        # overlaps), as in every layout made by partition rules.
+        self.tiled = (all(self.index.overlapping(r) == [i] for i, r in enumerate(self.regions))
+                      and all(self.target_index.overlapping(t) == [j] for j, t in enumerate(self.targets)))
+
+    def fragments(self, box: Box, itemsize: int) -> list[tuple[Region, Box, int, int]] | None:
+        """Tiled only: (region, box, old region, bytes) per old box ``box`` overlaps; None if they leave a gap."""
+        target = (box.offsets, box.ends)
+        found = []
+        for i in self.index.overlapping(target):
+            r = _intersect(target, self.regions[i])
+            if r is not None:
+                found.append((r, box if r == target else _box(r), i, _volume(r) * itemsize))
+        complete = sum(nbytes for *_, nbytes in found) == box.volume * itemsize
+        return found if complete else None
+
+
 def _plan_tensor(out: _Builder, name: str, itemsize: int, old: list[tuple[str, Box]],
                  new: list[tuple[str, Box]]) -> int:
     """Append the transfers that fill ``name``'s new boxes; return its inter-host lower bound in bytes."""
-    host = out.host
-    regions = sorted({(box.offsets, box.ends) for _, box in old})
-    number = {r: i for i, r in enumerate(regions)}
-    holders_on: list[dict[str, list[str]]] = [{} for _ in regions]
-    own: dict[str, set[int]] = {}
-    for device, box in old:
-        i = number[(box.offsets, box.ends)]
-        holders_on[i].setdefault(host[device], []).append(device)
-        own.setdefault(device, set()).add(i)
-    index = _RegionIndex(regions)
-    targets = sorted({(box.offsets, box.ends) for _, box in new})
-    target_index = _RegionIndex(targets)
-    # "Tiled": the distinct boxes of each layout are pairwise disjoint (replicas share boxes, nothing partly
-    # overlaps), as in every layout made by partition rules.
-    tiled = (all(index.overlapping(r) == [i] for i, r in enumerate(regions))
-             and all(target_index.overlapping(t) == [j] for j, t in enumerate(targets)))
+    tensor = _TensorIndex(out.host, old, new)
     arrived: dict[str, dict[Region, str]] = {}  # host -> regions brought in from other hosts -> device holding it
-    fragments: dict[Region, list[tuple[Region, Box, int, int]] | None] = {}  # target -> fragments, old box, bytes
-
+    fragments: dict[Region, list[tuple[Region, Box, int, int]] | None] = {}  # target -> its fragments, once
     for dst, box in new:
-        h = host[dst]
-        target = (box.offsets, box.ends)
-        mine = own.get(dst, ())
-        here = arrived.setdefault(h, {})
-        if tiled:
+        here = arrived.setdefault(out.host[dst], {})
+        if tensor.tiled:
             # Disjoint old boxes cut the target into the same fragments on every device (one per old box it
             # overlaps), and disjoint new boxes mean a fragment arrives on a host whole or not at all.
+            target = (box.offsets, box.ends)
             if target not in fragments:
-                found = [(r, box if r == target else _box(r), i, _volume(r) * itemsize)
-                         for i in index.overlapping(target) for r in [_intersect(target, regions[i])]]
-                complete = sum(nbytes for *_, nbytes in found) == box.volume * itemsize
-                fragments[target] = found if complete else None  # None: let the general path name the gap
+                fragments[target] = tensor.fragments(box, itemsize)  # None: let the general path name the gap
             found = fragments[target]
             if found is not None:
-                for r, piece, i, nbytes in found:
-                    if i in mine:
-                        out.add("kept", name, dst, dst, piece, nbytes)
-                    elif h in holders_on[i]:
-                        out.add("local", name, out.least_loaded(holders_on[i][h]), dst, piece, nbytes)
-                    elif r in here:
-                        out.add("fanout", name, here[r], dst, piece, nbytes)
-                    else:
-                        out.add("remote", name, out.least_loaded_remote(holders_on[i]), dst, piece, nbytes)
-                        here[r] = dst
+                _fill_tiled(out, name, tensor, dst, found, here)
                 continue
-
-        overlapping = index.overlapping(target)
-        pieces = [target]
-
-        def emit(kind: str, src: str) -> Callable[[Region], None]:
-            return lambda r: out.add(kind, name, src, dst, r, _volume(r) * itemsize)
-
-        for i in overlapping:
-            if i in mine and pieces:
-                pieces = _cover(pieces, regions[i], emit("kept", dst))
-        for i in overlapping:
-            if pieces and i not in mine and h in holders_on[i]:
-                pieces = _cover(pieces, regions[i], emit("local", out.least_loaded(holders_on[i][h])))
-        for region, src in list(here.items()):
-            if not pieces:
-                break
-            pieces = _cover(pieces, region, emit("fanout", src))
-        for i in overlapping:
-            if pieces and h not in holders_on[i]:
-                src = out.least_loaded_remote(holders_on[i])
-
-                def receive(r: Region, src: str = src) -> None:
-                    out.add("remote", name, src, dst, r, _volume(r) * itemsize)
-                    here[r] = dst
-                pieces = _cover(pieces, regions[i], receive)
-        if pieces:
-            raise PlanError(f"no device of the old layout holds region {_box(pieces[0])} of tensor {name!r}, "
-                            f"which {dst} needs; the old layout must cover every tensor it shares with the new one")
-    return _lower_bound(regions, holders_on, index, targets, target_index, tiled, new, host) * itemsize
+        _fill_general(out, name, itemsize, tensor, dst, box, here)
+    return _lower_bound(tensor, new, out.host) * itemsize
 
 
-def _lower_bound(regions: list[Region], holders_on: list[dict[str, list[str]]], index: _RegionIndex,
-                 targets: list[Region], target_index: _RegionIndex, tiled: bool, new: Iterable[tuple[str, Box]],
-                 host: dict[str, str]) -> int:
+def _fill_tiled(out: _Builder, name: str, tensor: _TensorIndex, dst: str,
+                fragments: list[tuple[Region, Box, int, int]], here: dict[Region, str]) -> None:
+    """Steps 1-4 of the module docstring for a box of a tiled tensor: each fragment goes one way, whole."""
+    h, mine = out.host[dst], tensor.own.get(dst, ())
+    for r, piece, i, nbytes in fragments:
+        if i in mine:
+            out.add("kept", name, dst, dst, piece, nbytes)
+        elif h in tensor.holders_on[i]:
+            out.add("local", name, out.least_loaded(tensor.holders_on[i][h]), dst, piece, nbytes)
+        elif r in here:
+            out.add("fanout", name, here[r], dst, piece, nbytes)
+        else:
+            out.add("remote", name, out.least_loaded_remote(tensor.holders_on[i]), dst, piece, nbytes)
+            here[r] = dst
+
+
+def _fill_general(out: _Builder, name: str, itemsize: int, tensor: _TensorIndex, dst: str, box: Box,
+                  here: dict[Region, str]) -> None:
+    """Steps 1-4 of the module docstring for any box: cover what is left, kind by kind, by box subtraction."""
+    h, mine, holders_on = out.host[dst], tensor.own.get(dst, ()), tensor.holders_on
+    target = (box.offsets, box.ends)
+    overlapping = tensor.index.overlapping(target)
+    pieces = [target]
+
+    def emit(kind: str, src: str) -> Callable[[Region], None]:
+        return lambda r: out.add(kind, name, src, dst, r, _volume(r) * itemsize)
+
+    for i in overlapping:
+        if i in mine and pieces:
+            pieces = _cover(pieces, tensor.regions[i], emit("kept", dst))
+    for i in overlapping:
+        if pieces and i not in mine and h in holders_on[i]:
+            pieces = _cover(pieces, tensor.regions[i], emit("local", out.least_loaded(holders_on[i][h])))
+    for region, src in list(here.items()):
+        if not pieces:
+            break
+        pieces = _cover(pieces, region, emit("fanout", src))
+    for i in overlapping:
+        if pieces and h not in holders_on[i]:
+            src = out.least_loaded_remote(holders_on[i])
+
+            def receive(r: Region, src: str = src) -> None:
+                out.add("remote", name, src, dst, r, _volume(r) * itemsize)
+                here[r] = dst
+            pieces = _cover(pieces, tensor.regions[i], receive)
+    if pieces:
+        raise PlanError(f"no device of the old layout holds region {_box(pieces[0])} of tensor {name!r}, "
+                        f"which {dst} needs; the old layout must cover every tensor it shares with the new one")
+
+
+def _lower_bound(tensor: _TensorIndex, new: Iterable[tuple[str, Box]], host: dict[str, str]) -> int:
     """Sum over hosts h of |union of new boxes on h - union of old boxes on h| (elements)."""
+    regions, holders_on, targets = tensor.regions, tensor.holders_on, tensor.targets
     number = {r: j for j, r in enumerate(targets)}
     wanted: dict[str, set[int]] = {}
     for device, box in new:
@@ -273,22 +297,26 @@ def _lower_bound(regions: list[Region], holders_on: list[dict[str, list[str]]], 
     overlaps: dict[int, list[tuple[int, int]]] = {}  # target -> (old box, elements in common), when tiled
     for h, on_host in wanted.items():
         for j in sorted(on_host):
-            if tiled:  # disjoint boxes: the union is a plain sum
+            if tensor.tiled:  # disjoint boxes: the union is a plain sum
                 if j not in overlaps:
-                    overlaps[j] = [(i, _volume(_intersect(targets[j], regions[i])))
-                                   for i in index.overlapping(targets[j])]
+                    overlaps[j] = [(i, _volume(common)) for i in tensor.index.overlapping(targets[j])
+                                   if (common := _intersect(targets[j], regions[i])) is not None]
                 total += _volume(targets[j]) - sum(n for i, n in overlaps[j] if h in holders_on[i])
                 continue
             pieces = [targets[j]]
             # Count each element once: drop what earlier new boxes on h already counted, then what h has.
-            for k in target_index.overlapping(targets[j]):
+            for k in tensor.target_index.overlapping(targets[j]):
                 if k < j and k in on_host:
-                    pieces = _cover(pieces, targets[k], lambda r: None)
-            for i in index.overlapping(targets[j]):
+                    pieces = _cover(pieces, targets[k], _ignore)
+            for i in tensor.index.overlapping(targets[j]):
                 if h in holders_on[i]:
-                    pieces = _cover(pieces, regions[i], lambda r: None)
+                    pieces = _cover(pieces, regions[i], _ignore)
             total += sum(map(_volume, pieces))
     return total
+
+
+def _ignore(region: Region) -> None:
+    """``_cover``'s emit when only what is left over counts."""
 
 
 def _check_tensors(old: Layout, new: Layout, allow_new_tensors: bool) -> list[str]:

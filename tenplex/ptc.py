@@ -22,7 +22,7 @@ partitions one tensor:
   of boxes, even for a fused or padded tensor.
 
 A rank's part of a tensor is a :class:`LocalShard`: the shape of its local
-tensor, padding included, and the :class:`Piece` s that map regions of that
+tensor, padding included, and the :class:`LocalRegion` s that map regions of that
 local tensor to boxes of the global tensor. The global shape is always the
 real, unpadded shape. A layout (:func:`layout`) keeps only the global boxes.
 
@@ -98,7 +98,7 @@ class TensorRule:
 
 
 @dataclass(frozen=True)
-class Piece:
+class LocalRegion:
     """A region of a rank's local tensor (``local``) and the global box it holds (same lengths)."""
 
     local: Box
@@ -111,11 +111,11 @@ class LocalShard:
 
     tensor: str
     shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
+    regions: tuple[LocalRegion, ...]
 
     @property
     def boxes(self) -> tuple[Box, ...]:
-        return tuple(p.box for p in self.pieces)
+        return tuple(r.box for r in self.regions)
 
 
 def _anchor_stages(rule: TensorRule, pp: int) -> list[int]:
@@ -188,7 +188,7 @@ class PTC:
         for rule in self.rules.values():
             if rule.tp_dim is not None and rule.split_key() not in seen:
                 seen.add(rule.split_key())
-                _tp_runs(rule, config.tp, 0)
+                _tp_runs(rule, rule.tp_dim, config.tp, 0)
 
     def local_shard(self, config: ParallelConfig, rank: int, tensor: str) -> LocalShard | None:
         """``rank``'s local tensor of ``tensor``, or None if its pipeline stage does not hold it."""
@@ -206,9 +206,9 @@ class PTC:
         return [_local_shard(rule, config, dp, tp) for rule in self.stage_rules(config)[pp]]
 
 
-def _tp_runs(rule: TensorRule, tp: int, index: int):
+def _tp_runs(rule: TensorRule, tp_dim: int, tp: int, index: int):
     try:
-        return split_dim(rule.shape[rule.tp_dim], tp, index, rule.split, rule.unit, rule.pad_multiple, rule.blocks)
+        return split_dim(rule.shape[tp_dim], tp, index, rule.split, rule.unit, rule.pad_multiple, rule.blocks)
     except ConfigError as e:
         raise ConfigError(f"tensor {rule.name!r} (shape {list(rule.shape)}): dim {rule.tp_dim} cannot be split "
                           f"over tp={tp}: {e}") from None
@@ -217,24 +217,24 @@ def _tp_runs(rule: TensorRule, tp: int, index: int):
 def _local_shard(rule: TensorRule, config: ParallelConfig, dp: int, tp: int) -> LocalShard:
     sharded = config.sharding == "full" or (config.sharding == "optimizer" and rule.optimizer_state)
     if rule.tp_dim is not None:
-        _tp_runs(rule, config.tp, tp)  # raises a ConfigError that names the tensor
-    shape, pieces = _geometry(rule.split_key(), config.tp, tp, config.dp if sharded else 1, dp if sharded else 0)
-    return LocalShard(rule.name, shape, pieces)
+        _tp_runs(rule, rule.tp_dim, config.tp, tp)  # raises a ConfigError that names the tensor
+    shape, regions = _geometry(rule.split_key(), config.tp, tp, config.dp if sharded else 1, dp if sharded else 0)
+    return LocalShard(rule.name, shape, regions)
 
 
 @lru_cache(maxsize=1 << 16)
 def _geometry(split_key: tuple, tp_degree: int, tp: int, dp_degree: int, dp: int
-              ) -> tuple[tuple[int, ...], tuple[Piece, ...]]:
-    """(local shape, pieces) of a tensor split like ``split_key``; all layers' alike tensors share one result."""
+              ) -> tuple[tuple[int, ...], tuple[LocalRegion, ...]]:
+    """(local shape, regions) of a tensor split like ``split_key``; all layers' alike tensors share one result."""
     shape, tp_dim, split, unit, pad_multiple, blocks = split_key
     if tp_dim is None:
         local_shape = shape
-        pieces = [Piece(Box.whole(shape), Box.whole(shape))]
+        pieces = [LocalRegion(Box.whole(shape), Box.whole(shape))]
     else:
         d = tp_dim
         local_len, runs = split_dim(shape[d], tp_degree, tp, split, unit, pad_multiple, blocks)
         local_shape = shape[:d] + (local_len,) + shape[d + 1:]
-        pieces = [Piece(Box((0,) * d + (run.local,) + (0,) * (len(shape) - d - 1),
+        pieces = [LocalRegion(Box((0,) * d + (run.local,) + (0,) * (len(shape) - d - 1),
                             shape[:d] + (run.length,) + shape[d + 1:]),
                         Box((0,) * d + (run.start,) + (0,) * (len(shape) - d - 1),
                             shape[:d] + (run.length,) + shape[d + 1:]))
@@ -248,7 +248,7 @@ def _geometry(split_key: tuple, tp_degree: int, tp: int, dp_degree: int, dp: int
             part = piece.local.intersect(window)
             if part is not None:
                 at_global = tuple(g + (p - q) for g, p, q in zip(piece.box.offsets, part.offsets, piece.local.offsets))
-                cut.append(Piece(Box((part.offsets[0] - lo,) + part.offsets[1:], part.lengths),
+                cut.append(LocalRegion(Box((part.offsets[0] - lo,) + part.offsets[1:], part.lengths),
                                  Box(at_global, part.lengths)))
         pieces, local_shape = cut, (hi - lo,) + local_shape[1:]
     return local_shape, tuple(p for p in pieces if not p.box.is_empty())
@@ -280,6 +280,6 @@ def _layout(ptc: PTC, config: ParallelConfig) -> Layout:
     for rank, shards in iter_local_shards(ptc, config):
         key = id(shards)  # ranks sharing a computed list share the Shard tuple too
         if key not in shard_cache:
-            shard_cache[key] = tuple(Shard(s.tensor, p.box) for s in shards for p in s.pieces)
+            shard_cache[key] = tuple(Shard(s.tensor, p.box) for s in shards for p in s.regions)
         devices[config.devices[rank]] = shard_cache[key]
     return Layout.build(ptc.tensors, devices)

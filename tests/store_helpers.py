@@ -137,7 +137,7 @@ def tiny_layout(tensors: dict[str, tuple[tuple[int, ...], str]], devices: dict[s
     """Hand-written Layout: tensors {name: (shape, dtype)}, devices {dev: [(tensor, offsets, lengths)]}."""
     from tenplex.layout import Shard, TensorSpec
     return Layout.build({n: TensorSpec(shape, dtype) for n, (shape, dtype) in tensors.items()},
-                        {d: [Shard(t, Box(o, l)) for t, o, l in shards] for d, shards in devices.items()})
+                        {d: [Shard(t, Box(o, n)) for t, o, n in shards] for d, shards in devices.items()})
 
 
 def gpt_layout(dp: int, tp: int, pp: int, hosts: int, per_host: int, sharding: str = "none",

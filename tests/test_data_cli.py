@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 from tenplex.dataset import open_dataset
-from tenplex.dataset.state import DatasetState, plan_steps
+from tenplex.dataset.state import DatasetState, upcoming_batches
 
 
 def tenplex(*args):
@@ -22,7 +22,7 @@ def test_plan_json_contract():
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert list(doc) == ["ranks", "batches", "position"]
-    assert doc == plan_steps(DatasetState("", 10, 1, 4, 4), 3, 3)
+    assert doc == upcoming_batches(DatasetState("", 10, 1, 4, 4), 3, 3)
     assert len(doc["ranks"]) == 3 and all(len(b) == 4 for b in doc["batches"])
     assert doc["position"] == 16  # 8 samples per epoch (partial batch dropped): epoch 1, offset 8 -> 0
     chained = json.loads(tenplex("data", "plan", "--num-samples", 10, "--seed", 1, "--global-batch", 4, "--dp", 2,

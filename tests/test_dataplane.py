@@ -67,14 +67,16 @@ def test_reads_are_exact_and_errors_clear(served):
         client.read_box_into(1, "h0/0", "w", Box((10, 0), (40, 48)), out[:, 6:54])
         np.testing.assert_array_equal(out[:, 6:54], w[10:50])
         pieces = {}
-        n = client.read_box_to(1, "h0/0", "w", Box((0, 0), SHAPE), 4, lambda sub, data: pieces.update({sub: bytes(data)}))
+        n = client.read_box_to(1, "h0/0", "w", Box((0, 0), SHAPE), 4,
+                               lambda sub, data: pieces.update({sub: bytes(data)}))
         assert n == w.nbytes and len(pieces) > 1  # 4 KiB frames
         joined = np.zeros(SHAPE, dtype=np.float32)
         for sub, data in pieces.items():
             joined[sub.slices()] = np.frombuffer(data, np.float32).reshape(sub.lengths)
         np.testing.assert_array_equal(joined, w)
         for args, code, text in [((9, "h0/0", "w", Box((0, 0), (1, 1))), grpc.StatusCode.NOT_FOUND, "version 9"),
-                                 ((1, "h0/0", "w", Box((60, 0), (8, 1))), grpc.StatusCode.OUT_OF_RANGE, "inside no box"),
+                                 ((1, "h0/0", "w", Box((60, 0), (8, 1))), grpc.StatusCode.OUT_OF_RANGE,
+                                  "inside no box"),
                                  ((1, "h9/0", "w", Box((0, 0), (1, 1))), grpc.StatusCode.NOT_FOUND, "devices here")]:
             with pytest.raises(RemoteStoreError) as info:
                 client.read_box(*args, "float32")

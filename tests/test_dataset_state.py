@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tenplex.dataset.state import (DatasetState, StateError, epoch_order, plan_steps, remaining_in_epoch,
+from tenplex.dataset.state import (DatasetState, StateError, epoch_order, upcoming_batches, remaining_in_epoch,
                                    split_sizes)
 
 
@@ -39,7 +39,7 @@ def test_epoch_position_mapping():
 
 
 def test_plan_contract_example():
-    out = plan_steps(_state(10, 1, 4, drop_last=False), dp=3, steps=4)
+    out = upcoming_batches(_state(10, 1, 4, drop_last=False), dp=3, steps=4)
     assert set(out) == {"ranks", "batches", "position"}
     order0, order1 = epoch_order(10, 1, 0).tolist(), epoch_order(10, 1, 1).tolist()
     assert out["batches"] == [order0[0:4], order0[4:8], order0[8:10], order1[0:4]]
@@ -93,12 +93,12 @@ def test_exactly_once_and_same_batches_under_random_dp_changes(n, seed, b, drop_
             assert sorted(seen[e]) == list(range(n))                           # ... and every one once
     # The plan contract agrees with the step-by-step reads.
     total_steps = len(unchanged)
-    assert plan_steps(_state(n, seed, b, drop_last=drop_last), 4, total_steps)["batches"] == unchanged
+    assert upcoming_batches(_state(n, seed, b, drop_last=drop_last), 4, total_steps)["batches"] == unchanged
 
 
 def test_remaining_in_epoch_matches_plan_for_a_non_dividing_dp():
     s = _state(103, 5, 10).advance(3)
-    plan = plan_steps(s, 7, 7)                 # the rest of epoch 0: batches 3..9
+    plan = upcoming_batches(s, 7, 7)                 # the rest of epoch 0: batches 3..9
     for r in range(7):
         ids, sizes = remaining_in_epoch(s, 7, r)
         assert ids.tolist() == plan["ranks"][r]

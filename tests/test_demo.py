@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tenplex.dataset import DatasetState, open_dataset, plan_steps
-from tenplex.runtime.demo import DemoConfig, summarize
+from tenplex.dataset import DatasetState, open_dataset, upcoming_batches
+from tenplex.runtime.demo import LOSS_RTOL, DemoConfig, summarize
 
 TENPLEX = Path(sys.executable).with_name("tenplex")
 STEPS = 2
@@ -52,7 +52,7 @@ def test_demo_continues_the_reference_run_after_a_rescale(demo):
     assert [r["step"] for r in summary["steps"]] == list(range(1, 2 * STEPS + 1))
     assert [r["phase"] for r in summary["steps"]] == ["A"] * STEPS + ["B"] * STEPS
     for r in summary["steps"]:
-        assert math.isclose(r["loss"], r["reference"], rel_tol=1e-4), r
+        assert math.isclose(r["loss"], r["reference"], rel_tol=LOSS_RTOL), r
     assert "all checks passed" in log and "[B] step" in log
 
 
@@ -74,7 +74,7 @@ def test_every_sample_once_in_the_order_the_dataset_state_prescribes(demo):
     assert samples["exactly_once"] and samples["dataset"] == info.num_samples == samples["distinct"]
     # Independently of the demo's own check: the pure dataset state says which global batch each step reads.
     start = DatasetState(info.identity, info.num_samples, 0, 0, 8)
-    expected = plan_steps(start, 1, 2 * STEPS)["batches"]
+    expected = upcoming_batches(start, 1, 2 * STEPS)["batches"]
     assert [r["ids"] for r in summary["steps"]] == expected
     assert sorted(i for batch in expected for i in batch) == list(range(info.num_samples))
     assert summary["restore"]["dataset_state"]["position"] == STEPS * 8

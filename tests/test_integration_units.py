@@ -140,7 +140,8 @@ def test_boxes_assembled_from_shards_on_the_same_host_are_read_directly_others_n
         "h0/2": {("w", Box((1, 0), (2, 4))): [("h0/0", Box((1, 0), (1, 4))), ("h0/1", Box((2, 0), (1, 4)))]},
         "h0/0": {("w", Box((0, 0), (2, 4))): [("h0/0", Box((0, 0), (2, 4)))]},
         "h0/1": {("w", Box((3, 0), (1, 4))): [("h0/1", Box((3, 0), (1, 4)))]}}
-    other_host = Layout.build(spec, {"h1/0": [Shard("w", Box((0, 0), (2, 4)))], "h0/0": [Shard("w", Box((2, 0), (2, 4)))]})
+    other_host = Layout.build(spec, {"h1/0": [Shard("w", Box((0, 0), (2, 4)))],
+                                     "h0/0": [Shard("w", Box((2, 0), (2, 4)))]})
     assert _local_sources(old, other_host) is None
 
 

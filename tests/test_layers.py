@@ -1,6 +1,7 @@
 """The pure layers import no gRPC, no torch and no I/O-level tenplex modules."""
 
 import ast
+import re
 import json
 import subprocess
 import sys
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import tenplex
 
-PURE = ["_gc", "box", "dtypes", "devices", "errors", "parallel", "partition", "ptc", "gpt", "layout", "transfer_plan", "planner",
-        "apply"]
+PURE = ["_gc", "box", "dtypes", "devices", "errors", "parallel", "partition", "ptc", "gpt", "layout", "transfer_plan",
+        "planner", "apply"]
 FORBIDDEN = ("grpc", "torch", "tenplex.store", "tenplex.transform", "tenplex.integration", "tenplex.dataset",
              "tenplex.cli", "tenplex.files", "google.protobuf")
 # Standard-library modules that do file, process or network I/O.
@@ -47,3 +48,81 @@ def test_pure_modules_import_only_pure_things():
                    for m in imported), (name, imported)
         docstring = ast.get_docstring(tree) or ""
         assert "May import" in docstring, f"tenplex/{name}.py should say what it may import"
+
+
+# ---------------------------------------------------------------- "May import:" contracts
+# Every module's docstring (or, for a package, its __init__'s) says what it may import. This test holds the
+# contracts to the code: every tenplex or fuse_vfs module a file imports must be named there (a package's
+# modules may always import each other, and "every tenplex layer" / "every lower layer" allow any), and so
+# must every third-party library it imports.
+THIRD_PARTY = {"numpy": "numpy", "torch": "torch", "grpc": "grpc", "google": "protobuf", "xxhash": "xxhash",
+               "safetensors": "safetensors", "tqdm": "tqdm", "mfusepy": "mfusepy", "fuse": "fusepy",
+               "kopf": "kopf", "kubernetes": "kubernetes", "yaml": "yaml", "orjson": "orjson"}
+ROOTS = ("tenplex", "fuse_vfs")
+
+
+def _contract(tree: ast.Module) -> str | None:
+    doc = ast.get_docstring(tree) or ""
+    match = re.search(r"May import:(.*?)(?:\n\s*\n|$)", doc, re.S)
+    return " ".join(match.group(1).split()) if match else None
+
+
+def _imports(tree: ast.Module, package: str) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if not node.level:
+                found.add(node.module or "")
+                continue
+            parts = package.split(".")
+            base = parts[:len(parts) - node.level + 1]
+            if node.module:
+                found.add(".".join([*base, node.module]))
+            else:  # from . import x: x may be a module of the package
+                found |= {".".join([*base, alias.name]) for alias in node.names}
+    return found
+
+
+def _violations(path: Path, repo: Path) -> list[str]:
+    module = ".".join(path.relative_to(repo).with_suffix("").parts).removesuffix(".__init__")
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    text = _contract(tree)
+    if text is None:
+        return [f"{module}: no 'May import:' line in its docstring"]
+    allowed = set(re.findall(r"(?<![\w.])((?:tenplex|fuse_vfs)(?:\.[a-z_]+)*)", text))
+    anything = re.search(r"every (?:tenplex |lower )?(?:layer|module)", text) is not None
+    # The top-level subpackage: tenplex.store.server may import tenplex.store.local.
+    own = ".".join(module.split(".")[:2]) if module.count(".") else module
+    problems = []
+    for name in sorted(_imports(tree, package)):
+        top = name.split(".")[0]
+        if top in ROOTS:
+            if name == own or name.startswith(own + ".") or anything:
+                continue
+            if not any(name == a or name.startswith(a + ".") for a in allowed if a != "tenplex") \
+                    and name != "tenplex":
+                problems.append(f"{module} imports {name}, which its 'May import:' line does not name")
+            elif name == "tenplex" and "tenplex" not in allowed:
+                problems.append(f"{module} imports tenplex, which its 'May import:' line does not name")
+        elif top in THIRD_PARTY and THIRD_PARTY[top] not in text.lower() and top not in text.lower():
+            problems.append(f"{module} imports {top}, which its 'May import:' line does not name")
+    return problems
+
+
+def test_may_import_lines_are_true():
+    repo = Path(tenplex.__file__).parents[1]
+    files = [p for root in ROOTS for p in sorted((repo / root).rglob("*.py")) if "_proto" not in p.parts]
+    problems = [v for path in files for v in _violations(path, repo)]
+    assert not problems, "\n".join(problems)
+
+
+def test_the_contract_check_catches_a_drifted_line(tmp_path):
+    """A module that imports what its line does not name is reported (the check can fail)."""
+    pkg = tmp_path / "tenplex" / "box.py"
+    pkg.parent.mkdir()
+    pkg.write_text('"""Boxes.\n\nMay import: only the standard library.\n"""\nimport numpy\nfrom .store import Store\n')
+    problems = _violations(pkg, tmp_path)
+    assert any("numpy" in p for p in problems) and any("tenplex.store" in p for p in problems)

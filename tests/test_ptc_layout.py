@@ -47,14 +47,14 @@ def test_padded_vocab_keeps_the_global_shape_real():
     # 37 rows padded to a multiple of 2 * 4 = 40: each rank's local tensor has 10 rows; the last holds 7 real ones.
     assert [s.shape for s in shards] == [(10, 8)] * 4
     assert [s.boxes for s in shards] == [(Box((10 * r, 0), (10 if r < 3 else 7, 8)),) for r in range(4)]
-    assert shards[3].pieces[0].local == Box((0, 0), (7, 8))
+    assert shards[3].regions[0].local == Box((0, 0), (7, 8))
 
 
 def test_padding_can_leave_a_rank_without_real_rows():
     rule = TensorRule("t", (3, 2), tp_dim=0, split="pad", anchors=("first",))
     ptc = PTC([rule])
     shard = ptc.local_shard(config(tp=4), 3, "t")
-    assert shard.shape == (1, 2) and shard.pieces == ()
+    assert shard.shape == (1, 2) and shard.regions == ()
     assert layout(ptc, config(tp=4)).devices["h0/3"] == ()
 
 
@@ -65,7 +65,7 @@ def test_fused_qkv_gives_each_rank_its_slice_of_every_block():
     shard = ptc.local_shard(cfg, 1, "layers.0.attn.qkv.weight")
     assert shard.shape == (3 * h // 2, h)
     assert shard.boxes == (Box((4, 0), (4, h)), Box((12, 0), (4, h)), Box((20, 0), (4, h)))
-    assert [p.local.offsets[0] for p in shard.pieces] == [0, 4, 8]
+    assert [p.local.offsets[0] for p in shard.regions] == [0, 4, 8]
     whole = ptc.local_shard(config(tp=1), 0, "layers.0.attn.qkv.weight")
     assert whole.boxes == (Box((0, 0), (3 * h, h)),)  # contiguous pieces merge
 
@@ -132,11 +132,11 @@ def test_local_pieces_reassemble_the_global_tensor():
         for rank in range(cfg.world_size):
             for shard in ptc.local_shards(cfg, rank):
                 local = np.full(shard.shape, np.nan, dtype=np.float32)
-                for piece in shard.pieces:
+                for piece in shard.regions:
                     assert piece.local.lengths == piece.box.lengths
                     assert Box.whole(shard.shape).contains(piece.local)
                     local[piece.local.slices()] = globals_[shard.tensor][piece.box.slices()]
-                assert np.isnan(local).sum() == local.size - sum(p.box.volume for p in shard.pieces)
+                assert np.isnan(local).sum() == local.size - sum(p.box.volume for p in shard.regions)
 
 
 @pytest.mark.parametrize("dp,tp,pp,sharding", [(1, 1, 1, "none"), (2, 2, 2, "none"), (4, 3, 1, "optimizer"),

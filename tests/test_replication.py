@@ -129,7 +129,8 @@ def test_a_replica_count_needs_every_hosts_store_address(tmp_path):
 def two_hosts() -> Layout:
     tensors = {"w": TensorSpec((64, 256), F32), "b": TensorSpec((256,), F32)}
     b = Shard("b", Box((0,), (256,)))
-    return Layout.build(tensors, {"h0/0": [Shard("w", rows(0, 32, 256)), b], "h1/0": [Shard("w", rows(32, 64, 256)), b]})
+    return Layout.build(tensors, {"h0/0": [Shard("w", rows(0, 32, 256)), b],
+                                  "h1/0": [Shard("w", rows(32, 64, 256)), b]})
 
 
 @pytest.fixture
@@ -240,33 +241,54 @@ def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 
 @pytest.fixture(scope="module")
 def recovery(tmp_path_factory):
-    """h0 and h1 save steps 1 and 2 (copied), then step 3 while h1's store dies mid-copy; h1 is lost.
-    The survivors h0 and a new host h2 restore, train and save step 4; then h0 alone restores it
-    while h2, gone from the job, still serves its store. Stores keep every version, for the checks."""
+    """A job's life on hosts h0, h1, h2, each with its own store process (stores keep every version here):
+
+    * first  [h0, h1]: save steps 1 and 2 (versions 1, 2), each copied to the other host;
+    * second [h0, h1]: save step 3 (version 3) while h1's store dies in the middle of h0's copy;
+    * rejoin [h0, h1]: h1 is back with an empty disk; restore (from h0's copy of h1's part of version 2), save step 4;
+    * smaller [h0, h2]: h1 is lost (store killed, disk gone), h2 is new; restore step 4 from the copies, save step 5;
+    * alone  [h0]: h2 left but its store still answers; restore step 5 through the address recorded with it.
+    """
     base = tmp_path_factory.mktemp("recovery")
     procs = {h: StoreProcess(base / "stores" / h, h) for h in ("h0", "h1", "h2")}
     try:
-        pair = {h: procs[h] for h in ("h0", "h1")}
-        first = run(base, "first", ["h0/0", "h1/0"], pair, [
-            {"op": "train", "steps": 1}, {"op": "save"}, {"op": "wait_replicated"},
-            {"op": "train", "steps": 1}, {"op": "save"}, {"op": "wait_replicated"}], keep=10)
+        def hosts(*names):
+            return {h: procs[h] for h in names}
+
+        saves = [{"op": "save"}, {"op": "wait_replicated"}]
+        first = run(base, "first", ["h0/0", "h1/0"], hosts("h0", "h1"),
+                    [{"op": "train", "steps": 1}, *saves, {"op": "train", "steps": 1}, *saves], keep=10)
         # h1's store dies on the second chunk it sends: in the middle of h0's copy of step 3.
         procs["h1"].stop()
-        pair["h1"] = procs["h1"] = StoreProcess(base / "stores" / "h1", "h1",
-                                                env={"TENPLEX_STORE_TEST_HOOKS": "exit_after_chunks=1"})
-        second = run(base, "second", ["h0/0", "h1/0"], pair, [
-            {"op": "restore"}, {"op": "train", "steps": 1}, {"op": "save"}, {"op": "wait_replicated"}], keep=10)
+        procs["h1"] = StoreProcess(base / "stores" / "h1", "h1", env={"TENPLEX_STORE_TEST_HOOKS": "exit_after_chunks=1"})
+        second = run(base, "second", ["h0/0", "h1/0"], hosts("h0", "h1"),
+                     [{"op": "restore"}, {"op": "train", "steps": 1}, *saves], keep=10)
         died = procs["h1"].proc.wait(30)
-        shutil.rmtree(procs["h1"].root)  # the host is lost with its disk
-        survivors = {h: procs[h] for h in ("h0", "h2")}
-        third = run(base, "third", ["h0/0", "h2/0"], survivors, [
-            {"op": "restore"}, {"op": "train", "steps": 2}, {"op": "save"}, {"op": "wait_replicated"}], keep=10)
-        alone = run(base, "alone", ["h0/0"], {"h0": procs["h0"]}, [{"op": "restore"}], keep=10)
-        yield {"base": base, "first": first, "second": second, "third": third, "alone": alone, "died": died,
-               "roots": {h: p.root for h, p in procs.items()}}
+        copies_after_second = held_versions(procs["h0"].root)
+        procs["h1"].stop()
+        shutil.rmtree(procs["h1"].root)  # h1 was lost with its disk, and comes back with an empty store
+        procs["h1"] = StoreProcess(base / "stores" / "h1", "h1")
+        rejoin = run(base, "rejoin", ["h0/0", "h1/0"], hosts("h0", "h1"),
+                     [{"op": "restore"}, {"op": "train", "steps": 2}, *saves], keep=10)
+        procs["h1"].kill()
+        shutil.rmtree(procs["h1"].root)  # lost for good
+        smaller = run(base, "smaller", ["h0/0", "h2/0"], hosts("h0", "h2"),
+                      [{"op": "restore"}, {"op": "train", "steps": 1}, *saves], keep=10)
+        alone = run(base, "alone", ["h0/0"], hosts("h0"), [{"op": "restore"}], keep=10)
+        yield {"base": base, "first": first, "second": second, "rejoin": rejoin, "smaller": smaller, "alone": alone,
+               "died": died, "copies_after_second": copies_after_second, "roots": {h: p.root for h, p in procs.items()}}
     finally:
         for p in procs.values():
             p.stop()
+
+
+def restored(recovery, job: str) -> tuple[int, dict]:
+    """The step every rank of ``job`` restored (the same on all) and rank 0's RestoreInfo."""
+    records = [ops[0] for ops in recovery[job]]
+    for record in records:
+        assert "error" not in record, record.get("trace")
+    assert len({json.dumps(r["info"], sort_keys=True) for r in records}) == 1  # every rank got the same answer
+    return records[0]["step"], records[0]["info"]
 
 
 def test_saves_record_every_store_and_count_as_replicated_once_copies_commit(recovery):
@@ -289,48 +311,49 @@ def test_a_host_lost_mid_copy_leaves_that_version_not_replicated(recovery):
     status = second[0][-1]["status"]
     assert status["version"] == 3 and status["state"] == "failed" and "h1/0" in status["error"]  # read from h1 failed
     # h0 holds committed copies of h1's versions 1 and 2 only: version 3's copy never committed.
-    assert held_versions(recovery["roots"]["h0"])["h1"] == [1, 2]
+    assert recovery["copies_after_second"]["h1"] == [1, 2]
 
 
-def test_survivors_resume_from_the_newest_complete_version_bit_for_bit(recovery):
-    base, third = recovery["base"], recovery["third"]
-    for rank_ops in third:
-        restore = rank_ops[0]
-        assert "error" not in restore, restore.get("trace")
-        info = restore["info"]
-        assert restore["step"] == 2 and info["saved_version"] == 2 and info["step"] == 2
-        assert info["lost_hosts"] == ["h1"]
-        assert [s["version"] for s in info["skipped"]] == [3] and "w" in info["skipped"][0]["reason"]
-        assert info["promoted_version"] == 4 and info["transformed"] and info["version"] == 5
-        assert info["replica_devices"] == {"h0/1": ["h0", "h1/0"]}
-    saved = full_state(base / "first", "saved_step2", recovery["first"], "save")
-    restored = full_state(base / "third", "restored", third, "restore")
-    assert_bit_equal(restored, saved)
+def test_a_host_back_with_an_empty_store_gets_its_part_from_the_copies_bit_for_bit(recovery):
+    step, info = restored(recovery, "rejoin")
+    assert step == 2 and info["saved_version"] == 2 and info["step"] == 2 and info["lost_hosts"] == ["h1"]
+    # Version 3 is skipped (not counted as replicated, so it cannot be assembled): step 3 is lost.
+    assert [(s["version"], s["step"]) for s in info["skipped"]] == [(3, 3)]
+    assert info["promoted_version"] == 4 and info["transformed"] and info["version"] == 5
+    assert info["replica_devices"] == {"h0/1": ["h0", "h1/0"]}
+    saved = full_state(recovery["base"] / "first", "saved_step2", recovery["first"], "save")
+    assert_bit_equal(full_state(recovery["base"] / "rejoin", "restored", recovery["rejoin"], "restore"), saved)
 
 
 def test_the_transformer_reads_the_lost_hosts_rows_from_the_copy(recovery):
     h0 = Store(recovery["roots"]["h0"], "h0")
-    promoted, transformed = h0.open(4).layout(), h0.open(5).layout()
-    # The copy is device h0/1 of the promoted version, linked from h0's committed copy of h1's rows.
-    assert {s.tensor: s.box for s in promoted.devices["h0/1"]} == {
-        "w": rows(4, 8), "optim.exp_avg.w": rows(4, 8), "optim.exp_avg_sq.w": rows(4, 8)}
-    moves = [t for t in plan(promoted, transformed).transfers if t.dst == "h2/0" and t.tensor.endswith("w")]
-    assert moves and {(t.src, t.box) for t in moves} == {("h0/1", rows(4, 8))}
-    assert h0.open(4).get_json("tenplex.torch_state")["step"] == 2
+    for promoted, transformed, target in ((4, 5, "h1/0"), (7, 8, "h2/0")):
+        old, new = h0.open(promoted).layout(), h0.open(transformed).layout()
+        # The copy is device h0/1 of the promoted version, linked from h0's committed copy of h1's rows.
+        assert {s.tensor: s.box for s in old.devices["h0/1"]} == {
+            "w": rows(4, 8), "optim.exp_avg.w": rows(4, 8), "optim.exp_avg_sq.w": rows(4, 8)}
+        assert not any(d.startswith("h1/") for d in old.devices)
+        moves = [t for t in plan(old, new).transfers if t.dst == target and t.tensor.endswith("w")]
+        assert moves and {(t.src, t.box) for t in moves} == {("h0/1", rows(4, 8))}
     # Versions a restore made carry the saved version's record: they are not copied themselves.
-    assert [replicas_of(h0.open(v).get_json("tenplex.stores"), v) for v in (2, 4, 5)] == [1, None, None]
+    assert [replicas_of(h0.open(v).get_json("tenplex.stores"), v) for v in (2, 4, 5, 6)] == [1, None, None, 1]
+
+
+def test_survivors_in_a_smaller_world_resume_from_the_copies_bit_for_bit(recovery):
+    step, info = restored(recovery, "smaller")
+    assert step == 4 and info["saved_version"] == 6 and info["lost_hosts"] == ["h1"] and info["skipped"] == []
+    assert info["promoted_version"] == 7 and info["transformed"] and info["version"] == 8
+    saved = full_state(recovery["base"] / "rejoin", "saved_step4", recovery["rejoin"], "save")
+    assert_bit_equal(full_state(recovery["base"] / "smaller", "restored", recovery["smaller"], "restore"), saved)
 
 
 def test_a_departed_host_is_reached_through_its_recorded_store(recovery):
-    base, alone = recovery["base"], recovery["alone"]
-    restore = alone[0][0]
-    assert "error" not in restore, restore.get("trace")
-    info = restore["info"]
-    # Step 4 was saved by h0 and h2; h2 left the job but its store answers at the recorded address.
-    assert restore["step"] == 4 and info["lost_hosts"] == [] and info["promoted_version"] is None
+    step, info = restored(recovery, "alone")
+    # Step 5 was saved by h0 and h2; h2 left the job but its store answers at the recorded address.
+    assert step == 5 and info["lost_hosts"] == [] and info["promoted_version"] is None
     assert info["transformed"] and info["plan_stats"]["inter_host_bytes"] > 0
-    saved = full_state(base / "third", "saved_step4", recovery["third"], "save")
-    assert_bit_equal(full_state(base / "alone", "restored", alone, "restore"), saved)
+    saved = full_state(recovery["base"] / "smaller", "saved_step5", recovery["smaller"], "save")
+    assert_bit_equal(full_state(recovery["base"] / "alone", "restored", recovery["alone"], "restore"), saved)
 
 
 def test_without_replication_a_lost_only_copy_is_an_error_and_nothing_is_restored(tmp_path):

@@ -16,7 +16,7 @@ import fuse_vfs
 from fuse_vfs import VfsError, mount, switch, write_state_file
 from tenplex.dataset import DatasetError, DatasetState, StateError, pack
 from tenplex.dataset.reader import open_fallback, open_mounted
-from tenplex.dataset.state import plan_steps
+from tenplex.dataset.state import upcoming_batches
 
 _WHY = fuse_vfs.fuse_unavailable_reason()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"FUSE unavailable: {_WHY}")
@@ -104,7 +104,7 @@ def test_exactly_once_across_switches_and_epochs(mounted):
     """Random dp degrees (most not dividing 10), switched every few steps over three epochs."""
     rng = np.random.default_rng(42)
     state = DatasetState(json.loads((mounted.mountpoint / "state.json").read_text())["dataset"], N, 7, 0, B)
-    reference = plan_steps(state, 1, 27)["batches"]        # 9 batches per epoch, unchanged run
+    reference = upcoming_batches(state, 1, 27)["batches"]        # 9 batches per epoch, unchanged run
     batches, dp = [], 3
     while state.epoch < 3:
         readers = [open_mounted(mounted.mountpoint, r) for r in range(dp)]
@@ -294,7 +294,8 @@ def test_server_crash_leaves_a_dead_mount_that_unmount_cleans(mounted, dataset, 
 def test_cli_mount_switch_status_unmount(dataset, tmp_path):
     info, _ = dataset
     cli = [sys.executable, "-c", "import sys; from tenplex.cli import main; sys.exit(main())"]
-    run = lambda *a: subprocess.run(cli + [str(x) for x in a], capture_output=True, text=True, timeout=120)
+    def run(*a):
+        return subprocess.run(cli + [str(x) for x in a], capture_output=True, text=True, timeout=120)
     out = run("data", "state", info.root, "--seed", 1, "--global-batch", B, "--dp", 2, "-o", tmp_path / "s.json")
     assert out.returncode == 0, out.stderr
     (tmp_path / "m").mkdir()

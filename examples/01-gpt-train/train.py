@@ -42,8 +42,7 @@ def main() -> None:
                 record.hold()
             batch = job.batch()                       # this rank's share of the global batch at job.step
             tokens = batch.data.long()                # (micro-batch, seq + 1)
-            trainer.local_batch = lambda _step: (tokens[:, :-1], tokens[:, 1:])
-            loss = trainer.train_step(job.step)
+            loss = trainer.train_step(job.step, (tokens[:, :-1], tokens[:, 1:]))
             if record:
                 record.step(job.step + 1, loss, batch.ids)
             if job.rank == 0:

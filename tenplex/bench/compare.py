@@ -32,7 +32,9 @@ the peak RSS (``VmHWM``) of every process: the store servers, or DCP's ranks,
 which hold the training state. ``raw_socket_file_gbps`` (one TCP socket from a
 file into a fresh file on the stores' filesystem) is measured in the same run.
 ``--verify`` checks every new shard bit for bit; ``--quick`` is a tiny model
-that checks the command works.
+that checks the command works. With ``--link-mbit N`` the store methods run on
+hosts with links of their own and report what the links carried
+(``compare_linked``).
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a tiny model (checks that the command works; implies --verify)")
     parser.add_argument("--plot", type=Path, metavar="FILE", help="write a PNG bar chart of seconds per method")
+    parser.add_argument("--link-mbit", type=float,
+                        help="run the store methods' hosts behind links of this many Mbit/s each way (emulated "
+                             "cluster; needs root and iproute2): wire bytes, link efficiency, speedup the links allow")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -86,6 +91,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..parallel import ParallelConfig
     from ..planner import plan
     from ..ptc import layout
+    from .compare_linked import link_speedups, run_store_method
     from .transfer import socket_file_seconds
 
     methods = [m for m in args.methods.split(",") if m]
@@ -106,8 +112,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     news = {name: make(*config) for name, *config in changes}
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
     rows: dict[tuple[str, str], dict] = {}
-    with tempfile.TemporaryDirectory(prefix="tenplex-compare-", dir=base_dir) as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="tenplex-compare-", dir=base_dir) as tmp_name:
+        tmp = Path(tmp_name)
         baseline = min(BASELINE_BYTES, max(1 << 20, old.total_bytes()))
         file_gbps = baseline / socket_file_seconds(tmp, baseline) / 1e9
         # Method by method, so that tmpfs holds one method's copies of the state at a time.
@@ -117,7 +123,10 @@ def run(args: argparse.Namespace) -> list[dict]:
             write_version(tmp / "stores", old, 1)
             for name, new in news.items():
                 for method in ("tenplex", "centralised"):
-                    if method in methods:
+                    if method in methods and args.link_mbit:
+                        rows[(name, method)] = run_store_method(method, tmp / "stores", old, new, args.streams,
+                                                                verify, args.link_mbit)
+                    elif method in methods:
                         rows[(name, method)] = _run_store_method(method, tmp / "stores", old, new, args.streams,
                                                                  verify)
             shutil.rmtree(tmp / "stores")
@@ -141,6 +150,7 @@ def run(args: argparse.Namespace) -> list[dict]:
         tenplex = next((r for r in results if r["change"] == row["change"] and r["method"] == "tenplex"), None)
         if tenplex is not None:
             row["seconds_over_tenplex"] = round(row["seconds"] / max(tenplex["seconds"], 1e-9), 2)
+    link_speedups(results)
     if args.plot:
         plot(results, args.plot)
     return results
@@ -254,26 +264,19 @@ def _add(a: dict, b: dict) -> dict:
 
 def _start_servers(root: Path, hosts: list[str], timeout: float = 60.0) -> dict:
     """One ``tenplex store serve`` per host, started at once; {host: (process, address)}."""
-    import sys
+    from ..runtime.hosts import await_store, spawn_store
 
     procs = {}
     try:
         for h in hosts:
             (root / h).mkdir(parents=True, exist_ok=True)
-            (root / f"{h}.port").unlink(missing_ok=True)  # the previous server's: the new one writes its own
-            procs[h] = subprocess.Popen([sys.executable, "-m", "tenplex.cli.store", "serve", "--root", str(root / h),
-                                         "--host", h, "--port", "0", "--port-file", str(root / f"{h}.port")],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs[h] = spawn_store(root / h, h, root / f"{h}.port")
         deadline = time.monotonic() + timeout
-        for h, proc in procs.items():
-            while not (root / f"{h}.port").exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"store server {h} did not start (exit {proc.poll()})")
-                time.sleep(0.05)
+        addresses = {h: await_store(proc, h, root / f"{h}.port", deadline) for h, proc in procs.items()}
     except BaseException:
         _stop_servers({h: (proc, "") for h, proc in procs.items()})
         raise
-    return {h: (proc, f"127.0.0.1:{int((root / f'{h}.port').read_text())}") for h, proc in procs.items()}
+    return {h: (proc, addresses[h]) for h, proc in procs.items()}
 
 
 def _stop_servers(servers: dict) -> None:

@@ -1,7 +1,7 @@
 """The DCP side of ``tenplex bench compare``: ``dcp.save`` under one layout, ``dcp.load`` with resharding under another.
 
-May import: torch, numpy, ``tenplex.layout``, ``tenplex.box``, this package's
-``gpt_state`` and the standard library.
+May import: torch, numpy, ``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``,
+``tenplex.files``, this package's ``gpt_state`` and the standard library.
 
 One process per device of the layout, one real gloo process group
 (``python -m tenplex.bench.compare_dcp SPEC RANK``; rank r is the r-th device

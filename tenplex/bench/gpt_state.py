@@ -29,7 +29,7 @@ def values(tensor: str, shape: tuple[int, ...], box: Box) -> np.ndarray:
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
-    index = np.int64(zlib.crc32(tensor.encode()) % PRIME)
+    index = np.asarray(zlib.crc32(tensor.encode()) % PRIME, dtype=np.int64)
     for d, (offset, length) in enumerate(zip(box.offsets, box.lengths)):
         axis = [1] * len(shape)
         axis[d] = length
@@ -40,19 +40,10 @@ def values(tensor: str, shape: tuple[int, ...], box: Box) -> np.ndarray:
 
 def write_version(root: Path, layout: Layout, version: int) -> None:
     """Commit ``version`` of ``layout`` into one local store per host under ``root`` (``root/<host>``)."""
-    from ..store import Store
+    from ..store import Store, fill
 
-    for host in layout.hosts():
-        with Store(root / host, host).begin(version) as w:
-            for device, shards in sorted(layout.devices.items()):
-                if host_of(device) != host:
-                    continue
-                for shard in shards:
-                    spec = layout.tensors[shard.tensor]
-                    w.put(device, shard.tensor, shard.box, values(shard.tensor, spec.shape, shard.box), spec.dtype,
-                          shape=spec.shape)
-            w.put_json("step", {"step": 1000})
-            w.commit()
+    fill.write_version({h: Store(root / h, h) for h in layout.hosts()}, layout, version,
+                       lambda tensor, box: values(tensor, layout.tensors[tensor].shape, box), {"step": {"step": 1000}})
 
 
 def mismatches(root: Path, layout: Layout, version: int) -> list[str]:

@@ -14,6 +14,10 @@ written in Python), and ``reload_bytes`` is what a stop / checkpoint /
 restart would move between hosts (every byte of the new state).
 Times are wall (``*_seconds``) and CPU (``*_cpu_seconds``); the CPU time is the
 fairer number on a shared machine.
+
+May import: the PTC core (``tenplex.box``, ``tenplex.parallel``, ``tenplex.gpt``,
+``tenplex.ptc``, ``tenplex.planner``, ``tenplex.transfer_plan``,
+``tenplex._gc``, ``tenplex.errors``), tqdm and the standard library.
 """
 
 from __future__ import annotations
@@ -101,6 +105,12 @@ def _measure(ptc, old_config: ParallelConfig, new_config: ParallelConfig, label:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    jobs = _scenarios(args, *_series(args))
+    return [_measure(*job) for job in tqdm(jobs, desc="bench plan", unit="plan", leave=False, disable=None)]
+
+
+def _series(args: argparse.Namespace) -> tuple[list[int], list[int]]:
+    """The checked device and layer counts of the scaling series."""
     if args.devices % 128 or args.layers < 16:
         raise ConfigError(f"--devices {args.devices} must be a multiple of 128 and --layers {args.layers} at least "
                           f"16 (the old configuration is dp=devices/128, tp=8, pp=16)")
@@ -108,7 +118,11 @@ def run(args: argparse.Namespace) -> list[dict]:
     series_layers = _numbers(args.series_layers, "--series-layers")
     if any(n % 128 for n in series_devices) or any(n < 16 for n in series_layers):
         raise ConfigError("series device counts must be multiples of 128 and layer counts at least 16")
+    return series_devices, series_layers
 
+
+def _scenarios(args: argparse.Namespace, series_devices: list[int], series_layers: list[int]) -> list[tuple]:
+    """(PTC, old config, new config, label, with floor baseline) for every scenario, then the series."""
     def model(layers: int):
         return gpt(layers, args.hidden, args.heads, args.vocab, optimizer="adam")
 
@@ -123,4 +137,4 @@ def run(args: argparse.Namespace) -> list[dict]:
              for d in series_devices]
     jobs += [(model(layers), _config(n, 1, 8, 16), _config(n, 2, 8, 8), f"series: {layers} layers", False)
              for layers in series_layers]
-    return [_measure(*job) for job in tqdm(jobs, desc="bench plan", unit="plan", leave=False, disable=None)]
+    return jobs

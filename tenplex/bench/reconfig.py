@@ -13,11 +13,20 @@ moved in each category (linked = kept without copying), next to the plan's
 statistics. Baselines from the same run: the time ``memcpy`` would need for
 the target bytes, and the time one raw TCP socket would need for the
 inter-host bytes.
+
+With ``--link-mbit N`` every host's store runs inside an emulated cluster
+(``tenplex.bench.cluster``: a network namespace per host, N Mbit/s each way
+per host link) and the coordinator in its control host. Each change then also
+reports what crossed the links by the kernel's counters
+(``inter_host_wire_bytes``, ``wire_vs_lower_bound``, bytes per host), the
+link-bound time and ``link_efficiency`` (``tenplex.bench.linked``). Without
+root and iproute2 it refuses rather than measuring loopback.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import tempfile
@@ -35,6 +44,7 @@ CHANGES = [
     ("tp 2->4, pp 2->1", 2, 4, 1, 2, 4),
     ("pp 2->4, tp 2->1", 2, 1, 4, 2, 4),
     ("hosts 2->4 (4 hosts x 2 devices)", 2, 2, 2, 4, 2),
+    ("move to new hosts h2,h3 (same config)", 2, 2, 2, 2, 4, 2),  # last field: index of the first host
 ]
 
 
@@ -45,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--streams", type=int, default=4, help="concurrent pulls per destination host")
     parser.add_argument("--dir", type=Path, help="directory for the stores (default: tmpfs if it has room)")
+    parser.add_argument("--link-mbit", type=float,
+                        help="run each host's store behind its own link of this many Mbit/s each way (emulated "
+                             "cluster; needs root and iproute2) and report wire bytes and link efficiency")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -54,32 +67,46 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..ptc import layout
     from ..store import Store
     from ..transform import transform
+    from .cluster import EmulatedCluster
+    from .linked import LinkedStores, measured_transform
     from .transfer import _memcpy_seconds, _socket_seconds, _start_server
 
     model = gpt(args.layers, args.hidden, args.heads, args.vocab, optimizer="adam")
 
-    def make(dp, tp, pp, hosts, per_host):
-        return layout(model, ParallelConfig.on_hosts(dp, tp, pp, hosts, per_host))
+    def make(dp, tp, pp, hosts, per_host, first_host=0):
+        devices = tuple(f"h{h}/{i}" for h in range(first_host, first_host + hosts) for i in range(per_host))
+        return layout(model, ParallelConfig(dp, tp, pp, devices))
 
     old = make(*BASE[1:])
     state_bytes = old.total_bytes()
-    hosts = sorted({f"h{h}" for _, _, _, _, n, _ in CHANGES for h in range(n)} | set(old.hosts()))
+    hosts = sorted({h for _, *config in CHANGES for h in make(*config).hosts()} | set(old.hosts()))
     memcpy_gbps = (256 << 20) / _memcpy_seconds(256 << 20) / 1e9
     socket_gbps = (512 << 20) / _socket_seconds(512 << 20) / 1e9
     base_dir = args.dir or _default_dir(3 * 2 * state_bytes)
     results = []
-    with tempfile.TemporaryDirectory(prefix="tenplex-reconfig-", dir=base_dir) as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="tenplex-reconfig-", dir=base_dir) as tmp_name:
+        tmp = Path(tmp_name)
         _write_base(tmp, old)
-        servers = {}
-        try:
-            for h in hosts:
-                servers[h] = _start_server(tmp, h)
-            stores = {h: address for h, (_, address) in servers.items()}
+        with contextlib.ExitStack() as stack:
+            if args.link_mbit:  # refuses (ClusterUnavailable) rather than measuring loopback
+                cluster = stack.enter_context(EmulatedCluster(hosts, mbit=args.link_mbit))
+                linked = LinkedStores(cluster, {h: tmp / h for h in hosts}, tmp / "work")
+
+                def run_change(the_plan, new):
+                    return measured_transform(linked, the_plan, old, new, 1, 2, streams=args.streams)
+            else:
+                servers: dict = {}
+                stack.callback(_stop, servers)
+                for h in hosts:
+                    servers[h] = _start_server(tmp, h)
+                stores = {h: address for h, (_, address) in servers.items()}
+
+                def run_change(the_plan, new):
+                    return transform(the_plan, old, new, stores, 1, 2, streams=args.streams), {}
             for name, *config in CHANGES:
                 new = make(*config)
                 the_plan = plan(old, new)
-                report = transform(the_plan, old, new, stores, 1, 2, streams=args.streams)
+                report, links = run_change(the_plan, new)
                 moved = report["hosts"]
                 stats = the_plan.stats
                 results.append({
@@ -98,14 +125,17 @@ def run(args: argparse.Namespace) -> list[dict]:
                     "baseline_memcpy_seconds": round(stats.target_bytes / memcpy_gbps / 1e9, 3),
                     "baseline_raw_socket_seconds": round(stats.inter_host_bytes / socket_gbps / 1e9, 3),
                     "streams": args.streams, "store_dir": str(base_dir), "cpus": os.cpu_count(),
+                    "load_average": [round(x, 2) for x in os.getloadavg()], **links,
                 })
                 for h in new.hosts():
                     Store(tmp / h, h).delete(2)
-        finally:
-            for proc, _ in servers.values():
-                proc.terminate()
-                proc.wait()
     return results
+
+
+def _stop(servers: dict) -> None:
+    for proc, _ in servers.values():
+        proc.terminate()
+        proc.wait()
 
 
 def _default_dir(needed: int) -> Path | None:

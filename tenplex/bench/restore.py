@@ -41,6 +41,7 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from ..errors import UsageError
 from ..runtime.hosts import Hosts
@@ -87,56 +88,45 @@ def run(args: argparse.Namespace) -> dict:
 
 
 # ------------------------------------------------------------------ worker
-def _worker(spec_path: str) -> None:
-    import torch.distributed as dist
+class _Timed:
+    """Timings of collective steps: a barrier before and after each, so a step measures the slowest rank."""
 
-    import tenplex
-    from tenplex.models.gpt import GPTConfig, Parallel, Trainer
+    def __init__(self, result: dict, spec: dict) -> None:
+        self.result, self.spec = result, spec
 
-    spec = json.loads(Path(spec_path).read_text())
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    cfg = GPTConfig(**spec["model"])
-    result: dict = {"old": spec["old"], "new": spec["new"], "model": spec["model"],
-                    "tenplex_new_hosts": len(spec["roots"])}
+    def __call__(self, key: str, fn) -> None:
+        import torch.distributed as dist
 
-    def timed(key, fn):
         dist.barrier()
         start = time.perf_counter()
         fn()
         dist.barrier()
-        result[key] = round(time.perf_counter() - start, 3)
+        self.result[key] = round(time.perf_counter() - start, 3)
 
-    def timed_restore(key, load):
+    def restore(self, key: str, load) -> None:
         """Time ``load(trainer)`` into a fresh model and optimizer under the new configuration, as after a restart."""
-        timed(key, partial(load, Trainer(cfg, Parallel.parse(spec["new"]), global_batch=8)))
+        from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
-    old = Trainer(cfg, Parallel.parse(spec["old"]), global_batch=8)
+        cfg = GPTConfig(**self.spec["model"])
+        self(key, partial(load, Trainer(cfg, Parallel.parse(self.spec["new"]), global_batch=8)))
+
+
+def _worker(spec_path: str) -> None:
+    import torch.distributed as dist
+
+    from tenplex.models.gpt import GPTConfig, Parallel, Trainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    dist.init_process_group("gloo")
+    result: dict = {"old": spec["old"], "new": spec["new"], "model": spec["model"],
+                    "tenplex_new_hosts": len(spec["roots"])}
+    timed = _Timed(result, spec)
+    old = Trainer(GPTConfig(**spec["model"]), Parallel.parse(spec["old"]), global_batch=8)
     old.train_step(0)
     result["state_bytes"] = _state_bytes(old)
-    ckpt = tenplex.Checkpointer(store_root=spec["roots"]["h0"], host="h0", device=f"h0/{rank}", stores=spec["stores"])
-    host = f"h{rank % len(spec['roots'])}"
-    new_ckpt = tenplex.Checkpointer(store_root=spec["roots"][host], host=host, stores=spec["stores"],
-                                    device=f"{host}/{rank // len(spec['roots'])}")
-    timed("tenplex_save_s", partial(tenplex.save, old.model, old.optimizer, step=1, scheduler=old.scheduler,
-                                    checkpointer=ckpt))
-    timed_restore("tenplex_restore_s", lambda new: tenplex.restore(new.model, new.optimizer, scheduler=new.scheduler,
-                                                                   checkpointer=new_ckpt))
-    result["tenplex_transformed"] = new_ckpt.last_restore.transformed
-    dist.barrier()
-    if rank < len(spec["roots"]):  # free the tmpfs before DCP writes there (the machine's memory is the limit)
-        for version in new_ckpt.store.versions():
-            new_ckpt.store.delete(version)
-    for where in ("tmpfs", "disk"):
-        path = spec[f"dcp_{where}"]
-        timed(f"dcp_{where}_save_s", partial(_dcp_save, old, path))
-        if rank == 0 and where == "disk":
-            _drop_page_cache(Path(path))
-        timed_restore(f"dcp_{where}_load_s", partial(_dcp_load, path=path))
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(path, ignore_errors=True)
-    if rank == 0:
+    _time_tenplex(timed, old, spec)
+    _time_dcp(timed, old, spec)
+    if dist.get_rank() == 0:
         for what, key in (("save", "save"), ("restore", "load")):
             for where in ("tmpfs", "disk"):
                 result[f"dcp_{where}_{key}_over_tenplex"] = round(result[f"dcp_{where}_{key}_s"]
@@ -144,6 +134,43 @@ def _worker(spec_path: str) -> None:
         Path(spec["result"]).write_text(json.dumps(result))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _time_tenplex(timed: _Timed, old, spec: dict) -> None:
+    """tenplex.save into h0's store, tenplex.restore under the new configuration; then free the tmpfs."""
+    import torch.distributed as dist
+
+    import tenplex
+
+    rank, roots = dist.get_rank(), spec["roots"]
+    ckpt = tenplex.Checkpointer(store_root=roots["h0"], host="h0", device=f"h0/{rank}", stores=spec["stores"])
+    host = f"h{rank % len(roots)}"
+    new_ckpt = tenplex.Checkpointer(store_root=roots[host], host=host, stores=spec["stores"],
+                                    device=f"{host}/{rank // len(roots)}")
+    timed("tenplex_save_s", partial(tenplex.save, old.model, old.optimizer, step=1, scheduler=old.scheduler,
+                                    checkpointer=ckpt))
+    timed.restore("tenplex_restore_s", lambda new: tenplex.restore(new.model, new.optimizer,
+                                                                   scheduler=new.scheduler, checkpointer=new_ckpt))
+    timed.result["tenplex_transformed"] = new_ckpt.last_restore.transformed
+    dist.barrier()
+    if rank < len(roots):  # free the tmpfs before DCP writes there (the machine's memory is the limit)
+        for version in new_ckpt.store.versions():
+            new_ckpt.store.delete(version)
+
+
+def _time_dcp(timed: _Timed, old, spec: dict) -> None:
+    """dcp.save and dcp.load (with resharding) on tmpfs, then on disk with its page cache dropped."""
+    import torch.distributed as dist
+
+    for where in ("tmpfs", "disk"):
+        path = spec[f"dcp_{where}"]
+        timed(f"dcp_{where}_save_s", partial(_dcp_save, old, path))
+        if dist.get_rank() == 0 and where == "disk":
+            _drop_page_cache(Path(path))
+        timed.restore(f"dcp_{where}_load_s", partial(_dcp_load, path=path))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _dcp_save(trainer, path: str) -> None:
@@ -160,7 +187,7 @@ def _dcp_load(trainer, path: str) -> None:
 
     # get_state_dict creates the fresh optimizer's state (DCP's own initialisation), inside the timing like ours.
     model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 

@@ -30,6 +30,8 @@ Numbers from the same run and machine:
   into a new file on the stores' filesystem (the page allocation every new
   version pays, which the raw socket does not).
 Stores live on tmpfs (/dev/shm) when it exists, so the disk is not measured.
+With ``--link-mbit N`` the two stores sit on hosts with links of their own
+instead (``tenplex.bench.transfer_linked``).
 """
 
 from __future__ import annotations
@@ -59,9 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-bytes", type=int, default=0, help="gRPC chunk payload (default: the store's)")
     parser.add_argument("--repeat", type=int, default=3, help="tenplex and socket runs; the median is reported")
     parser.add_argument("--dir", type=Path, help="directory for the two stores (default: a tmpfs directory)")
+    parser.add_argument("--link-mbit", type=float,
+                        help="put each store behind its own link of this many Mbit/s each way (emulated cluster; "
+                             "needs root and iproute2) and report wire bytes and link efficiency")
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.link_mbit:
+        from .transfer_linked import run as run_linked
+        return run_linked(args)
     from ..layout import Layout, Shard, TensorSpec
     from ..box import Box
     from ..transfer_plan import Plan, PlanStats, Transfer
@@ -78,8 +86,8 @@ def run(args: argparse.Namespace) -> dict:
     plan = Plan((Transfer("x", "h0/0", "h1/0", "old", whole),),
                 PlanStats(target_bytes=nbytes, inter_host_bytes=nbytes, inter_host_lower_bound=nbytes))
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
-    with tempfile.TemporaryDirectory(prefix="tenplex-bench-", dir=base_dir) as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="tenplex-bench-", dir=base_dir) as tmp_name:
+        tmp = Path(tmp_name)
         data = np.random.default_rng(0).random(shape, dtype=np.float32)
         with Store(tmp / "h0", "h0").begin(1) as w:
             w.put("h0/0", "x", whole, data, "float32", shape=shape)
@@ -243,8 +251,8 @@ def socket_file_seconds(directory: Path, nbytes: int) -> float:
     source, dest = directory / "socket-file-src.bin", directory / "socket-file-dst.bin"
     block = np.full(8 << 20, 7, dtype=np.uint8)
     with open(source, "wb") as f:
-        for start in range(0, nbytes, block.nbytes):
-            f.write(memoryview(block)[:min(block.nbytes, nbytes - start)])
+        for offset in range(0, nbytes, block.nbytes):
+            f.write(memoryview(block)[:min(block.nbytes, nbytes - offset)])
     buffer = bytearray(4 << 20)
     view = memoryview(buffer)
     listener = socket.create_server(("127.0.0.1", 0))

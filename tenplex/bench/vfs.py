@@ -93,13 +93,12 @@ def _records(count: int, size: int, rng: np.random.Generator):
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import fuse_vfs
     from fuse_vfs.mount import write_state_file
-    from ..dataset.reader import open_mounted
 
     sample = args.sample_kb << 10
     count = max(1, (args.size_mb << 20) // sample)
     chunk = args.chunk_kb << 10
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="tenplex-bench-vfs-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="tenplex-bench-vfs-") as tmp_name:
+        tmp = Path(tmp_name)
         info = write_dataset(_records(count, sample, np.random.default_rng(0)), tmp / "ds", "bytes",
                              file_bytes=64 << 20)
         state = DatasetState(info.identity, info.num_samples, seed=0, position=0, global_batch=1)
@@ -109,45 +108,62 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 libfuse=args.libfuse)
         try:
             libfuse = fuse_vfs.read_root(tmp / "mnt")["libfuse"]
-            data = tmp / "mnt" / "rank0" / "data"
-            records = [info.record_path(i) for i in range(len(info.files))]
-            total = sum(f.bytes for f in info.files)
-
-            def fresh_view() -> Path:
-                # A new generation has new paths, hence a cold kernel cache for the view's files.
-                fuse_vfs.switch(tmp / "mnt", position=0)
-                return Path(os.path.realpath(data))
-
-            _seq(records, chunk)  # warm the record files' page cache
-            direct_seq = _best(lambda: _seq(records, chunk)[1], args.repeat)
-            vfs_seq = _best(lambda: _seq([fresh_view()], chunk)[1], args.repeat)
-            vfs_seq_warm = _best(lambda: _seq([data], chunk)[1], args.repeat)
-
-            reader = open_mounted(tmp / "mnt", 0)
-            rows = info.index[reader.sample_ids][:, [FILE, OFFSET, LENGTH]]   # (n, 3) in view order
-            picks = np.random.default_rng(1).integers(0, count, args.random_reads)
-            view_rows = np.stack([np.zeros_like(picks), reader.index[picks, 1], reader.index[picks, 2]], 1)
-            reader.close()
-            fds = [os.open(p, os.O_RDONLY) for p in records]
-            try:
-                direct_view = _best(lambda: _preads(fds, rows), args.repeat)
-                direct_rand = _best(lambda: _preads(fds, rows[picks]), args.repeat)
-                vfs_rand = _best(lambda: _view_preads(fresh_view(), view_rows), args.repeat)
-                vfs_rand_warm = _best(lambda: _view_preads(data, view_rows), args.repeat)
-            finally:
-                for fd in fds:
-                    os.close(fd)
+            seconds = {**_sequential(info, tmp / "mnt", chunk, args.repeat),
+                       **_random(info, tmp / "mnt", count, args.random_reads, args.repeat)}
         finally:
             handle.unmount(lazy=True)
-    gb = total / 1e9
+    total = sum(f.bytes for f in info.files)
+    return _summary(args, seconds, total, count, sample, chunk, libfuse)
+
+
+def _fresh_view(mount: Path) -> Path:
+    """rank 0's data file in a new generation: new paths, hence a cold kernel cache for the view's files."""
+    import fuse_vfs
+
+    fuse_vfs.switch(mount, position=0)
+    return Path(os.path.realpath(mount / "rank0" / "data"))
+
+
+def _sequential(info, mount: Path, chunk: int, repeat: int) -> dict[str, float]:
+    """Seconds to read everything in ``chunk`` pieces: the record files, the view first-pass, the view warm."""
+    records = [info.record_path(i) for i in range(len(info.files))]
+    _seq(records, chunk)  # warm the record files' page cache
+    return {"direct_seq": _best(lambda: _seq(records, chunk)[1], repeat),
+            "vfs_seq": _best(lambda: _seq([_fresh_view(mount)], chunk)[1], repeat),
+            "vfs_seq_warm": _best(lambda: _seq([mount / "rank0" / "data"], chunk)[1], repeat)}
+
+
+def _random(info, mount: Path, count: int, random_reads: int, repeat: int) -> dict[str, float]:
+    """Seconds to pread samples: the whole view in order from the record files; random ones each way."""
+    from ..dataset.reader import open_mounted
+
+    reader = open_mounted(mount, 0)
+    rows = info.index[reader.sample_ids][:, [FILE, OFFSET, LENGTH]]   # (n, 3) in view order
+    picks = np.random.default_rng(1).integers(0, count, random_reads)
+    view_rows = np.stack([np.zeros_like(picks), reader.index[picks, 1], reader.index[picks, 2]], 1)
+    reader.close()
+    fds = [os.open(info.record_path(i), os.O_RDONLY) for i in range(len(info.files))]
+    try:
+        return {"direct_view": _best(lambda: _preads(fds, rows), repeat),
+                "direct_rand": _best(lambda: _preads(fds, rows[picks]), repeat),
+                "vfs_rand": _best(lambda: _view_preads(_fresh_view(mount), view_rows), repeat),
+                "vfs_rand_warm": _best(lambda: _view_preads(mount / "rank0" / "data", view_rows), repeat)}
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _summary(args: argparse.Namespace, seconds: dict[str, float], total: int, count: int, sample: int, chunk: int,
+             libfuse: str) -> dict[str, Any]:
+    gb, reads = total / 1e9, args.random_reads
     result = {
         "bytes": total, "samples": count, "sample_bytes": sample, "chunk_bytes": chunk, "libfuse": libfuse,
         "repeat": args.repeat,
-        "vfs_seq_gbps": gb / vfs_seq, "vfs_seq_warm_gbps": gb / vfs_seq_warm,
-        "direct_seq_gbps": gb / direct_seq, "direct_view_gbps": gb / direct_view,
-        "vfs_random_samples_per_s": args.random_reads / vfs_rand,
-        "vfs_random_warm_samples_per_s": args.random_reads / vfs_rand_warm,
-        "direct_random_samples_per_s": args.random_reads / direct_rand,
+        "vfs_seq_gbps": gb / seconds["vfs_seq"], "vfs_seq_warm_gbps": gb / seconds["vfs_seq_warm"],
+        "direct_seq_gbps": gb / seconds["direct_seq"], "direct_view_gbps": gb / seconds["direct_view"],
+        "vfs_random_samples_per_s": reads / seconds["vfs_rand"],
+        "vfs_random_warm_samples_per_s": reads / seconds["vfs_rand_warm"],
+        "direct_random_samples_per_s": reads / seconds["direct_rand"],
     }
     result["seq_ratio"] = result["vfs_seq_gbps"] / result["direct_seq_gbps"]
     result["seq_warm_ratio"] = result["vfs_seq_warm_gbps"] / result["direct_seq_gbps"]

@@ -1,4 +1,4 @@
-"""``python -m tenplex.cli``: the same as the ``tenplex`` command."""
+"""``python -m tenplex.cli``: the same as the ``tenplex`` command. May import: ``tenplex.cli``."""
 
 import sys
 

@@ -5,6 +5,8 @@ Each benchmark is a module ``tenplex.bench.<name>`` exposing ``DESCRIPTION``,
 ``--json`` the result is printed as indented JSON, or by the module's
 ``table(objects) -> str`` when it has one; with it, compactly on one line per
 object (a list prints one object per line).
+
+May import: ``tenplex.bench`` (by name, on use) and the standard library.
 """
 
 from __future__ import annotations

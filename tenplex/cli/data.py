@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import json
 
-from ..dataset import DatasetState, open_dataset, pack, plan_steps, write_state_file
+from ..dataset import DatasetState, open_dataset, pack, upcoming_batches, write_state_file
 from ..dataset.pack import DEFAULT_FILE_BYTES
 
 
@@ -85,7 +85,7 @@ def _state(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     state = DatasetState("", args.num_samples, args.seed, args.position, args.global_batch, not args.keep_last)
-    result = plan_steps(state, args.dp, args.steps)
+    result = upcoming_batches(state, args.dp, args.steps)
     if args.json:
         print(json.dumps(result))
         return 0

@@ -1,6 +1,7 @@
 """``tenplex demo``: a small GPT job trains, is rescaled onto other hosts and parallelism, and continues.
 
-May import: ``tenplex.runtime`` and the standard library (no torch in this process).
+May import: ``tenplex.runtime``, ``tenplex.elastic`` (``--elastic``, on use), ``tenplex.errors`` and the
+standard library (no torch in this process).
 """
 
 from __future__ import annotations

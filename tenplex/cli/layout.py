@@ -1,7 +1,7 @@
 """``tenplex layout``: write the layout of a built-in model under a parallel configuration.
 
-May import: ``tenplex.gpt``, ``tenplex.ptc``, ``tenplex.parallel``, ``tenplex.files``,
-``tenplex.errors`` and the standard library.
+May import: ``tenplex.gpt``, ``tenplex.ptc``, ``tenplex.parallel``, ``tenplex.dtypes``,
+``tenplex.files``, ``tenplex.errors`` and the standard library.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--optimizer", choices=["adam", "none"], default="none",
                         help="add optimizer states (adam: exp_avg and exp_avg_sq per parameter)")
     parser.add_argument("--dtype", choices=sorted(ITEMSIZE), default="float32", help="parameter dtype")
-    parser.add_argument("--tied", action="store_true", help="tie embedding and head (embedding on first and last stage)")
+    parser.add_argument("--tied", action="store_true",
+                        help="tie embedding and head (embedding on first and last stage)")
     parser.add_argument("--gated", action="store_true", help="fused gate|up MLP input projection (SwiGLU-style)")
     parser.add_argument("--vocab-pad-multiple", type=int, default=1, metavar="M",
                         help="pad the vocabulary to a multiple of M * tp in local tensors (default 1)")

@@ -1,6 +1,6 @@
 """``tenplex store``: run a host's tensor store server, inspect stores, run a transformation.
 
-May import: every tenplex layer.
+May import: every tenplex layer, tqdm and the standard library.
 
     tenplex store serve --root DIR --host h0 [--bind 127.0.0.1] [--port 0] [--token-file F] [--port-file F]
     tenplex store ls ADDRESS [--version N] [--token-file F]

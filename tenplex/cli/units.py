@@ -6,7 +6,7 @@ def human_bytes(n: int) -> str:
     if abs(n) < 1024:
         return f"{n} B"
     value = float(n)
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
+    for unit in ("KiB", "MiB", "GiB", "TiB"):  # noqa: B007 -- the unit the loop stops at is the answer
         value /= 1024
         if abs(value) < 1024:
             break

@@ -7,11 +7,11 @@ torch and is not imported here. Never imports ``fuse_vfs`` (the FUSE layer sits 
 
 from .format import DatasetError, DatasetInfo, decode_sample, open_dataset
 from .pack import pack, write_dataset
-from .state import DatasetState, StateError, epoch_order, plan_steps, remaining_in_epoch, split_sizes
+from .state import DatasetState, StateError, epoch_order, upcoming_batches, remaining_in_epoch, split_sizes
 from .statefile import check_state_matches, load_state_file, write_state_file
 
 __all__ = [
     "DatasetError", "DatasetInfo", "DatasetState", "StateError", "check_state_matches", "decode_sample",
-    "epoch_order", "load_state_file", "open_dataset", "pack", "plan_steps", "remaining_in_epoch", "split_sizes",
+    "epoch_order", "load_state_file", "open_dataset", "pack", "upcoming_batches", "remaining_in_epoch", "split_sizes",
     "write_dataset", "write_state_file",
 ]

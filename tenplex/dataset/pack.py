@@ -1,6 +1,7 @@
 """Build a dataset in the record format from common inputs.
 
-May import: numpy, tqdm, the standard library and ``tenplex.dataset.format``.
+May import: numpy, tqdm, the standard library, ``tenplex.dataset.format`` and
+``tenplex.files`` (atomic JSON writes).
 
 Inputs: a directory of ``.npy``/``.npz`` files (one sample per file, stored
 verbatim so ``np.load`` decodes it), a JSONL file (one sample per non-empty
@@ -19,7 +20,7 @@ import os
 import shutil
 import zlib
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, BinaryIO, Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -38,20 +39,22 @@ class _RecordWriter:
         self.out, self.file_bytes = out, file_bytes
         self.rows: list[tuple[int, int, int, int]] = []
         self.files: list[dict[str, Any]] = []
-        self._f = None
+        self._f: BinaryIO | None = None
 
-    def _roll(self) -> None:
+    def _roll(self) -> BinaryIO:
         self.close()
         name = f"records-{len(self.files):05d}.bin"
         self.files.append({"name": name, "bytes": 0})
         self._f = open(self.out / name, "wb")
+        return self._f
 
     def add(self, record: bytes) -> None:
-        if self._f is None or (self.files[-1]["bytes"] and self.files[-1]["bytes"] + len(record) > self.file_bytes):
-            self._roll()
+        f = self._f
+        if f is None or (self.files[-1]["bytes"] and self.files[-1]["bytes"] + len(record) > self.file_bytes):
+            f = self._roll()
         entry = self.files[-1]
         self.rows.append((len(self.files) - 1, entry["bytes"], len(record), zlib.crc32(record)))
-        self._f.write(record)
+        f.write(record)
         entry["bytes"] += len(record)
 
     def close(self) -> None:

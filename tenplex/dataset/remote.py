@@ -1,7 +1,7 @@
 """Datasets that live on another host's tenplex store, read through its gRPC service with a local cache.
 
-May import: ``tenplex.store.client`` (lazily, when a remote dataset is opened),
-``tenplex.dataset`` (format, source), numpy and the standard library.
+May import: ``tenplex.store.client`` and grpc (lazily, when a remote dataset is
+opened), ``tenplex.dataset`` (format, source), numpy and the standard library.
 
 The store serves files under ``<store root>/datasets/``; a dataset there is named
 by its path relative to that directory. Record files are fetched in aligned
@@ -48,7 +48,7 @@ class RemoteRecords:
         self.cache.mkdir(parents=True, exist_ok=True)
         stats = stats or {}
         self._stats = [stats.get(f.name) or self._stat(i) for i, f in enumerate(info.files)]
-        self._checked, self._last_change = time.monotonic(), None
+        self._checked, self._last_change = time.monotonic(), None  # type: float, str | None
         self._lock = threading.Lock()
         self.remote_reads = 0  # blocks fetched from the store (the rest came from the cache)
 

@@ -156,7 +156,7 @@ def remaining_in_epoch(state: DatasetState, dp: int, rank: int) -> tuple[np.ndar
     return _gather(order, first, sizes), sizes
 
 
-def plan_steps(state: DatasetState, dp: int, steps: int) -> dict[str, Any]:
+def upcoming_batches(state: DatasetState, dp: int, steps: int) -> dict[str, Any]:
     """The next ``steps`` global batches, each rank's ids in read order, and the position afterwards.
 
     This is the ``tenplex data plan --json`` contract:

@@ -5,7 +5,8 @@ May import: torch, numpy, the standard library and ``tenplex.dataset`` (reader, 
 ``RankDataset.mounted(MOUNT, rank)`` reads ``MOUNT/rank{r}`` of a tenplex FUSE
 mount; ``RankDataset.fallback(DATASET, state, dp, rank)`` computes the same
 view in process (no FUSE). Item ``i`` is the rank's i-th remaining sample of the
-epoch, decoded (tensors for array kinds). ``RankBatchSampler`` yields the rank's
+epoch, decoded (tensors for array kinds), then passed through ``preprocess``
+when one is given. ``RankBatchSampler`` yields the rank's
 micro-batch for each remaining global batch; their sizes differ across ranks by
 at most one, so weight each rank's mean loss by ``len(batch) / global_batch``
 (``micro_batch_weights``) and sum across ranks to get the global-batch mean. A
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler, default_collate
 
+from .format import DatasetInfo
 from .reader import RankReader, open_fallback, open_mounted
 from .state import DatasetState
 
@@ -36,15 +38,17 @@ def _to_torch(value: Any) -> Any:
 
 
 class RankDataset(Dataset):
-    def __init__(self, reader: RankReader, transform: Callable[[Any], Any] | None = None):
-        self.reader, self.transform = reader, transform
+    def __init__(self, reader: RankReader, preprocess: Callable[[Any], Any] | None = None):
+        # preprocess: applied to each decoded sample (torchvision calls it "transform"; in tenplex a
+        # transformation reshards state, so the sample's function has its own name)
+        self.reader, self.preprocess = reader, preprocess
 
     @classmethod
     def mounted(cls, mountpoint: str | os.PathLike, rank: int, **kwargs) -> "RankDataset":
         return cls(open_mounted(mountpoint, rank), **kwargs)
 
     @classmethod
-    def fallback(cls, dataset: str | os.PathLike, state: DatasetState, dp: int, rank: int,
+    def fallback(cls, dataset: str | os.PathLike | DatasetInfo, state: DatasetState, dp: int, rank: int,
                  **kwargs) -> "RankDataset":
         return cls(open_fallback(dataset, state, dp, rank), **kwargs)
 
@@ -57,7 +61,7 @@ class RankDataset(Dataset):
 
     def __getitem__(self, i: int) -> Any:
         value = _to_torch(self.reader.get(i))
-        return self.transform(value) if self.transform else value
+        return self.preprocess(value) if self.preprocess else value
 
 
 class RankBatchSampler(Sampler[list[int]]):

@@ -63,7 +63,8 @@ class Event:
 
 def parse_schedule(text: str, initial: tuple[str, ...], steps: int) -> list[Event]:
     """``"join:h2@4,fail:h1@8,leave:h2@12"`` -> events, checked against the nodes that run at each point."""
-    events, running = [], list(initial)
+    events: list[Event] = []
+    running = list(initial)
     for item in filter(None, (s.strip() for s in text.split(","))):
         m = re.fullmatch(r"(\w+):([A-Za-z0-9_-]+)@(\d+)", item)
         if not m or m.group(1) not in KINDS:
@@ -147,7 +148,9 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
         progress = _Progress(record, say)
         for i, e in enumerate(events):
             wanted = sorted(initial) if i == 0 else after[i - 1]
-            _wait(lambda: progress.update() and progress.reached(e.at, wanted) is not None, deadline, nodes,
+            # Each _wait calls its condition only within this iteration, so the loop variables are current.
+            _wait(lambda: progress.update() and progress.reached(e.at, wanted) is not None,  # noqa: B023
+                  deadline, nodes,
                   f"the job to reach step {e.at} on {', '.join(wanted)}")
             at = progress.reached(e.at, wanted)  # e.at, unless a restart carried the job past its hold
             say(f"event {i + 1}: {e.kind} {e.host} at step {at}")
@@ -161,7 +164,8 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
             if e.kind != "join":
                 # The survivors go on (and find out), the leaving node's ranks save with them.
                 (record / f"hold-{e.at}").unlink()
-            _wait(lambda: progress.update() and progress.world_after(fired[-1]["time"], after[i]), deadline, nodes,
+            _wait(lambda: progress.update() and progress.world_after(fired[-1]["time"], after[i]),  # noqa: B023
+                  deadline, nodes,
                   f"a world of {', '.join(after[i])} after the {e.kind}")
             (record / f"hold-{e.at}").unlink(missing_ok=True)
         _wait(lambda: progress.update() and not nodes.running(), deadline, nodes, f"the job to reach step {steps}")

@@ -9,6 +9,8 @@ so each worker asks the kernel to SIGKILL it when its agent dies
 (``PR_SET_PDEATHSIG``, which survives ``exec``), then becomes the user's
 program. MODE is ``script`` (``python -u TARGET``), ``module`` (``python -u -m
 TARGET``) or ``exec`` (torchrun's ``--no-python``: run TARGET itself).
+
+May import: the standard library only (it runs before the user's program).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The training-loop API of an elastic job: configuration, one-call restore, data share, step boundaries.
 
-May import: ``tenplex.elastic.policy`` and ``.launcher`` (its exit code), ``tenplex.integration``, ``tenplex.dataset``,
+May import: ``tenplex`` (save, restore, Checkpointer), ``tenplex.elastic``
+(policy, launcher), ``tenplex.integration``, ``tenplex.dataset``, ``tenplex.parallel``,
 ``tenplex.errors``, torch, torch.distributed and the standard library.
 
 A script started by ``tenplex run`` (torchrun) is the same in every world::
@@ -50,7 +51,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,10 @@ from ..errors import ConfigError
 from ..parallel import ParallelConfig
 from .launcher import EXIT_RESTART
 from .policy import Choice, choose
+
+if TYPE_CHECKING:
+    from ..dataset import DatasetState
+    from ..dataset.torch_data import RankDataset
 
 DATASET_KEY = "tenplex.dataset"  # where the data position travels in the saved ``extra``
 EXTRA_KEY = "user"               # the user's own ``extra`` dict
@@ -150,9 +155,10 @@ class Job:
         self.restored: Restored | None = None
         self._saved_step: int | None = None
         self._tracked: dict[str, Any] | None = None
-        self._data = None             # (first step, RankDataset, micro-batches) of the current stretch
+        # (first step, RankDataset, micro-batches) of the current stretch
+        self._data: tuple[int, RankDataset, list[list[int]]] | None = None
         self._data_start = 0
-        self._state0 = None
+        self._state0: DatasetState | None = None
         self._terminated_at: float | None = None
         self._last_boundary = time.monotonic()
         self._step_s = 0.0            # agreed (max over ranks) duration of the last step, without saving
@@ -217,6 +223,8 @@ class Job:
     def _open_data(self, saved: dict | None) -> None:
         from ..dataset import DatasetState, open_dataset
 
+        if self.dataset is None:
+            raise ConfigError("this job has no dataset to position; pass dataset= to Job")
         info = open_dataset(self.dataset)
         if saved is not None:
             state = DatasetState.from_dict(saved, source="the restored data position")
@@ -309,6 +317,8 @@ class Job:
         import tenplex
 
         t = self._tracked
+        if t is None:
+            raise ConfigError("save() before restore(): call job.restore(model, optimizer, …) first")
         extra = {EXTRA_KEY: self.extra}
         if self._state0 is not None:
             extra[DATASET_KEY] = self.data_state.to_dict()
@@ -332,7 +342,7 @@ class Job:
 
     def save_cost(self) -> dict:
         """Saves so far, their total time, the training time and their ratio, and the current interval."""
-        c = dict(self._cost)
+        c: dict[str, Any] = dict(self._cost)
         c["fraction"] = c["save_s"] / c["train_s"] if c["train_s"] else 0.0
         c["interval"] = None if self._next_save is None else max(1, self._next_save - (self._saved_step or 0))
         return c

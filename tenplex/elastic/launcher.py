@@ -24,6 +24,9 @@ The store is started in a session of its own and keeps serving after the
 agent exits: a node that left can still serve its shards to the survivors.
 Its port, pid and log are ``DIR/.tenplex-store.{port,pid,log}``; a later
 ``tenplex run`` with the same root reuses it.
+
+May import: ``tenplex.runtime.hosts``, ``tenplex.store.client``, ``tenplex.errors``,
+torch (torchrun's ``torch.distributed.run``, on use) and the standard library.
 """
 
 from __future__ import annotations

@@ -109,7 +109,7 @@ class Nodes:
 
     def close(self) -> None:
         """Kill every agent's process group, every store and the rendezvous; wait for all of them."""
-        for host, agent in self.agents.items():
+        for agent in self.agents.values():
             if agent.poll() is None:
                 try:
                     os.killpg(agent.pid, signal.SIGKILL)

@@ -13,6 +13,8 @@ every interface. We bind the listening socket ourselves and hand it over
 (``master_listen_fd``), so that it listens on loopback unless told otherwise;
 any other address needs ``allow_unauthenticated`` (use it on a trusted
 network only, as torchrun's own store is).
+
+May import: ``tenplex.errors``, torch.distributed (on use) and the standard library.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ from .nontensor import StateMismatchError
 __all__ = ["Checkpointer", "RestoreInfo", "save", "restore", "Annotation", "ShardMap", "annotations_from_layout",
            "annotations_from_ptc", "StateMismatchError", "CollectiveError"]
 
+# The checkpointer of save() and restore() called without one: built from the environment on first use and kept
+# for the life of the process (README, "The default checkpointer"). Pass checkpointer= to be explicit.
 _default: Checkpointer | None = None
 
 
@@ -46,7 +48,8 @@ def save(model, optimizer=None, *, step: int, extra: Any = None, scheduler=None,
          annotations=None, rng: bool = True, checkpointer: Checkpointer | None = None) -> int:
     """Save model, optimizer and training state at ``step`` as a new version; returns the version.
 
-    Collective: every rank of the job calls it. See :meth:`Checkpointer.save`.
+    Collective: every rank of the job calls it. See :meth:`Checkpointer.save`. Without ``checkpointer``
+    it uses the process-wide default, built from the environment on the first call and then kept.
     """
     return _checkpointer(checkpointer).save(model, optimizer, step=step, extra=extra, scheduler=scheduler,
                                             scaler=scaler, annotations=annotations, rng=rng)
@@ -57,7 +60,8 @@ def restore(model, optimizer=None, *, extra: dict | None = None, scheduler=None,
             checkpointer: Checkpointer | None = None) -> int | None:
     """Restore the newest saved state in place, under this job's configuration; returns its step (None: nothing saved).
 
-    Collective: every rank of the job calls it. See :meth:`Checkpointer.restore`.
+    Collective: every rank of the job calls it. See :meth:`Checkpointer.restore`. Without ``checkpointer``
+    it uses the process-wide default, built from the environment on the first call and then kept.
     """
     return _checkpointer(checkpointer).restore(model, optimizer, extra=extra, scheduler=scheduler, scaler=scaler,
                                                annotations=annotations, rng=rng, layout=layout, version=version)

@@ -92,8 +92,8 @@ def _check_rank(name: str, local_shape: Sequence[int], global_shape: Sequence[in
 
 def annotations_from_ptc(ptc: PTC, config: ParallelConfig, rank: int) -> dict[str, ShardMap]:
     """The annotation of every tensor ``rank`` holds under ``config``, from the PTC's partition rules."""
-    return {shard.tensor: ShardMap(ptc.rules[shard.tensor].shape, tuple(p.box for p in shard.pieces),
-                                   tuple(p.local for p in shard.pieces))
+    return {shard.tensor: ShardMap(ptc.rules[shard.tensor].shape, tuple(r.box for r in shard.regions),
+                                   tuple(r.local for r in shard.regions))
             for shard in ptc.local_shards(config, rank)}
 
 

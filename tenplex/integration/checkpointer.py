@@ -24,12 +24,14 @@ Restore (every rank, collectively):
 1. the new layout comes from the ranks' own model and optimizer (or is given);
 2. the newest version that the available hosts can assemble completely is
    chosen; its layout and state document are broadcast from a rank whose host
-   has it. Available: the hosts of the job, and hosts that left but whose
-   recorded store still answers. When a host of the version is gone, its
-   regions come from the copies the job's hosts hold: they first put together
-   a new version from their own shards and those copies (hard links,
-   :mod:`tenplex.replication.promote`). A version some region of which no
-   available host holds is skipped; when no version is left,
+   has it. Available: the hosts of the job that hold it, and hosts that left
+   but whose recorded store still answers with it. When a host of the version
+   is gone (it left and its store does not answer, or it is back in the job
+   with an empty store), its regions come from the copies the job's hosts
+   hold: they first put together a new version from their own shards and
+   those copies (hard links, :mod:`tenplex.replication.promote`). A version
+   some region of which no available host holds is skipped; when no version
+   is left and a host that left took regions with it,
    :class:`~tenplex.replication.LostStateError` names what was lost;
 3. mismatches (a tensor missing on either side, a shape or dtype change, an
    optimizer of another kind) raise StateMismatchError on every rank;
@@ -95,9 +97,11 @@ class RestoreInfo:
 class Checkpointer:
     """Where this rank's state goes: its host's store directory, its device id, the other hosts' stores.
 
-    Every argument has an environment default, so that a launcher (``tenplex
-    run``, the Kubernetes controller, or a torchrun wrapper) configures the job
-    and the training script only calls :func:`tenplex.save` / :func:`tenplex.restore`:
+    Every argument has an environment default, so that whatever launches the
+    workers configures the job and the training script only calls
+    :func:`tenplex.save` / :func:`tenplex.restore`. Today that is
+    :func:`tenplex.runtime.launch.run_job` (``tenplex demo``) or a torchrun
+    wrapper that sets the variables:
 
     * ``store_root``: ``TENPLEX_STORE_ROOT`` — this host's store directory;
     * ``host``: ``TENPLEX_HOST`` (default ``h0``);
@@ -183,7 +187,8 @@ class Checkpointer:
                     saved.append(_saved_layout(tensors, docs, writers))
                     writer.put_layout(saved[0])
                     writer.put_json(STATE_DOC, self._state_doc(docs, step, extra, scheduler, scaler, optimizer))
-                    writer.put_json(STORES_DOC, stores_doc(version, {h: addresses.get(h) for h in ring}, replicas, ring))
+                    writer.put_json(STORES_DOC, stores_doc(version, {h: addresses.get(h) for h in ring}, replicas,
+                                                           ring))
                 writer.prepare()
 
         try:
@@ -262,7 +267,7 @@ class Checkpointer:
         return ",".join(f"{k}={v}" for k, v in sorted(coords.items()))
 
     def _state_doc(self, docs, step, extra, scheduler, scaler, optimizer) -> dict:
-        rng = {}
+        rng: dict[str, Any] = {}
         for d in docs:
             if d["rng"] is not None:
                 rng.setdefault(d["coord"], d["rng"])
@@ -279,7 +284,8 @@ class Checkpointer:
         return doc
 
     # --------------------------------------------------------------- restore
-    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, extra: dict | None = None,
+    def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                extra: dict | None = None,
                 scheduler=None, scaler=None, annotations: Annotations | None = None, rng: bool = True,
                 layout: Layout | None = None, version: int | None = None) -> int | None:
         """Load the newest saved state into ``model`` and ``optimizer`` (in place); return its step. Collective.
@@ -313,12 +319,13 @@ class Checkpointer:
                            lost_hosts=found.lost_hosts, skipped=found.skipped,
                            replica_devices={d: list(v) for d, v in found.replica_devices.items()})
         newest = max(v for d in docs for v in d["versions"])
+        source_version = found.version
         if found.lost_hosts:
-            info.version = info.promoted_version = self._promote(found, newest + 1, docs)
-            newest = info.version
+            source_version = info.version = info.promoted_version = self._promote(found, newest + 1, docs)
+            newest = source_version
         sources = _local_sources(old, new)
         if sources is None:
-            info.version, info.plan_stats = self._transform(old, new, info.version, newest + 1,
+            info.version, info.plan_stats = self._transform(old, new, source_version, newest + 1,
                                                             {**found.addresses, **self._addresses(docs)})
             info.transformed = True
             sources = {d: {(s.tensor, s.box): [(d, s.box)] for s in shards} for d, shards in new.devices.items()}
@@ -356,17 +363,19 @@ class Checkpointer:
                 raise StateMismatchError(f"cannot read version {v} on host {docs[src]['host']}: {payload['error']}")
             old = layout_from_dict(payload["layout"], source=f"version {v}")
             step = payload["state"]["step"]
-            # A host of the job that should hold v but does not: v's commit did not finish there.
-            unfinished = [h for h in old.hosts() if h in job_hosts and v not in job_hosts[h]]
-            if unfinished:
-                skipped.append({"version": v, "step": step, "reason": f"not committed on {', '.join(unfinished)}"})
-                continue
-            gone = [h for h in old.hosts() if h not in job_hosts and h not in payload["answering"]]
-            if not gone:
+            # A host of the job that should hold v but does not: v's commit did not finish there, or the host
+            # came back with an empty store. Either way only copies elsewhere can stand in for its shards.
+            lacking = [h for h in old.hosts() if h in job_hosts and v not in job_hosts[h]]
+            departed = [h for h in old.hosts() if h not in job_hosts and h not in payload["answering"]]
+            if not lacking and not departed:
                 return _Found(v, old, payload["state"], payload["answering"], skipped=skipped)
+            gone = sorted(lacking + departed)
             found = self._assemble(v, old, gone, docs)
             if not found.lost:
                 return _Found(v, found.layout, payload["state"], {}, gone, found.replica_devices, skipped)
+            if not departed:  # no copy stands in for a host of the job: as before, v is not complete
+                skipped.append({"version": v, "step": step, "reason": f"not committed on {', '.join(lacking)}"})
+                continue
             skipped.append({"version": v, "step": step, "reason": f"lost {len(found.lost)} region(s) of "
                                                                   f"{', '.join(gone)}: {found.lost[0]}"})
             losses.append((v, step, gone, found.lost, payload["replicas"]))
@@ -402,7 +411,7 @@ class Checkpointer:
         taken: dict[str, set[int]] = {}
         for d in docs:
             taken.setdefault(d["host"], set()).add(parse_device(d["device"])[1])
-        available = [h for h in old.hosts() if h in taken]
+        available = [h for h in old.hosts() if h in taken and h not in gone]
         return assemble(old, available, copies, taken)
 
     def _promote(self, found: "_Found", target: int, docs) -> int:
@@ -554,7 +563,7 @@ def _first_holder_per_host(docs) -> dict[tuple[str, str, Box], int]:
 
 def _saved_layout(tensors, docs, writers) -> Layout:
     devices: dict[str, list[Shard]] = {}
-    for (host, name, box), rank in sorted(writers.items(), key=lambda kv: (kv[1], kv[0][1], kv[0][2])):
+    for (_host, name, box), rank in sorted(writers.items(), key=lambda kv: (kv[1], kv[0][1], kv[0][2])):
         devices.setdefault(docs[rank]["device"], []).append(Shard(name, box))
     return Layout.build(tensors, devices)
 

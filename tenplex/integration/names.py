@@ -39,10 +39,11 @@ def _wrapped_attribute(module: torch.nn.Module) -> str | None:
 
 def bare_name(model: torch.nn.Module, name: str) -> str:
     """``name`` (from ``state_dict()`` or ``named_parameters()``) without the wrappers' attributes."""
-    atoms, out, module, i = name.split("."), [], model, 0
+    atoms, out, i = name.split("."), [], 0
+    module: torch.nn.Module | None = model
     while i < len(atoms):
         inner = _wrapped_attribute(module) if module is not None else None
-        if inner is not None:
+        if inner is not None and module is not None:
             # Some wrappers already drop their attribute from state_dict() names (checkpoint_wrapper's hook).
             if atoms[i] == inner:
                 i += 1

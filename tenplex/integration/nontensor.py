@@ -39,7 +39,7 @@ def capture_rng() -> dict:
     version, state, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     doc = {"python": [version, list(state), gauss],
-           "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+           "numpy": [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
            "torch": _b64(torch.get_rng_state())}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         doc["cuda"] = _b64(torch.cuda.get_rng_state())
@@ -109,8 +109,8 @@ def apply_optimizer_doc(optimizer: torch.optim.Optimizer, doc: dict, param_names
     """Check the optimizer is of the saved kind, then restore each group's hyper-parameters (lr, betas, …)."""
     kind = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     if kind != doc["class"]:
-        raise StateMismatchError(f"the state was saved with optimizer {doc['class']}, but the restored job uses {kind}; "
-                                 f"create the same kind of optimizer (its states differ)")
+        raise StateMismatchError(f"the state was saved with optimizer {doc['class']}, but the restored job uses "
+                                 f"{kind}; create the same kind of optimizer (its states differ)")
     saved = doc["groups"]
     if len(saved) != len(optimizer.param_groups):
         raise StateMismatchError(f"the saved optimizer has {len(saved)} parameter groups, the restored one "

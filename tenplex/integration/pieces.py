@@ -21,8 +21,8 @@ Where the box comes from:
 Tensor names: a parameter or buffer keeps its state-dict name (``layers.0.attn.qkv.weight``), without the
 prefixes of DDP, torch.compile and checkpoint_wrapper (:mod:`.names`);
 its optimizer states are ``optim.exp_avg.NAME``, ``optim.exp_avg_sq.NAME`` and so
-on (``optim.exp_avg.NAME``: :func:`tenplex.gpt.optimizer_state_name`, the same names as the PTC core's rules). Scalar optimizer states such as Adam's
-``step`` are not tensors of the collection; they travel as JSON
+on (:func:`tenplex.gpt.optimizer_state_name`, the same names as the PTC core's
+rules). Scalar optimizer states such as Adam's ``step`` are not tensors of the collection; they travel as JSON
 (:func:`optimizer_scalars`).
 """
 
@@ -140,7 +140,8 @@ def optimizer_scalars(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise LayoutError(f"optimizer state {key!r} of {name!r} has shape {list(value.shape)}, neither "
-                                      f"the parameter's shape {list(param.shape)} nor a scalar; tenplex cannot place it")
+                                      f"the parameter's shape {list(param.shape)} nor a scalar; tenplex cannot "
+                                      f"place it")
                 value = value.item()
             if not isinstance(value, (int, float, bool)):
                 raise LayoutError(f"optimizer state {key!r} of {name!r} is a {type(value).__name__}; only tensors "

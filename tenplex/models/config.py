@@ -41,7 +41,8 @@ class Parallel:
         values = parse_degrees(text, options=("fsdp", "microbatches"))
         if values.get("microbatches") == 0:
             raise ConfigError(f"microbatches must be positive in parallel spec {text!r}")
-        return cls(**{k: (bool(v) if k == "fsdp" else v) for k, v in values.items()})
+        return cls(values["dp"], values["tp"], values["pp"], fsdp=bool(values.get("fsdp", 0)),
+                   microbatches=values.get("microbatches", cls.microbatches))
 
     @property
     def world(self) -> int:

@@ -1,7 +1,8 @@
 """A tiny GPT and the PyTorch-native ways to parallelize it: dp, FSDP2, tp (DTensor), pp (pipelining).
 
-May import: torch, torch.distributed, ``tenplex.gpt`` (the partition rules it
-agrees with), ``tenplex.models.config``, ``tenplex.errors`` and the standard library.
+May import: torch, torch.distributed, ``tenplex.gpt`` and ``tenplex.ptc`` (the
+partition rules it agrees with), ``tenplex.models.config``, ``tenplex.errors``
+and the standard library.
 
 Used by ``examples/01-gpt-train``, ``tenplex demo``, ``tenplex bench restore``
 and the tests. Its state-dict names and shapes are those of the built-in GPT
@@ -72,7 +73,7 @@ class Attention(nn.Module):
         from torch.distributed.tensor import DTensor, Partial, Replicate
 
         weight, bias = self.qkv.weight, self.qkv.bias
-        if not isinstance(weight, DTensor):
+        if not (isinstance(weight, DTensor) and isinstance(bias, DTensor)):
             return x, weight, bias
         mesh = weight.device_mesh
         tp, rank = mesh.size(), mesh.get_local_rank()
@@ -122,18 +123,23 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.pos_embed = nn.Embedding(cfg.seq, cfg.hidden)
+        # Pipeline stages set the parts they do not hold to None.
+        self.embed: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.pos_embed: nn.Embedding | None = nn.Embedding(cfg.seq, cfg.hidden)
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.layers)})
-        self.norm = nn.LayerNorm(cfg.hidden)
-        self.head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.hidden)
+        self.head: nn.Linear | None = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def blocks(self) -> list[Block]:
+        """The transformer blocks this stage holds, in layer order."""
+        return [block for block in self.layers.values() if isinstance(block, Block)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:  # first stage: token ids (b, t) -> hidden (b, t, h)
+        if self.embed is not None and self.pos_embed is not None:  # first stage: ids (b, t) -> hidden (b, t, h)
             x = self.embed(x) + self.pos_embed(torch.arange(x.shape[1], device=x.device))
         for block in self.layers.values():
             x = block(x)
-        if self.head is not None:  # last stage: hidden -> logits (b, t, vocab)
+        if self.head is not None and self.norm is not None:  # last stage: hidden -> logits (b, t, vocab)
             x = self.head(self.norm(x))
         return x
 
@@ -187,7 +193,7 @@ class Trainer:
             self._tensor_parallel(model)
         if par.fsdp:
             from torch.distributed.fsdp import fully_shard
-            for block in model.layers.values():
+            for block in model.blocks():
                 fully_shard(block, mesh=self.mesh["dp"])
             fully_shard(model, mesh=self.mesh["dp"])
         self.model = model
@@ -206,7 +212,7 @@ class Trainer:
         if model.head is not None:
             plan["head"] = ColwiseParallel(output_layouts=Replicate())
         parallelize_module(model, self.mesh["tp"], plan)
-        for block in model.layers.values():  # see Attention._qkv_weights: stored sharded, used per head
+        for block in model.blocks():  # see Attention._qkv_weights: stored sharded, used per head
             qkv = block.attn.qkv
             qkv.weight, qkv.bias = (nn.Parameter(distribute_tensor(p.detach(), self.mesh["tp"], [Shard(0)]))
                                     for p in (qkv.weight, qkv.bias))
@@ -232,9 +238,13 @@ class Trainer:
         mine = tokens[self.coords["dp"] * per:(self.coords["dp"] + 1) * per].to(self.device)
         return mine[:, :-1], mine[:, 1:]
 
-    def train_step(self, step: int) -> float:
-        """One optimizer step on the global batch of ``step``; returns the global mean loss on every rank."""
-        x, y = self.local_batch(step)
+    def train_step(self, step: int, batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
+        """One optimizer step; returns the global mean loss on every rank.
+
+        ``batch`` is this rank's (inputs, targets); by default its share of the
+        synthetic global batch of ``step`` (:meth:`local_batch`).
+        """
+        x, y = batch if batch is not None else self.local_batch(step)
         self.optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros((), device=self.device)
         if self.schedule is None:

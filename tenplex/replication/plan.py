@@ -27,11 +27,11 @@ from typing import Iterable, Mapping
 
 from ..box import Box, subtract_all
 from ..devices import device_id, host_of, parse_device
-from ..errors import TenplexError
+from ..errors import PermanentError
 from ..layout import Layout, Shard
 
 
-class LostStateError(TenplexError, RuntimeError):
+class LostStateError(PermanentError, RuntimeError):
     """No available host holds some region of the state (not even a replica copy); nothing was restored.
 
     ``lost`` lists the regions (:class:`Lost`) of the newest version that were lost."""
@@ -133,7 +133,7 @@ class Assembly:
 
 
 def assemble(saved: Layout, available: Iterable[str], held: Mapping[str, Mapping[str, Layout]],
-             taken: Mapping[str, Iterable[int]] = {}) -> Assembly:
+             taken: Mapping[str, Iterable[int]] | None = None) -> Assembly:
     """Can the ``available`` hosts restore ``saved``? (see the module docstring).
 
     ``held[holder][origin]`` is the layout of the committed copies ``holder``
@@ -145,7 +145,7 @@ def assemble(saved: Layout, available: Iterable[str], held: Mapping[str, Mapping
     devices = {d: list(shards) for d, shards in saved.devices.items() if host_of(d) in available}
     replica_devices: dict[str, tuple[str, str]] = {}
     for holder in sorted(h for h in held if h in available):
-        used = {parse_device(d)[1] for d in saved.devices if host_of(d) == holder} | set(taken.get(holder, ()))
+        used = {parse_device(d)[1] for d in saved.devices if host_of(d) == holder} | set((taken or {}).get(holder, ()))
         index = max(used, default=-1) + 1
         for origin in sorted(o for o in held[holder] if o in missing):
             for origin_device, shards in sorted(held[holder][origin].devices.items()):
@@ -154,8 +154,8 @@ def assemble(saved: Layout, available: Iterable[str], held: Mapping[str, Mapping
                 devices[device] = list(shards)
                 replica_devices[device] = (holder, origin_device)
     boxes: dict[str, list[Box]] = {}
-    for shards in devices.values():
-        for s in shards:
+    for available_shards in devices.values():
+        for s in available_shards:
             boxes.setdefault(s.tensor, []).append(s.box)
     lost = []
     for device, shard in saved.iter_shards():

@@ -29,7 +29,8 @@ PROBE_TIMEOUT_S = 3.0
 
 
 def stores_doc(version: int, addresses: Mapping[str, str | None], replicas: int, ring: list[str]) -> dict:
-    return {"format": STORES_FORMAT, "version": int(version), "stores": {h: addresses.get(h) for h in sorted(addresses)},
+    return {"format": STORES_FORMAT, "version": int(version),
+            "stores": {h: addresses.get(h) for h in sorted(addresses)},
             "replicas": int(replicas), "ring": list(ring)}
 
 

@@ -40,7 +40,7 @@ def place(world: int, hosts: int) -> list[str]:
     """
     if not 1 <= hosts <= world:
         raise ConfigError(f"cannot spread {world} ranks over {hosts} hosts: use 1..{world} hosts")
-    devices, used = [], {}
+    devices, used = [], {}  # type: list[str], dict[str, int]
     for rank in range(world):
         host = f"h{rank * hosts // world}"
         devices.append(f"{host}/{used.get(host, 0)}")
@@ -93,14 +93,18 @@ def run_job(argv: Sequence[str], devices: Sequence[str], roots: dict[str, Path],
         failed.sort(key=lambda r: procs[r].returncode == -9)
         text = "\n".join(f"--- rank {r} ({devices[r]}, exit {procs[r].returncode}) ---\n"
                          f"{logs[r].read_text()[-3000:]}" for r in failed[:2])
-        why = f"the job did not finish within {timeout:.0f} s" if timed_out else f"{len(failed)} of {world} ranks failed"
+        why = (f"the job did not finish within {timeout:.0f} s" if timed_out
+               else f"{len(failed)} of {world} ranks failed")
         raise JobError(f"{why} (logs in {logdir}):\n{text}")
 
 
 def run_spec_job(argv: Sequence[str], spec: dict, spec_path: Path, devices: Sequence[str], roots: dict[str, Path],
                  stores: dict[str, str], logdir: Path, timeout: float = 600,
                  poll: Callable[[], None] | None = None) -> None:
-    """Write ``spec`` as JSON to ``spec_path``, then :func:`run_job` ``argv + [spec_path]``: how workers get their task."""
+    """Write ``spec`` as JSON to ``spec_path``, then :func:`run_job` ``argv + [spec_path]``.
+
+    This is how workers get their task: a JSON file, never a pickle.
+    """
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(json.dumps(spec))
     run_job([*argv, str(spec_path)], devices, roots, stores, logdir, timeout=timeout, poll=poll)

@@ -14,12 +14,19 @@ plane (``dataplane``: plain TCP, sendfile on the server, recv_into the
 destination here) when the server advertises one and TLS is off; everything
 else, and every box read of a TLS client, uses gRPC. Both paths verify every
 frame or chunk and re-fetch corrupted pieces the same way.
+
+With ``stall_timeout`` a peer that delivers nothing for that many seconds counts
+as dead (a partitioned peer sends no reset, so connections just hang): unary
+calls get it as their deadline, streams are cancelled when no message arrives
+for that long, data-plane sockets time out, and the channel's keepalive pings
+a silent peer at that scale.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Callable, Iterator
 
 import grpc
@@ -61,8 +68,9 @@ class StoreClient:
     def __init__(self, address: str, token: str | None = None, root_certificates: bytes | None = None,
                  timeout: float = 60.0, chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, retries: int = 3,
                  min_read_gbps: float = 0.02, own_connection: bool = False, data_plane: bool = True,
-                 data_plane_min_bytes: int = DATA_PLANE_MIN_BYTES):
+                 data_plane_min_bytes: int = DATA_PLANE_MIN_BYTES, stall_timeout: float | None = None):
         self.address = address
+        self.stall_timeout = stall_timeout
         # Large box reads use the server's data plane when it runs one (asked once, through Health);
         # never with TLS, since the data plane is not encrypted.
         self._data_wanted = data_plane and root_certificates is None
@@ -80,6 +88,10 @@ class StoreClient:
         if own_connection:
             # By default channels to one address share a connection; parallel pulls want their own.
             options.append(("grpc.use_local_subchannel_pool", 1))
+        if stall_timeout is not None:  # ping a silent peer after half the limit; no answer in the other half: dead
+            half_ms = max(1000, int(stall_timeout * 500))
+            options = [o for o in options if o[0] not in ("grpc.keepalive_time_ms", "grpc.keepalive_timeout_ms")]
+            options += [("grpc.keepalive_time_ms", half_ms), ("grpc.keepalive_timeout_ms", half_ms)]
         if root_certificates is not None:
             self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options)
         else:
@@ -115,9 +127,41 @@ class StoreClient:
 
     def _call(self, method: str, request, what: str, timeout: float | None = None):
         try:
-            return getattr(self._stub, method)(request, timeout=timeout or self.timeout, metadata=self._metadata)
+            deadline = timeout or min(self.timeout, self.stall_timeout or self.timeout)
+            return getattr(self._stub, method)(request, timeout=deadline, metadata=self._metadata)
         except grpc.RpcError as e:
             raise self._error(e, what) from None
+
+    def _watched(self, call, what: str) -> Iterator:
+        """The messages of a streaming ``call``; with ``stall_timeout``, the call is cancelled and fails as
+        UNAVAILABLE when no message arrives for that long (progress-based, unlike its overall deadline)."""
+        if self.stall_timeout is None:
+            yield from call
+            return
+        last = [time.monotonic()]
+        stalled, finished = threading.Event(), threading.Event()
+
+        def watch() -> None:
+            while not finished.wait(min(0.5, self.stall_timeout / 4)):
+                if time.monotonic() - last[0] > self.stall_timeout:
+                    stalled.set()
+                    call.cancel()
+                    return
+
+        threading.Thread(target=watch, name="stall-watch", daemon=True).start()
+        try:
+            for message in call:
+                last[0] = time.monotonic()
+                yield message
+                last[0] = time.monotonic()  # the consumer's own time is not the peer's silence
+        except grpc.RpcError:
+            if stalled.is_set():
+                raise RemoteStoreError(f"store {self.address}: {what} delivered nothing for {self.stall_timeout}s; "
+                                       f"the store is dead or cut off", grpc.StatusCode.UNAVAILABLE,
+                                       self.address) from None
+            raise
+        finally:
+            finished.set()
 
     # ---- metadata ------------------------------------------------------
     def health(self, timeout: float | None = None) -> dict:
@@ -134,7 +178,7 @@ class StoreClient:
                 port = self.health()["data_port"]
                 if port:
                     host = self.address.rsplit(":", 1)[0].strip("[]")
-                    self._data_pool = DataPool(host, port, self._token, self.timeout)
+                    self._data_pool = DataPool(host, port, self._token, self.stall_timeout or self.timeout)
                 self._data_checked = True
             return self._data_pool
 
@@ -218,8 +262,9 @@ class StoreClient:
                                     chunk_bytes=self.chunk_bytes)
         got = 0
         try:
-            for sub, digest, data, _ in self._read_box(request, timeout=self._read_deadline(region.volume * itemsize),
-                                                       metadata=self._metadata):
+            call = self._read_box(request, timeout=self._read_deadline(region.volume * itemsize),
+                                  metadata=self._metadata)
+            for sub, digest, data, _ in self._watched(call, f"ReadBox({version}, {device}, {tensor!r}, {region})"):
                 if not region.contains(sub) or sub.volume * itemsize != len(data):
                     raise StoreError(f"store {self.address} sent chunk {sub} ({len(data)} bytes) that does not "
                                      f"fit the requested region {region}")
@@ -243,8 +288,8 @@ class StoreClient:
         got = 0
         bad: list[tuple[int, Box]] = []
         try:
-            for sub, digest, data, index in self._read_boxes(request, timeout=self._read_deadline(nbytes),
-                                                             metadata=self._metadata):
+            call = self._read_boxes(request, timeout=self._read_deadline(nbytes), metadata=self._metadata)
+            for sub, digest, data, index in self._watched(call, f"ReadBoxes({version}, {len(regions)} regions)"):
                 if not 0 <= index < len(regions):
                     raise StoreError(f"store {self.address} sent a chunk for region #{index} of {len(regions)}")
                 device, tensor, box, itemsize, sink = regions[index]
@@ -315,7 +360,8 @@ class StoreClient:
     def transform(self, request: pb.TransformRequest, timeout: float) -> Iterator[pb.TransformProgress]:
         """Run this host's part of a transformation; yields progress, the last message has ``done``."""
         try:
-            yield from self._stub.Transform(request, timeout=timeout, metadata=self._metadata)
+            yield from self._watched(self._stub.Transform(request, timeout=timeout, metadata=self._metadata),
+                                     f"Transform({request.old_version} -> {request.new_version})")
         except grpc.RpcError as e:
             raise self._error(e, f"Transform({request.old_version} -> {request.new_version})") from None
 
@@ -326,7 +372,7 @@ class StoreClient:
 
     def read_file(self, path: str, offset: int = 0, length: int = -1) -> bytes:
         """Bytes [offset, offset+length) of ``<root>/datasets/<path>`` (length -1: to the end), verified."""
-        for attempt in range(self.retries + 1):
+        for _attempt in range(self.retries + 1):
             parts = []
             expected = offset
             corrupted = False

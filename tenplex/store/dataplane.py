@@ -26,9 +26,12 @@ Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
 
 The client verifies every frame and reports corrupted sub-boxes, which the
 caller fetches again (``StoreClient.read_box_to``): never silent corruption.
-A peer that dies closes the socket (UNAVAILABLE); one that hangs hits the
-socket timeout (DEADLINE_EXCEEDED); both surface like gRPC failures so the
-transformer falls back to another replica. The data plane is not encrypted:
+A peer that dies closes the socket (UNAVAILABLE); one that hangs or is cut
+off delivers nothing until the socket timeout (the client's stall limit:
+DEADLINE_EXCEEDED); both surface like gRPC failures so the transformer falls
+back to another replica. Both ends also set TCP keepalive and
+``TCP_USER_TIMEOUT``, so a partitioned peer (no reset ever arrives) fails the
+connection in seconds instead of hanging a thread. The data plane is not encrypted:
 servers with TLS do not start it and TLS clients never use it.
 """
 
@@ -58,6 +61,7 @@ _FRAME = struct.Struct("<QQ")  # payload length, xxh3_64
 _MAX_JSON = 1 << 20
 _IDLE_S = 3600.0  # a pooled connection waiting for its next request
 _SEND_TIMEOUT_S = 300.0  # a client that stops reading
+_DEAD_PEER_S = 10.0  # server side: sent data unacknowledged (or idle probes unanswered) this long
 
 
 class DataPlaneError(StoreError):
@@ -79,6 +83,17 @@ def auth_digest(token: str, nonce: str) -> str:
 def _send_json(sock: socket.socket, doc: dict) -> None:
     body = json.dumps(doc, separators=(",", ":")).encode()
     sock.sendall(_LEN.pack(len(body)) + body)
+
+
+def _detect_dead_peer(sock: socket.socket, seconds: float) -> None:
+    """Fail ``sock`` when its sent data stays unacknowledged, or an idle peer stops answering keepalive
+    probes, for about ``seconds``: a partitioned peer never sends a reset."""
+    limit = max(1, int(seconds))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, limit // 2))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, max(1, limit - limit // 2))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, limit * 1000)
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -138,6 +153,7 @@ class DataServer:
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _detect_dead_peer(conn, _DEAD_PEER_S)
             nonce = secrets.token_hex(16)
             expected = auth_digest(self._token, nonce) if self._token else None
             try:
@@ -221,6 +237,7 @@ class DataConnection:
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _detect_dead_peer(sock, timeout)
             hello = _recv_json(sock)
         except BaseException as e:
             if sock is not None:
@@ -265,7 +282,7 @@ class DataConnection:
             if nbytes != sub.volume * itemsize:
                 raise DataPlaneError(f"data plane {self.where} sent a {nbytes}-byte frame for {sub} "
                                      f"({sub.volume * itemsize} bytes)", "INTERNAL")
-            dest = out[sub.local(out_box).slices()] if out is not None else None
+            dest = out[sub.local(out_box).slices()] if out is not None and out_box is not None else None
             if dest is not None and dest.flags.c_contiguous:
                 view = memoryview(dest.reshape(-1)).cast("B") if nbytes else memoryview(b"")
                 direct = True
@@ -280,8 +297,10 @@ class DataConnection:
             if not direct:
                 if dest is not None:
                     dest[...] = np.frombuffer(view, dest.dtype).reshape(sub.lengths)
-                else:
+                elif sink is not None:
                     sink(sub, view)
+                else:
+                    raise ValueError("a data-plane read needs out and out_box, or sink")
             got += nbytes
         return got, bad
 

@@ -29,7 +29,7 @@ import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from ..box import Box
 from ..errors import StoreError
@@ -107,7 +107,8 @@ class Store:
                 prepared = sorted(parts)
             if not prepared:
                 raise StoreError(f"cannot commit version {version} in store {self.root}: nothing was prepared")
-            manifest = {"format": MANIFEST_FORMAT, "version": version, "host": self.host, "shards": [], "json": {}}
+            manifest: dict[str, Any] = {"format": MANIFEST_FORMAT, "version": version, "host": self.host,
+                                        "shards": [], "json": {}}
             seen: dict[tuple[str, str], list[Box]] = {}
             for part in prepared:
                 doc = json.loads((staging / f"{part}.part.json").read_text())
@@ -121,7 +122,8 @@ class Store:
                     manifest["shards"].append(row)
                 for name, rel in doc["json"].items():
                     if name in manifest["json"]:
-                        raise StoreError(f"cannot commit version {version}: JSON document {name!r} written by two parts")
+                        raise StoreError(f"cannot commit version {version}: JSON document {name!r} written by "
+                                         f"two parts")
                     manifest["json"][name] = rel
             write_json_durable(staging / "manifest.json", manifest)
             os.rename(staging, target)

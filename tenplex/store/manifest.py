@@ -26,6 +26,9 @@ class OutOfRange(StoreError, IndexError):
 MANIFEST_FORMAT = "tenplex.store.manifest/1"
 PART_FORMAT = "tenplex.store.part/1"
 LAYOUT_DOC = "layout"  # version-level JSON doc holding the whole tenplex.layout/1
+# Staged parts tenplex itself names (a part is one writer's share of a version):
+RPC_PART = "remote"           # shards written through the WriteShard RPC without a part name
+TRANSFORM_PART = "transform"  # a destination host's part of a transformation
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 

@@ -45,7 +45,7 @@ from ..errors import StoreError, TenplexError
 from . import _hooks, wire
 from ._proto import store_pb2 as pb
 from .datasets import resolve_dataset_path
-from .manifest import NotFound, OutOfRange
+from .manifest import RPC_PART, NotFound, OutOfRange
 from .auth import TokenCheck
 from .dataplane import DataServer
 from .local import Store
@@ -132,7 +132,7 @@ class StoreService:
         return reader
 
     def _writer(self, version: int, part: str) -> VersionWriter:
-        key = (int(version), part or "remote")
+        key = (int(version), part or RPC_PART)
         with self._lock:
             writer = self._writers.get(key)
             if writer is None:
@@ -237,7 +237,7 @@ class StoreService:
 
     @_guard
     def Prepare(self, request, context):
-        key = (int(request.version), request.part or "remote")
+        key = (int(request.version), request.part or RPC_PART)
         with self._lock:
             writer = self._writers.pop(key, None)
         if writer is None:

@@ -55,7 +55,7 @@ class ShardTarget:
         return self._array
 
     def write(self, region: Box, data) -> None:
-        """Store ``data`` (C-order bytes or an array of region.lengths) as the region ``region`` (global coordinates)."""
+        """Store ``data`` (C-order bytes or an array of region.lengths) as ``region`` (global coordinates)."""
         local = region.local(self.box)
         buffer = memoryview(np.ascontiguousarray(data).reshape(-1)).cast("B") if isinstance(data, np.ndarray) \
             else memoryview(data).cast("B")

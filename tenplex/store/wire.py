@@ -36,7 +36,8 @@ def channel_options(chunk_bytes: int = MAX_CHUNK_BYTES) -> list[tuple[str, int]]
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        # Servers accept pings every second: clients with a stall limit (StoreClient) ping a silent peer often.
+        ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
         # Larger HTTP/2 windows keep a fast loopback or datacenter link busy.
         ("grpc.http2.lookahead_bytes", 16 << 20),
         ("grpc.http2.bdp_probe", 1),

@@ -187,7 +187,12 @@ class VersionWriter:
         self._state = "prepared"
 
     def commit(self) -> None:
-        """Prepare this part and publish the version with every prepared part (atomic)."""
+        """Prepare this part and publish the version with every prepared part of it (atomic).
+
+        Like ``Store.commit(version)`` without ``parts``, this also publishes a
+        part that an earlier, crashed writer left prepared: use it when this
+        writer is the version's only one (abort the version first when in
+        doubt), and ``Store.commit(version, parts)`` for several writers."""
         self.prepare()
         try:
             self.store.commit(self.version)

@@ -11,6 +11,13 @@ everywhere; a failure in phase 2 deletes the new version from the hosts that
 had already committed it. Either way the old version is untouched and the
 raised :class:`TransformError` lists every failed host with its cause: the
 exception itself (``failures``), the first one recorded also as the error's ``__cause__``.
+
+Dead or partitioned peers are noticed by silence, not by deadlines: a host
+whose Transform stream (which carries a heartbeat) or whose answer to a call
+stays silent for ``pull_timeout`` seconds has failed, and so has a source
+that a destination's pull hears nothing from for that long (the destination
+then reads from a replica). A partitioned peer sends no reset, so a deadline
+would only fire after minutes.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ log = logging.getLogger(__name__)
 
 def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[str, str], old_version: int,
               new_version: int, progress: Progress | None = None, streams: int = 4, token: str | None = None,
-              timeout: float = 3600.0, pull_timeout: float = 60.0, chunk_bytes: int = 0,
+              timeout: float = 3600.0, pull_timeout: float = 5.0, chunk_bytes: int = 0,
               root_certificates: bytes | None = None,
               before_commit: Callable[[], None] | None = None) -> dict:
     """Turn ``old_version`` (laid out as ``old_layout``) into ``new_version`` (``new_layout``) on every host.
@@ -42,6 +49,9 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
     ``stores`` maps each host to its store address. ``progress(host, done, total)``
     is called from worker threads as bytes arrive. ``before_commit`` runs after
     every host prepared and before any commits (orchestration and tests use it).
+    ``pull_timeout``: seconds a store may stay silent (a pull delivering no
+    bytes, a call or a host's progress stream without an answer) before it
+    counts as dead; ``timeout`` bounds the whole transformation.
     Returns a report: seconds and, per host, the bytes kept, linked, copied
     locally, pulled remotely and re-fetched from replicas. Tensors the old
     layout lacks (``plan.new_tensors``) get no shards in the new version: the
@@ -68,8 +78,8 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
     plan_json = {h: json.dumps(Plan(tuple(ts), PlanStats(), plan.new_tensors).to_dict())
                  for h, ts in transfers_of.items()}
     old_layout_json, new_layout_json = json.dumps(old_layout.to_dict()), json.dumps(new_layout.to_dict())
-    clients = {h: StoreClient(a, token=token, root_certificates=root_certificates, timeout=pull_timeout)
-               for h, a in stores.items()}
+    clients = {h: StoreClient(a, token=token, root_certificates=root_certificates, timeout=timeout,
+                              stall_timeout=pull_timeout) for h, a in stores.items()}
     results: dict[str, pb.TransformProgress] = {}
     failures: dict[str, BaseException] = {}
     lock = threading.Lock()

@@ -12,18 +12,25 @@ Order of work, per new shard of this host's devices:
 2. Every other ``"from": "old"`` region is written straight into the new
    shard's file (``ShardTarget``): from this host's old files (memory-mapped)
    without gRPC, or pulled from the source host by ``streams`` concurrent
-   pulls (one connection each): large regions in pieces of up to 64 MiB over
+   pulls (one connection each): large regions in pieces of up to 16 MiB over
    the source's bulk data plane (plain TCP, ``tenplex.store.dataplane``; gRPC
    ReadBox streams when the source has none or TLS is on), small ones
    batched many to a gRPC call (``ReadBoxes``). The new files' space is
-   reserved by the first jobs, so a full disk fails early.
+   reserved by a thread of its own while the pulls run, so a full disk
+   fails early. The order of the pulls keeps every source link busy at once
+   and lets replicas take over a slow source's pieces (``schedule``).
 3. ``"from": "new"`` regions (the local fan-out) are copied in plan order
    from new shards that step 2 filled.
 
-A region whose source fails (host down, timeout, corrupted data after
+A region whose source fails (host down, cut off, corrupted data after
 retries, missing version) is fetched again from the other replicas the old
 layout lists, this host's own first; only when no replica covers it does the
-part fail, naming the tensor, region and every cause.
+part fail, naming the tensor, region and every cause. A source counts as
+failed when a pull from it delivers nothing for ``request.timeout_s`` seconds
+(the stall limit): a partitioned peer sends no reset, so waiting for a
+deadline would take minutes. While it works, the part sends the coordinator a
+progress message at least every ``HEARTBEAT_S``, so that the coordinator can
+tell a silent host from a busy one in the same way.
 """
 
 from __future__ import annotations
@@ -46,16 +53,20 @@ from ..transfer_plan import Transfer, plan_from_dict
 from ..store import LAYOUT_DOC, ShardTarget, Store, VersionReader, wire
 from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient
+from .schedule import LOCAL, Piece, Schedule
+from ..store.manifest import TRANSFORM_PART
 
 log = logging.getLogger(__name__)
-PART = "transform"
 DEFAULT_STREAMS = 4
-PIECE_BYTES = 64 << 20          # one pull call; several chunks each
+PIECE_BYTES = 16 << 20          # one pull call; several chunks each; small enough for replicas to share the tail
 SMALL_BYTES = 1 << 20           # remote regions below this travel in batches (ReadBoxes): one call for many
 BATCH_BYTES = 16 << 20
 BATCH_REGIONS = 512
 PROGRESS_EVERY_BYTES = 64 << 20  # progress messages are throttled to this granularity
 PROGRESS_EVERY_S = 0.25
+HEARTBEAT_S = 1.0               # a progress message at least this often, even when no bytes arrive
+STALL_S = 5.0                   # default stall limit of pulls (request.timeout_s)
+CALL_TIMEOUT_S = 60.0           # overall deadline base of calls to peers; stalls are caught much earlier
 
 
 @dataclass
@@ -80,13 +91,13 @@ class _Sources:
 
     def __init__(self, host: str, old: Layout, version: int, reader: VersionReader | None,
                  peers: dict[str, str], token: str | None, root_certificates: bytes | None, streams: int,
-                 chunk_bytes: int, timeout: float):
+                 chunk_bytes: int, stall: float):
         self.host, self.old, self.version, self.reader = host, old, version, reader
         self.failed: dict[str, str] = {}  # host -> first failure, not asked again
         self._lock = threading.Lock()
         self._clients: dict[str, list[StoreClient]] = {}
         self._peers, self._token, self._roots, self._streams = peers, token, root_certificates, streams
-        self._chunk_bytes, self._timeout = chunk_bytes, timeout
+        self._chunk_bytes, self._stall = chunk_bytes, stall
         self._turn = 0
 
     def client(self, host: str) -> StoreClient:
@@ -99,8 +110,8 @@ class _Sources:
                 # One connection per stream: streams sharing a connection share one socket and one
                 # receiving thread in gRPC, which caps throughput well below the link's.
                 pool = [StoreClient(address, token=self._token, root_certificates=self._roots,
-                                    chunk_bytes=self._chunk_bytes,
-                                    timeout=self._timeout, own_connection=True) for _ in range(self._streams)]
+                                    chunk_bytes=self._chunk_bytes, timeout=CALL_TIMEOUT_S, stall_timeout=self._stall,
+                                    own_connection=True) for _ in range(self._streams)]
                 self._clients[host] = pool
             self._turn += 1
             return pool[self._turn % len(pool)]
@@ -110,7 +121,7 @@ class _Sources:
             for client in pool:
                 client.close()
 
-    def read_into(self, device: str, tensor: str, box: Box, target: ShardTarget) -> int:
+    def read_with_fallback(self, device: str, tensor: str, box: Box, target: ShardTarget) -> int:
         """Write ``box`` of ``device``'s old shard into ``target``; return the bytes that came from other replicas."""
         try:
             self._read_from(device, tensor, box, target)
@@ -142,7 +153,7 @@ class _Sources:
         return refetched
 
     def read_batch(self, items: list[tuple[str, str, Box, ShardTarget]]) -> list[int]:
-        """``read_into`` for many small regions of old shards on one remote host, in one call when it works;
+        """``read_with_fallback`` for many small regions of old shards on one remote host, in one call when it works;
         returns the re-fetched bytes per item."""
         source_host = host_of(items[0][0])
         if source_host not in self.failed:
@@ -153,7 +164,7 @@ class _Sources:
                 return [0] * len(items)
             except Exception as e:  # noqa: BLE001 - each region then goes its own way, replicas included
                 self._mark_failed(source_host, e)
-        return [self.read_into(device, tensor, box, target) for device, tensor, box, target in items]
+        return [self.read_with_fallback(device, tensor, box, target) for device, tensor, box, target in items]
 
     def _read_from(self, device: str, tensor: str, box: Box, target: ShardTarget) -> None:
         source_host = host_of(device)
@@ -172,6 +183,15 @@ class _Sources:
                 log.warning("host %s: source host %s failed, reading from replicas: %s", self.host, host, error)
             self.failed.setdefault(host, str(error))
 
+    def holders(self, tensor: str, box: Box) -> dict[str, str]:
+        """host -> a device of that host (not this one) whose old box of ``tensor`` contains ``box``."""
+        found: dict[str, str] = {}
+        for device, held in self.old.shards_of(tensor):
+            host = host_of(device)
+            if host != self.host and host not in found and held.contains(box):
+                found[host] = device
+        return found
+
 
 def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable[[pb.TransformProgress], None],
                   cancelled: threading.Event | None = None, token: str | None = None,
@@ -187,12 +207,15 @@ def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable
     streams = request.streams or DEFAULT_STREAMS
     reader = store.open(request.old_version) if request.old_version in store.versions() else None
     sources = _Sources(host, old, request.old_version, reader, dict(request.peers), token, root_certificates,
-                       streams, request.chunk_bytes or wire.DEFAULT_CHUNK_BYTES, request.timeout_s or 60.0)
+                       streams, request.chunk_bytes or wire.DEFAULT_CHUNK_BYTES, request.timeout_s or STALL_S)
     counters = _Counters()
+    beating = threading.Event()
+    threading.Thread(target=_heartbeat, args=(counters, progress, beating), name=f"heartbeat-{host}",
+                     daemon=True).start()
     log.info("host %s: staging version %s from %s (%d transfers, %d streams)", host, request.new_version,
              request.old_version, len(plan.transfers), streams)
     store.abort(request.new_version)  # leftovers of an earlier, interrupted attempt
-    writer = store.begin(request.new_version, part=PART)
+    writer = store.begin(request.new_version, part=TRANSFORM_PART)
     try:
         _stage(host, plan.transfers, set(plan.new_tensors), new, writer, reader, sources, counters, progress,
                cancelled, streams)
@@ -203,9 +226,18 @@ def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable
         writer.abort()
         raise
     finally:
+        beating.set()
         sources.close()
     log.info("host %s: prepared version %s", host, request.new_version)
     return counters.message()
+
+
+def _heartbeat(counters: _Counters, progress, stop: threading.Event) -> None:
+    """Tell the coordinator this host is alive while it works (allocating, pulling, checksumming)."""
+    while not stop.wait(HEARTBEAT_S):
+        with counters.lock:
+            if not stop.is_set():
+                progress(counters.message())
 
 
 def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, reader, sources: _Sources,
@@ -241,7 +273,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
 
     targets: dict[tuple[str, str, Box], ShardTarget] = {}
     linked: dict[tuple[str, str, Box], np.ndarray] = {}  # fan-out sources that were hard-linked
-    jobs: list[Callable[[], None]] = []
+    pieces: list[Piece] = []
     fan_out: list[tuple[Transfer, tuple]] = []
     small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = {}  # source host -> small remote regions
     reserves: list[Callable[[], None]] = []
@@ -258,7 +290,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
             linked[key] = reader.array(linkable)
             advance(box.volume * spec.itemsize, "linked")
             continue
-        # Space is reserved by the first jobs (below) so allocation overlaps the first pulls.
+        # Space is reserved by a thread of its own (``_run``) so that allocation overlaps the pulls.
         target = writer.create(device, tensor, box, spec.dtype, spec.shape, reserve=False)
         targets[key] = target
         reserves.append(target.reserve)
@@ -268,19 +300,27 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
                 continue
             kind = "kept" if t.kept else ("local" if host_of(t.src) == host else "remote")
             for piece in wire.split_box(t.box, spec.itemsize, PIECE_BYTES):
-                if kind == "remote" and piece.volume * spec.itemsize < SMALL_BYTES:
+                nbytes = piece.volume * spec.itemsize
+                if kind != "remote":
+                    pieces.append(Piece(LOCAL, nbytes, _job(sources, t.src, {}, t.tensor, piece, target, kind,
+                                                            advance, cancelled)))
+                elif nbytes < SMALL_BYTES:
                     small.setdefault(host_of(t.src), []).append((t.src, t.tensor, piece, target))
                 else:
-                    jobs.append(_job(sources, t, piece, target, kind, advance, cancelled))
-    for items in small.values():
-        jobs.extend(_batch_job(sources, batch, advance, cancelled) for batch in _batches(items))
-    with ThreadPoolExecutor(max_workers=max(1, streams), thread_name_prefix=f"pull-{host}") as pool:
-        running = [pool.submit(job) for job in (*reserves, *jobs)]
-        done, _ = wait(running, return_when=FIRST_EXCEPTION)
-        for future in done:
-            if future.exception() is not None:
-                cancelled.set()  # the remaining jobs return early
-                raise future.exception()
+                    holders = sources.holders(t.tensor, piece)
+                    pieces.append(Piece(host_of(t.src), nbytes, _job(sources, t.src, holders, t.tensor, piece, target,
+                                                                     kind, advance, cancelled),
+                                        frozenset(holders) - {host_of(t.src)}))
+    for source_host, items in small.items():
+        for batch in _batches(items):
+            holders = [sources.holders(tensor, piece) for _, tensor, piece, _ in batch]
+            shared = frozenset.intersection(*(frozenset(h) for h in holders)) - {source_host}
+            pieces.append(Piece(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
+                                _batch_job(sources, batch, holders, advance, cancelled), shared))
+    # Destinations start their round of sources at different places (see schedule).
+    schedule = Schedule(pieces, start=new.hosts().index(host) if host in new.hosts() else 0,
+                        failed=lambda h: h in sources.failed)
+    _run(host, reserves, schedule, streams, cancelled)
     # A cancel makes every pending job return early: the shards are then incomplete and must never be prepared.
     if cancelled.is_set():
         raise TransformError(f"host {host}: transformation cancelled")
@@ -294,11 +334,46 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
         progress(counters.message())
 
 
-def _job(sources: _Sources, t: Transfer, piece: Box, target: ShardTarget, kind: str, advance, cancelled):
-    def run() -> None:
+def _run(host: str, reserves: list[Callable[[], None]], schedule: Schedule, streams: int,
+         cancelled: threading.Event) -> None:
+    """Run the schedule's pieces on ``streams`` threads while one more thread reserves the new files' space
+    (a full disk fails early, and the first pulls do not wait for it); the first failure cancels the rest and
+    is raised."""
+    def worker() -> None:
+        while not cancelled.is_set():
+            got = schedule.take()
+            if got is None:
+                return
+            piece, server = got
+            try:
+                piece.run(server)
+            finally:
+                schedule.done(server)
+
+    def reserve_all() -> None:
+        for reserve in reserves:
+            if cancelled.is_set():
+                return
+            reserve()
+
+    with ThreadPoolExecutor(max_workers=max(1, streams) + 1, thread_name_prefix=f"pull-{host}") as pool:
+        running = [pool.submit(reserve_all)] + [pool.submit(worker) for _ in range(max(1, streams))]
+        done, _ = wait(running, return_when=FIRST_EXCEPTION)
+        for future in done:
+            if future.exception() is not None:
+                cancelled.set()  # the other threads stop after their current piece
+                raise future.exception()
+
+
+def _job(sources: _Sources, device: str, holders: dict[str, str], tensor: str, piece: Box, target: ShardTarget,
+         kind: str, advance, cancelled):
+    """Read ``piece`` from ``device``, or from the device of ``holders[server]`` when the schedule gives the
+    piece to a replica's host."""
+    def run(server: str) -> None:
         if cancelled.is_set():
             return
-        refetched = sources.read_into(t.src, t.tensor, piece, target)
+        source = device if server in (LOCAL, host_of(device)) else holders[server]
+        refetched = sources.read_with_fallback(source, tensor, piece, target)
         nbytes = piece.volume * target.itemsize
         if refetched:
             advance(refetched, "refetched")
@@ -320,11 +395,14 @@ def _batches(items: list) -> Iterator[list]:
         yield batch
 
 
-def _batch_job(sources: _Sources, batch: list, advance, cancelled):
-    def run() -> None:
+def _batch_job(sources: _Sources, batch: list, holders: list[dict[str, str]], advance, cancelled):
+    """Read a batch of small regions from their planned host, or from ``server``'s devices (``holders``)."""
+    def run(server: str) -> None:
         if cancelled.is_set():
             return
-        for (_, _, piece, target), refetched in zip(batch, sources.read_batch(batch)):
+        items = batch if server == host_of(batch[0][0]) else \
+            [(held[server], tensor, piece, target) for (_, tensor, piece, target), held in zip(batch, holders)]
+        for (_, _, piece, target), refetched in zip(items, sources.read_batch(items)):
             nbytes = piece.volume * target.itemsize
             if refetched:
                 advance(refetched, "refetched")

@@ -1,0 +1,265 @@
+"""The reconciliation step as a pure function: observed state in, desired state out.
+
+May import: :mod:`.spec`, :mod:`.observe` and the standard library. Pure: no
+clock (``now`` is an argument), no I/O, so it is tested as a function and an
+operator restarted at any point decides the same thing again from what it
+observes (level-based: the previous ``status`` only carries what cannot be
+observed, the last world that ran, the open rescale and the failures so far).
+
+The rules (README, "Kubernetes operator"):
+
+* A node qualifies when it is Ready, not cordoned (unless it already runs
+  this job's worker), has fewer than :data:`NODE_FAILURE_LIMIT` failed
+  workers, and has ``gpusPerNode`` free units of the accelerator resource
+  (a node that already runs our worker keeps it). The target is the most
+  qualifying nodes up to ``maxNodes``, nodes that run a worker first, then by
+  name: the job never moves a worker to get the same size.
+* Fewer than ``minNodes`` qualify: phase ``Pending``, condition
+  ``NodesAvailable=False`` saying what is missing; running workers stay
+  (their agents wait in the rendezvous), no worker is added.
+* A worker on a node that is gone or NotReady is lost: force-deleted (a
+  graceful delete never completes without a kubelet). A failed or
+  crash-looping worker is deleted and replaced once its pod is gone (same
+  name) if its node still qualifies. Failures count per pod uid;
+  more than ``backoffLimit`` in all is phase ``Failed``.
+* Scale-down deletes workers with the spec's grace period, so that they save
+  at a step boundary on SIGTERM.
+* A change of the world opens ``status.lastRescale`` (type Rescale or
+  Recovery); it finishes when every target node runs a worker and no other
+  does. A restarted operator that finds the same target keeps the record
+  (and its ``startedAt``) instead of starting a new one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .observe import NodeState, PodState
+from .spec import JobSpec, SpecError
+
+NODE_FAILURE_LIMIT = 3  # a node whose workers failed this often is left out (a bad GPU, a full disk)
+
+
+@dataclass(frozen=True)
+class Deletion:
+    pod: str
+    grace_seconds: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal or Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    phase: str
+    target: tuple[str, ...]  # nodes that should run a worker
+    create: tuple[str, ...]  # nodes to create a worker on now
+    delete: tuple[Deletion, ...]
+    status: dict  # the TenplexJob's new status (a merge patch: None removes a key)
+    events: tuple[Event, ...]
+
+
+def merge_patch(old: Any, patch: Any) -> Any:
+    """``patch`` applied to ``old`` as a JSON merge patch (RFC 7386), as the API server applies a status patch."""
+    if not isinstance(patch, Mapping):
+        return patch
+    out = dict(old) if isinstance(old, Mapping) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def decide(spec: JobSpec | SpecError, nodes: Sequence[NodeState], pods: Sequence[PodState], *,
+           used_by_others: Mapping[str, int], status: Mapping[str, Any] | None, generation: int | None,
+           now: str, resource: str) -> Decision:
+    """The desired state of one TenplexJob (see the module docstring for the rules)."""
+    return _Decider(spec, nodes, pods, used_by_others, dict(status or {}), generation, now, resource).run()
+
+
+class _Decider:
+    def __init__(self, spec, nodes, pods, used, status, generation, now, resource):
+        self.spec, self.pods, self.used, self.old = spec, sorted(pods, key=lambda p: p.name), used, status
+        self.nodes = {n.name: n for n in nodes}
+        self.generation, self.now, self.resource = generation, now, resource
+        self.events: list[Event] = []
+        self.conditions: list[dict] = []
+
+    # -- helpers -----------------------------------------------------------------------------------------------
+    def condition(self, type_: str, ok: bool, reason: str, message: str) -> None:
+        old: dict = next((c for c in self.old.get("conditions") or [] if c.get("type") == type_), {})
+        value = "True" if ok else "False"
+        since = old.get("lastTransitionTime") if old.get("status") == value else None
+        self.conditions.append({"type": type_, "status": value, "reason": reason, "message": message,
+                                "lastTransitionTime": since or self.now})
+
+    def event_on_change(self, phase: str, type_: str, reason: str, message: str) -> None:
+        """An event for a transition: not again when a later round (or a restarted operator) decides the same."""
+        old_reasons = {c.get("reason") for c in self.old.get("conditions") or [] if c.get("status") == "False"}
+        if self.old.get("phase") != phase or reason not in old_reasons:
+            self.events.append(Event(type_, reason, message))
+
+    def world(self, names: Sequence[str]) -> dict:
+        return {"nodes": len(names), "nodeNames": list(names), "worldSize": len(names) * self.spec.gpus_per_node,
+                "parallel": self.spec.parallel(len(names))}
+
+    def finish(self, phase: str, target=(), create=(), delete=(), **status) -> Decision:
+        for type_ in ("SpecValid", "NodesAvailable", "WorkersHealthy"):
+            if not any(c["type"] == type_ for c in self.conditions):
+                self.condition(type_, True, "OK", "")
+        self.condition("Ready", phase == "Running", phase, f"the job is {phase}")
+        out = {"phase": phase, "observedGeneration": self.generation, "conditions": self.conditions, **status}
+        return Decision(phase, tuple(target), tuple(create), tuple(delete), out, tuple(self.events))
+
+    # -- the decision --------------------------------------------------------------------------------------------
+    def run(self) -> Decision:
+        spec = self.spec
+        if isinstance(spec, SpecError):
+            self.condition("SpecValid", False, "InvalidSpec", str(spec))
+            self.event_on_change("Failed", "Warning", "InvalidSpec", str(spec))
+            return self.finish("Failed")
+        # A worker deleted on scale-down may exit 0 too (a planned leave): only the others mean the script finished.
+        finished = [p.name for p in self.pods if p.phase == "Succeeded" and not p.terminating]
+        if self.old.get("phase") == "Succeeded" or finished:
+            if self.old.get("phase") != "Succeeded":
+                done = finished[0] if finished else "a worker"
+                self.events.append(Event("Normal", "Succeeded", f"the training script finished ({done} succeeded)"))
+            return self.finish("Succeeded")
+
+        deletions, failures, lost, failed, active, busy = self.classify()
+        if sum(len(v) for v in failures.values()) > spec.backoff_limit:
+            n = sum(len(v) for v in failures.values())
+            message = (f"{n} workers failed, more than backoffLimit={spec.backoff_limit}; "
+                       f"see the pods' logs, then raise spec.backoffLimit to retry")
+            self.condition("WorkersHealthy", False, "BackoffLimitExceeded", message)
+            self.event_on_change("Failed", "Warning", "BackoffLimitExceeded", message)
+            deletions += [Deletion(p.name, spec.grace_seconds, "the job failed") for p in active.values()]
+            return self.finish("Failed", delete=deletions, failures=failures)
+
+        eligible, why_not = self.qualify(failures, active)
+        order = sorted(eligible, key=lambda name: (name not in active, name))
+        target = tuple(sorted(order[: spec.max_nodes]))
+        for name in order[spec.max_nodes:]:
+            why_not[name] = f"maxNodes={spec.max_nodes}"
+
+        if len(target) < spec.min_nodes:
+            message = (f"needs minNodes={spec.min_nodes} nodes with {spec.gpus_per_node} free {self.resource} "
+                       f"each; {len(target)} qualify" + (f" ({', '.join(target)})" if target else "")
+                       + "".join(f"; {n}: {why}" for n, why in sorted(why_not.items())))
+            self.condition("NodesAvailable", False, "InsufficientNodes", message)
+            self.event_on_change("Pending", "Warning", "InsufficientNodes", message)
+            return self.finish("Pending", target, (), deletions, failures=failures)
+
+        for node, pod in active.items():
+            if node not in target:
+                why = why_not.get(node, "not needed")
+                deletions.append(Deletion(pod.name, spec.grace_seconds, f"scale down: {why}"))
+        create = tuple(n for n in target if n not in active and n not in busy)
+        running = {n for n, p in active.items() if p.phase == "Running"}
+        return self.progress(target, create, deletions, failures, running, lost, failed, why_not)
+
+    def classify(self):
+        """Split our pods: lost (node gone), failed, terminating (busy) and active; what to delete now."""
+        deletions: list[Deletion] = []
+        failures = {node: list(uids) for node, uids in (self.old.get("failures") or {}).items()}
+        lost: dict[str, str] = {}
+        failed: dict[str, str] = {}
+        active: dict[str, PodState] = {}
+        busy: set[str] = set()  # a pod of ours still holds the name and GPUs there
+        for p in self.pods:
+            node = self.nodes.get(p.node)
+            if node is None or not node.ready:
+                lost[p.node] = f"node {p.node} is {'gone' if node is None else 'NotReady'}"
+                # A graceful delete never completes without a kubelet: force it (grace 0).
+                deletions.append(Deletion(p.name, 0, f"{lost[p.node]}: worker lost"))
+            elif p.terminating:
+                busy.add(p.node)
+            elif p.failed or p.node in active:
+                if p.failed:
+                    failed[p.node] = p.name
+                    if p.uid not in failures.setdefault(p.node, []):
+                        failures[p.node].append(p.uid)
+                # A Failed pod runs nothing, so no grace; a crash-looping one may still be saving.
+                grace = 0 if p.phase == "Failed" else self.spec.grace_seconds
+                what = f"worker {p.name} failed on {p.node}" if p.failed else f"second worker on {p.node}"
+                deletions.append(Deletion(p.name, grace, what))
+                busy.add(p.node)
+            else:
+                active[p.node] = p
+        return deletions, failures, lost, failed, active, busy
+
+    def qualify(self, failures, active):
+        eligible: list[str] = []
+        why_not: dict[str, str] = {}
+        for name, n in sorted(self.nodes.items()):
+            free = n.allocatable - self.used.get(name, 0)
+            if not n.ready:
+                why_not[name] = "NotReady"
+            elif not n.schedulable and name not in active:
+                why_not[name] = "cordoned"
+            elif len(failures.get(name, ())) >= NODE_FAILURE_LIMIT:
+                why_not[name] = f"{len(failures[name])} failed workers"
+            elif name not in active and free < self.spec.gpus_per_node:
+                why_not[name] = f"{max(free, 0)} free {self.resource}"
+            else:
+                eligible.append(name)
+        return eligible, why_not
+
+    def progress(self, target, create, deletions, failures, running, lost, failed, why_not) -> Decision:
+        stable = tuple(self.old.get("nodeNames") or ())
+        record = self.old.get("lastRescale") or None
+        open_record = record if record and not record.get("finishedAt") else None
+        complete = set(target) == running
+        if open_record and open_record.get("to", {}).get("nodeNames") != list(target):
+            open_record = None  # the target moved on (another node joined or failed): a new record
+        if not stable and not open_record:
+            # The first world: starting, not a rescale.
+            if complete:
+                world = f"{len(target)} nodes, {self.spec.parallel(len(target))}"
+                self.events.append(Event("Normal", "Started", world))
+                return self.finish("Running", target, create, deletions, failures=failures, **self.world(target))
+            return self.finish("Pending", target, create, deletions, failures=failures)
+        if complete and not open_record and tuple(target) == stable:
+            return self.finish("Running", target, create, deletions, failures=failures, **self.world(target))
+        if not open_record:
+            open_record = self.new_record(stable, target, running, lost, failed, why_not)
+        kind = open_record["type"]
+        if complete:
+            done = {**open_record, "finishedAt": self.now}
+            self.events.append(Event("Normal", "Rescaled" if kind == "Rescale" else "Recovered",
+                                     self.describe(done)))
+            return self.finish("Running", target, create, deletions, failures=failures, lastRescale=done,
+                               **self.world(target))
+        return self.finish("Rescaling" if kind == "Rescale" else "Recovering", target, create, deletions,
+                           failures=failures, lastRescale=open_record)
+
+    def new_record(self, stable, target, running, lost, failed, why_not) -> dict:
+        parts = [f"node {n} added" for n in target if n not in stable]
+        for n in stable:
+            if n not in target:
+                parts.append(lost.get(n) or (f"worker {failed[n]} failed on {n}" if n in failed else None)
+                             or f"node {n} removed: {why_not.get(n, 'not needed')}")
+            elif n not in running:
+                parts.append(f"worker {failed[n]} failed on {n}" if n in failed else f"worker on {n} missing")
+        recovery = bool(lost or failed) or any(n in stable and n not in running for n in target)
+        # `from` is the world as it ran (the status says so): the current spec may not even allow its size.
+        ran = {key: self.old.get(key) for key in ("nodes", "nodeNames", "worldSize", "parallel")}
+        record = {"type": "Recovery" if recovery else "Rescale", "reason": "; ".join(parts),
+                  "from": ran, "to": self.world(target), "startedAt": self.now, "finishedAt": None}
+        self.events.append(Event("Normal", "RecoveryStarted" if recovery else "RescaleStarted",
+                                 self.describe(record)))
+        return record
+
+    @staticmethod
+    def describe(record: dict) -> str:
+        f, t = record["from"], record["to"]
+        return (f"{f['nodes']} -> {t['nodes']} nodes, world {f['worldSize']} -> {t['worldSize']} "
+                f"({f['parallel'] or '-'} -> {t['parallel']}): {record['reason']}")

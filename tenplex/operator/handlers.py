@@ -1,0 +1,252 @@
+"""The kopf handlers: observe, decide (pure), act.
+
+May import: ``kopf``, ``kubernetes``, the package's modules and the standard
+library.
+
+Each TenplexJob gets a kopf daemon that reconciles it: read the job, its
+worker pods (label selector) and the Nodes; :func:`.decide.decide`; write the
+status (optimistic concurrency: the job's ``resourceVersion`` is part of the
+patch, so a decision made on a stale spec is never written; a 409 re-reads
+and decides again); then delete and create pods and post the decision's
+Events. The loop runs again when a worker pod, a Node or the spec changes
+(kopf watch events poke it) and every ``interval`` seconds anyway: it is
+level-based, so a missed poke only delays it.
+
+Errors say whether retrying helps: API trouble (5xx, timeouts, repeated
+409s) raises :class:`kopf.TemporaryError` and kopf restarts the daemon after
+a delay; a spec that cannot run is a :class:`kopf.PermanentError` for the
+spec handler (retrying the same spec cannot help; an edit runs it again) and
+the ``Failed`` phase with a condition naming the field for the daemon, which
+keeps watching for a corrected spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import logging
+from typing import Any, Mapping
+
+import kopf
+import urllib3
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
+
+from . import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION, WORKER_ROLE
+from .decide import Decision, decide, merge_patch
+from .observe import gpu_claim, node_state, pod_state, used_by_others
+from .pods import pod_name, worker_pod
+from .progress import committed_step, store_address
+from .settings import WorkerSettings
+from .spec import SpecError, check_name, parse_spec
+
+CONFLICT_RETRIES = 5
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _spec_or_error(job: Mapping[str, Any]):
+    try:
+        check_name(job["metadata"]["name"])
+        return parse_spec(job.get("spec") or {})
+    except SpecError as e:
+        return e
+
+
+class Operator:
+    """The handlers of one operator, bound to one Kubernetes API client (the tests make one per test)."""
+
+    def __init__(self, api: k8s.ApiClient, settings: WorkerSettings | None = None, *, interval: float = 10.0):
+        self.api = api
+        self.core = k8s.CoreV1Api(api)
+        self.custom = k8s.CustomObjectsApi(api)
+        self.settings = settings or WorkerSettings()
+        self.interval = interval
+        self.pokes: dict[tuple[str, str], asyncio.Event] = {}
+        self.node_view: dict[str, Any] = {}  # node name -> its NodeState (None once deleted)
+        # (namespace, name) -> (generation, SpecError): the API server refused this spec's worker pod
+        self.rejected: dict[tuple[str, str], tuple[int, SpecError]] = {}
+
+    # -- kopf wiring ---------------------------------------------------------------------------------------------
+    def register(self, registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
+        # Handlers take **kw: kopf passes many keyword arguments and types its handlers as protocols of all of them.
+        job = (GROUP, VERSION, PLURAL)
+
+        @kopf.on.startup(registry=registry)
+        def configure(**kw: Any) -> None:
+            settings: kopf.OperatorSettings = kw["settings"]
+            # Handler progress in our own annotations (the CRD's status schema has no room for kopf's).
+            settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+            settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+                prefix=GROUP, key="last-handled-configuration")
+            settings.posting.level = logging.WARNING  # our own events say what happened; kopf's add noise
+            settings.scanning.disabled = True  # the resources are known: no CRD discovery (and no RBAC for it)
+
+        @kopf.on.create(*job, id="spec", registry=registry)
+        @kopf.on.update(*job, id="spec", field="spec", registry=registry)
+        @kopf.on.resume(*job, id="spec", registry=registry)
+        def spec_changed(**kw: Any) -> None:
+            self.poke(kw["namespace"], kw["name"])
+            spec = _spec_or_error(kw["body"])
+            if isinstance(spec, SpecError):
+                raise kopf.PermanentError(f"invalid spec, fix {spec.field}: {spec}")
+
+        @kopf.daemon(*job, id="reconcile", cancellation_timeout=1.0, backoff=2.0, registry=registry)
+        async def reconcile_loop(**kw: Any) -> None:
+            namespace, name, stopped = kw["namespace"], kw["name"], kw["stopped"]
+            poke = self.pokes.setdefault((namespace, name), asyncio.Event())
+            while not stopped:
+                poke.clear()
+                await self.reconcile(namespace, name, kw["gpu_pods"], kw["logger"])
+                try:
+                    await asyncio.wait_for(poke.wait(), timeout=self.interval)
+                except asyncio.TimeoutError:
+                    pass
+
+        @kopf.on.delete(*job, id="forget", optional=True, registry=registry)
+        def forget(**kw: Any) -> None:
+            self.pokes.pop((kw["namespace"], kw["name"]), None)
+
+        @kopf.index("pods", id="gpu_pods", registry=registry)
+        def gpu_pods(**kw: Any) -> dict | None:
+            """Accelerator units per node and the job holding them: the other jobs' share of each node."""
+            claim = gpu_claim(kw["body"], self.settings.resource)
+            return None if claim is None else {claim[0]: claim}
+
+        @kopf.on.event("pods", id="worker_changed", labels={ROLE_LABEL: WORKER_ROLE}, registry=registry)
+        def worker_changed(**kw: Any) -> None:
+            meta = kw["body"].get("metadata") or {}
+            self.poke(meta.get("namespace"), (meta.get("labels") or {}).get(JOB_LABEL))
+
+        @kopf.on.event("nodes", id="node_changed", registry=registry)
+        def node_changed(**kw: Any) -> None:
+            # Heartbeats rewrite a node's status all the time; only readiness, cordons and capacity matter.
+            body = kw["body"]
+            name = str((body.get("metadata") or {}).get("name"))
+            view = None if kw["type"] == "DELETED" else node_state(body, self.settings.resource)
+            if self.node_view.get(name) != view:
+                self.node_view[name] = view
+                for key in list(self.pokes):
+                    self.poke(*key)
+
+        return registry
+
+    def poke(self, namespace: str | None, name: str | None) -> None:
+        event = self.pokes.get((str(namespace), str(name)))
+        if event is not None:
+            event.set()
+
+    # -- one reconciliation --------------------------------------------------------------------------------------
+    async def reconcile(self, namespace: str, name: str, gpu_pods: kopf.Index, logger: logging.Logger) -> None:
+        # A snapshot of the other pods' accelerator units per node, taken here: the index changes on the loop.
+        used = used_by_others([claim for claims in gpu_pods.values() for claim in claims], (namespace, name))
+        for _ in range(CONFLICT_RETRIES):
+            try:
+                job, decision = await asyncio.to_thread(self._decide_and_write, namespace, name, used)
+                if job is not None and decision is not None:
+                    await asyncio.to_thread(self._act, job, decision, logger)
+                return
+            except ApiException as e:
+                if e.status == 409:
+                    continue  # the job changed since we read it: read it again and decide again
+                if e.status == 404:
+                    return  # deleted meanwhile; kopf stops this daemon
+                raise kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", delay=5) from e
+            except (OSError, urllib3.exceptions.HTTPError) as e:
+                raise kopf.TemporaryError(f"Kubernetes API unreachable: {e}", delay=5) from e
+        raise kopf.TemporaryError(f"TenplexJob {namespace}/{name} kept changing ({CONFLICT_RETRIES} conflicts)",
+                                  delay=1)
+
+    def _get(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        """The raw JSON of a read: the decision works on what the API server says, field for field."""
+        return json.loads(call(*args, _preload_content=False, **kwargs).data)
+
+    def _decide_and_write(self, namespace: str, name: str,
+                          used: dict[str, int]) -> tuple[dict, Decision] | tuple[None, None]:
+        job = self._get(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
+        if (job.get("metadata") or {}).get("deletionTimestamp"):
+            return None, None  # being deleted: the garbage collector removes the workers (owner references)
+        selector = f"{JOB_LABEL}={name},{ROLE_LABEL}={WORKER_ROLE}"
+        pods = self._get(self.core.list_namespaced_pod, namespace, label_selector=selector)["items"]
+        nodes = self._get(self.core.list_node)["items"]
+        spec = _spec_or_error(job)
+        rejected = self.rejected.get((namespace, name))
+        if rejected and rejected[0] == job["metadata"].get("generation") and not isinstance(spec, SpecError):
+            spec = rejected[1]  # until the spec is edited: the same pod would fail again
+        decision = decide(spec, [node_state(n, self.settings.resource) for n in nodes],
+                          [pod_state(p) for p in pods], used_by_others=used, status=job.get("status"),
+                          generation=job["metadata"].get("generation"), now=_now(),
+                          resource=self.settings.resource)
+        status = dict(decision.status)
+        step = self._committed_step(nodes, decision)
+        if step is not None:
+            status["step"] = step
+        old = job.get("status") or {}
+        if merge_patch(old, status) != old:  # skip writes that change nothing
+            body = {"metadata": {"resourceVersion": job["metadata"]["resourceVersion"]}, "status": status}
+            self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, body)
+        return job, decision
+
+    def _committed_step(self, nodes: list[dict], decision: Decision) -> int | None:
+        """The job's last committed step from the store of one of its nodes (None: not known now)."""
+        if not decision.target:
+            return None
+        token = None
+        if self.settings.token_file:
+            with open(self.settings.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        # One node is enough (each holds the state document of every save); a store that does not answer
+        # leaves the step as it was rather than slowing every reconciliation down.
+        by_name = {n["metadata"]["name"]: n for n in nodes}
+        addresses = (store_address(by_name.get(name, {}), self.settings.store_port) for name in decision.target)
+        address = next((a for a in addresses if a is not None), None)
+        return None if address is None else committed_step(address, token)
+
+    def _refused(self, job: dict, pod: dict, e: ApiException) -> SpecError | None:
+        """The user error behind a refused create, or None (a 409 for our own pod: an earlier round made it)."""
+        name = pod["metadata"]["name"]
+        if e.status == 422:  # the pod is invalid: the spec's template
+            why = (json.loads(e.body).get("message") if e.body else None) or e.reason
+            return SpecError("spec.template", f"the API server rejected the worker pod: {why}")
+        if e.status == 409:
+            other = self._get(self.core.read_namespaced_pod, name, pod["metadata"]["namespace"])
+            if (other["metadata"].get("labels") or {}).get(JOB_LABEL) != job["metadata"]["name"]:
+                return SpecError("metadata.name", f"the worker pod name {name} is taken by a pod that is not this "
+                                 f"job's worker: rename the TenplexJob")
+        return None
+
+    def _act(self, job: dict, decision: Decision, logger: logging.Logger) -> None:
+        namespace = job["metadata"]["namespace"]
+        for d in decision.delete:
+            try:
+                self.core.delete_namespaced_pod(d.pod, namespace, grace_period_seconds=d.grace_seconds)
+            except ApiException as e:
+                if e.status != 404:  # already gone: what we wanted
+                    raise
+            else:
+                kopf.event(job, type="Normal", reason="WorkerDeleted",
+                           message=f"{d.pod} (grace {d.grace_seconds}s): {d.reason}")
+        if decision.create:
+            spec = parse_spec(job["spec"])  # decide() only asks for pods when the spec is valid
+            for node in decision.create:
+                pod = worker_pod(job, spec, node, self.settings)
+                try:
+                    self.core.create_namespaced_pod(namespace, pod)  # type: ignore[arg-type]  # JSON works too
+                except ApiException as e:
+                    error = self._refused(job, pod, e)
+                    if error is not None:
+                        key = (namespace, job["metadata"]["name"])
+                        self.rejected[key] = (job["metadata"].get("generation"), error)
+                        self.poke(*key)
+                        return
+                    if e.status != 409:
+                        raise
+                else:
+                    kopf.event(job, type="Normal", reason="WorkerCreated",
+                               message=f"{pod_name(job['metadata']['name'], node)} on node {node}")
+        for ev in decision.events:
+            kopf.event(job, type=ev.type, reason=ev.reason, message=ev.message)
+            logger.info("%s: %s", ev.reason, ev.message)

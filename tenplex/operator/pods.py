@@ -1,0 +1,116 @@
+"""The worker pod of a TenplexJob on one node: ``tenplex run`` with the job's limits.
+
+May import: the package's pure modules, ``kubernetes`` (its typed models) and
+the standard library. No API calls: this only builds the object.
+
+Each worker runs one torchrun elastic agent through ``tenplex run``. It reuses
+the node's store (the DaemonSet serves the same ``--store-root``, a hostPath),
+joins the rendezvous service with the job's uid as the rendezvous id, and
+reads its data through the FUSE mount the DaemonSet propagates to the host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any, Mapping
+
+from kubernetes import client as k8s
+
+from . import JOB_LABEL, NODE_ANNOTATION, ROLE_LABEL, WORKER_ROLE
+from .settings import WorkerSettings
+from .spec import JobSpec
+
+
+TOKEN_DIR = "/etc/tenplex/token"  # the Secret's key `token` is the file TOKEN_DIR/token, as in the DaemonSet
+_SERIALIZER = k8s.ApiClient()  # only turns typed models into camelCase JSON; makes no requests
+
+
+def pod_name(job: str, node: str) -> str:
+    """``<job>-<node>``, a valid DNS label; long names keep a hash of the full name so they stay unique."""
+    name = re.sub(r"[^a-z0-9-]+", "-", f"{job}-{node}".lower()).strip("-")
+    if len(name) <= 63:
+        return name
+    digest = hashlib.sha256(f"{job}/{node}".encode()).hexdigest()[:8]
+    return f"{name[:54].rstrip('-')}-{digest}"
+
+
+def worker_command(spec: JobSpec, job_uid: str, settings: WorkerSettings) -> list[str]:
+    # The node's store is the DaemonSet's (host network, same root and host name): `tenplex run` finds it through
+    # the port file in the root and reaches it at the node's address with the token.
+    return ["tenplex", "run", "--host", "$(NODE_NAME)", "--store-root", settings.store_root,
+            "--store-advertise", "$(NODE_IP)", "--token-file", f"{TOKEN_DIR}/token",
+            "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}", "--nproc-per-node", str(spec.gpus_per_node),
+            "--rdzv-backend", settings.rdzv_backend, "--rdzv-endpoint", settings.rdzv_endpoint,
+            "--rdzv-id", job_uid, *spec.command]
+
+
+def _env(spec: JobSpec, settings: WorkerSettings) -> list[k8s.V1EnvVar]:
+    env = [k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path=path)))
+           for name, path in (("NODE_NAME", "spec.nodeName"), ("NODE_IP", "status.hostIP"))]
+    # What the training-loop API needs from the spec (issue 8): the policy's inputs, replication and saving.
+    pinned = json.dumps({str(k): v for k, v in sorted(spec.pinned.items())})
+    values = {"TENPLEX_MAX_TP": spec.max_tp, "TENPLEX_PP": spec.pp, "TENPLEX_REPLICAS": spec.replicas,
+              "TENPLEX_SAVE_INTERVAL": spec.save_interval, "TENPLEX_PINNED": pinned if spec.pinned else None,
+              # the DaemonSet's FUSE view of the dataset, as this pod sees it
+              "TENPLEX_DATASET": f"{settings.data_root}/{spec.dataset}" if spec.dataset else None}
+    env += [k8s.V1EnvVar(name=k, value=str(v)) for k, v in values.items() if v is not None]
+    env += [k8s.V1EnvVar(name=k, value=v) for k, v in spec.env]
+    return env
+
+
+def _merge(ours: Any, theirs: Any) -> Any:
+    """The user's template under ours: ours wins on scalars, dicts merge, lists concatenate (volumes, tolerations)."""
+    if isinstance(ours, dict) and isinstance(theirs, Mapping):
+        out = dict(theirs)
+        for key, value in ours.items():
+            out[key] = _merge(value, theirs[key]) if key in theirs else value
+        return out
+    if isinstance(ours, list) and isinstance(theirs, list):
+        return ours + [t for t in theirs if t not in ours]
+    return ours
+
+
+def worker_pod(job: Mapping[str, Any], spec: JobSpec, node: str, settings: WorkerSettings) -> dict:
+    """The worker pod of TenplexJob ``job`` (its raw object) on ``node``, as a JSON-able dict."""
+    meta = job["metadata"]
+    name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
+    resources = {"limits": {settings.resource: str(spec.gpus_per_node)},
+                 "requests": {settings.resource: str(spec.gpus_per_node)}}
+    resources = _merge(resources, dict(spec.resources))
+    host = k8s.V1HostPathVolumeSource
+    pod = k8s.V1Pod(
+        api_version="v1", kind="Pod",
+        metadata=k8s.V1ObjectMeta(
+            name=pod_name(name, node), namespace=namespace,
+            labels={JOB_LABEL: name, ROLE_LABEL: WORKER_ROLE},
+            annotations={NODE_ANNOTATION: node},
+            # No blockOwnerDeletion: setting it needs `update` on tenplexjobs/finalizers, which the operator lacks.
+            owner_references=[k8s.V1OwnerReference(api_version=job["apiVersion"], kind=job["kind"], name=name,
+                                                   uid=uid, controller=True)]),
+        spec=k8s.V1PodSpec(
+            restart_policy="Never",  # the operator replaces failed workers (and counts the failures)
+            termination_grace_period_seconds=spec.grace_seconds,
+            # Pinned to its node as a DaemonSet pins its pods: the operator chose the node by its free GPUs.
+            affinity=k8s.V1Affinity(node_affinity=k8s.V1NodeAffinity(
+                required_during_scheduling_ignored_during_execution=k8s.V1NodeSelector(node_selector_terms=[
+                    k8s.V1NodeSelectorTerm(match_fields=[k8s.V1NodeSelectorRequirement(
+                        key="metadata.name", operator="In", values=[node])])]))),
+            containers=[k8s.V1Container(
+                name="worker", image=spec.image, command=worker_command(spec, uid, settings), env=_env(spec, settings),
+                resources=k8s.V1ResourceRequirements(limits=resources.get("limits"),
+                                                     requests=resources.get("requests")),
+                volume_mounts=[
+                    k8s.V1VolumeMount(name="store", mount_path=settings.store_root),
+                    # The DaemonSet's FUSE mounts appear here after this pod started (propagation).
+                    k8s.V1VolumeMount(name="data", mount_path=settings.data_root, read_only=True,
+                                      mount_propagation="HostToContainer"),
+                    k8s.V1VolumeMount(name="token", mount_path=TOKEN_DIR, read_only=True)])],
+            volumes=[
+                k8s.V1Volume(name="store", host_path=host(path=settings.store_root, type="DirectoryOrCreate")),
+                k8s.V1Volume(name="data", host_path=host(path=settings.data_root, type="DirectoryOrCreate")),
+                k8s.V1Volume(name="token", secret=k8s.V1SecretVolumeSource(secret_name=settings.token_secret))]))
+    body = _SERIALIZER.sanitize_for_serialization(pod)
+    # Containers in the template are added as sidecars (lists concatenate).
+    return _merge(body, {"metadata": spec.template.get("metadata") or {}, "spec": spec.template.get("spec") or {}})

@@ -1,0 +1,36 @@
+"""The operator's cluster-wide settings (``tenplex operator run`` options and their ``TENPLEX_*`` defaults).
+
+May import: the standard library only, so that ``tenplex --help`` works without the ``k8s`` extra.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Cluster-wide settings of the operator (``tenplex operator run`` options)."""
+
+    resource: str = "nvidia.com/gpu"  # `cpu` on CPU-only clusters (kind)
+    store_root: str = "/var/lib/tenplex/store"  # hostPath shared with the store DaemonSet
+    data_root: str = "/var/lib/tenplex/data"  # hostPath where the DaemonSet mounts datasets (FUSE)
+    rdzv_backend: str = "c10d"
+    rdzv_endpoint: str = "tenplex-rendezvous.tenplex-system.svc:29400"
+    token_secret: str = "tenplex-store-token"  # key `token`: the stores listen beyond loopback, so they need one
+    store_port: int = 29500  # the DaemonSet's store port on every node (status.step is read from it)
+    token_file: str | None = None  # the operator's copy of the store token (to read status.step)
+
+    @classmethod
+    def from_env(cls) -> "WorkerSettings":
+        """Defaults overridden by ``TENPLEX_*`` variables (the operator Deployment in k8s/ sets them)."""
+        env = {"resource": "TENPLEX_GPU_RESOURCE", "store_root": "TENPLEX_STORE_ROOT_HOST",
+               "data_root": "TENPLEX_DATA_ROOT_HOST", "rdzv_backend": "TENPLEX_RDZV_BACKEND",
+               "rdzv_endpoint": "TENPLEX_RDZV_ENDPOINT", "token_secret": "TENPLEX_TOKEN_SECRET",
+               "store_port": "TENPLEX_STORE_PORT", "token_file": "TENPLEX_TOKEN_FILE"}
+        values: dict[str, Any] = {field: os.environ[var] for field, var in env.items() if os.environ.get(var)}
+        if "store_port" in values:
+            values["store_port"] = int(values["store_port"])
+        return cls(**values)

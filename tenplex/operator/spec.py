@@ -1,0 +1,149 @@
+"""A TenplexJob's ``spec``, parsed and validated.
+
+May import: ``tenplex.elastic.policy``, ``tenplex.errors`` and the standard
+library. Pure. The CRD's OpenAPI schema rejects most bad specs at the API
+server; this catches the rest (and everything when the CRD is an old one), so
+that a bad spec becomes the ``Failed`` phase with a message naming the field
+instead of an operator crash.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..elastic.policy import choose
+from ..errors import ConfigError
+
+
+class SpecError(ConfigError):
+    """A TenplexJob spec the operator cannot run; ``field`` is its path, e.g. ``spec.maxNodes``."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    image: str
+    command: tuple[str, ...]
+    min_nodes: int
+    max_nodes: int
+    gpus_per_node: int = 1
+    max_tp: int = 8
+    pp: int | None = None
+    pinned: Mapping[int, str] = field(default_factory=dict)
+    env: tuple[tuple[str, str], ...] = ()
+    dataset: str | None = None
+    replicas: int | None = None
+    save_interval: int | None = None
+    grace_seconds: int = 120
+    backoff_limit: int = 6
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    template: Mapping[str, Any] = field(default_factory=dict)
+
+    def parallel(self, nodes: int) -> str:
+        """The parallel configuration of ``nodes`` nodes (``tenplex.elastic.policy``), as status shows it."""
+        if nodes == 0:
+            return ""
+        c = choose(nodes * self.gpus_per_node, self.gpus_per_node, max_tp=self.max_tp, pp=self.pp,
+                   pinned=dict(self.pinned))
+        return c.degrees() + (f" ({len(c.idle)} idle)" if c.idle else "")
+
+
+def _count(spec: Mapping[str, Any], key: str, path: str, *, default: int | None = None, minimum: int = 1) -> int:
+    """An integer >= ``minimum``; required unless it has a ``default``."""
+    value = spec.get(key, default)
+    if value is None:
+        raise SpecError(f"{path}.{key}", "is required")
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise SpecError(f"{path}.{key}", f"must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _optional_count(spec: Mapping[str, Any], key: str, path: str, *, minimum: int = 1) -> int | None:
+    return None if spec.get(key) is None else _count(spec, key, path, minimum=minimum)
+
+
+def _text(spec: Mapping[str, Any], key: str, path: str) -> str:
+    value = spec.get(key)
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"{path}.{key}", f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _mapping(spec: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
+    value = spec.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise SpecError(f"{path}.{key}", f"must be an object, got {value!r}")
+    return value
+
+
+def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
+    """Validate a TenplexJob ``spec``; raises :class:`SpecError` naming the first bad field."""
+    p = "spec"
+    if not isinstance(spec, Mapping):
+        raise SpecError(p, f"must be an object, got {spec!r}")
+    image = _text(spec, "image", p)
+    command = spec.get("command")
+    if not isinstance(command, list) or not command or not all(isinstance(c, str) and c for c in command):
+        raise SpecError(f"{p}.command", f"must be a non-empty list of strings (the script and its "
+                        f"arguments), got {command!r}")
+    min_nodes = _count(spec, "minNodes", p)
+    max_nodes = _count(spec, "maxNodes", p)
+    if min_nodes > max_nodes:
+        raise SpecError(f"{p}.minNodes", f"minNodes={min_nodes} is greater than maxNodes={max_nodes}")
+    gpus = _count(spec, "gpusPerNode", p, default=1)
+
+    par = _mapping(spec, "parallel", p)
+    max_tp = _count(par, "maxTp", f"{p}.parallel", default=8)
+    pp = _optional_count(par, "pp", f"{p}.parallel")
+    pinned: dict[int, str] = {}
+    for key, value in _mapping(par, "pinned", f"{p}.parallel").items():
+        where = f"{p}.parallel.pinned[{key!r}]"
+        if not str(key).isdigit() or int(key) < 1 or not isinstance(value, str):
+            raise SpecError(where, f"needs a world size (a positive integer) as key and a configuration "
+                            f"such as 'tp=2,pp=2' as value, got {key!r}: {value!r}")
+        pinned[int(key)] = value
+
+    env = []
+    for i, item in enumerate(spec.get("env") or []):
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or \
+                not isinstance(item.get("value", ""), str):
+            raise SpecError(f"{p}.env[{i}]", f"must be {{name: string, value: string}}, got {item!r}")
+        env.append((item["name"], item.get("value", "")))
+
+    dataset = _mapping(spec, "dataset", p)
+    job = JobSpec(
+        image=image, command=tuple(command), min_nodes=min_nodes, max_nodes=max_nodes, gpus_per_node=gpus,
+        max_tp=max_tp, pp=pp, pinned=pinned, env=tuple(env),
+        dataset=_text(dataset, "path", f"{p}.dataset") if "path" in dataset else None,
+        replicas=_optional_count(spec, "replicas", p, minimum=0),
+        save_interval=_optional_count(spec, "saveInterval", p),
+        grace_seconds=_count(spec, "terminationGracePeriodSeconds", p, default=120, minimum=0),
+        backoff_limit=_count(spec, "backoffLimit", p, default=6, minimum=0),
+        resources=_mapping(spec, "resources", p), template=_mapping(spec, "template", p))
+
+    # Every world the job may run in must have a configuration: catch a bad pin or pp now, not mid-run.
+    # pp only fails in small worlds and max_tp never does, so the smallest, largest and pinned sizes suffice.
+    for world in pinned:
+        if world % gpus:
+            raise SpecError(f"{p}.parallel.pinned[{str(world)!r}]", f"world size {world} is not a multiple of "
+                            f"gpusPerNode={gpus}, so no world of this job has that size")
+    sizes = {min_nodes, max_nodes} | {w // gpus for w in pinned if min_nodes <= w // gpus <= max_nodes}
+    for nodes in sorted(sizes):
+        try:
+            job.parallel(nodes)
+        except ConfigError as e:
+            world = nodes * gpus
+            where = f"{p}.parallel.pinned[{str(world)!r}]" if world in pinned else f"{p}.parallel"
+            raise SpecError(where, f"no parallel configuration for {nodes} nodes ({world} ranks): {e}") from None
+    return job
+
+
+def check_name(name: str) -> None:
+    """A job's name becomes the value of the ``tenplex.io/job`` label, which holds at most 63 characters."""
+    if len(name) > 63:
+        raise SpecError("metadata.name", f"{name!r} has {len(name)} characters; the label tenplex.io/job "
+                        f"allows 63: rename the TenplexJob")

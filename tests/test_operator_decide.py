@@ -1,0 +1,336 @@
+"""The operator's pure decision: observed nodes, pods and status in, desired pods, status and events out."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tenplex.operator.decide import NODE_FAILURE_LIMIT, Deletion, decide, merge_patch
+from tenplex.operator.observe import NodeState, PodState, gpu_claim, node_state, pod_state, quantity, used_by_others
+from tenplex.operator.spec import SpecError, check_name, parse_spec
+
+GPU = "nvidia.com/gpu"
+T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"
+
+
+def spec(**over):
+    return parse_spec({"image": "img", "command": ["train.py", "--steps", "9"], "minNodes": 1, "maxNodes": 3,
+                       "gpusPerNode": 8, **over})
+
+
+def node(name, gpus=8, ready=True, schedulable=True):
+    return NodeState(name, ready, schedulable, gpus)
+
+
+def pod(n, phase="Running", **kw):
+    return PodState(f"j-{n}", f"uid-{n}{kw.pop('gen', '')}", n, phase, **kw)
+
+
+def run(s, nodes, pods, status=None, used=None, now=T1):
+    return decide(s, nodes, pods, used_by_others=used or {}, status=status, generation=1, now=now, resource=GPU)
+
+
+def stable(*names, gpus=8):
+    """The status of a job that runs on ``names``, as an earlier decision left it."""
+    d = run(spec(), [node(n, gpus) for n in names], [pod(n) for n in names], now=T0)
+    assert d.phase == "Running"
+    return d.status
+
+
+def reasons(d):
+    return [e.reason for e in d.events]
+
+
+# -- start ----------------------------------------------------------------------------------------------------------
+def test_first_start_creates_one_worker_per_qualifying_node_and_is_pending():
+    d = run(spec(), [node("n1"), node("n2")], [])
+    assert (d.phase, d.target, d.create, d.delete) == ("Pending", ("n1", "n2"), ("n1", "n2"), ())
+    assert "lastRescale" not in d.status and "nodeNames" not in d.status
+
+
+def test_running_once_every_worker_runs_with_the_policy_configuration():
+    d = run(spec(), [node("n1"), node("n2")], [pod("n1"), pod("n2", phase="Pending")])
+    assert d.phase == "Pending" and d.create == ()
+    d = run(spec(), [node("n1"), node("n2")], [pod("n1"), pod("n2")])
+    assert d.phase == "Running" and reasons(d) == ["Started"]
+    # golden: 2 nodes x 8 GPUs -> tenplex.elastic.policy: tp within the node (8), dp the rest
+    assert (d.status["nodes"], d.status["nodeNames"], d.status["worldSize"], d.status["parallel"]) == \
+        (2, ["n1", "n2"], 16, "dp=2,tp=8,pp=1")
+    ready = next(c for c in d.status["conditions"] if c["type"] == "Ready")
+    assert ready["status"] == "True" and ready["lastTransitionTime"] == T1
+
+
+def test_parallel_configuration_follows_spec_policy_inputs():
+    s = spec(gpusPerNode=4, parallel={"maxTp": 2, "pp": 2, "pinned": {"12": "tp=4,pp=3"}})
+    assert s.parallel(2) == "dp=2,tp=2,pp=2"  # 8 ranks: tp capped at 2, pp 2, dp the rest
+    assert s.parallel(3) == "dp=1,tp=4,pp=3"  # 12 ranks: the pinned configuration
+
+
+# -- scale up / down ------------------------------------------------------------------------------------------------
+def test_node_joins_scale_up_opens_and_finishes_a_rescale():
+    old = stable("n1", "n2")
+    nodes = [node("n1"), node("n2"), node("n3")]
+    d = run(spec(), nodes, [pod("n1"), pod("n2")], old)
+    assert (d.phase, d.target, d.create, d.delete) == ("Rescaling", ("n1", "n2", "n3"), ("n3",), ())
+    rec = d.status["lastRescale"]
+    assert (rec["type"], rec["reason"], rec["from"]["nodes"], rec["to"]["nodes"], rec["startedAt"]) == \
+        ("Rescale", "node n3 added", 2, 3, T1)
+    assert rec["to"]["worldSize"] == 24 and rec["to"]["parallel"] == "dp=3,tp=8,pp=1"
+    assert reasons(d) == ["RescaleStarted"]
+    assert "nodes" not in d.status  # the old world stays in status until the new one runs
+    mid = merge_patch(old, d.status)
+    assert mid["nodes"] == 2
+
+    d2 = run(spec(), nodes, [pod("n1"), pod("n2"), pod("n3", phase="Pending")], mid, now=T2)
+    assert d2.phase == "Rescaling" and d2.create == () and d2.events == ()
+    d3 = run(spec(), nodes, [pod("n1"), pod("n2"), pod("n3")], merge_patch(mid, d2.status), now=T2)
+    assert d3.phase == "Running" and reasons(d3) == ["Rescaled"]
+    assert d3.status["lastRescale"]["finishedAt"] == T2 and d3.status["lastRescale"]["startedAt"] == T1
+    assert d3.status["nodes"] == 3 and d3.status["worldSize"] == 24
+
+
+def test_scale_up_is_capped_at_max_nodes_and_never_moves_a_worker():
+    nodes = [node(n) for n in ("n1", "n2", "n3", "n4")]
+    d = run(spec(), nodes, [pod("n2"), pod("n3"), pod("n4")], stable("n2", "n3", "n4"))
+    assert (d.phase, d.target, d.create, d.delete, d.events) == ("Running", ("n2", "n3", "n4"), (), (), ())
+
+
+def test_max_nodes_lowered_below_current_deletes_with_grace_period():
+    old = stable("n1", "n2", "n3")
+    nodes = [node("n1"), node("n2"), node("n3")]
+    s = spec(maxNodes=2, terminationGracePeriodSeconds=90)
+    d = run(s, nodes, [pod("n1"), pod("n2"), pod("n3")], old)
+    assert d.phase == "Rescaling" and d.target == ("n1", "n2") and d.create == ()
+    assert d.delete == (Deletion("j-n3", 90, "scale down: maxNodes=2"),)
+    assert d.status["lastRescale"]["reason"] == "node n3 removed: maxNodes=2"
+    # the next round sees the worker terminating: the smaller world is what runs
+    d2 = run(s, nodes, [pod("n1"), pod("n2"), pod("n3", terminating=True)], merge_patch(old, d.status), now=T2)
+    assert d2.phase == "Running" and d2.delete == () and d2.status["nodes"] == 2 and reasons(d2) == ["Rescaled"]
+
+
+def test_cordoned_node_gets_no_new_worker_but_keeps_its_own():
+    nodes = [node("n1", schedulable=False), node("n2")]
+    assert run(spec(), nodes, []).target == ("n2",)
+    d = run(spec(), nodes, [pod("n1"), pod("n2")], stable("n1", "n2"))
+    assert d.target == ("n1", "n2") and d.delete == ()
+
+
+def test_pod_deleted_by_someone_else_is_recreated_as_a_recovery():
+    old = stable("n1", "n2")
+    d = run(spec(), [node("n1"), node("n2")], [pod("n1"), pod("n2", terminating=True)], old)
+    assert d.create == () and d.delete == () and d.phase == "Recovering"  # same name: wait until it is gone
+    assert d.status["lastRescale"]["reason"] == "worker on n2 missing"
+    d2 = run(spec(), [node("n1"), node("n2")], [pod("n1")], merge_patch(old, d.status))
+    assert d2.create == ("n2",) and d2.events == ()
+
+
+# -- lost nodes and failed pods -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["NotReady", "gone"])
+def test_node_lost_force_deletes_its_worker_and_continues_smaller(how):
+    old = stable("n1", "n2", "n3")
+    nodes = [node("n1"), node("n3")] + ([node("n2", ready=False)] if how == "NotReady" else [])
+    d = run(spec(), nodes, [pod("n1"), pod("n2"), pod("n3")], old)
+    assert d.delete == (Deletion("j-n2", 0, f"node n2 is {how}: worker lost"),)
+    assert d.phase == "Running" and d.target == ("n1", "n3") and d.status["nodes"] == 2
+    rec = d.status["lastRescale"]
+    assert (rec["type"], rec["reason"], rec["finishedAt"]) == ("Recovery", f"node n2 is {how}", T1)
+    assert reasons(d) == ["RecoveryStarted", "Recovered"]
+    assert "n2" not in d.status["failures"]  # a lost node is not a failed worker
+
+
+def test_node_lost_below_min_nodes_waits_pending_and_keeps_the_survivors():
+    s = spec(minNodes=3)
+    d = run(s, [node("n1"), node("n2", ready=False), node("n3")], [pod("n1"), pod("n2"), pod("n3")],
+            stable("n1", "n2", "n3"))
+    assert d.phase == "Pending" and d.create == ()
+    assert d.delete == (Deletion("j-n2", 0, "node n2 is NotReady: worker lost"),)
+    cond = next(c for c in d.status["conditions"] if c["type"] == "NodesAvailable")
+    assert cond["status"] == "False" and cond["reason"] == "InsufficientNodes"
+    assert "needs minNodes=3" in cond["message"] and "n2: NotReady" in cond["message"]
+    assert reasons(d) == ["InsufficientNodes"]
+    # the same observation again (the next round, or a restarted operator) posts no second event
+    assert run(s, [node("n1"), node("n2", ready=False), node("n3")], [pod("n1"), pod("n3")],
+               merge_patch(stable("n1", "n2", "n3"), d.status)).events == ()
+
+
+def test_failed_pod_is_deleted_then_replaced_on_its_healthy_node():
+    old = stable("n1", "n2", "n3")
+    nodes = [node("n1"), node("n2"), node("n3")]
+    d = run(spec(), nodes, [pod("n1"), pod("n2", phase="Failed"), pod("n3")], old)
+    assert d.delete == (Deletion("j-n2", 0, "worker j-n2 failed on n2"),)
+    assert d.create == () and d.target == ("n1", "n2", "n3")  # same name: created once the failed pod is gone
+    assert d.phase == "Recovering" and d.status["failures"] == {"n2": ["uid-n2"]}
+    assert d.status["lastRescale"]["reason"] == "worker j-n2 failed on n2" and reasons(d) == ["RecoveryStarted"]
+    st = merge_patch(old, d.status)
+    d2 = run(spec(), nodes, [pod("n1"), pod("n3")], st, now=T2)
+    assert d2.create == ("n2",) and d2.phase == "Recovering" and d2.events == ()
+    assert d2.status["lastRescale"]["startedAt"] == T1
+    st = merge_patch(st, d2.status)
+    d3 = run(spec(), nodes, [pod("n1"), pod("n2", gen="b"), pod("n3")], st, now=T2)
+    assert d3.phase == "Running" and reasons(d3) == ["Recovered"] and d3.status["failures"] == {"n2": ["uid-n2"]}
+
+
+def test_crash_looping_pod_counts_once_and_a_node_that_keeps_failing_is_left_out():
+    old = stable("n1", "n2", "n3")
+    nodes = [node("n1"), node("n2"), node("n3")]
+    looping = pod("n2", crash_looping=True)
+    d = run(spec(), nodes, [pod("n1"), looping, pod("n3")], old)
+    assert d.delete == (Deletion("j-n2", 120, "worker j-n2 failed on n2"),)  # it may still be saving: grace
+    again = run(spec(), nodes, [pod("n1"), looping, pod("n3")], merge_patch(old, d.status))
+    assert again.status["failures"] == {"n2": ["uid-n2"]}  # the same pod seen twice is one failure
+    flaky = merge_patch(old, {"failures": {"n2": [f"u{i}" for i in range(NODE_FAILURE_LIMIT)]}})
+    d = run(spec(), nodes, [pod("n1"), pod("n3")], flaky)
+    assert d.target == ("n1", "n3") and d.create == () and d.phase == "Running"
+    assert "n2 removed: 3 failed workers" in d.status["lastRescale"]["reason"]
+
+
+def test_more_failures_than_backoff_limit_fails_the_job():
+    s = spec(backoffLimit=2)
+    old = merge_patch(stable("n1", "n2"), {"failures": {"n1": ["a"], "n2": ["b"]}})
+    d = run(s, [node("n1"), node("n2")], [pod("n1", phase="Failed", gen="c"), pod("n2")], old)
+    assert d.phase == "Failed" and d.create == ()
+    assert set(d.delete) == {Deletion("j-n1", 0, "worker j-n1 failed on n1"), Deletion("j-n2", 120, "the job failed")}
+    assert reasons(d) == ["BackoffLimitExceeded"]
+    cond = next(c for c in d.status["conditions"] if c["type"] == "WorkersHealthy")
+    assert cond["status"] == "False" and cond["message"].startswith("3 workers failed, more than backoffLimit=2")
+
+
+# -- GPUs -------------------------------------------------------------------------------------------------------------
+def test_too_few_gpus_for_min_nodes_is_pending_and_names_what_is_missing():
+    s = spec(minNodes=2)
+    d = run(s, [node("n1", gpus=4), node("n2"), node("n3")], [], used={"n2": 4, "n3": 1})
+    assert d.phase == "Pending" and d.create == () and d.target == ()
+    msg = next(c for c in d.status["conditions"] if c["type"] == "NodesAvailable")["message"]
+    assert msg == ("needs minNodes=2 nodes with 8 free nvidia.com/gpu each; 0 qualify; "
+                   "n1: 4 free nvidia.com/gpu; n2: 4 free nvidia.com/gpu; n3: 7 free nvidia.com/gpu")
+    d = run(s, [node("n1", gpus=4), node("n2"), node("n3")], [], used={"n3": 1, "n2": 0})
+    assert d.phase == "Pending" and "1 qualify (n2)" in next(
+        c for c in d.status["conditions"] if c["type"] == "NodesAvailable")["message"]
+
+
+def test_gpu_accounting_from_raw_objects():
+    raw_node = {"metadata": {"name": "n1"}, "spec": {"unschedulable": True},
+                "status": {"allocatable": {GPU: "8"}, "conditions": [{"type": "Ready", "status": "True"}]}}
+    assert node_state(raw_node, GPU) == NodeState("n1", True, False, 8)
+    assert node_state(raw_node, "cpu").allocatable == 0
+    assert [quantity(q) for q in ("8", 8, "3500m", "2k", "1Ki", None)] == [8, 8, 3, 2000, 1024, 0]
+
+    def p(ns, job, node, gpus, phase="Running"):
+        return {"metadata": {"namespace": ns, "name": f"{job}-{node}", "labels": {"tenplex.io/job": job}},
+                "spec": {"nodeName": node, "containers": [{"resources": {"limits": {GPU: str(gpus)}}}]},
+                "status": {"phase": phase}}
+    pods = [p("ml", "j", "n1", 8), p("ml", "other", "n1", 2), p("team", "j", "n1", 1), p("ml", "x", "n2", 4, "Failed")]
+    claims = [c for c in (gpu_claim(pod, GPU) for pod in pods) if c]
+    assert claims[1] == ("n1", ("ml", "other"), 2) and len(claims) == 3  # a finished pod holds nothing
+    assert used_by_others(claims, ("ml", "j")) == {"n1": 3}
+    unbound = {"metadata": {"annotations": {"tenplex.io/node": "n3"}}, "spec": {"containers": [
+        {"resources": {"requests": {GPU: "8"}}}]}}
+    assert gpu_claim(unbound, GPU) == ("n3", (None, None), 8)  # placed by an operator, not yet bound
+    raw_pod = {"metadata": {"name": "j-n1", "uid": "u", "annotations": {"tenplex.io/node": "n1"},
+                            "deletionTimestamp": "x"},
+               "status": {"phase": "Running",
+                          "containerStatuses": [{"state": {"waiting": {"reason": "CrashLoopBackOff"}}}]}}
+    assert pod_state(raw_pod) == PodState("j-n1", "u", "n1", "Running", terminating=True, crash_looping=True)
+
+
+# -- restarts, idempotency ------------------------------------------------------------------------------------------
+def test_operator_restart_mid_rescale_continues_the_same_rescale():
+    old = stable("n1", "n2")
+    nodes = [node("n1"), node("n2"), node("n3")]
+    first = run(spec(), nodes, [pod("n1"), pod("n2")], old, now=T1)
+    # the operator died after writing the status, before creating the pod; a new one starts at T2
+    d = run(spec(), nodes, [pod("n1"), pod("n2")], merge_patch(old, first.status), now=T2)
+    assert d.create == ("n3",) and d.phase == "Rescaling" and d.events == ()
+    assert merge_patch({}, d.status)["lastRescale"] == merge_patch({}, first.status)["lastRescale"]  # startedAt T1
+
+
+def test_deciding_twice_on_the_same_observation_is_the_same_decision():
+    old = stable("n1", "n2", "n3")
+    nodes = [node("n1"), node("n2"), node("n3", ready=False)]
+    pods = [pod("n1"), pod("n2", phase="Failed"), pod("n3")]
+    assert run(spec(), nodes, pods, old) == run(spec(), nodes, pods, old)
+    d = run(spec(), nodes, pods, old)
+    applied = merge_patch(old, d.status)
+    assert merge_patch(applied, run(spec(), nodes, pods, applied).status) == applied  # a fixed point
+
+
+def test_spec_that_no_longer_allows_the_running_world_still_decides():
+    # 2 nodes of 8 ran; now pp=24 needs at least 3 nodes: the record's `from` is what ran, not recomputed
+    d = run(spec(minNodes=3, parallel={"pp": 24}), [node(n) for n in ("n1", "n2", "n3")], [pod("n1"), pod("n2")],
+            stable("n1", "n2"))
+    assert d.phase == "Rescaling" and d.create == ("n3",)
+    assert d.status["lastRescale"]["from"] == {"nodes": 2, "nodeNames": ["n1", "n2"], "worldSize": 16,
+                                               "parallel": "dp=2,tp=8,pp=1"}
+    assert d.status["lastRescale"]["to"]["parallel"] == "dp=1,tp=1,pp=24"
+
+
+def test_target_change_mid_rescale_starts_a_new_record():
+    old = stable("n1", "n2")
+    nodes = [node("n1"), node("n2"), node("n3")]
+    first = run(spec(), nodes, [pod("n1"), pod("n2")], old)
+    d = run(spec(maxNodes=4), nodes + [node("n4")], [pod("n1"), pod("n2"), pod("n3", phase="Pending")],
+            merge_patch(old, first.status), now=T2)
+    assert d.status["lastRescale"]["to"]["nodes"] == 4 and d.status["lastRescale"]["startedAt"] == T2
+    assert d.create == ("n4",) and reasons(d) == ["RescaleStarted"]
+
+
+def test_decision_modules_need_neither_kopf_nor_kubernetes():
+    code = ("import sys, tenplex.operator.decide, tenplex.operator.spec, tenplex.operator.observe, "
+            "tenplex.operator.settings, tenplex.cli; tenplex.cli.build_parser(); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'kopf', 'kubernetes'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
+
+
+# -- spec --------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("over, field", [
+    ({"minNodes": 4, "maxNodes": 2}, "spec.minNodes"),
+    ({"minNodes": 0}, "spec.minNodes"),
+    ({"maxNodes": None}, "spec.maxNodes"),
+    ({"image": ""}, "spec.image"),
+    ({"command": "train.py"}, "spec.command"),
+    ({"gpusPerNode": "8"}, "spec.gpusPerNode"),
+    ({"parallel": {"pinned": {"16": "dp=4,tp=8"}}}, "spec.parallel.pinned['16']"),
+    ({"parallel": {"pinned": {"12": "tp=4"}}}, "spec.parallel.pinned['12']"),
+    ({"parallel": {"pp": 16}}, "spec.parallel"),
+    ({"env": [{"value": "x"}]}, "spec.env[0]"),
+    ({"backoffLimit": -1}, "spec.backoffLimit"),
+])
+def test_invalid_spec_names_the_field(over, field):
+    with pytest.raises(SpecError) as e:
+        spec(**over)
+    assert e.value.field == field and str(e.value).startswith(field)
+
+
+def test_invalid_spec_is_failed_with_a_condition_and_touches_no_pod():
+    with pytest.raises(SpecError) as e:
+        spec(minNodes=4, maxNodes=2)
+    d = run(e.value, [node("n1")], [pod("n1")], stable("n1"))
+    assert (d.phase, d.create, d.delete) == ("Failed", (), ())
+    cond = next(c for c in d.status["conditions"] if c["type"] == "SpecValid")
+    assert cond["status"] == "False" and cond["message"] == "spec.minNodes: minNodes=4 is greater than maxNodes=2"
+    assert reasons(d) == ["InvalidSpec"]
+    with pytest.raises(SpecError, match="metadata.name"):
+        check_name("x" * 64)
+
+
+def test_succeeded_worker_finishes_the_job():
+    d = run(spec(), [node("n1"), node("n2")], [pod("n1", phase="Succeeded"), pod("n2")], stable("n1", "n2"))
+    assert (d.phase, d.create, d.delete, reasons(d)) == ("Succeeded", (), (), ["Succeeded"])
+    assert run(spec(), [node("n1")], [], merge_patch(stable("n1"), d.status)).phase == "Succeeded"
+    # a worker that left on scale-down (deleted, then exited 0) is not the end of the job
+    left = run(spec(maxNodes=1), [node("n1"), node("n2")], [pod("n1"), pod("n2", phase="Succeeded", terminating=True)],
+               stable("n1", "n2"))
+    assert left.phase == "Running" and left.status["nodes"] == 1
+
+
+def test_cli_says_what_is_missing_in_one_line(capsys, monkeypatch, tmp_path):
+    from tenplex.cli import main
+    assert main(["operator", "run"]) == 2
+    assert capsys.readouterr().err.strip() == ("tenplex operator: error: say which TenplexJobs to watch: "
+                                               "--all-namespaces, or --namespace NAME")
+    kube_config = pytest.importorskip("kubernetes.config.kube_config")
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "missing"))  # read at import
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    assert main(["operator", "run", "--all-namespaces"]) == 2
+    assert "no Kubernetes credentials" in capsys.readouterr().err

@@ -1,0 +1,48 @@
+"""The pull schedule of one destination (tenplex.transform.schedule): every source busy at once, different
+destinations starting at different sources, replicas taking over queued pieces, failed sources given nothing."""
+
+from tenplex.transform.schedule import LOCAL, Piece, Schedule
+
+
+def _pieces(source, n, replicas=(), nbytes=10):
+    return [Piece(source, nbytes, lambda server: None, frozenset(replicas)) for _ in range(n)]
+
+
+def test_streams_spread_over_sources_and_destinations_start_apart():
+    pieces = _pieces("h0", 4) + _pieces("h1", 4)  # h0's pieces all come first, as a plan lists them
+    first = Schedule(pieces, start=0)
+    assert [first.take()[1] for _ in range(4)] == ["h0", "h1", "h0", "h1"]
+    second = Schedule(pieces, start=1)
+    assert [second.take()[1] for _ in range(4)] == ["h1", "h0", "h1", "h0"]
+
+
+def test_the_source_with_fewest_pulls_in_flight_goes_next():
+    schedule = Schedule(_pieces("h0", 3) + _pieces("h1", 3) + _pieces(LOCAL, 1))
+    taken = [schedule.take()[1] for _ in range(3)]
+    assert sorted(taken) == sorted([LOCAL, "h0", "h1"])
+    schedule.done("h1")
+    assert schedule.take()[1] == "h1"
+
+
+def test_an_idle_replica_takes_over_the_end_of_a_busy_queue():
+    slow = _pieces("h0", 5, replicas={"h1"})
+    schedule = Schedule(slow + _pieces("h1", 1))
+    assert schedule.take() == (slow[0], "h0")
+    own = schedule.take()
+    assert own[1] == "h1" and own[0] not in slow
+    schedule.done("h1")
+    assert schedule.take() == (slow[4], "h1")  # stolen from the end; h0 keeps working from the front
+    # both have one pull in flight: h0 ranks first and takes its own front, then h1 steals again from the end
+    assert schedule.take() == (slow[1], "h0")
+    assert schedule.take() == (slow[3], "h1")
+
+
+def test_failed_sources_get_nothing_and_replicas_take_their_queue():
+    failed = {"h0"}
+    stranded = _pieces("h0", 1)
+    held = _pieces("h0", 2, replicas={"h1"})
+    schedule = Schedule(held + stranded, failed=lambda h: h in failed)
+    got = [schedule.take() for _ in range(3)]
+    assert [server for _, server in got[:2]] == ["h1", "h1"] and {p for p, _ in got[:2]} == set(held)
+    assert got[2] == (stranded[0], "h0")  # no replica: run as planned, where the reader falls back or fails
+    assert schedule.take() is None
