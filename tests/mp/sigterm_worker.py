@@ -6,8 +6,9 @@ Each step takes about half a second, in two halves around a collective; before i
 the step's index to ``OUT/r{rank}.in-step``. It saves at step 2 (``save_every=2``) and whenever the ranks
 agree to stop. After each committed save, ``OUT/saved-{step}-r{rank}.safetensors`` holds its parameters.
 With three ranks the policy is pinned to dp=2: rank 2 stays idle (``Job.wait_idle``). MODE ``three-steps``
-trains three steps and finishes. MODE ``slow-save`` makes every save after the first wait 60 s before preparing its part (after writing
-``OUT/r{rank}.saving``), so that the test can kill the ranks in the middle of a save.
+trains three steps and finishes. MODE ``slow-save`` makes every save after the first wait 60 s before
+preparing its part (after writing ``OUT/r{rank}.saving``), so that the test can kill the ranks in the middle
+of a save.
 """
 
 from __future__ import annotations
