@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tenplex.elastic import launcher
-from tenplex.elastic.nodes import alive
+from tenplex.elastic.launcher import alive
 from tenplex.elastic.entry import command
 from tenplex.elastic.launcher import RunSpec, parse, torchrun_argv
 from tenplex.errors import ConfigError
@@ -152,7 +152,7 @@ def test_rendezvous_store_serves_clients_on_loopback_only_by_default(tmp_path):
     try:
         deadline = time.monotonic() + 60
         while not ports:
-            assert time.monotonic() < deadline and thread.isalive()
+            assert time.monotonic() < deadline and thread.is_alive()
             time.sleep(0.02)
         assert int((tmp_path / "p").read_text()) == ports[0]
         a = dist.TCPStore("127.0.0.1", ports[0], is_master=False, timeout=datetime.timedelta(seconds=10))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tenplex.elastic import demo
-from tenplex.elastic.nodes import alive
+from tenplex.elastic.launcher import alive
 from tenplex.elastic.timeline import FORMAT, final_history, read_worlds, summarize
 
 SCHEDULE = "join:h2@2,fail:h1@4,leave:h2@6"

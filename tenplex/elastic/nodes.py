@@ -24,15 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..runtime.hosts import HostError, await_store
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, killed but not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+from .launcher import alive
 
 
 class Nodes:
