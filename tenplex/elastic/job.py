@@ -165,7 +165,7 @@ class Job:
         self._save_s = 0.0            # agreed duration of the last save
         self._save_s_local = 0.0      # this rank's duration of its last save, until the next boundary shares it
         self._next_save: int | None = None
-        self._cost = {"saves": 0, "save_s": 0.0, "train_s": 0.0}
+        self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     # ----------------------------------------------------------------- configuration
@@ -291,11 +291,13 @@ class Job:
                       f"exiting without saving")
         stop, self._step_s, last_save = bool(flags[0] > 0), float(flags[1]), float(flags[2])
         self._cost["train_s"] += self._step_s
+        self._cost["steps"] += 1
         if last_save > 0:
             self._save_s = last_save
             if self.save_every is None:
-                self._next_save = (self._saved_step or 0) + auto_interval(self._save_s, self._step_s,
-                                                                        self.save_budget)
+                # The mean step so far, not the last one alone: single steps vary a lot on a busy machine.
+                mean_step = self._cost["train_s"] / self._cost["steps"]
+                self._next_save = (self._saved_step or 0) + auto_interval(self._save_s, mean_step, self.save_budget)
         if stop:
             self._save("stopping")
             # The copies of this last save protect the next world against losing a host; torchrun's kill timeout
@@ -341,7 +343,8 @@ class Job:
         return version
 
     def save_cost(self) -> dict:
-        """Saves so far, their total time, the training time and their ratio, and the current interval."""
+        """Saves so far and their total time, steps and their total time (agreed over the ranks, without saves),
+        the ratio of the two times, and the current interval."""
         c: dict[str, Any] = dict(self._cost)
         c["fraction"] = c["save_s"] / c["train_s"] if c["train_s"] else 0.0
         c["interval"] = None if self._next_save is None else max(1, self._next_save - (self._saved_step or 0))
