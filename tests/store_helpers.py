@@ -151,3 +151,15 @@ def gpt_layout(dp: int, tp: int, pp: int, hosts: int, per_host: int, sharding: s
                     (device_id(h, i) for h in host_names for i in range(per_host)))
     model = gpt(layers, hidden, 4, vocab, dtype=dtype, optimizer="adam", optim_dtype="float32")
     return layout(model, ParallelConfig(dp, tp, pp, devices, sharding=sharding))
+
+
+def flip_data_byte(path: Path, data_byte: int, mask: int = 0x10) -> None:
+    """Corrupt a stored shard file in place: XOR ``mask`` into its data byte ``data_byte`` (from the data start)."""
+    from tenplex.store._safetensors import read_header
+
+    offset, _ = read_header(path)
+    with open(path, "r+b") as f:
+        f.seek(offset + data_byte)
+        byte = f.read(1)
+        f.seek(offset + data_byte)
+        f.write(bytes([byte[0] ^ mask]))

@@ -71,8 +71,9 @@ def test_wire_bytes_match_the_plans_lower_bound(tmp_path):
         bound = the_plan.stats.inter_host_lower_bound
         assert bound > 40e6  # two destinations, a full replica each
         assert bound <= wire <= 1.05 * bound, (wire, bound)
-        # the planner balanced the senders, and both links sent their share
-        assert moved["h0"].out > 0.4 * bound and moved["h1"].out > 0.4 * bound
+        # every byte came from the old hosts; the new ones sent only acknowledgements and control messages
+        assert moved["h0"].out + moved["h1"].out >= bound
+        assert moved["h2"].out + moved["h3"].out < 0.01 * bound
         assert sum(h["remote_bytes"] for h in report["hosts"].values()) == the_plan.stats.inter_host_bytes
         assert_version_matches(roots, new, 2, arrays)
 

@@ -260,7 +260,8 @@ def recovery(tmp_path_factory):
                     [{"op": "train", "steps": 1}, *saves, {"op": "train", "steps": 1}, *saves], keep=10)
         # h1's store dies on the second chunk it sends: in the middle of h0's copy of step 3.
         procs["h1"].stop()
-        procs["h1"] = StoreProcess(base / "stores" / "h1", "h1", env={"TENPLEX_STORE_TEST_HOOKS": "exit_after_chunks=1"})
+        procs["h1"] = StoreProcess(base / "stores" / "h1", "h1",
+                                   env={"TENPLEX_STORE_TEST_HOOKS": "exit_after_chunks=1"})
         second = run(base, "second", ["h0/0", "h1/0"], hosts("h0", "h1"),
                      [{"op": "restore"}, {"op": "train", "steps": 1}, *saves], keep=10)
         died = procs["h1"].proc.wait(30)

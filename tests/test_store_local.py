@@ -145,7 +145,7 @@ def test_gc_and_delete(tmp_path):
 
 
 def test_server_drops_cached_readers_of_deleted_versions(tmp_path):
-    """Delete and Gc must release the server's memory maps of deleted shards (else tmpfs RAM stays in use)."""
+    """Delete and Gc must release the server's readers of deleted versions (their directory descriptors)."""
     from tenplex.store._proto import store_pb2 as pb
     from tenplex.store.server import StoreService
 
@@ -161,7 +161,7 @@ def test_server_drops_cached_readers_of_deleted_versions(tmp_path):
         reader.array(reader.find("h0/0", "w", Box((0,), (4,))))
     deleted_reader = service._readers[3]
     assert service.Delete(pb.DeleteRequest(version=3), None).deleted
-    assert 3 not in service._readers and deleted_reader._maps == {}
+    assert 3 not in service._readers and not deleted_reader.current() and deleted_reader._dirfd == -1
     assert list(service.Gc(pb.GcRequest(keep=1), None).deleted) == [1]
     assert sorted(service._readers) == [2]
 

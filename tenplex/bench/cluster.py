@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import TenplexError
 
@@ -119,7 +120,7 @@ class EmulatedCluster:
         self._port = {h: f"p{i}" for i, h in enumerate([*names, CONTROL])}
         self._procs: list[subprocess.Popen] = []
         self._closed = False
-        self._old_handlers: dict[int, object] = {}
+        self._old_handlers: dict[int, Any] = {}  # what signal.signal returned: a handler, SIG_DFL or None
         # The reaper removes our namespaces when this process dies, SIGKILL included (its stdin closes).
         self._reaper = subprocess.Popen([sys.executable, "-c", _REAPER, self.prefix], stdin=subprocess.PIPE,
                                         start_new_session=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -106,7 +105,7 @@ def link_fields(moved: Counters, seconds: float, mbit: dict[str, float | None], 
         raise ValueError("link_fields needs at least one store host with a rate limit")
 
     def busy_seconds(host: str) -> float:
-        return max(hosts[host].out, hosts[host].in_) / (mbit[host] * 1e6 / 8)
+        return max(hosts[host].out, hosts[host].in_) / (float(mbit[host] or 0) * 1e6 / 8)  # limited: set
 
     busiest = max(limited, key=busy_seconds)
     wire = inter_host_wire_bytes(moved)

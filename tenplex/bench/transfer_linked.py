@@ -73,9 +73,9 @@ def run(args: argparse.Namespace) -> dict:
                 PlanStats(target_bytes=nbytes, inter_host_bytes=nbytes, inter_host_lower_bound=nbytes))
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
     runs, raw = [], []
-    with tempfile.TemporaryDirectory(prefix="tenplex-bench-", dir=base_dir) as tmp, \
+    with tempfile.TemporaryDirectory(prefix="tenplex-bench-", dir=base_dir) as tmp_name, \
             EmulatedCluster(["h0", "h1"], mbit=args.link_mbit) as cluster:
-        tmp = Path(tmp)
+        tmp = Path(tmp_name)
         with Store(tmp / "h0", "h0").begin(1) as w:
             w.put("h0/0", "x", whole, np.random.default_rng(0).random(shape, dtype=np.float32), "float32",
                   shape=shape)

@@ -9,6 +9,8 @@ import argparse
 import dataclasses
 import json
 
+import numpy as np
+
 from ..dataset import DatasetState, open_dataset, pack, upcoming_batches, write_state_file
 from ..dataset.pack import DEFAULT_FILE_BYTES
 
@@ -51,16 +53,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_plan)
 
 
+def _degree(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a data-parallel degree (an integer >= 1)")
+    return value
+
+
 def _state_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, required=True)
     p.add_argument("--global-batch", type=int, required=True)
-    p.add_argument("--dp", type=int, required=True, help="data-parallel degree")
+    p.add_argument("--dp", type=_degree, required=True, help="data-parallel degree (>= 1)")
     p.add_argument("--position", type=int, default=0,
                    help="samples consumed since the start of epoch 0 (a global-batch boundary)")
     p.add_argument("--keep-last", action="store_true", help="keep each epoch's final partial batch")
 
 
 def _pack(args: argparse.Namespace) -> int:
+    if args.dtype is not None:
+        try:
+            np.dtype(args.dtype)
+        except TypeError:
+            raise ValueError(f"--dtype {args.dtype!r} is not a numpy dtype name; use e.g. uint16 or int32") from None
     info = pack(args.source, args.output, seq_len=args.seq_len, dtype=args.dtype, file_bytes=args.file_bytes,
                 quiet=args.quiet)
     print(f"packed {info.num_samples} samples ({info.kind}) into {len(info.files)} record file(s) in "

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from ..errors import UsageError
-from ..runtime.demo import DemoConfig, degrees, run, world_of
+from ..runtime.demo import DemoConfig, check_parallel, degrees, run, world_of
 from .units import human_bytes
 
 
@@ -76,6 +76,7 @@ def main(args: argparse.Namespace) -> int:
                      fuse=args.fuse)
     for flag, parallel, hosts in (("--from", cfg.parallel_from, cfg.hosts_from),
                                   ("--to", cfg.parallel_to, cfg.hosts_to)):
+        check_parallel(flag, parallel)
         if not 1 <= hosts <= world_of(parallel):
             raise UsageError(f"{flag} {parallel} has {world_of(parallel)} ranks, which cannot fill {hosts} hosts")
         dp = degrees(parallel)["dp"]

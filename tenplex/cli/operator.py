@@ -1,8 +1,9 @@
 """``tenplex operator run``: the Kubernetes operator for TenplexJob resources (kopf).
 
 May import: ``tenplex.operator`` (and through it kopf and kubernetes, the
-``k8s`` extra). ``kopf run -m tenplex.operator.main`` runs the same operator
-with its settings from the environment.
+``k8s`` extra), ``tenplex.errors`` and the standard library.
+``kopf run -m tenplex.operator.main`` runs the same operator with its settings
+from the environment.
 """
 
 from __future__ import annotations

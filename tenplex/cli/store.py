@@ -25,15 +25,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("store", help="run or query a host's tensor store")
     sub = parser.add_subparsers(dest="store_command", metavar="ACTION", required=True)
 
-    serve = sub.add_parser("serve", help="serve a store directory over gRPC (tenplex.v1.Store)")
+    serve = sub.add_parser("serve", help="serve a store directory over gRPC (tenplex.v1.Store)",
+                           description="Serve a store directory over gRPC (tenplex.v1.Store). Off loopback a token "
+                                       "is required; without --tls-cert/--tls-key every gRPC call carries that "
+                                       "token in plaintext, readable by anyone on the network path (the data "
+                                       "plane sends only an HMAC of it): use TLS off trusted networks.")
     serve.add_argument("--root", required=True, type=Path, help="store directory (created if missing)")
     serve.add_argument("--host", required=True, help="host name of this store, e.g. h0")
     serve.add_argument("--bind", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
-    serve.add_argument("--port", type=int, default=0, help="port (default 0: any free port)")
+    serve.add_argument("--port", type=_port, default=0, help="port (default 0: any free port; one in use is refused)")
     serve.add_argument("--port-file", type=Path, help="write the bound port to this file once serving")
     _token_arguments(serve)
     serve.add_argument("--tls-cert", type=Path, help="PEM certificate: serve TLS (needs --tls-key)")
     serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
+    serve.add_argument("--max-streams", type=int, default=None,
+                       help="bulk streams (WriteShard, ReadBox...) served at once; more are refused with "
+                            "RESOURCE_EXHAUSTED (default: the server's threads but 16, kept for control calls)")
+    serve.add_argument("--stream-idle-s", type=float, default=60.0,
+                       help="cancel a bulk stream that makes no progress for this long (default 60)")
+    serve.add_argument("--part-idle-s", type=float, default=3600.0,
+                       help="abort a part written over gRPC (WriteShard/PutJson) that is neither prepared nor "
+                            "aborted and unused for this long (default 3600)")
     serve.add_argument("--no-data-plane", action="store_true",
                        help="serve box reads over gRPC only (the plain-TCP data plane is also off with TLS)")
     serve.set_defaults(handler=_serve)
@@ -62,6 +74,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tr.set_defaults(handler=_transform)
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: use 0-65535 (0: any free port)")
+    return port
+
+
 def _token_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-file", type=Path, help="file holding the shared store token")
     parser.add_argument("--tls-ca", type=Path,
@@ -88,13 +110,17 @@ def _serve(args) -> int:
     from ..transform.host import run_host_part
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.tls_cert and args.tls_key:
+        _check_tls_pair(args.tls_cert, args.tls_key)
     tls_cert = args.tls_cert.read_bytes() if args.tls_cert else None
     tls_key = args.tls_key.read_bytes() if args.tls_key else None
     store = Store(args.root, args.host)
     options = _client_options(args)
     server, port = serve(store, bind=args.bind, port=args.port, token=options["token"], tls_cert=tls_cert,
                          tls_key=tls_key, transformer=run_host_part,
-                         peer_root_certificates=options["root_certificates"], data_plane=not args.no_data_plane)
+                         peer_root_certificates=options["root_certificates"], data_plane=not args.no_data_plane,
+                         max_streams=args.max_streams, stream_idle_s=args.stream_idle_s,
+                         part_idle_s=args.part_idle_s)
     if args.port_file:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{port}\n")
@@ -106,6 +132,17 @@ def _serve(args) -> int:
     stop.wait()
     server.stop(grace=2).wait()
     return 0
+
+
+def _check_tls_pair(cert: Path, key: Path) -> None:
+    """Fail with one clear line, before gRPC reports a bad certificate as "Failed to bind to address"."""
+    import ssl
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert, key)
+    except ssl.SSLError as e:
+        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: not a PEM certificate and its matching private "
+                         f"key ({e.reason or e})") from None
 
 
 def _ls(args) -> int:

@@ -99,9 +99,10 @@ class Checkpointer:
 
     Every argument has an environment default, so that whatever launches the
     workers configures the job and the training script only calls
-    :func:`tenplex.save` / :func:`tenplex.restore`. Today that is
-    :func:`tenplex.runtime.launch.run_job` (``tenplex demo``) or a torchrun
-    wrapper that sets the variables:
+    :func:`tenplex.save` / :func:`tenplex.restore`: ``tenplex run``
+    (:mod:`tenplex.elastic.launcher`, in each worker pod of the Kubernetes
+    operator too), :func:`tenplex.runtime.launch.run_job` (``tenplex demo``),
+    or any torchrun wrapper that sets the variables:
 
     * ``store_root``: ``TENPLEX_STORE_ROOT`` — this host's store directory;
     * ``host``: ``TENPLEX_HOST`` (default ``h0``);

@@ -35,12 +35,12 @@ from typing import Callable
 import numpy as np
 
 from ..dataset import DatasetState, pack, write_state_file
-from ..errors import TenplexError
+from ..errors import TenplexError, UsageError
 from ..models.config import GPTConfig, Parallel
 from .hosts import Hosts
 from .launch import place, run_spec_job
 
-SEQ, VOCAB = GPTConfig().seq, GPTConfig().vocab  # the workers train the reference GPT's defaults
+SEQ, VOCAB, HEADS = GPTConfig().seq, GPTConfig().vocab, GPTConfig().heads  # the workers train the reference GPT's defaults
 CLI = "import sys; from tenplex.cli import main; sys.exit(main())"
 # Elastic run vs reference: tp, pp and dp sum in different orders, so losses agree up to float rounding,
 # compounded over the steps by AdamW (in practice 0 or a few 1e-7). The README and the tests use this value.
@@ -63,6 +63,14 @@ def degrees(parallel: str) -> dict[str, int]:
     """``"tp=2,dp=2"`` -> {"dp": 2, "tp": 2, "pp": 1}, parsed as the workers parse it (ConfigError if malformed)."""
     par = Parallel.parse(parallel)
     return {"dp": par.dp, "tp": par.tp, "pp": par.pp}
+
+
+def check_parallel(flag: str, parallel: str) -> None:
+    """Refuse, before any worker starts, a tensor parallelism the reference GPT cannot be split into."""
+    tp = degrees(parallel)["tp"]
+    if tp < 1 or HEADS % tp:
+        raise UsageError(f"{flag} {parallel}: tp={tp} must divide the reference GPT's {HEADS} attention heads; "
+                         f"use tp=1, 2 or 4")
 
 
 def world_of(parallel: str) -> int:

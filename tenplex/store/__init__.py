@@ -17,16 +17,20 @@ Local API (workers on the same host; no network)::
         w.commit()                            # atomic; visible only after this
     # several writers (e.g. one per worker) may stage parts of one version:
     w = store.begin(version, part="rank3"); ...; w.prepare()   # then, once: store.commit(version)
-    r = store.open(version)                   # VersionReader; StoreError for an unknown version
+    r = store.open(version)                   # VersionReader; NotFound for an unknown version
     r.devices(); r.layout_shards(device) -> [(tensor, Box, dtype)]
-    r.read(device, tensor, box) -> np.ndarray # read-only memory-mapped view of only that region
+    r.read(device, tensor, box) -> np.ndarray # that region, read with its blocks verified
+    r.readinto(device, tensor, box, buffer)   # the same, straight into a buffer (what restore uses)
     r.get_json(name); r.json_names(); r.layout(); r.verify()
     store.abort(version); store.delete(version); store.gc(keep) -> deleted versions
     layout_from_manifests([manifest of every host]) -> Layout   # when no layout was recorded
 
 Every shard is a standard single-tensor safetensors file; the manifest
 (``tenplex.store.manifest/1``) lists device, tensor, box, dtype, global
-shape, file and xxh3 checksum per shard, and the version's JSON documents.
+shape, file and checksums per shard (an xxh3 per 1 MiB block, see
+``blocks``), and the version's JSON documents. Every read verifies the blocks
+it touches (``shardfile``): damaged or truncated data raises
+:class:`CorruptShard` (gRPC DATA_LOSS), never wrong bytes.
 Commit renames the fsynced staging directory into ``versions/``: atomic, so a
 crash at any moment leaves every committed version whole (see ``local``).
 
@@ -41,17 +45,18 @@ under ``<root>/datasets/``) and ``transform`` (this host's part of a plan).
 ``wire`` holds the chunking, chunk framing and channel options both ends use.
 ``dataplane`` is the bulk data plane beside gRPC: each server also listens on a
 plain TCP port (advertised in ``Health.data_port``) where large box reads
-travel as checksummed frames, sendfile'd from the shard file and received
+travel as checksummed frames, read and verified from the shard file and received
 straight into the destination; same token (HMAC of a nonce), off with TLS.
 """
 
 from ..errors import StoreError
 from .local import Store
-from .manifest import LAYOUT_DOC, MANIFEST_FORMAT, NotFound, OutOfRange, ShardEntry
+from .manifest import (LAYOUT_DOC, MANIFEST_FORMAT, AlreadyCommitted, Conflict, CorruptShard, NotFound, OutOfRange,
+                       ShardEntry)
 from .reader import VersionReader, layout_from_manifests
 from .target import ShardTarget, checksum
 from .writer import VersionWriter
 
 __all__ = ["Store", "VersionWriter", "VersionReader", "ShardEntry", "ShardTarget", "StoreError", "NotFound",
-           "OutOfRange", "checksum",
+           "OutOfRange", "CorruptShard", "AlreadyCommitted", "Conflict", "checksum",
            "layout_from_manifests", "MANIFEST_FORMAT", "LAYOUT_DOC"]

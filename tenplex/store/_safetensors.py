@@ -62,13 +62,13 @@ def create(path: Path, key: str, dtype: str, shape: tuple[int, ...], metadata: d
     return len(head), nbytes
 
 
-def reserve_space(fd: int, size: int) -> None:
-    """Allocate ``size`` bytes of the file now: a full disk fails here, before any data moved, and the
-    pages are allocated in one call rather than one page fault at a time. Existing data is untouched."""
+def reserve_space(fd: int, size: int, offset: int = 0) -> None:
+    """Allocate bytes [offset, offset + size) of the file now: a full disk fails here, before any data moved,
+    and the pages are allocated in one call rather than one page fault at a time. Existing data is untouched."""
     if not size:
         return
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, offset, size)
     except OSError as e:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate: stay sparse
             raise

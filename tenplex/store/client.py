@@ -10,10 +10,13 @@ corrupted data. gRPC failures surface as :class:`RemoteStoreError`, which
 carries the status code and names the store address.
 
 Box reads of at least ``data_plane_min_bytes`` go over the server's bulk data
-plane (``dataplane``: plain TCP, sendfile on the server, recv_into the
+plane (``dataplane``: plain TCP, verified on the server, recv_into the
 destination here) when the server advertises one and TLS is off; everything
-else, and every box read of a TLS client, uses gRPC. Both paths verify every
-frame or chunk and re-fetch corrupted pieces the same way.
+else, every box read of a TLS client, and a read for which no data connection
+could be opened (refused, or dropped by a flooded server) uses gRPC. Both paths
+verify every frame or chunk and re-fetch corrupted pieces the same way. A store
+whose stored bytes fail their block checksums answers DATA_LOSS, which is never
+retried here: read another replica.
 
 With ``stall_timeout`` a peer that delivers nothing for that many seconds counts
 as dead (a partitioned peer sends no reset, so connections just hang): unary
@@ -37,7 +40,7 @@ from ..box import Box
 from ..dtypes import numpy_storage
 from ..errors import RETRYABLE_STATUS, StoreError
 from . import wire
-from .dataplane import DataPlaneError, DataPool
+from .dataplane import DataPlaneError, DataPlaneUnreachable, DataPool
 from ._proto import store_pb2 as pb
 from ._proto import store_pb2_grpc as pb_grpc
 
@@ -135,15 +138,16 @@ class StoreClient:
     def _watched(self, call, what: str) -> Iterator:
         """The messages of a streaming ``call``; with ``stall_timeout``, the call is cancelled and fails as
         UNAVAILABLE when no message arrives for that long (progress-based, unlike its overall deadline)."""
-        if self.stall_timeout is None:
+        stall_timeout = self.stall_timeout
+        if stall_timeout is None:
             yield from call
             return
         last = [time.monotonic()]
         stalled, finished = threading.Event(), threading.Event()
 
         def watch() -> None:
-            while not finished.wait(min(0.5, self.stall_timeout / 4)):
-                if time.monotonic() - last[0] > self.stall_timeout:
+            while not finished.wait(min(0.5, stall_timeout / 4)):
+                if time.monotonic() - last[0] > stall_timeout:
                     stalled.set()
                     call.cancel()
                     return
@@ -221,11 +225,12 @@ class StoreClient:
         while pending:
             bad: list[Box] = []
             for region in pending:
+                got = None
                 if pool is not None:
-                    total += self._data_box(pool, version, device, tensor, region, itemsize, sink, out, out_box,
-                                            bad)
-                else:
-                    total += self._stream_box(version, device, tensor, region, itemsize, sink, bad)
+                    got = self._data_box(pool, version, device, tensor, region, itemsize, sink, out, out_box, bad)
+                if got is None:  # no data plane, or it could not be reached: gRPC
+                    got = self._stream_box(version, device, tensor, region, itemsize, sink, bad)
+                total += got
             if bad:
                 attempts += 1
                 if attempts > self.retries:
@@ -245,11 +250,14 @@ class StoreClient:
         return self._read_region(version, device, tensor, box, out.itemsize, sink, out, box)
 
     def _data_box(self, pool: DataPool, version, device, tensor, region: Box, itemsize: int, sink,
-                  out: np.ndarray | None, out_box: Box, bad: list) -> int:
-        """Read ``region`` over the data plane: frames land in ``out`` directly when given, else go to ``sink``."""
+                  out: np.ndarray | None, out_box: Box, bad: list) -> int | None:
+        """Read ``region`` over the data plane: frames land in ``out`` directly when given, else go to ``sink``.
+        None when no data connection could be opened (a flooded or restarted data plane): read over gRPC."""
         try:
             got, corrupted = pool.read(version, device, tensor, region, itemsize, self.chunk_bytes, sink=sink,
                                        out=out, out_box=out_box)
+        except DataPlaneUnreachable:
+            return None
         except DataPlaneError as e:
             code = getattr(grpc.StatusCode, e.code, grpc.StatusCode.UNKNOWN)
             raise RemoteStoreError(f"store {self.address}: data-plane read ({version}, {device}, {tensor!r}, "

@@ -1,14 +1,17 @@
 """The bulk data plane: large box reads between hosts over plain TCP, beside gRPC.
 
-May import: numpy, xxhash, ``tenplex.box``, ``tenplex.errors``, this package's
-``_safetensors``, ``_hooks`` and ``wire``, and the standard library. No grpc: the
+May import: numpy, xxhash, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``, this package's
+``_hooks``, ``manifest`` and ``wire``, and the standard library. No grpc: the
 store server hands in what it needs (a reader lookup and an error describer).
 
 Why: Python gRPC copies every byte about three times per side, which caps a
 pull near 0.4-0.6 GB/s where one TCP socket moves about 2 GB/s. Here the
-server ``sendfile``s contiguous runs straight from the safetensors file and
-the client ``recv_into``s straight into the destination memory (or a reused
-buffer), so each byte is copied once by the kernel per side.
+server reads each frame (at most one 1 MiB checksum block) into a reused
+buffer, verifies the stored block checksums and computes the frame checksum in
+the same pass while the bytes are in the CPU cache (``tenplex.store.shardfile``),
+and sends it; the client ``recv_into``s straight into the destination memory
+(or a reused buffer). It does not ``sendfile`` from the shard: the bytes that
+leave must be the bytes that were verified.
 
 Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
 
@@ -17,12 +20,15 @@ Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
    "tensor": T, "box": {"offsets": [...], "lengths": [...]}, "frame_bytes": F}``.
    ``auth`` is hex HMAC-SHA256(token, nonce) when the server has a token (the
    token itself never crosses the wire); a wrong one closes the connection.
-3. server -> client: ``{"ok": true, "itemsize": S, "frame_bytes": F}`` then one
+3. server -> client: ``{"ok": true, "itemsize": S, "frame_bytes": F}`` (F is
+   the request's, capped at 1 MiB) then one
    frame per sub-box of ``wire.split_box(box, S, F)`` in that order, each
    [u64 payload length][u64 xxh3_64 of payload][payload: C-order bytes]; or
    ``{"ok": false, "code": STATUS, "message": ...}`` (unknown version, box
    outside the tensor...; the connection stays usable unless the error was
-   about the protocol or the token).
+   about the protocol or the token). A stored block found corrupted after
+   "ok" ends the reply with an error frame: length 2^64-1, checksum 0, then
+   the same ``{"ok": false, ...}`` message (``DATA_LOSS``).
 
 The client verifies every frame and reports corrupted sub-boxes, which the
 caller fetches again (``StoreClient.read_box_to``): never silent corruption.
@@ -45,6 +51,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 from typing import Callable
 
 import numpy as np
@@ -52,14 +59,20 @@ import xxhash
 
 from ..box import Box
 from ..errors import RETRYABLE_STATUS, StoreError
-from . import _hooks, _safetensors as st, wire
+from ..dtypes import itemsize
+from . import _hooks, wire
+from .blocks import BLOCK_BYTES
+from .manifest import CorruptShard
 
 log = logging.getLogger(__name__)
 PROTOCOL = 1
 _LEN = struct.Struct("<I")
 _FRAME = struct.Struct("<QQ")  # payload length, xxh3_64
+_ERROR_FRAME = (1 << 64) - 1  # a frame "length" announcing an error message instead of a payload
 _MAX_JSON = 1 << 20
-_IDLE_S = 3600.0  # a pooled connection waiting for its next request
+_IDLE_S = 600.0  # a pooled connection waiting for its next request (dropped sooner when connections run out)
+HANDSHAKE_S = 10.0  # a new connection must send its first (authenticated) request within this
+MAX_CONNECTIONS = 256
 _SEND_TIMEOUT_S = 300.0  # a client that stops reading
 _DEAD_PEER_S = 10.0  # server side: sent data unacknowledged (or idle probes unanswered) this long
 
@@ -74,6 +87,20 @@ class DataPlaneError(StoreError):
     @property
     def retryable(self) -> bool:  # type: ignore[override]  # computed from the status, as RemoteStoreError's
         return self.code in RETRYABLE_STATUS
+
+
+class DataPlaneUnreachable(DataPlaneError):
+    """No data connection could be opened (refused, or closed before the hello): the client reads over gRPC."""
+
+    def __init__(self, message: str):
+        super().__init__(message, "UNAVAILABLE")
+
+
+class _ClosedBeforeReply(DataPlaneError):
+    """The server closed the connection before answering a request (a pooled connection it dropped)."""
+
+    def __init__(self, message: str):
+        super().__init__(f"connection closed before the reply: {message}", "UNAVAILABLE")
 
 
 def auth_digest(token: str, nonce: str) -> str:
@@ -124,21 +151,37 @@ class DataServer:
     """Serves boxes of committed versions on a plain TCP port; one thread per connection.
 
     ``reader_of(version)`` returns the VersionReader; ``describe(exc)`` returns
-    (status code name, message) for an error frame."""
+    (status code name, message) for an error frame.
+
+    Hostile clients: a connection must send its first request (which carries
+    the token's HMAC) within ``handshake_s`` seconds or it is closed. At most
+    ``max_connections`` are open at once; a new one then replaces the oldest
+    idle connection (one waiting for a request), or is closed at once when
+    every connection is busy sending. The accept loop survives its own errors
+    (e.g. no thread can be started: that connection is closed, the client
+    falls back to gRPC)."""
 
     def __init__(self, bind: str, reader_of: Callable, describe: Callable[[BaseException], tuple[str, str]],
-                 token: str | None = None, port: int = 0):
+                 token: str | None = None, port: int = 0, handshake_s: float = HANDSHAKE_S,
+                 max_connections: int = MAX_CONNECTIONS):
         self._reader_of, self._describe, self._token = reader_of, describe, token
+        self._handshake_s, self._max_connections = handshake_s, max_connections
         self._hooks = _hooks.from_environment()
         host = bind.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=64)
         self.port = self._listener.getsockname()[1]
         self._closed = False
+        self._conns: dict[socket.socket, list] = {}  # connection -> [idle since, or None while busy]
+        self._idle = threading.Condition()  # guards _conns; notified when a connection turns idle
         threading.Thread(target=self._accept, name="data-accept", daemon=True).start()
 
     def close(self) -> None:
         self._closed = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
+        except OSError:
+            pass
         self._listener.close()
 
     def _accept(self) -> None:
@@ -146,42 +189,92 @@ class DataServer:
             try:
                 conn, peer = self._listener.accept()
             except OSError:
-                return  # closed
-            log.info("data connection from %s:%s", peer[0], peer[1])
-            threading.Thread(target=self._serve, args=(conn,), name="data-conn", daemon=True).start()
+                if self._closed:
+                    return
+                time.sleep(0.05)  # e.g. EMFILE: out of descriptors; try again
+                continue
+            try:
+                self._admit(conn, peer)
+            except Exception as e:  # noqa: BLE001 - e.g. "can't start new thread": drop this one, keep accepting
+                log.warning("data connection from %s dropped: %s", peer[0], e)
+                self._forget(conn)
+                conn.close()
+
+    def _admit(self, conn: socket.socket, peer) -> None:
+        with self._idle:
+            if len(self._conns) >= self._max_connections:
+                # a connection that just sent its last frame turns idle a moment later: wait for it briefly
+                self._idle.wait_for(lambda: any(since is not None for since, in self._conns.values()), 0.5)
+                idle = [(since, c) for c, (since,) in self._conns.items() if since is not None]
+                if not idle:
+                    log.warning("data connection from %s refused: %d connections, all busy", peer[0],
+                                len(self._conns))
+                    conn.close()
+                    return
+                victim = min(idle, key=lambda item: item[0])[1]
+                del self._conns[victim]
+                try:
+                    victim.shutdown(socket.SHUT_RDWR)  # its thread sees the end of the stream and exits
+                except OSError:
+                    pass
+            self._conns[conn] = [time.monotonic()]
+        log.info("data connection from %s:%s", peer[0], peer[1])
+        threading.Thread(target=self._serve, args=(conn,), name="data-conn", daemon=True).start()
+
+    def _forget(self, conn: socket.socket) -> None:
+        with self._idle:
+            self._conns.pop(conn, None)
+
+    def _mark(self, conn: socket.socket, idle: bool) -> None:
+        with self._idle:
+            state = self._conns.get(conn)
+            if state is not None:
+                state[0] = time.monotonic() if idle else None
+                if idle:
+                    self._idle.notify_all()
 
     def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _detect_dead_peer(conn, _DEAD_PEER_S)
-            nonce = secrets.token_hex(16)
-            expected = auth_digest(self._token, nonce) if self._token else None
-            try:
+        try:
+            with conn:
+                self._converse(conn)
+        finally:
+            self._forget(conn)
+
+    def _converse(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _detect_dead_peer(conn, _DEAD_PEER_S)
+        nonce = secrets.token_hex(16)
+        expected = auth_digest(self._token, nonce) if self._token else None
+        try:
+            conn.settimeout(_SEND_TIMEOUT_S)
+            _send_json(conn, {"tenplex_data": PROTOCOL, "nonce": nonce, "auth": expected is not None})
+            wait = self._handshake_s  # the first request (and its token) must come soon
+            while True:
+                conn.settimeout(wait)
+                try:
+                    request = _recv_json(conn)
+                except ConnectionError:
+                    return  # the client is done with this connection
+                except ValueError as e:
+                    _send_json(conn, {"ok": False, "code": "INVALID_ARGUMENT",
+                                      "message": f"malformed data-plane request: {e}"})
+                    return
+                self._mark(conn, idle=False)
                 conn.settimeout(_SEND_TIMEOUT_S)
-                _send_json(conn, {"tenplex_data": PROTOCOL, "nonce": nonce, "auth": expected is not None})
-                while True:
-                    conn.settimeout(_IDLE_S)
-                    try:
-                        request = _recv_json(conn)
-                    except ConnectionError:
-                        return  # the client is done with this connection
-                    except ValueError as e:
-                        _send_json(conn, {"ok": False, "code": "INVALID_ARGUMENT",
-                                          "message": f"malformed data-plane request: {e}"})
-                        return
-                    conn.settimeout(_SEND_TIMEOUT_S)
-                    if request.get("v") != PROTOCOL:
-                        _send_json(conn, {"ok": False, "code": "INVALID_ARGUMENT",
-                                          "message": f"data-plane protocol version {request.get('v')!r} is not "
-                                                     f"supported; this store speaks version {PROTOCOL}"})
-                        return
-                    if expected is not None and not hmac.compare_digest(str(request.get("auth", "")), expected):
-                        _send_json(conn, {"ok": False, "code": "UNAUTHENTICATED",
-                                          "message": "missing or wrong store token on the data connection"})
-                        return
-                    self._answer(conn, request)
-            except OSError as e:  # client gone or stalled: nothing to report to
-                log.debug("data connection ended: %s", e)
+                if request.get("v") != PROTOCOL:
+                    _send_json(conn, {"ok": False, "code": "INVALID_ARGUMENT",
+                                      "message": f"data-plane protocol version {request.get('v')!r} is not "
+                                                 f"supported; this store speaks version {PROTOCOL}"})
+                    return
+                if expected is not None and not hmac.compare_digest(str(request.get("auth", "")), expected):
+                    _send_json(conn, {"ok": False, "code": "UNAUTHENTICATED",
+                                      "message": "missing or wrong store token on the data connection"})
+                    return
+                self._answer(conn, request)
+                self._mark(conn, idle=True)
+                wait = _IDLE_S
+        except OSError as e:  # client gone, stalled or silent: nothing to report to
+            log.debug("data connection ended: %s", e)
 
     def _answer(self, conn: socket.socket, request: dict) -> None:
         try:
@@ -189,11 +282,16 @@ class DataServer:
                       tuple(int(x) for x in request["box"]["lengths"]))
             reader = self._reader_of(int(request["version"]))
             entry = reader.find(str(request["device"]), str(request["tensor"]), box)
-            array = reader.array(entry)
-            frame_bytes = max(4096, min(int(request.get("frame_bytes") or wire.DEFAULT_CHUNK_BYTES),
-                                        wire.MAX_CHUNK_BYTES))
-            data_offset, _ = st.read_header(reader.path / entry.file) if array.size else (0, None)
-            file = open(reader.path / entry.file, "rb") if array.size else None
+            size = itemsize(entry.dtype)
+            # Frames of at most one checksum block: each is read, verified, checksummed and sent while it is
+            # in the CPU cache, and the client receives the first bytes while the rest is still being read.
+            frame_bytes = max(4096, min(int(request.get("frame_bytes") or wire.DEFAULT_CHUNK_BYTES), BLOCK_BYTES))
+            verified: set = set()  # blocks checked by this reply: consecutive frames do not check them again
+            frames = [(sub, *reader.byte_span(entry, sub)[:2]) for sub in wire.split_box(box, size, frame_bytes)]
+            # the first frame's blocks are checked before answering "ok": most damage gets a plain error reply
+            first, start, span = frames[0]
+            if first.volume:
+                reader.shard_file(entry).read_into(start, None, span, verified=verified)
         except Exception as e:  # noqa: BLE001 - reported to the client, the connection stays usable
             if isinstance(e, (KeyError, TypeError)):
                 e = ValueError(f"malformed data-plane request ({type(e).__name__}: {e}); expected version, "
@@ -201,30 +299,49 @@ class DataServer:
             code, message = self._describe(e)
             _send_json(conn, {"ok": False, "code": code, "message": message})
             return
-        try:
-            _send_json(conn, {"ok": True, "itemsize": array.itemsize, "frame_bytes": frame_bytes})
-            base = array.ctypes.data if array.size else 0
-            for sub in wire.split_box(box, array.itemsize, frame_bytes):
-                view = array[sub.local(entry.box).slices()]
-                self._send_frame(conn, file, view, data_offset + (view.ctypes.data - base if view.size else 0))
-        finally:
-            if file is not None:
-                file.close()
+        _send_json(conn, {"ok": True, "itemsize": size, "frame_bytes": frame_bytes})
+        for sub, start, span in frames:
+            try:
+                if span == sub.volume * size and sub.volume and self._hooks is None:
+                    self._send_run(conn, reader.shard_file(entry), start, span, verified)
+                else:
+                    self._send_frame(conn, np.ascontiguousarray(reader.region(entry, sub, verified)))
+            except CorruptShard as e:  # e.g. a damaged block further on: an error frame
+                code, message = self._describe(e)
+                conn.sendall(_FRAME.pack(_ERROR_FRAME, 0))
+                _send_json(conn, {"ok": False, "code": code, "message": message})
+                return
 
-    def _send_frame(self, conn: socket.socket, file, view: np.ndarray, file_offset: int) -> None:
-        contiguous = view.flags.c_contiguous
-        data = view if contiguous else np.ascontiguousarray(view)
+    @staticmethod
+    def _send_run(conn: socket.socket, shard, start: int, length: int, verified: set) -> None:
+        """A frame that is one run of the shard file: read, verified and checksummed in one pass through a
+        per-thread buffer, then sent from it."""
+        buffer = _frame_buffer(length)
+        digest = xxhash.xxh3_64()
+        shard.read_into(start, buffer, verified=verified, digest=digest)
+        conn.sendall(_FRAME.pack(length, digest.intdigest()))
+        conn.sendall(buffer)
+
+    def _send_frame(self, conn: socket.socket, data: np.ndarray) -> None:
         payload = memoryview(data.reshape(-1)).cast("B") if data.size else memoryview(b"")
         digest = xxhash.xxh3_64_intdigest(payload)
         header = _FRAME.pack(payload.nbytes, digest)
         if self._hooks is not None and self._hooks.next_chunk():
             conn.sendall(header + _hooks.damaged(payload))
-        elif contiguous and payload.nbytes:
-            conn.sendall(header)
-            conn.sendfile(file, file_offset, payload.nbytes)  # page cache -> socket, no user-space copy
         else:
             conn.sendall(header)
             conn.sendall(payload)
+
+
+_buffers = threading.local()
+
+
+def _frame_buffer(nbytes: int) -> memoryview:
+    """A reused buffer of this thread for one frame (frames are at most one block)."""
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _buffers.buffer = memoryview(bytearray(max(nbytes, BLOCK_BYTES)))
+    return buffer[:nbytes]
 
 
 # ---------------------------------------------------------------- client --
@@ -246,7 +363,7 @@ class DataConnection:
                 raise DataPlaneError(f"data plane {self.where} did not answer within {timeout}s",
                                      "DEADLINE_EXCEEDED") from None
             if isinstance(e, (OSError, ValueError)):
-                raise DataPlaneError(f"data plane {self.where} unreachable: {e}", "UNAVAILABLE") from None
+                raise DataPlaneUnreachable(f"data plane {self.where} unreachable: {e}") from None
             raise
         self._sock = sock
         if hello.get("tenplex_data") != PROTOCOL:
@@ -268,7 +385,10 @@ class DataConnection:
                                 "tensor": tensor, "box": {"offsets": list(region.offsets),
                                                           "lengths": list(region.lengths)},
                                 "frame_bytes": frame_bytes})
-        reply = _recv_json(self._sock)
+        try:
+            reply = _recv_json(self._sock)
+        except (ConnectionError, BrokenPipeError) as e:  # e.g. the server dropped this connection while idle
+            raise _ClosedBeforeReply(str(e)) from None
         if not reply.get("ok"):
             raise DataPlaneError(str(reply.get("message", "unknown error")), str(reply.get("code", "UNKNOWN")))
         if reply.get("itemsize") != itemsize:
@@ -279,6 +399,9 @@ class DataConnection:
         for sub in wire.split_box(region, itemsize, int(reply["frame_bytes"])):
             _recv_exact(self._sock, memoryview(head))
             nbytes, digest = _FRAME.unpack(head)
+            if nbytes == _ERROR_FRAME:
+                reply = _recv_json(self._sock)
+                raise DataPlaneError(str(reply.get("message", "unknown error")), str(reply.get("code", "UNKNOWN")))
             if nbytes != sub.volume * itemsize:
                 raise DataPlaneError(f"data plane {self.where} sent a {nbytes}-byte frame for {sub} "
                                      f"({sub.volume * itemsize} bytes)", "INTERNAL")
@@ -316,10 +439,19 @@ class DataPool:
     def read(self, *args, **kwargs) -> tuple[int, list[Box]]:
         with self._lock:
             conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = DataConnection(self.host, self.port, self._token, self._timeout)
+        if conn is not None:
+            try:
+                return self._read_on(conn, *args, **kwargs)
+            except _ClosedBeforeReply:
+                pass  # the server had closed this idle connection (idle too long, or replaced): a new one
+        return self._read_on(DataConnection(self.host, self.port, self._token, self._timeout), *args, **kwargs)
+
+    def _read_on(self, conn: DataConnection, *args, **kwargs) -> tuple[int, list[Box]]:
         try:
             result = conn.read(*args, **kwargs)
+        except _ClosedBeforeReply:
+            conn.close()
+            raise
         except DataPlaneError:
             conn.close()  # errors are rare; a fresh connection avoids reasoning about what the server closed
             raise

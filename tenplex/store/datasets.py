@@ -19,6 +19,9 @@ def resolve_dataset_path(base: Path, relative: str, host: str) -> Path:
         raise ValueError(f"dataset path {relative!r} must be a non-empty relative path")
     if any(part in ("..", "") for part in relative.split("/")):
         raise ValueError(f"dataset path {relative!r} may not contain '..' or empty components")
+    if len(relative) > 4000 or any(len(part.encode()) > 255 for part in relative.split("/")):
+        raise ValueError(f"dataset path {relative[:60]!r}... ({len(relative)} characters) is too long: at most "
+                         f"255 bytes per component and 4000 characters in all")
     base = base.resolve()
     path = (base / relative).resolve()
     if base != path and base not in path.parents:

@@ -33,7 +33,8 @@ from typing import Any, Iterator
 
 from ..box import Box
 from ..errors import StoreError
-from .manifest import MANIFEST_FORMAT, NotFound, ShardEntry, check_name, fsync_dir, write_json_durable
+from .manifest import (MANIFEST_FORMAT, AlreadyCommitted, InvalidArgument, NotFound, ShardEntry, check_name, fsync_dir,
+                       write_json_durable)
 from .reader import VersionReader
 from .writer import VersionWriter
 
@@ -65,7 +66,11 @@ class Store:
         if not (path / "manifest.json").is_file():
             raise NotFound(f"store {self.root} (host {self.host}) has no committed version {version}; "
                            f"committed versions: {self.versions() or 'none'}")
-        return VersionReader(path)
+        try:
+            return VersionReader(path)
+        except FileNotFoundError:  # deleted meanwhile
+            raise NotFound(f"store {self.root} (host {self.host}): version {version} was deleted while opening it; "
+                           f"committed versions: {self.versions() or 'none'}") from None
 
     # ---- writing -------------------------------------------------------
     def begin(self, version: int, part: str | None = None) -> "VersionWriter":
@@ -73,9 +78,13 @@ class Store:
         parts of one version; ``VersionWriter.commit`` or :meth:`commit` publishes them together."""
         version = int(version)
         if version < 0:
-            raise StoreError(f"version must be a non-negative integer, got {version}")
-        if (self.root / "versions" / str(version)).exists():
-            raise StoreError(f"version {version} is already committed in store {self.root}; "
+            raise InvalidArgument(f"version must be a non-negative integer, got {version}")
+        path = self.root / "versions" / str(version)
+        if path.exists() and not (path / "manifest.json").is_file():
+            raise StoreError(f"version {version} in store {self.root} is damaged (no manifest.json): it cannot be "
+                             f"read; delete it (Store.delete, or gc removes it) before writing that number again")
+        if path.exists():
+            raise AlreadyCommitted(f"version {version} is already committed in store {self.root}; "
                              f"write a higher version (latest is {self.latest()})")
         part = check_name("part", part or f"p{os.getpid()}-{uuid.uuid4().hex[:8]}")
         return VersionWriter(self, version, part)
@@ -97,7 +106,7 @@ class Store:
         with self._locked():
             target = self.root / "versions" / str(version)
             if target.exists():
-                raise StoreError(f"version {version} is already committed in store {self.root}")
+                raise AlreadyCommitted(f"version {version} is already committed in store {self.root}")
             prepared = self.staged_parts(version)
             if parts is not None:
                 missing = sorted(set(parts) - set(prepared))
@@ -144,7 +153,8 @@ class Store:
             return self._delete(int(version))
 
     def gc(self, keep: int) -> list[int]:
-        """Delete all but the newest ``keep`` committed versions, stale staging and trash; return deleted versions."""
+        """Delete all but the newest ``keep`` committed versions, damaged version directories (no manifest),
+        stale staging and trash; return the deleted committed versions."""
         if keep < 1:
             raise StoreError(f"gc must keep at least one version, got keep={keep}")
         with self._locked():
@@ -152,6 +162,11 @@ class Store:
             doomed = versions[:-keep]
             for v in doomed:
                 self._delete(v)
+            for entry in (self.root / "versions").iterdir():
+                # A committed directory always holds its manifest (commit renames it in with it): one without
+                # is damaged, invisible to readers, and would block its number forever.
+                if entry.name.isdigit() and not (entry / "manifest.json").is_file():
+                    self._delete(int(entry.name))
             newest = versions[-1] if versions else None
             for staging in (self.root / "staging").iterdir():
                 # Versions only grow, so a staged version not newer than the newest committed one is

@@ -23,6 +23,23 @@ class OutOfRange(StoreError, IndexError):
     """A region outside what is stored (gRPC OUT_OF_RANGE)."""
 
 
+class InvalidArgument(StoreError, ValueError):
+    """A malformed name, version or request (gRPC INVALID_ARGUMENT)."""
+
+
+class AlreadyCommitted(StoreError):
+    """The version is already committed here (gRPC ALREADY_EXISTS): write a higher version."""
+
+
+class Conflict(StoreError):
+    """Another writer is writing the same version right now (gRPC ABORTED)."""
+
+
+class CorruptShard(StoreError):
+    """Stored bytes do not match their checksum, or the file is truncated (gRPC DATA_LOSS). The message names
+    the version, host, device, tensor and file; read the region from another replica."""
+
+
 MANIFEST_FORMAT = "tenplex.store.manifest/1"
 PART_FORMAT = "tenplex.store.part/1"
 LAYOUT_DOC = "layout"  # version-level JSON doc holding the whole tenplex.layout/1
@@ -34,9 +51,14 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 def check_name(kind: str, name: str) -> str:
     if not isinstance(name, str) or not NAME_PATTERN.match(name):
-        raise StoreError(f"{kind} name {name!r} is not a simple identifier (letters, digits, '_', '.', '-'; "
-                         f"not starting with '.' or '-')")
+        raise InvalidArgument(f"{kind} name {_shorten(name)} is not a simple identifier (letters, digits, '_', '.', "
+                              f"'-'; not starting with '.' or '-'; at most 128 characters)")
     return name
+
+
+def _shorten(name) -> str:
+    text = repr(name)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(name)} characters)"
 
 
 def fsync_dir(path: Path) -> None:
@@ -63,16 +85,28 @@ class ShardEntry:
     dtype: str
     shape: tuple[int, ...] | None  # global shape when the writer knew it
     file: str                      # relative to the version directory
-    xxh3: str
+    xxh3: str                      # with blocks: xxh3 of the block digests (see ``blocks``); else of the data
     nbytes: int
+    block_bytes: int = 0                   # per-block checksums (``tenplex.store.blocks``); rows written
+    blocks: tuple[str, ...] | None = None  # before them have none and are verified whole
 
     def to_dict(self) -> dict:
-        return {"device": self.device, "tensor": self.tensor, "offsets": list(self.box.offsets),
-                "lengths": list(self.box.lengths), "dtype": self.dtype,
-                "shape": None if self.shape is None else list(self.shape),
-                "file": self.file, "xxh3": self.xxh3, "nbytes": self.nbytes}
+        row = {"device": self.device, "tensor": self.tensor, "offsets": list(self.box.offsets),
+               "lengths": list(self.box.lengths), "dtype": self.dtype,
+               "shape": None if self.shape is None else list(self.shape),
+               "file": self.file, "xxh3": self.xxh3, "nbytes": self.nbytes}
+        if self.blocks is not None:
+            row.update(block_bytes=self.block_bytes, blocks=list(self.blocks))
+        return row
 
     @classmethod
     def from_dict(cls, d: dict) -> "ShardEntry":
-        return cls(d["device"], d["tensor"], Box(tuple(d["offsets"]), tuple(d["lengths"])), d["dtype"],
-                   None if d.get("shape") is None else tuple(d["shape"]), d["file"], d["xxh3"], int(d["nbytes"]))
+        blocks = d.get("blocks")
+        entry = cls(d["device"], d["tensor"], Box(tuple(d["offsets"]), tuple(d["lengths"])), d["dtype"],
+                    None if d.get("shape") is None else tuple(d["shape"]), d["file"], d["xxh3"], int(d["nbytes"]),
+                    int(d.get("block_bytes", 0)), None if blocks is None else tuple(blocks))
+        if blocks is not None and (entry.block_bytes <= 0 or
+                                   len(blocks) != -(-entry.nbytes // entry.block_bytes)):
+            raise StoreError(f"manifest row of {entry.tensor!r} on {entry.device} ({entry.file}): {len(blocks)} "
+                             f"block checksums of {entry.block_bytes} bytes do not cover {entry.nbytes} bytes")
+        return entry

@@ -1,40 +1,89 @@
-"""Reading a committed version: manifest, memory-mapped shard regions, JSON documents, layouts.
+"""Reading a committed version: manifest, verified shard regions, JSON documents, layouts.
 
-May import: numpy, ``tenplex.box``, ``tenplex.errors``, ``tenplex.layout``, this
-package's ``_safetensors``, ``manifest`` and ``target``, and the standard library.
+May import: numpy, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``, ``tenplex.layout``, this
+package's ``manifest`` and ``shardfile``, and the standard library.
+
+A reader holds its version directory open (a directory descriptor) and opens
+every file relative to it, so it reads exactly the version it opened: after a
+delete and a new commit of the same number, :meth:`VersionReader.current` is
+False and reads of the old files fail rather than mixing versions. It holds no
+shard file open or mapped between reads, so deleting a version frees its space.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 
-from . import _safetensors as st
+from .shardfile import ShardFile
 from .manifest import LAYOUT_DOC, MANIFEST_FORMAT, NotFound, OutOfRange, ShardEntry
-from .target import checksum
 from ..box import Box
+from ..dtypes import itemsize, numpy_storage
 from ..errors import LayoutError, StoreError
 from ..layout import Layout, from_dict as layout_from_dict
 
 
 class VersionReader:
-    """A committed version on this host: its manifest, shards (memory-mapped) and JSON documents."""
+    """A committed version on this host: its manifest, shards (read with verification) and JSON documents."""
 
     def __init__(self, path: Path):
         self.path = path
-        doc = json.loads((path / "manifest.json").read_text())
-        if doc.get("format") != MANIFEST_FORMAT:
-            raise StoreError(f"{path}/manifest.json: expected format {MANIFEST_FORMAT!r}, found {doc.get('format')!r}")
+        self._dirfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            st = os.fstat(self._dirfd)
+            self.identity = (st.st_dev, st.st_ino)
+            try:
+                doc = json.loads(self._read_text("manifest.json"))
+                if doc.get("format") != MANIFEST_FORMAT:
+                    raise StoreError(f"expected format {MANIFEST_FORMAT!r}, found {doc.get('format')!r}")
+                self.version = int(doc["version"])
+                self.host = doc["host"]
+                self.entries = [ShardEntry.from_dict(row) for row in doc["shards"]]
+                doc["json"].items()
+            except (ValueError, KeyError, TypeError, AttributeError, StoreError) as e:
+                raise StoreError(f"{path}/manifest.json is damaged ({type(e).__name__}: {e}); delete this "
+                                 f"version or restore it from another host") from None
+        except BaseException:
+            os.close(self._dirfd)
+            raise
         self.manifest = doc
-        self.version = int(doc["version"])
-        self.host = doc["host"]
-        self.entries = [ShardEntry.from_dict(row) for row in doc["shards"]]
         self._by_device: dict[str, list[ShardEntry]] = {}
+        self._files: dict[str, ShardFile] = {}
         for e in self.entries:
             self._by_device.setdefault(e.device, []).append(e)
-        self._maps: dict[str, np.ndarray] = {}
+            self._files[e.file] = ShardFile(e, self._open, f"version {self.version} on host {self.host}, device "
+                                                           f"{e.device}, tensor {e.tensor!r}, file {path}/{e.file}")
+
+    def _open(self, name: str) -> int:
+        if self._dirfd < 0:
+            raise StoreError(f"the reader of {self.path} is closed")
+        return os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._dirfd)
+
+    def _read_text(self, name: str) -> str:
+        fd = self._open(name)
+        with os.fdopen(fd, "rb") as f:
+            return f.read().decode()
+
+    def current(self) -> bool:
+        """Whether ``path`` still is the version directory this reader opened (not deleted or re-committed)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.identity and os.path.exists(self.path / "manifest.json")
+
+    def close(self) -> None:
+        """Release the version directory; the reader reads nothing afterwards."""
+        fd, self._dirfd = self._dirfd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        if getattr(self, "_dirfd", -1) >= 0:
+            self.close()
 
     def devices(self) -> list[str]:
         return sorted(self._by_device)
@@ -61,33 +110,71 @@ class VersionReader:
         raise OutOfRange(f"box {box} of tensor {tensor!r} lies inside no box device {device} stores "
                          f"(stored: {', '.join(str(e.box) for e in candidates)}) in version {self.version}")
 
-    def array(self, entry: ShardEntry) -> np.ndarray:
-        """The whole stored shard as a read-only memory-mapped array."""
-        mapped = self._maps.get(entry.file)
-        if mapped is None:
-            offset, header = st.read_header(self.path / entry.file)
-            mapped = st.map_array(self.path / entry.file, offset, entry.dtype, entry.box.lengths)
-            self._maps[entry.file] = mapped
-        return mapped
+    @staticmethod
+    def byte_span(entry: ShardEntry, box: Box) -> tuple[int, int, tuple[int, ...]]:
+        """(first data byte, bytes up to the last element, byte strides) of region ``box`` in ``entry``'s file."""
+        strides, step = [], itemsize(entry.dtype)
+        for n in reversed(entry.box.lengths):
+            strides.append(step)
+            step *= n
+        strides.reverse()
+        local = box.local(entry.box)
+        start = sum(o * s for o, s in zip(local.offsets, strides))
+        span = sum((n - 1) * s for n, s in zip(local.lengths, strides)) + itemsize(entry.dtype)
+        return start, span, tuple(strides)
 
-    def close(self) -> None:
-        """Forget this reader's memory maps; each is unmapped once no array handed out still uses it."""
-        self._maps.clear()
+    def shard_file(self, entry: ShardEntry) -> ShardFile:
+        """The verified reader of one stored shard (for callers that stream its bytes)."""
+        return self._files[entry.file]
+
+    def region(self, entry: ShardEntry, box: Box, verified: set | None = None, digest=None) -> np.ndarray:
+        """The region ``box`` (global coordinates, inside ``entry.box``) of a stored shard, read and verified.
+
+        Reads the bytes from the region's first to its last element (just the region when it is
+        contiguous in the file) and checks every block they touch. ``verified`` and ``digest`` (fed the
+        bytes read, in order): see ``ShardFile.read_into``."""
+        dtype = np.dtype(numpy_storage(entry.dtype))
+        if box.is_empty():
+            return np.empty(box.lengths, dtype)
+        start, span, strides = self.byte_span(entry, box)
+        buffer = np.empty(span, np.uint8)
+        self._files[entry.file].read_into(start, memoryview(buffer), verified=verified, digest=digest)
+        return np.ndarray(box.lengths, dtype=dtype, buffer=buffer, strides=strides)
+
+    def array(self, entry: ShardEntry) -> np.ndarray:
+        """The whole stored shard, read and verified."""
+        return self.region(entry, entry.box)
 
     def read(self, device: str, tensor: str, box: Box) -> np.ndarray:
-        """The region ``box`` (global coordinates) of ``device``'s shard: a read-only view into the memory map;
-        only the pages of that region are read. Copy it (``np.array``) to keep it past the reader."""
+        """The region ``box`` (global coordinates) of ``device``'s shard, read into memory; every block of the
+        file it touches is verified (:class:`CorruptShard` on a mismatch or a truncated file)."""
         entry = self.find(device, tensor, box)
-        return self.array(entry)[box.local(entry.box).slices()]
+        return self.region(entry, box)
+
+    def readinto(self, device: str, tensor: str, box: Box, dest) -> None:
+        """Fill ``dest`` (a writable buffer of ``box``'s C-order bytes) with that region of ``device``'s shard,
+        verified; a region that is one contiguous run of the file is read straight into ``dest``."""
+        entry = self.find(device, tensor, box)
+        dest = memoryview(dest).cast("B")
+        if dest.nbytes != box.volume * itemsize(entry.dtype):
+            raise StoreError(f"{tensor!r} {box}: destination of {dest.nbytes} bytes, the region has "
+                             f"{box.volume * itemsize(entry.dtype)}")
+        if box.is_empty():
+            return
+        start, span, _ = self.byte_span(entry, box)
+        if span == dest.nbytes:
+            self._files[entry.file].read_into(start, dest)
+            return
+        values = self.region(entry, box)
+        np.frombuffer(dest, values.dtype).reshape(box.lengths)[...] = values
 
     def verify(self) -> list[str]:
-        """Recompute every shard's checksum; return descriptions of the ones that do not match (empty: all good)."""
+        """Check every block of every shard; return descriptions of the ones that do not match (empty: all good)."""
         bad = []
         for e in self.entries:
-            data = self.array(e)
-            actual = checksum(memoryview(np.ascontiguousarray(data)).cast("B")) if data.size else checksum(b"")
-            if actual != e.xxh3:
-                bad.append(f"{e.device} {e.tensor} {e.box}: xxh3 {actual} != manifest {e.xxh3} ({e.file})")
+            problem = self._files[e.file].verify()
+            if problem is not None:
+                bad.append(f"{e.device} {e.tensor} {e.box}: {problem}")
         return bad
 
     def json_names(self) -> list[str]:
@@ -98,7 +185,11 @@ class VersionReader:
         if rel is None:
             raise NotFound(f"version {self.version} on host {self.host} has no JSON document {name!r}; "
                            f"it has: {self.json_names() or 'none'}")
-        return json.loads((self.path / rel).read_text())
+        try:
+            return json.loads(self._read_text(rel))
+        except ValueError as e:
+            raise StoreError(f"JSON document {name!r} of version {self.version} on host {self.host} "
+                             f"({self.path}/{rel}) is damaged: {e}") from None
 
     def layout(self) -> Layout:
         """The whole layout recorded with ``put_layout`` (or by the transformer)."""

@@ -1,6 +1,6 @@
 """The gRPC store service of one host (``tenplex.v1.Store``): thin handlers over ``tenplex.store.local``.
 
-May import: grpc, numpy, xxhash, this package, ``tenplex.box``, ``tenplex.errors``
+May import: grpc, numpy, xxhash, this package, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``
 and the standard library. It never imports ``tenplex.transform``: the
 ``Transform`` RPC calls the ``transformer`` function given to :func:`serve`
 (the CLI passes ``tenplex.transform.host.run_host_part``), keeping the store
@@ -9,7 +9,8 @@ below the transformer in the layering.
 Security: :func:`serve` binds 127.0.0.1 unless told otherwise; any other
 address requires a shared token, which every call must then present as
 ``authorization: Bearer TOKEN`` metadata (else UNAUTHENTICATED). TLS is on
-when a certificate and key are given.
+when a certificate and key are given. Without TLS that metadata, the token
+itself, crosses the network in plaintext; serve() warns about it at start-up.
 
 Bulk data plane: unless TLS is configured (or ``data_plane=False``),
 :func:`serve` also starts ``tenplex.store.dataplane.DataServer`` on the same
@@ -33,32 +34,48 @@ import logging
 import os
 import queue
 import threading
+import time
 from concurrent import futures
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import grpc
 import numpy as np
 import xxhash
 
 from ..box import Box
+from ..dtypes import itemsize
 from ..errors import StoreError, TenplexError
 from . import _hooks, wire
 from ._proto import store_pb2 as pb
 from .datasets import resolve_dataset_path
-from .manifest import RPC_PART, NotFound, OutOfRange
+from .manifest import RPC_PART, AlreadyCommitted, Conflict, CorruptShard, NotFound, OutOfRange
 from .auth import TokenCheck
 from .dataplane import DataServer
 from .local import Store
 from .reader import VersionReader
+from .streams import Busy, StreamLimits
 from .writer import VersionWriter
 
 log = logging.getLogger(__name__)
 SERVICE = "tenplex.v1.Store"
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+CONTROL_THREADS = 16            # server threads that bulk streams can never take (Health, Commit, ...)
+DEFAULT_MAX_STREAMS = 48
+DEFAULT_STREAM_IDLE_S = 60.0    # a bulk stream with no progress for this long is cancelled
+DEFAULT_PART_IDLE_S = 3600.0    # a remote part nobody used for this long is aborted
 
 
 # ---------------------------------------------------------------- errors --
 def _status_of(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, CorruptShard):
+        return grpc.StatusCode.DATA_LOSS
+    if isinstance(exc, Busy):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, AlreadyCommitted):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(exc, Conflict):
+        return grpc.StatusCode.ABORTED
     if isinstance(exc, IndexError):  # before LookupError, its base class
         return grpc.StatusCode.OUT_OF_RANGE
     if isinstance(exc, LookupError):
@@ -107,47 +124,94 @@ def _guard(method):
 # --------------------------------------------------------------- service --
 class StoreService:
     def __init__(self, store: Store, transformer: Callable | None = None, token: str | None = None,
-                 peer_root_certificates: bytes | None = None):
+                 peer_root_certificates: bytes | None = None, limits: StreamLimits | None = None,
+                 part_idle_s: float = DEFAULT_PART_IDLE_S):
         self.store = store
+        self.part_idle_s = part_idle_s
+        self.limits = limits or StreamLimits(DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S)
         self.transformer = transformer
         self.token = token
         self.peer_root_certificates = peer_root_certificates
         self._readers: dict[int, VersionReader] = {}
         self._writers: dict[tuple[int, str], VersionWriter] = {}
+        self._writer_use: dict[tuple[int, str], list] = {}  # key -> [calls in flight, last used]
+        self._transforming: set[int] = set()  # new versions whose transformation runs here now
         self._lock = threading.Lock()
         self._hooks = _hooks.from_environment()
         self.data_port = 0  # set by serve() when the data plane runs
+        threading.Thread(target=self._housekeeping, name="store-housekeeping", daemon=True).start()
 
     # -- helpers
     def _reader(self, version: int) -> VersionReader:
+        """The cached reader of ``version``, re-opened when the version was deleted or re-committed since
+        (by anyone: this server, a local writer, a gc), so a reader never serves replaced data."""
         with self._lock:
             reader = self._readers.get(version)
-            if reader is not None and not (reader.path / "manifest.json").exists():
-                del self._readers[version]  # deleted or garbage-collected since
-                reader = None
-        if reader is None:
-            reader = self.store.open(version)
-            with self._lock:
-                self._readers[version] = reader
+        if reader is not None and reader.current():
+            return reader
+        self._sweep()
+        reader = self.store.open(version)
+        with self._lock:
+            self._readers[version] = reader
         return reader
 
-    def _writer(self, version: int, part: str) -> VersionWriter:
+    def _sweep(self) -> None:
+        """Forget cached readers whose version directory is gone or replaced."""
+        with self._lock:
+            stale = [v for v, r in self._readers.items() if not r.current()]
+        self._forget_readers(stale)
+
+    @contextmanager
+    def _writer(self, version: int, part: str) -> Iterator[VersionWriter]:
+        """The open remote part (version, part), created on first use; marked in use while the block runs."""
         key = (int(version), part or RPC_PART)
         with self._lock:
             writer = self._writers.get(key)
             if writer is None:
                 writer = self.store.begin(key[0], key[1])
                 self._writers[key] = writer
-            return writer
+                self._writer_use[key] = [0, time.monotonic()]
+            use = self._writer_use[key]
+            use[0] += 1
+        try:
+            yield writer
+        finally:
+            with self._lock:
+                use[0] -= 1
+                use[1] = time.monotonic()
+
+    def _housekeeping(self) -> None:
+        while True:
+            time.sleep(min(5.0, self.part_idle_s / 4))
+            try:
+                self._expire_parts()
+                self._sweep()
+            except Exception as e:  # noqa: BLE001 - housekeeping must go on
+                log.warning("store housekeeping failed: %s", e)
+
+    def _expire_parts(self) -> None:
+        """Abort remote parts that nobody wrote, prepared or aborted for ``part_idle_s`` (a writer that went
+        away): their staged files and descriptors would stay until an Abort."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [k for k, (busy, last) in self._writer_use.items() if not busy and now - last > self.part_idle_s]
+            writers = [self._writers.pop(k) for k in expired]
+            for key in expired:
+                del self._writer_use[key]
+        for key, writer in zip(expired, writers):
+            log.warning("aborting part %r of version %d: unused for %.0f s", key[1], key[0], self.part_idle_s)
+            writer.abort()
 
     # -- metadata
     @_guard
     def Health(self, request, context):
+        self._sweep()
         return pb.HealthReply(host=self.store.host, root=str(self.store.root), versions=self.store.versions(),
                               pid=os.getpid(), data_port=self.data_port)
 
     @_guard
     def ListVersions(self, request, context):
+        self._sweep()
         return pb.ListVersionsReply(versions=self.store.versions())
 
     @_guard
@@ -164,7 +228,10 @@ class StoreService:
         box = wire.from_pb_box(request.box)
         reader = self._reader(request.version)
         entry = reader.find(request.device, request.tensor, box)
-        yield from self._chunks(reader.array(entry), entry.box, box, _chunk_bytes(request.chunk_bytes))
+        with self.limits.slot(context, f"ReadBox({request.version}, {request.tensor!r})") as progress:
+            for chunk in self._chunks(reader, entry, box, _chunk_bytes(request.chunk_bytes)):
+                yield chunk
+                progress()
 
     @_guard
     def ReadBoxes(self, request, context):
@@ -174,35 +241,65 @@ class StoreService:
             box = wire.from_pb_box(ref.box)
             regions.append((box, reader.find(ref.device, ref.tensor, box)))
         chunk_bytes = _chunk_bytes(request.chunk_bytes)
-        for index, (box, entry) in enumerate(regions):
-            yield from self._chunks(reader.array(entry), entry.box, box, chunk_bytes, index)
+        with self.limits.slot(context, f"ReadBoxes({request.version}, {len(regions)} regions)") as progress:
+            for index, (box, entry) in enumerate(regions):
+                for chunk in self._chunks(reader, entry, box, chunk_bytes, index):
+                    yield chunk
+                    progress()
 
-    def _chunks(self, array: np.ndarray, stored: Box, box: Box, chunk_bytes: int, index: int = 0):
-        for sub in wire.split_box(box, array.itemsize, chunk_bytes):
-            data = np.ascontiguousarray(array[sub.local(stored).slices()])
-            view = memoryview(data.reshape(-1)).cast("B")
-            head = pb.Chunk(box=wire.to_pb_box(sub), xxh3=xxhash.xxh3_64_intdigest(view), index=index)
+    def _chunks(self, reader: VersionReader, entry, box: Box, chunk_bytes: int, index: int = 0):
+        """Chunks of region ``box`` of a stored shard; every block they come from is verified first, and a
+        chunk that is one run of the file gets its checksum in the same pass."""
+        verified: set = set()  # blocks checked by this call: consecutive chunks do not check them again
+        buffer = None  # one buffer for every chunk: encode_with_data copies each out of it
+        for sub in wire.split_box(box, itemsize(entry.dtype), chunk_bytes):
+            start, span, _ = reader.byte_span(entry, sub)
+            if span == sub.volume * itemsize(entry.dtype) and sub.volume:
+                if buffer is None or buffer.nbytes < span:
+                    buffer = memoryview(np.empty(span, np.uint8))
+                view = buffer[:span]
+                digest = xxhash.xxh3_64()
+                reader.shard_file(entry).read_into(start, view, verified=verified, digest=digest)
+                digest = digest.intdigest()
+            else:
+                data = np.ascontiguousarray(reader.region(entry, sub, verified))
+                view = memoryview(data.reshape(-1)).cast("B")
+                digest = xxhash.xxh3_64_intdigest(view)
+            head = pb.Chunk(box=wire.to_pb_box(sub), xxh3=digest, index=index)
             payload = wire.encode_with_data(head.SerializeToString(), view)
             yield self._hooks.before_send(payload) if self._hooks else payload
 
     @_guard
     def WriteShard(self, request_iterator, context):
+        with self.limits.slot(context, "WriteShard") as progress:
+            return self._write_shard(_progressing(request_iterator, progress))
+
+    def _write_shard(self, request_iterator) -> pb.WriteShardReply:
         first = next(request_iterator, None)
         if first is None or first.WhichOneof("item") != "header":
             raise ValueError("WriteShard: the first message must carry the shard header")
         h = first.header
         box = wire.from_pb_box(h.box)
-        writer = self._writer(h.version, h.part)
-        target = writer.create(h.device, h.tensor, box, h.dtype, tuple(h.shape) or None)
+        with self._writer(h.version, h.part) as writer:
+            return self._fill_shard(writer, h, box, request_iterator)
+
+    def _fill_shard(self, writer: VersionWriter, h, box: Box, request_iterator) -> pb.WriteShardReply:
+        target = None
         try:
+            # No space is reserved up front: a header alone (a stalled or lying client) holds none. The
+            # file's blocks are allocated as data arrives; a header larger than the free space fails here.
+            _check_free_space(self.store.root, box.volume * itemsize(h.dtype), f"shard {h.tensor!r} {box}")
+            target = writer.create(h.device, h.tensor, box, h.dtype, tuple(h.shape) or None, reserve=False)
             received = self._fill(target, request_iterator, h)
         except BaseException:
             # A broken stream or a short shard must not stay in the part: Prepare would publish it partly zero.
-            try:
-                writer.discard(target)
-            except StoreError as e:  # the part was aborted or prepared meanwhile; the stream's error matters more
-                log.warning("WriteShard of %r could not discard its partial shard: %s", h.tensor, e)
+            if target is not None:
+                try:
+                    writer.discard(target)
+                except StoreError as e:  # the part was aborted or prepared meanwhile; the stream's error matters
+                    log.warning("WriteShard of %r could not discard its partial shard: %s", h.tensor, e)
             raise
+        target.release()  # filled: no descriptor held until Prepare
         return pb.WriteShardReply(bytes=received)
 
     @staticmethod
@@ -232,7 +329,8 @@ class StoreService:
             doc = json.loads(request.json)
         except json.JSONDecodeError as e:
             raise ValueError(f"PutJson {request.name!r}: not valid JSON ({e})") from None
-        self._writer(request.version, request.part).put_json(request.name, doc)
+        with self._writer(request.version, request.part) as writer:
+            writer.put_json(request.name, doc)
         return pb.PutJsonReply()
 
     @_guard
@@ -240,6 +338,7 @@ class StoreService:
         key = (int(request.version), request.part or RPC_PART)
         with self._lock:
             writer = self._writers.pop(key, None)
+            self._writer_use.pop(key, None)
         if writer is None:
             raise NotFound(f"no open part {key[1]!r} of version {key[0]} on host {self.store.host}")
         try:
@@ -258,6 +357,7 @@ class StoreService:
     def Abort(self, request, context):
         with self._lock:
             for key in [k for k in self._writers if k[0] == request.version]:
+                self._writer_use.pop(key, None)
                 self._writers.pop(key).abort()
         self.store.abort(request.version)
         return pb.AbortReply()
@@ -286,6 +386,15 @@ class StoreService:
     def Transform(self, request, context):
         if self.transformer is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this store server was started without a transformer")
+        version = request.new_version
+        with self._lock:
+            if version in self._transforming:
+                raise Conflict(f"another transformation to version {version} is running on host {self.store.host} "
+                               f"right now (a second coordinator?); this one changed nothing here")
+            if version in self.store.versions():
+                raise AlreadyCommitted(f"version {version} is already committed on host {self.store.host} (by "
+                                       f"another transformation or writer); this one changed nothing here")
+            self._transforming.add(version)
         updates: queue.Queue = queue.Queue()
         cancelled = threading.Event()
         context.add_callback(cancelled.set)  # the coordinator went away: stop pulling
@@ -298,6 +407,9 @@ class StoreService:
                 updates.put(("done", result))
             except BaseException as e:  # noqa: BLE001 - reported to the coordinator below
                 updates.put(("error", e))
+            finally:
+                with self._lock:
+                    self._transforming.discard(version)
 
         threading.Thread(target=work, name=f"transform-{request.new_version}", daemon=True).start()
         while True:
@@ -324,7 +436,7 @@ class StoreService:
                              f"must be >= 0 (length -1 = to the end)")
         path = resolve_dataset_path(self.store.root / "datasets", request.path, self.store.host)
         chunk_bytes = _chunk_bytes(request.chunk_bytes)
-        with open(path, "rb") as f:
+        with open(path, "rb") as f, self.limits.slot(context, f"ReadFile({request.path!r})") as progress:
             size = os.fstat(f.fileno()).st_size
             end = size if request.length == -1 else min(size, request.offset + request.length)
             offset = request.offset
@@ -335,7 +447,22 @@ class StoreService:
                 head = pb.FileChunk(offset=offset, xxh3=xxhash.xxh3_64_intdigest(data)).SerializeToString()
                 payload = wire.encode_with_data(head, data)
                 yield self._hooks.before_send(payload) if self._hooks else payload
+                progress()
                 offset += len(data)
+
+
+def _progressing(messages, progress):
+    """The request messages, marking progress as each arrives."""
+    for message in messages:
+        progress()
+        yield message
+
+
+def _check_free_space(root, nbytes: int, what: str) -> None:
+    st = os.statvfs(root)
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise OSError(errno.ENOSPC, f"{what} needs {nbytes} bytes, but only {free} are free in {root}")
 
 
 def _chunk_bytes(requested: int) -> int:
@@ -379,8 +506,10 @@ def _handlers(service: StoreService) -> grpc.GenericRpcHandler:
 
 def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | None = None,
           tls_cert: bytes | None = None, tls_key: bytes | None = None, transformer: Callable | None = None,
-          peer_root_certificates: bytes | None = None, max_workers: int = 32,
-          data_plane: bool = True) -> tuple[grpc.Server, int]:
+          peer_root_certificates: bytes | None = None, max_workers: int = 64,
+          data_plane: bool = True, max_streams: int | None = None,
+          stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
+          part_idle_s: float = DEFAULT_PART_IDLE_S) -> tuple[grpc.Server, int]:
     """Start serving ``store``; return (server, bound port). Non-loopback binds need ``token``.
 
     ``data_plane``: also serve large box reads on a plain TCP port of the same
@@ -388,31 +517,51 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
 
     ``transformer(store, request, progress, cancelled=, token=, root_certificates=)`` runs
     the Transform RPC; it pulls from peers with this server's token and ``peer_root_certificates``
-    (TLS when given)."""
+    (TLS when given).
+
+    At most ``max_streams`` bulk streams (default: all but 16 of the ``max_workers`` threads) run at once,
+    and one that makes no progress for ``stream_idle_s`` seconds is cancelled (see ``streams``). A remote
+    part (WriteShard/PutJson) unused for ``part_idle_s`` seconds without Prepare or Abort is aborted."""
     if bind not in LOOPBACK and not token:
         raise StoreError(f"refusing to serve store {store.root} on {bind} without a token: anything that reaches "
                          f"the port could read and overwrite state. Pass a token (--token-file) or bind 127.0.0.1")
     if (tls_cert is None) != (tls_key is None):
         raise StoreError("TLS needs both a certificate and its private key")
+    if not 0 <= int(port) <= 65535:
+        raise StoreError(f"port {port} is not a TCP port: use 0-65535 (0: any free port)")
     wire.keep_freed_chunk_memory()
+    if max_streams is None:
+        max_streams = max(1, max_workers - CONTROL_THREADS)
+    if max_streams > max_workers - 1:
+        raise StoreError(f"max_streams ({max_streams}) must leave threads of the {max_workers} for control calls")
     service = StoreService(store, transformer=transformer, token=token,
-                           peer_root_certificates=peer_root_certificates)
+                           peer_root_certificates=peer_root_certificates,
+                           limits=StreamLimits(max_streams, stream_idle_s), part_idle_s=part_idle_s)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store"),
                          interceptors=[TokenCheck(token)] if token else None,
-                         options=wire.channel_options())
+                         # never share a port with another server (clients would be split between them)
+                         options=[*wire.channel_options(), ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((_handlers(service),))
     address = f"[{bind.strip('[]')}]:{port}" if ":" in bind.strip("[]") else f"{bind}:{port}"
-    if tls_cert is not None:
-        bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
-    else:
-        bound = server.add_insecure_port(address)
+    try:
+        if tls_cert is not None:
+            bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind to address"
+        bound = 0
     if not bound:
-        raise StoreError(f"could not bind the store server to {address}")
+        raise StoreError(f"could not bind the store server to {address}: port {port} is in use, or {bind} is not "
+                         f"an address of this machine; choose another port (0: any free port)")
     if data_plane and tls_cert is None:
         data = DataServer(bind, service._reader, lambda e: (_status_of(e).name, _message(e)), token=token)
         service.data_port = data.port
         server.data_server = data  # kept alive with the gRPC server; its threads are daemons
     server.start()
+    if bind not in LOOPBACK and tls_cert is None:
+        log.warning("serving on %s without TLS: the store token travels in plaintext in the metadata of every gRPC "
+                    "call, readable by anyone on the network path (the data plane sends only an HMAC of it); "
+                    "use --tls-cert/--tls-key off trusted networks", bind)
     log.info("store %s (host %s) serving on %s:%d (data plane port %d)", store.root, store.host, bind, bound,
              service.data_port)
     return server, bound

@@ -1,7 +1,7 @@
 """A new shard file being filled region by region.
 
-May import: numpy, xxhash, ``tenplex.box``,
-``tenplex.dtypes``, ``tenplex.errors``, ``_safetensors`` and the standard library.
+May import: numpy, xxhash, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``, this package's
+``_safetensors`` and ``blocks``, and the standard library.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 import xxhash
 
 from . import _safetensors as st
+from .blocks import BlockTally
 from ..box import Box
 from ..dtypes import itemsize
 from ..errors import StoreError
@@ -31,6 +32,8 @@ class ShardTarget:
     ``pwrite`` when the region is made of long contiguous runs of the file,
     which avoids a page fault per 4 KiB page that writing through a memory map
     costs (notably on tmpfs); short runs go through a writable memory map.
+    Each write feeds the block checksums (``BlockTally``), so ``finish`` has
+    (almost) nothing left to hash.
     """
 
     _MIN_RUN = 64 << 10  # below this, per-run system calls cost more than page faults
@@ -46,13 +49,33 @@ class ShardTarget:
             strides.append(step)
             step *= n
         self._strides = tuple(reversed(strides))
+        self._tally = BlockTally(box.volume * self.itemsize, self._read_block)
 
-    @property
-    def array(self) -> np.ndarray:
-        """The whole shard as a writable memory map (created on first use)."""
+    def _map(self) -> np.ndarray:
         if self._array is None:
             self._array = st.map_array(self.path, self.data_offset, self.dtype, self.box.lengths, writable=True)
         return self._array
+
+    @property
+    def array(self) -> np.ndarray:
+        """The whole shard as a writable memory map (created on first use); what is written through it is
+        hashed at ``finish``."""
+        self._tally.forget()
+        return self._map()
+
+    def read(self, region: Box) -> np.ndarray:
+        """A read-only view of region ``region`` (global coordinates) as written so far."""
+        view = self._map()[region.local(self.box).slices()]
+        view.flags.writeable = False
+        return view
+
+    def _read_block(self, index: int, view: memoryview) -> None:
+        offset = self.data_offset + index * self._tally.block_bytes
+        while view.nbytes:
+            n = os.preadv(self._descriptor(), [view], offset)
+            if n <= 0:
+                raise StoreError(f"{self.path}: short read of block {index} while checksumming it")
+            view, offset = view[n:], offset + n
 
     def write(self, region: Box, data) -> None:
         """Store ``data`` (C-order bytes or an array of region.lengths) as ``region`` (global coordinates)."""
@@ -69,31 +92,54 @@ class ShardTarget:
             inner -= 1
         run = local.lengths[inner] * self._strides[inner] if self.box.ndim else self.itemsize
         if run < self._MIN_RUN:
-            storage = np.frombuffer(buffer, dtype=self.array.dtype).reshape(region.lengths)
-            self.array[local.slices()] = storage
+            # Allocate the span first: a store of a sparse file through a memory map on a full disk
+            # would kill the process with SIGBUS; posix_fallocate fails with ENOSPC instead.
+            first = sum(o * s for o, s in zip(local.offsets, self._strides))
+            last = sum((o + n - 1) * s for o, n, s in zip(local.offsets, local.lengths, self._strides))
+            st.reserve_space(self._descriptor(), last + self.itemsize - first, self.data_offset + first)
+            array = self._map()
+            array[local.slices()] = np.frombuffer(buffer, dtype=array.dtype).reshape(region.lengths)
+            starts = np.array([first], np.int64)  # data offset of every run: the outer dims' index grid
+            for d in range(inner):
+                starts = (starts[:, None] + np.arange(local.lengths[d], dtype=np.int64) * self._strides[d]).ravel()
+            self._tally.wrote_runs(starts, run)
             return
-        base = self.data_offset + sum(o * s for o, s in zip(local.offsets, self._strides))
+        base = sum(o * s for o, s in zip(local.offsets, self._strides))
         outer = [range(n) for n in local.lengths[:inner]]
         for i, index in enumerate(itertools.product(*outer)):
             offset = base + sum(j * s for j, s in zip(index, self._strides))
-            self._pwrite(buffer[i * run:(i + 1) * run], offset)
+            piece = buffer[i * run:(i + 1) * run]
+            self._pwrite(piece, self.data_offset + offset)
+            self._tally.wrote(offset, piece)
 
     def reserve(self) -> None:
         """Allocate the file's space now (fails early on a full disk); safe while others write."""
-        st.reserve_space(self._fd, self.data_offset + self.box.volume * self.itemsize)
+        st.reserve_space(self._descriptor(), self.data_offset + self.box.volume * self.itemsize)
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
         while view.nbytes:
-            written = os.pwrite(self._fd, view, offset)
+            written = os.pwrite(self._descriptor(), view, offset)
             view, offset = view[written:], offset + written
 
-    def finish(self) -> str:
-        """fsync and close; return the data's checksum."""
+    def finish(self) -> list[str]:
+        """fsync and close; return the data's block checksums (``blocks``)."""
         self._array = None
-        os.fsync(self._fd)  # on Linux this also writes pages dirtied through the shared map
+        os.fsync(self._descriptor())  # on Linux this also writes pages dirtied through the shared map
+        try:
+            return self._tally.digests()
+        finally:
+            self.close()
+
+    def _descriptor(self) -> int:
+        if self._fd < 0:  # released between writes (see ``release``)
+            self._fd = os.open(self.path, os.O_RDWR)
+        return self._fd
+
+    def release(self) -> None:
+        """Close the file and its map until the next write (a filled shard waiting for ``prepare`` holds no
+        descriptor); what was written stays, and so do the block checksums computed so far."""
+        self._array = None
         self.close()
-        data = st.map_array(self.path, self.data_offset, self.dtype, self.box.lengths)
-        return checksum(memoryview(np.ascontiguousarray(data).reshape(-1)).cast("B")) if data.size else checksum(b"")
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -1,7 +1,7 @@
 """Staging one part of a version: shard files, JSON documents, prepare (durable), commit.
 
 May import: numpy, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``,
-``tenplex.layout``, this package's ``_safetensors``, ``manifest`` and ``target``,
+``tenplex.layout``, this package's ``_safetensors``, ``blocks``, ``manifest`` and ``target``,
 and the standard library.
 """
 
@@ -20,7 +20,8 @@ import numpy as np
 
 from . import _safetensors as st
 from .manifest import LAYOUT_DOC, PART_FORMAT, ShardEntry, check_name, fsync_dir, write_json_durable
-from .target import ShardTarget, checksum
+from .blocks import BLOCK_BYTES, block_digests, root_digest
+from .target import ShardTarget
 from ..box import Box
 from ..dtypes import itemsize, numpy_storage
 from ..errors import StoreError
@@ -85,6 +86,12 @@ class VersionWriter:
             rel = f"{self.part}/{next(self._names):05d}.safetensors"
         return rel, self.staging / rel
 
+    def _release(self, device: str, tensor: str, box: Box, path: Path) -> None:
+        """Undo ``_claim`` for a shard whose file could not be written."""
+        with self._lock:
+            self._boxes[(device, tensor)].remove(box)
+        path.unlink(missing_ok=True)
+
     def _add(self, entry: ShardEntry, target: ShardTarget | None = None) -> None:
         with self._lock:
             self._entries.append(entry)
@@ -108,8 +115,14 @@ class VersionWriter:
             raise StoreError(f"tensor {tensor!r} on {device}: array dtype {array.dtype} cannot hold {dtype} "
                              f"(expected numpy {numpy_storage(dtype)})")
         rel, path = self._claim(device, tensor, box, dtype, shape)
-        data = st.write(path, tensor, dtype, array, self._metadata(device, tensor, box, shape))
-        self._add(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel, checksum(data), data.nbytes))
+        try:
+            data = st.write(path, tensor, dtype, array, self._metadata(device, tensor, box, shape))
+        except BaseException:
+            self._release(device, tensor, box, path)
+            raise
+        blocks = block_digests(data)
+        self._add(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel, root_digest(blocks), data.nbytes,
+                             BLOCK_BYTES, tuple(blocks)))
 
     def create(self, device: str, tensor: str, box: Box, dtype: str,
                shape: tuple[int, ...] | None = None, reserve: bool = True) -> ShardTarget:
@@ -117,8 +130,12 @@ class VersionWriter:
         ``reserve=False`` defers allocating its space to ``target.reserve()`` (which may run while
         other threads already write)."""
         rel, path = self._claim(device, tensor, box, dtype, shape)
-        offset, nbytes = st.create(path, tensor, dtype, box.lengths, self._metadata(device, tensor, box, shape),
-                                   reserve=reserve)
+        try:
+            offset, nbytes = st.create(path, tensor, dtype, box.lengths, self._metadata(device, tensor, box, shape),
+                                       reserve=reserve)
+        except BaseException:  # e.g. a full disk: release the claim and the file, the box may be written again
+            self._release(device, tensor, box, path)
+            raise
         target = ShardTarget(path, offset, box, dtype)
         self._add(ShardEntry(device, tensor, box, dtype, shape and tuple(shape), rel, "", nbytes), target)
         return target
@@ -175,7 +192,7 @@ class VersionWriter:
             raise StoreError(f"version {self.version} part {self.part} is {self._state}; cannot prepare")
         with self._lock:
             self._state = "preparing"
-        self._entries = [replace(e, xxh3=self._pending[e.file].finish()) if e.file in self._pending else e
+        self._entries = [self._finished(e, self._pending[e.file].finish()) if e.file in self._pending else e
                          for e in self._entries]
         self._pending.clear()
         fsync_dir(self.dir)
@@ -185,6 +202,10 @@ class VersionWriter:
         write_json_durable(self.staging / f"{self.part}.part.json", doc)
         fsync_dir(self.staging.parent)
         self._state = "prepared"
+
+    @staticmethod
+    def _finished(entry: ShardEntry, blocks: list[str]) -> ShardEntry:
+        return replace(entry, xxh3=root_digest(blocks), block_bytes=BLOCK_BYTES, blocks=tuple(blocks))
 
     def commit(self) -> None:
         """Prepare this part and publish the version with every prepared part of it (atomic).

@@ -17,7 +17,9 @@ whose Transform stream (which carries a heartbeat) or whose answer to a call
 stays silent for ``pull_timeout`` seconds has failed, and so has a source
 that a destination's pull hears nothing from for that long (the destination
 then reads from a replica). A partitioned peer sends no reset, so a deadline
-would only fire after minutes.
+would only fire after minutes. Once one host failed, the others are stopped
+at their next progress message (at least every second) instead of finishing
+work that will be aborted.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
                               stall_timeout=pull_timeout) for h, a in stores.items()}
     results: dict[str, pb.TransformProgress] = {}
     failures: dict[str, BaseException] = {}
+    conflicts: set[str] = set()  # hosts where another transformation holds or committed new_version
     lock = threading.Lock()
 
     def run(host: str) -> None:
@@ -93,18 +96,30 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
             timeout_s=pull_timeout)
         try:
             final = None
-            for update in clients[host].transform(request, timeout=timeout):
-                if progress is not None:
-                    progress(host, update.bytes_done, update.bytes_total)
-                final = update
+            updates = clients[host].transform(request, timeout=timeout)
+            try:
+                for update in updates:
+                    if failures:  # the transformation fails anyway: stop this host's work now
+                        raise _Stopped()
+                    if progress is not None:
+                        progress(host, update.bytes_done, update.bytes_total)
+                    final = update
+            finally:
+                updates.close()  # drops the call, which cancels it on the store
             if final is None or not final.done:
                 raise TransformError(f"store of host {host} ended the transformation without reporting completion")
             with lock:
                 results[host] = final
+        except _Stopped:
+            log.info("transformation %s -> %s: stopped host %s after another host failed", old_version,
+                     new_version, host)
         except Exception as e:  # noqa: BLE001 - collected and reported for every host
-            log.warning("transformation %s -> %s failed on host %s", old_version, new_version, host, exc_info=True)
+            # INFO, not WARNING: the TransformError raised below carries every cause; the CLI prints it in one line.
+            log.info("transformation %s -> %s failed on host %s", old_version, new_version, host, exc_info=True)
             with lock:
                 failures[host] = e
+                if _conflict(e):
+                    conflicts.add(host)
 
     log.info("transformation %s -> %s: %d destination host(s), %d transfers", old_version, new_version,
              len(destinations), len(plan.transfers))
@@ -119,9 +134,9 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
                 before_commit()
             except Exception as e:  # noqa: BLE001
                 failures["coordinator"] = _caused(TransformError(f"before_commit hook failed: {e}"), e)
-        if failures:
-            _abort(clients, destinations, new_version, failures)
-            raise _failed("prepare", old_version, new_version, failures)
+        if failures:  # what another transformation staged or committed is its own: left alone
+            _abort(clients, [h for h in destinations if h not in conflicts], new_version, failures)
+            raise _failed("prepare", old_version, new_version, failures, conflicts)
         log.info("transformation %s -> %s: every host prepared; committing", old_version, new_version)
         committed = []
         for host in destinations:
@@ -130,14 +145,17 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
                 committed.append(host)
             except Exception as e:  # noqa: BLE001
                 failures[host] = e
+                if _conflict(e):
+                    conflicts.add(host)
         if failures:
             for host in committed:  # nobody can have used the new version yet: take it back
                 try:
                     clients[host].delete(new_version)
                 except Exception as e:  # noqa: BLE001
                     failures[host] = _caused(TransformError(f"committed, and could not be rolled back: {e}"), e)
-            _abort(clients, [h for h in destinations if h not in committed], new_version, failures)
-            raise _failed("commit", old_version, new_version, failures)
+            _abort(clients, [h for h in destinations if h not in committed and h not in conflicts], new_version,
+                   failures)
+            raise _failed("commit", old_version, new_version, failures, conflicts)
     finally:
         for client in clients.values():
             client.close()
@@ -145,6 +163,10 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
             "hosts": {h: {"bytes_total": r.bytes_total, "kept_bytes": r.kept_bytes, "linked_bytes": r.linked_bytes,
                           "local_bytes": r.local_bytes, "remote_bytes": r.remote_bytes,
                           "refetched_bytes": r.refetched_bytes} for h, r in sorted(results.items())}}
+
+
+class _Stopped(Exception):
+    """A host's part was stopped because another host failed (not a failure of its own)."""
 
 
 def _abort(clients: dict[str, StoreClient], hosts: list[str], version: int,
@@ -162,9 +184,18 @@ def _caused(error: TransformError, cause: BaseException) -> TransformError:
     return error
 
 
-def _failed(phase: str, old_version: int, new_version: int, failures: dict[str, BaseException]) -> TransformError:
+def _conflict(error: BaseException) -> bool:
+    """A store refused because another transformation runs to, or already committed, the same version."""
+    return getattr(getattr(error, "code", None), "name", None) in ("ABORTED", "ALREADY_EXISTS")
+
+
+def _failed(phase: str, old_version: int, new_version: int, failures: dict[str, BaseException],
+            conflicts: set[str] | frozenset[str] = frozenset()) -> TransformError:
     """The error listing every failed host's cause; chained to the first one recorded so its traceback shows."""
+    outcome = f"{new_version} was not committed" if not conflicts else \
+        (f"another transformation is writing or already committed version {new_version} on "
+         f"{', '.join(sorted(conflicts))}; this one left that alone and committed nothing")
     lines = [f"transformation {old_version} -> {new_version} failed in the {phase} phase on "
-             f"{len(failures)} host(s); version {old_version} is unchanged and {new_version} was not committed:"]
+             f"{len(failures)} host(s); version {old_version} is unchanged; {outcome}:"]
     lines += [f"  {host}: {cause}" for host, cause in sorted(failures.items())]
     return _caused(TransformError("\n".join(lines), failures), next(iter(failures.values())))

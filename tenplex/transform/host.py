@@ -50,7 +50,7 @@ from ..devices import host_of
 from ..errors import StoreError, TransformError
 from ..layout import Layout, from_dict as layout_from_dict
 from ..transfer_plan import Transfer, plan_from_dict
-from ..store import LAYOUT_DOC, ShardTarget, Store, VersionReader, wire
+from ..store import LAYOUT_DOC, CorruptShard, ShardEntry, ShardTarget, Store, VersionReader, wire
 from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient
 from .schedule import LOCAL, Piece, Schedule
@@ -178,6 +178,8 @@ class _Sources:
         self.client(source_host).read_box_to(self.version, device, tensor, box, target.itemsize, target.write)
 
     def _mark_failed(self, host: str, error: Exception) -> None:
+        if _damaged_shard(error):
+            return  # one stored shard failed its checksums: its host still serves the others
         with self._lock:
             if host not in self.failed:
                 log.warning("host %s: source host %s failed, reading from replicas: %s", self.host, host, error)
@@ -191,6 +193,12 @@ class _Sources:
             if host != self.host and host not in found and held.contains(box):
                 found[host] = device
         return found
+
+
+def _damaged_shard(error: Exception) -> bool:
+    """A source shard whose stored bytes failed verification (here or on its store server)."""
+    code = getattr(error, "code", None)
+    return isinstance(error, CorruptShard) or getattr(code, "name", None) == "DATA_LOSS"
 
 
 def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable[[pb.TransformProgress], None],
@@ -272,7 +280,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
                 progress(counters.message())
 
     targets: dict[tuple[str, str, Box], ShardTarget] = {}
-    linked: dict[tuple[str, str, Box], np.ndarray] = {}  # fan-out sources that were hard-linked
+    linked: dict[tuple[str, str, Box], ShardEntry] = {}  # fan-out sources that were hard-linked
     pieces: list[Piece] = []
     fan_out: list[tuple[Transfer, tuple]] = []
     small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = {}  # source host -> small remote regions
@@ -287,7 +295,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
         linkable = _linkable(host, fills, box, reader)
         if linkable is not None:
             writer.link(device, reader, linkable)
-            linked[key] = reader.array(linkable)
+            linked[key] = linkable
             advance(box.volume * spec.itemsize, "linked")
             continue
         # Space is reserved by a thread of its own (``_run``) so that allocation overlaps the pulls.
@@ -313,10 +321,10 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
                                         frozenset(holders) - {host_of(t.src)}))
     for source_host, items in small.items():
         for batch in _batches(items):
-            holders = [sources.holders(tensor, piece) for _, tensor, piece, _ in batch]
-            shared = frozenset.intersection(*(frozenset(h) for h in holders)) - {source_host}
+            batch_holders = [sources.holders(tensor, piece) for _, tensor, piece, _ in batch]
+            shared = frozenset.intersection(*(frozenset(h) for h in batch_holders)) - {source_host}
             pieces.append(Piece(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
-                                _batch_job(sources, batch, holders, advance, cancelled), shared))
+                                _batch_job(sources, batch, batch_holders, advance, cancelled), shared))
     # Destinations start their round of sources at different places (see schedule).
     schedule = Schedule(pieces, start=new.hosts().index(host) if host in new.hosts() else 0,
                         failed=lambda h: h in sources.failed)
@@ -327,8 +335,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
     for t, key in fan_out:
         if cancelled.is_set():
             raise TransformError(f"host {host}: transformation cancelled")
-        source_key, source = _containing(targets, linked, t.src, t.tensor, t.box)
-        targets[key].write(t.box, source[t.box.local(source_key[2]).slices()])
+        targets[key].write(t.box, _new_region(targets, linked, reader, t.src, t.tensor, t.box))
         advance(t.box.volume * new.tensors[t.tensor].itemsize, "local")
     with counters.lock:
         progress(counters.message())
@@ -360,9 +367,10 @@ def _run(host: str, reserves: list[Callable[[], None]], schedule: Schedule, stre
         running = [pool.submit(reserve_all)] + [pool.submit(worker) for _ in range(max(1, streams))]
         done, _ = wait(running, return_when=FIRST_EXCEPTION)
         for future in done:
-            if future.exception() is not None:
+            error = future.exception()
+            if error is not None:
                 cancelled.set()  # the other threads stop after their current piece
-                raise future.exception()
+                raise error
 
 
 def _job(sources: _Sources, device: str, holders: dict[str, str], tensor: str, piece: Box, target: ShardTarget,
@@ -426,14 +434,15 @@ def _linkable(host: str, fills: list[Transfer], box: Box, reader: VersionReader 
     return entry if entry.box == box else None
 
 
-def _containing(targets: dict, linked: dict, device: str, tensor: str, box: Box):
-    """(new shard key, its array) of ``device``'s new shard of ``tensor`` that contains ``box``."""
+def _new_region(targets: dict, linked: dict, reader: VersionReader | None, device: str, tensor: str,
+                box: Box) -> np.ndarray:
+    """Region ``box`` of ``device``'s new shard of ``tensor`` (staged here, or hard-linked and read verified)."""
     for key, target in targets.items():
         if key[0] == device and key[1] == tensor and key[2].contains(box):
-            return key, target.array
-    for key, array in linked.items():
+            return target.read(box)
+    for key, entry in linked.items():
         if key[0] == device and key[1] == tensor and key[2].contains(box):
-            return key, array
+            return reader.region(entry, box)
     raise TransformError(f"plan fans out {tensor!r} {box} from {device}'s new shards, but this host stages no such "
                          f"shard; the plan does not match the new layout")
 

@@ -68,9 +68,10 @@ class Schedule:
                     self._in_flight[host] += 1
                     return piece, host
             for source, queue in self._queues.items():  # left: failed sources' pieces that no replica holds
-                if queue:
+                left = self._pop(source) if queue else None
+                if left is not None:
                     self._in_flight[source] += 1
-                    return self._pop(source), source
+                    return left, source
             return None
 
     def done(self, server: str) -> None:

@@ -1,0 +1,171 @@
+"""Verified reads of one committed shard file with ``pread``.
+
+May import: xxhash, this package's ``manifest`` and the standard library.
+
+Reads never memory-map a committed file: a file truncated under a map kills the
+process with SIGBUS on the next access. :class:`ShardFile` opens the file for
+each read, checks its size against the manifest and ``pread``s it piece by
+piece, checking every block of ``tenplex.store.blocks`` the read touches, so a
+bad file fails only its own reads, with a :class:`CorruptShard` that names it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from typing import Callable
+
+import xxhash
+
+from .manifest import CorruptShard, ShardEntry
+
+_MAX_HEADER = 100 << 20  # safetensors' own limit on a header
+_PIECE = 1 << 20  # reads go piece by piece: small enough to stay in the CPU cache between pread and hash
+
+
+class ShardFile:
+    """One committed shard file, read with ``pread`` and verified against its manifest row.
+
+    ``where`` names the shard in errors (version, host, device, tensor, file).
+    ``opener(name)`` opens a file of the version (relative to the version
+    directory the reader opened, so a replaced version is never read by mistake).
+
+    Reads go piece by piece (``_PIECE``, small enough to stay in the CPU cache):
+    each piece is ``pread`` straight into the destination (or, at the ragged
+    ends of a range and when the caller only verifies, into a per-thread
+    buffer), then hashed into its block's digest while it is
+    still in cache: verifying adds one hash of cached data to the read. A row
+    without block checksums counts as one block: the whole shard is verified on
+    the first read through this object, later reads trust it."""
+
+    def __init__(self, entry: ShardEntry, opener: Callable[[str], int], where: str):
+        self.entry, self._open, self.where = entry, opener, where
+        self.data_offset: int | None = None
+        if entry.blocks is None:  # written before block checksums: one block, the whole data
+            self._size, self._blocks = max(entry.nbytes, 1), (entry.xxh3,)
+        else:
+            self._size, self._blocks = entry.block_bytes, entry.blocks
+        self._trusted: set[int] = set()  # legacy rows: block 0 once verified
+        self._scratch = threading.local()
+
+    def _fail(self, what: str) -> CorruptShard:
+        return CorruptShard(f"{self.where}: {what}; the stored shard is damaged: read it from another replica, or "
+                            f"delete this version")
+
+    def _open_file(self) -> int:
+        try:
+            return self._open(self.entry.file)
+        except FileNotFoundError:
+            raise CorruptShard(f"{self.where}: the file is gone (deleted from the committed version)") from None
+
+    def _check_size(self, fd: int) -> int:
+        """The data offset, after checking the header and that the file holds all of the data."""
+        size = os.fstat(fd).st_size
+        if self.data_offset is None:
+            prefix = os.pread(fd, 8, 0)
+            if len(prefix) != 8:
+                raise self._fail(f"truncated to {size} bytes (no safetensors header)")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise self._fail(f"safetensors header length {n} does not fit the file of {size} bytes")
+            try:
+                header = json.loads(os.pread(fd, n, 8))
+                key = header[self.entry.tensor]
+                begin, end = key["data_offsets"]
+            except (ValueError, KeyError, TypeError) as e:
+                raise self._fail(f"unreadable safetensors header ({type(e).__name__}: {e})") from None
+            if end - begin != self.entry.nbytes:
+                raise self._fail(f"safetensors header declares {end - begin} data bytes, the manifest "
+                                 f"{self.entry.nbytes}")
+            self.data_offset = 8 + n + begin
+        if size < self.data_offset + self.entry.nbytes:
+            raise self._fail(f"truncated: {size} bytes, the data needs {self.data_offset + self.entry.nbytes}")
+        return self.data_offset
+
+    def _piece_buffer(self) -> memoryview:
+        buffer = getattr(self._scratch, "buffer", None)
+        if buffer is None:
+            buffer = self._scratch.buffer = memoryview(bytearray(_PIECE))
+        return buffer
+
+    def _pread(self, fd: int, view: memoryview, offset: int) -> None:
+        while view.nbytes:
+            n = os.preadv(fd, [view], offset)
+            if n <= 0:
+                raise self._fail(f"truncated while reading (ended at data byte {offset - self.data_offset})")
+            view, offset = view[n:], offset + n
+
+    def read_into(self, start: int, dest: memoryview | None, length: int | None = None, verified: set | None = None,
+                  digest=None) -> int:
+        """Read data bytes [start, start + length) (``length`` defaults to ``len(dest)``) into ``dest``,
+        verifying every block they touch; return the file offset of ``start``.
+
+        ``dest`` None: only verify. ``digest``: an
+        ``xxhash.xxh3_64`` fed the bytes in order (a frame checksum at no extra pass). ``verified``: a set
+        the caller keeps over consecutive reads of one request; blocks in it are not read outside the
+        range again, and the blocks verified here are added."""
+        if dest is not None:
+            dest = dest.cast("B") if dest.format != "B" else dest
+            length = dest.nbytes
+        if not length:
+            return 0
+        end = start + length
+        if start < 0 or end > self.entry.nbytes:
+            raise ValueError(f"{self.where}: data bytes {start}-{end} outside 0-{self.entry.nbytes}")
+        fd = self._open_file()
+        try:
+            return self._scan(fd, start, end, dest, verified, digest)
+        finally:
+            os.close(fd)
+
+    def _scan(self, fd: int, start: int, end: int, dest: memoryview | None, verified: set | None, digest) -> int:
+        """Stream data bytes [start, end) through the piece buffer: verify, copy, digest (see read_into)."""
+        verified = self._trusted if self.entry.blocks is None else (set() if verified is None else verified)
+        offset = self._check_size(fd)
+        scratch = self._piece_buffer()
+        size = self._size
+        for index in range(start // size, (end - 1) // size + 1):
+            lo, hi = index * size, min((index + 1) * size, self.entry.nbytes)
+            check = index not in verified
+            if not check:
+                lo, hi = max(lo, start), min(hi, end)  # read only what the caller wants
+            hasher = xxhash.xxh3_64() if check else None
+            for piece in range(lo, hi, _PIECE):
+                piece_end = min(piece + _PIECE, hi)
+                inside = dest is not None and start <= piece and piece_end <= end
+                # a piece the caller wants whole goes straight into its destination, else through the buffer
+                view = dest[piece - start:piece_end - start] if inside else scratch[:piece_end - piece]
+                self._pread(fd, view, offset + piece)
+                if hasher is not None:
+                    hasher.update(view)
+                a, b = max(piece, start), min(piece_end, end)
+                if a < b:
+                    if dest is not None and not inside:
+                        dest[a - start:b - start] = view[a - piece:b - piece]
+                    if digest is not None:
+                        digest.update(view[a - piece:b - piece])
+            if hasher is not None:
+                actual = f"{hasher.intdigest():016x}"
+                if actual != self._blocks[index]:
+                    raise self._fail(self._mismatch(index, actual))
+                verified.add(index)
+        return offset + start
+
+    def _mismatch(self, index: int, actual: str) -> str:
+        if self.entry.blocks is None:
+            return (f"the whole shard has xxh3 {actual}, the manifest {self.entry.xxh3} (a version written "
+                    f"without block checksums: verified whole)")
+        start = index * self._size
+        return (f"block {index} (data bytes {start}-{min(start + self._size, self.entry.nbytes)}) has xxh3 "
+                f"{actual}, the manifest {self._blocks[index]}")
+
+    def verify(self) -> str | None:
+        """Check every byte of the shard; a description of the first problem, or None."""
+        self._trusted.clear()
+        try:
+            self.read_into(0, None, self.entry.nbytes)
+        except (CorruptShard, OSError) as e:
+            return str(e)
+        return None
