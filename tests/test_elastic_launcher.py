@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tenplex.elastic import launcher
+from tenplex.elastic.launcher import alive
 from tenplex.elastic.entry import command
 from tenplex.elastic.launcher import RunSpec, parse, torchrun_argv
 from tenplex.errors import ConfigError
@@ -99,24 +100,14 @@ time.sleep(120)
         parent.kill()
         parent.wait()
         deadline = time.monotonic() + 30
-        while _alive(child):
+        while alive(child):
             assert time.monotonic() < deadline, "the worker outlived its agent"
             time.sleep(0.05)
     finally:
         parent.kill()
         parent.wait()
-        if pid_file.exists() and _alive(int(pid_file.read_text())):
+        if pid_file.exists() and alive(int(pid_file.read_text())):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A killed child of another process stays a zombie until reaped; a zombie is dead.
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split(")")[-1].split()[0] != "Z"
 
 
 def test_ensure_store_starts_a_detached_store_then_reuses_it(tmp_path):
@@ -142,7 +133,7 @@ def test_ensure_store_starts_a_detached_store_then_reuses_it(tmp_path):
 
 def _wait_gone(pid: int) -> None:
     deadline = time.monotonic() + 30
-    while _alive(pid):
+    while alive(pid):
         assert time.monotonic() < deadline
         time.sleep(0.05)
 

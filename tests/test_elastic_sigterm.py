@@ -24,11 +24,12 @@ from tenplex.store import Store
 WORKER = Path(__file__).parent / "mp" / "sigterm_worker.py"
 
 
-def _start(tmp_path: Path, mode: str) -> list[subprocess.Popen]:
+def _start(tmp_path: Path, mode: str, world: int = 2) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", TENPLEX_HOST="h0",
                    TENPLEX_STORE_ROOT=str(tmp_path / "h0"))
         log = open(tmp_path / f"rank{rank}.log", "w")
@@ -100,6 +101,24 @@ def test_killed_in_the_middle_of_the_stopping_save_leaves_the_previous_version(t
     saved = load_file(str(tmp_path / "saved-2-r0.safetensors"))
     stored = _stored(tmp_path / "h0", 1)
     assert all(saved[k].tobytes() == stored[k].tobytes() for k in stored)
+
+
+def test_an_idle_rank_waits_until_the_training_ranks_finish(tmp_path):
+    # Three ranks pinned to dp=2: rank 2 trains nothing, saves nothing, and exits when the others finish.
+    procs = _start(tmp_path, "three-steps", world=3)
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert codes == [0, 0, 0]
+    exits = [json.loads((tmp_path / f"exit-r{r}.json").read_text()) for r in range(3)]
+    assert exits[2]["why"] == "the training ranks finished" and not (tmp_path / "steps-r2.txt").exists()
+    store = Store(tmp_path / "h0", "h0")
+    layout = store.open(max(store.versions())).get_json("layout")
+    assert store.open(max(store.versions())).get_json("tenplex.torch_state")["step"] == 3
+    assert sorted(layout["devices"]) == ["h0/0"]  # the dp replicas on one host are written once; h0/2 holds nothing
 
 
 def test_auto_interval_keeps_saving_within_the_budget():

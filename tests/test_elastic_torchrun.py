@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tenplex.elastic import demo
+from tenplex.elastic.launcher import alive
 from tenplex.elastic.timeline import FORMAT, final_history, read_worlds, summarize
 
 SCHEDULE = "join:h2@2,fail:h1@4,leave:h2@6"
@@ -27,13 +28,8 @@ def run(tmp_path_factory):
     # Nothing may outlive the demo: every agent, worker, store and the rendezvous were stopped.
     for host in ("h0", "h1", "h2"):
         pid = int((workdir / "elastic" / host / ".tenplex-store.pid").read_text())
-        assert not _alive(pid), f"store of {host} still runs"
+        assert not alive(pid), f"store of {host} still runs"
     return workdir, summary, history, lines
-
-
-def _alive(pid: int) -> bool:
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def test_summary_format_and_checks(run):

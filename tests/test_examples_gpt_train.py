@@ -11,12 +11,9 @@ import time
 from pathlib import Path
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "01-gpt-train"
-CLI = "from tenplex.cli import main; import sys; sys.exit(main())"
-
-
 def _train(root: Path, data: Path, pin: str, steps: int) -> str:
     # --standalone: one node, torchrun picks a free port itself (no race with other processes on this machine).
-    result = subprocess.run([sys.executable, "-c", CLI, "run", "--host", "h0", "--store-root", str(root),
+    result = subprocess.run([sys.executable, "-m", "tenplex.cli", "run", "--host", "h0", "--store-root", str(root),
                              "--standalone", "--nproc-per-node", "2", str(EXAMPLE / "train.py"), "--data", str(data),
                              "--pin", f"2:{pin}", "--steps", str(steps), "--save-every", "0"],
                             env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=300,

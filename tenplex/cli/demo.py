@@ -49,6 +49,20 @@ def register(subparsers) -> None:
     p.set_defaults(handler=main)
 
 
+def _output_and_workdir(args: argparse.Namespace, prefix: str):
+    """Where progress goes (stderr with --json, whose stdout is the summary) and the work directory."""
+    out = sys.stderr if args.json else sys.stdout
+
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+
+    if args.workdir and args.workdir.exists() and any(args.workdir.iterdir()):
+        raise UsageError(f"--workdir {args.workdir} is not empty; give a new or empty directory")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    workdir.mkdir(parents=True, exist_ok=True)
+    return say, workdir
+
+
 def main(args: argparse.Namespace) -> int:
     if args.elastic:
         return elastic(args)
@@ -70,15 +84,7 @@ def main(args: argparse.Namespace) -> int:
             # The example splits each dp rank's share into 2 pipeline micro-batches of equal size.
             raise UsageError(f"{flag} {parallel}: dp={dp} x 2 micro-batches does not divide the global batch "
                              f"{cfg.global_batch}; choose --global-batch as a multiple of {2 * dp}")
-    out = sys.stderr if args.json else sys.stdout
-
-    def say(line: str) -> None:
-        print(line, file=out, flush=True)
-
-    if args.workdir and args.workdir.exists() and any(args.workdir.iterdir()):
-        raise UsageError(f"--workdir {args.workdir} is not empty; give a new or empty directory")
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tenplex-demo-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    say, workdir = _output_and_workdir(args, "tenplex-demo-")
     start = time.monotonic()
     try:
         summary = run(cfg, workdir, say)
@@ -142,15 +148,7 @@ def elastic(args: argparse.Namespace) -> int:
     steps = 16 if args.steps is None else args.steps
     schedule = args.schedule or DEFAULT_SCHEDULE
     parse_schedule(schedule, ("h0", "h1"), steps)  # bad input: one line, before anything starts
-    out = sys.stderr if args.json else sys.stdout
-
-    def say(line: str) -> None:
-        print(line, file=out, flush=True)
-
-    if args.workdir and args.workdir.exists() and any(args.workdir.iterdir()):
-        raise UsageError(f"--workdir {args.workdir} is not empty; give a new or empty directory")
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="tenplex-elastic-"))
-    workdir.mkdir(parents=True, exist_ok=True)
+    say, workdir = _output_and_workdir(args, "tenplex-elastic-")
     start = time.monotonic()
     try:
         summary, history = run(workdir, schedule, steps, say=say)

@@ -1,5 +1,7 @@
 """``python -m tenplex.elastic.entry MODE TARGET [ARGS…]``: how ``tenplex run`` starts each worker.
 
+May import: only the standard library (it runs before the user's program, in every worker).
+
 Why: torchrun starts every worker in a session of its own, so killing the
 agent, or its process group, leaves the workers running (measured here: a
 SIGKILLed agent orphans its workers). A node that dies takes everything on it,

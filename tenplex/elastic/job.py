@@ -144,6 +144,8 @@ class Job:
         self.world_id = peers[0]["token"]  # names this world (rank 0's token) in logs; the same on every rank
         self.choice: Choice = choose(self.world_size, per_node, max_tp=max_tp, pp=pp, pinned=pinned, policy=policy,
                                      hosts=self.hosts if len(self.hosts) * per_node == self.world_size else None)
+        # Ranks left idle by the policy train nothing: the others save, restore and agree within their own group.
+        self.group = dist.new_group(list(range(self.choice.used))) if self.choice.idle else None
         self.global_batch, self.dataset, self.seed, self.drop_last = global_batch, dataset, seed, drop_last
         self.save_every, self.save_budget, self.on_save, self.on_exit = save_every, save_budget, on_save, on_exit
         self.checkpointer_options = dict(checkpointer_options or {}, replicas=replicas)
@@ -163,7 +165,7 @@ class Job:
         self._save_s = 0.0            # agreed duration of the last save
         self._save_s_local = 0.0      # this rank's duration of its last save, until the next boundary shares it
         self._next_save: int | None = None
-        self._cost = {"saves": 0, "save_s": 0.0, "train_s": 0.0}
+        self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     # ----------------------------------------------------------------- configuration
@@ -194,9 +196,9 @@ class Job:
 
         if self.idle:
             raise ConfigError(f"rank {self.rank} is idle in this world ({self.choice.reason}); idle ranks train "
-                              f"nothing and must not restore a model")
+                              f"nothing: call job.wait_idle() instead")
         begin = time.monotonic()
-        ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), **self.checkpointer_options)
+        ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), group=self.group, **self.checkpointer_options)
         extra: dict = {}
         step = tenplex.restore(model, optimizer, scheduler=scheduler, scaler=scaler, annotations=annotations,
                                extra=extra, checkpointer=ckpt)
@@ -283,17 +285,19 @@ class Job:
         try:
             flags = torch.tensor([1.0 if self.stop_requested else 0.0, step_s, self._save_s_local], dtype=torch.float64)
             self._save_s_local = 0.0
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as e:  # noqa: BLE001 -- a peer is gone: nothing can be agreed, nothing is saved
             self._die(f"step {self.step}: the ranks cannot agree ({type(e).__name__}: {e}); a peer is gone, "
                       f"exiting without saving")
         stop, self._step_s, last_save = bool(flags[0] > 0), float(flags[1]), float(flags[2])
         self._cost["train_s"] += self._step_s
+        self._cost["steps"] += 1
         if last_save > 0:
             self._save_s = last_save
             if self.save_every is None:
-                self._next_save = (self._saved_step or 0) + auto_interval(self._save_s, self._step_s,
-                                                                        self.save_budget)
+                # The mean step so far, not the last one alone: single steps vary a lot on a busy machine.
+                mean_step = self._cost["train_s"] / self._cost["steps"]
+                self._next_save = (self._saved_step or 0) + auto_interval(self._save_s, mean_step, self.save_budget)
         if stop:
             self._save("stopping")
             # The copies of this last save protect the next world against losing a host; torchrun's kill timeout
@@ -339,15 +343,61 @@ class Job:
         return version
 
     def save_cost(self) -> dict:
-        """Saves so far, their total time, the training time and their ratio, and the current interval."""
+        """Saves so far and their total time, steps and their total time (agreed over the ranks, without saves),
+        the ratio of the two times, and the current interval."""
         c: dict[str, Any] = dict(self._cost)
         c["fraction"] = c["save_s"] / c["train_s"] if c["train_s"] else 0.0
         c["interval"] = None if self._next_save is None else max(1, self._next_save - (self._saved_step or 0))
         return c
 
+    def wait_idle(self) -> None:
+        """An idle rank's whole job: wait until the training ranks finish (exit 0) or stop (exit as they do).
+
+        Rank 0 leaves the word in the job's c10d store (``MASTER_ADDR:MASTER_PORT``;
+        gloo's point-to-point receive cannot be polled), and waits briefly for
+        each idle rank to acknowledge it; a SIGTERM from torchrun ends the wait too.
+        """
+        if not self.idle:
+            raise ConfigError(f"rank {self.rank} trains in this world ({self.choice.degrees()}); wait_idle() is for "
+                              f"the ranks the policy left idle")
+        store, key = self._idle_store(), f"tenplex/{self.world_id}/idle"
+        while not self.stop_requested:
+            try:
+                if store.check([key]):
+                    word = store.get(key).decode()
+                    store.set(f"{key}/ack{self.rank}", "1")
+                    break
+            except Exception:  # noqa: BLE001 -- rank 0 and its store are gone: the world is over
+                word = "stop"
+                break
+            time.sleep(0.1)
+        else:
+            self._exit(0, "stopped by SIGTERM while idle")
+        if word == "done":
+            self._exit(0, "the training ranks finished")
+        self._exit(EXIT_RESTART, "the training ranks stopped")
+
+    def _idle_store(self):
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=30))
+
+    def _tell_idle(self, stopping: bool) -> None:
+        if self.rank != 0 or not self.choice.idle:
+            return
+        key = f"tenplex/{self.world_id}/idle"
+        try:
+            store = self._idle_store()
+            store.set(key, "stop" if stopping else "done")
+            # Rank 0 hosts that store: keep it up until every idle rank has read the word.
+            store.wait([f"{key}/ack{r}" for r in self.choice.idle], timedelta(seconds=10))
+        except Exception:  # noqa: BLE001 -- idle ranks stopped by SIGTERM need no word
+            pass
+
     def _exit(self, code: int, why: str) -> None:
         if self.on_exit is not None:
             self.on_exit(code, why)
+        if not self.idle:
+            self._tell_idle(stopping=True)
         try:
             dist.destroy_process_group()
         finally:
@@ -368,4 +418,5 @@ class Job:
             if self._saved_step != self.step:
                 self._save("final")
             self._tracked["checkpointer"].wait_replicated(self.replication_wait)
+        self._tell_idle(stopping=False)
         dist.destroy_process_group()

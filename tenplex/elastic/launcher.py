@@ -1,5 +1,8 @@
 """``tenplex run``: one per node. Start (or reuse) the node's store, then run torchrun's elastic agent.
 
+May import: ``tenplex.runtime.hosts`` (the store process), ``tenplex.store.client`` (is a store already
+serving?), ``tenplex.errors``, torch's ``torch.distributed.run`` (the agent) and the standard library.
+
     tenplex run --host NAME --store-root DIR [--store-bind ADDR] [--store-advertise HOST] [--token-file F]
                 [torchrun options] script.py [args]
 
@@ -92,7 +95,7 @@ def parse(argv: list[str]) -> RunSpec:
     boundary = len(argv) - len(ns.training_script_args) - 1
     if boundary < 0 or argv[boundary] != ns.training_script:
         raise ConfigError(f"cannot find the training script {ns.training_script!r} in the command line")
-    mine, mode, i = [], "script", 0
+    passthrough, mode, i = [], "script", 0
     options = argv[:boundary]
     while i < len(options):
         token = options[i]
@@ -103,9 +106,9 @@ def parse(argv: list[str]) -> RunSpec:
         if token in _MODES:
             mode = _MODES[token]
         else:
-            mine.append(token)
+            passthrough.append(token)
         i += 1
-    return RunSpec(ns.host, ns.store_root, ns.store_bind, ns.store_advertise, ns.token_file, mine, mode,
+    return RunSpec(ns.host, ns.store_root, ns.store_bind, ns.store_advertise, ns.token_file, passthrough, mode,
                    ns.training_script, list(ns.training_script_args))
 
 
@@ -164,6 +167,16 @@ def torchrun_argv(spec: RunSpec) -> list[str]:
             *spec.args]
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, killed but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+
+
 def advertised_host(bind: str, advertise: str | None) -> str:
     if advertise:
         return advertise
@@ -179,7 +192,9 @@ def ensure_store(spec: RunSpec, token: str | None, start_timeout: float = 120.0)
     root.mkdir(parents=True, exist_ok=True)
     port_file, pid_file, log = (root / f".tenplex-store.{x}" for x in ("port", "pid", "log"))
     host = advertised_host(spec.store_bind, spec.store_advertise)
-    if port_file.exists() and port_file.read_text().strip():
+    # Reuse only a store that the pid file says still runs: a stale port may now belong to another server.
+    running = pid_file.exists() and alive(int(pid_file.read_text()))
+    if running and port_file.exists() and port_file.read_text().strip():
         address = f"{host}:{int(port_file.read_text())}"
         try:
             with StoreClient(address, token=token, timeout=5.0) as client:

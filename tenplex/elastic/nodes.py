@@ -24,17 +24,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..runtime.hosts import HostError, await_store
-
-CLI = "from tenplex.cli import main; import sys; sys.exit(main())"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+from .launcher import alive
 
 
 class Nodes:
@@ -52,7 +42,8 @@ class Nodes:
         port_file, log = self.base / "rendezvous.port", self.base / "rendezvous.log"
         with open(log, "ab") as out:
             self.rendezvous = subprocess.Popen(
-                [sys.executable, "-c", CLI, "rendezvous", "serve", "--port", "0", "--port-file", str(port_file)],
+                [sys.executable, "-m", "tenplex.cli", "rendezvous", "serve", "--port", "0",
+                 "--port-file", str(port_file)],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         # await_store waits for any port file: the rendezvous store reports its port the same way.
         self.endpoint = await_store(self.rendezvous, "rendezvous", port_file, time.monotonic() + timeout, log)
@@ -68,7 +59,7 @@ class Nodes:
         """Start ``tenplex run`` for ``host`` (a new agent; its store is started or reused)."""
         if host in self.agents and self.agents[host].poll() is None:
             raise HostError(f"node {host} is already running")
-        argv = [sys.executable, "-c", CLI, "run", "--host", host, "--store-root", str(self.root(host)),
+        argv = [sys.executable, "-m", "tenplex.cli", "run", "--host", host, "--store-root", str(self.root(host)),
                 "--nnodes", f"1:{self.max_nodes}", "--nproc-per-node", str(self.nproc),
                 "--rdzv-endpoint", self.endpoint, "--rdzv-id", "demo", *self.script]
         with open(self.log(host), "ab") as out:
@@ -87,7 +78,7 @@ class Nodes:
         except ProcessLookupError:
             pass
         store = self.store_pid(host)
-        if store is not None and _alive(store):
+        if store is not None and alive(store):
             os.kill(store, signal.SIGKILL)
         agent.wait()
 
@@ -121,11 +112,11 @@ class Nodes:
         if self.rendezvous is not None:
             pids.append(self.rendezvous.pid)
         for pid in pids:
-            if pid is not None and _alive(pid):
+            if pid is not None and alive(pid):
                 os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 15
         for pid in pids:
-            while pid is not None and _alive(pid):
+            while pid is not None and alive(pid):
                 if time.monotonic() > deadline:
                     os.kill(pid, signal.SIGKILL)
                 time.sleep(0.05)

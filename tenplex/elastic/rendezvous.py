@@ -1,5 +1,7 @@
 """``tenplex rendezvous serve``: torch's ``TCPStore`` in a process of its own, for torchrun's c10d rendezvous.
 
+May import: ``tenplex.errors``, torch.distributed (``TCPStore``) and the standard library.
+
 Why: with torchrun's c10d backend one agent hosts the rendezvous store, and
 killing that agent ends the whole job (measured here with torch 2.13). A store
 that no agent owns survives any node; the agents connect to it with

@@ -186,8 +186,10 @@ def summarize(reference: Path, elastic: Path, events: list, fired: list[dict], r
           and checks["samples_skipped"] == 0 and checks["state_bit_exact"] and checks["position_restored"]
           and all("error" not in e for e in out_events))
     summary = {"format": FORMAT, "ok": bool(ok), "events": out_events, "checks": checks}
+    # Attempts that a failure threw away (their steps were trained again after the restore).
+    lost = [(s, h["loss"]) for w in worlds for s, h in w.steps.items() if history[s] is not h]
     return summary, {"elastic": {s: h["loss"] for s, h in history.items()},
-                     "reference": {s: h["loss"] for s, h in ref_history.items()}}
+                     "reference": {s: h["loss"] for s, h in ref_history.items()}, "lost": lost}
 
 
 def print_timeline(summary: dict, say) -> None:
@@ -224,6 +226,9 @@ def plot(summary: dict, history: dict, path: Path) -> None:
             label="reference (uninterrupted)")
     el = sorted(h["elastic"].items())
     ax.plot([s for s, _ in el], [v for _, v in el], "o-", color="tab:blue", ms=4, lw=1, label="elastic (final history)")
+    if h.get("lost"):
+        ax.plot([s for s, _ in h["lost"]], [v for _, v in h["lost"]], "x", color="tab:red", ms=7,
+                label="lost with a failed node, then replayed")
     for e in summary["events"]:
         color = {"join": "tab:green", "fail": "tab:red", "leave": "tab:orange"}[e["kind"]]
         ax.axvline(e["at_step"] + 0.5, color=color, ls="--")
