@@ -171,8 +171,15 @@ class EmulatedCluster:
         self._ip(["-n", self._bridge, "link", "set", self._port[self._host(host)], "down"])
 
     def heal(self, host: str) -> None:
-        """Bring ``host``'s link back up."""
+        """Bring ``host``'s link back up.
+
+        Address resolution that failed during the cut leaves FAILED neighbour
+        entries behind, and the kernel answers "No route to host" from them until
+        they expire; a healed link must carry traffic at once, so every host's
+        neighbour cache is flushed."""
         self._ip(["-n", self._bridge, "link", "set", self._port[self._host(host)], "up"])
+        for name in (*self.hosts, CONTROL):
+            self._ip(["-n", self.namespace(name), "neigh", "flush", "all"])
 
     def set_rate(self, host: str, mbit: float | None) -> None:
         """Change ``host``'s link rate in both directions (None: unlimited)."""
