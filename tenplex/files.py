@@ -23,7 +23,7 @@ from typing import Any, Callable
 try:
     import orjson
 except ImportError:  # optional: the standard library does the same, slower
-    orjson = None
+    orjson = None  # type: ignore[assignment]
 
 from ._gc import paused_gc
 from .errors import LayoutError, PlanError

@@ -117,7 +117,7 @@ def flipped_bit(s: Served):
     v, _ = s.victim()
     flip_data_byte(s.shard_file(v), 2 * (1 << 20) + 17, mask=0x40)
     for client in (s.grpc, s.data):
-        code, details = _code(lambda: client.read_box(v, "h0/0", "big", Box((0, 0), BIG), "float32"))
+        code, details = _code(lambda client=client: client.read_box(v, "h0/0", "big", Box((0, 0), BIG), "float32"))
         assert code == grpc.StatusCode.DATA_LOSS and "block 2" in details
 
 
@@ -134,7 +134,7 @@ def truncated_shard(s: Served):
     path = s.shard_file(v)
     os.truncate(path, path.stat().st_size - 4096)
     for client in (s.grpc, s.data):
-        code, details = _code(lambda: client.read_box(v, "h0/0", "big", Box((0, 0), BIG), "float32"))
+        code, details = _code(lambda client=client: client.read_box(v, "h0/0", "big", Box((0, 0), BIG), "float32"))
         assert code == grpc.StatusCode.DATA_LOSS and "truncated" in details
     # the other shard of the version still reads
     np.testing.assert_array_equal(s.grpc.read_box(v, "h0/1", "small", Box((0, 0), SMALL), "bfloat16"),
@@ -240,7 +240,7 @@ def unknown_version(s: Served):
 
 def box_outside_the_shard(s: Served):
     for client in (s.grpc, s.data):
-        code, _ = _code(lambda: client.read_box(1, "h0/0", "big", Box((700, 0), (100, 1024)), "float32"))
+        code, _ = _code(lambda client=client: client.read_box(1, "h0/0", "big", Box((700, 0), (100, 1024)), "float32"))
         assert code == grpc.StatusCode.OUT_OF_RANGE
 
 
@@ -391,7 +391,7 @@ def gc_keep_zero(s: Served):
 
 def read_file_traversal(s: Served):
     for path in ("../versions/1/manifest.json", "/etc/passwd", "d/../../.lock"):
-        code, _ = _code(lambda: s.grpc.read_file(path))
+        code, _ = _code(lambda path=path: s.grpc.read_file(path))
         assert code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT,
                         grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
 

@@ -12,7 +12,6 @@ import time
 import grpc
 import numpy as np
 import pytest
-import xxhash
 
 from tenplex.box import Box
 from tenplex.store import Store, wire
@@ -305,7 +304,7 @@ def test_concurrent_identical_transforms_fail_cleanly_or_succeed_once(tmp_path):
         for new_version in (2, 3, 4):
             outcomes: list = [None, None]
 
-            def run(i: int) -> None:
+            def run(i: int, outcomes: list = outcomes, new_version: int = new_version) -> None:
                 try:
                     outcomes[i] = transform(the_plan, old, new, cluster.addresses, 1, new_version, chunk_bytes=4096)
                 except TransformError as e:
@@ -321,8 +320,8 @@ def test_concurrent_identical_transforms_fail_cleanly_or_succeed_once(tmp_path):
             for error in errors:
                 text = str(error)
                 assert "INTERNAL" not in text and "FileExistsError" not in text and "FileNotFound" not in text, text
-                assert all(("ABORTED" in str(cause) or "ALREADY_EXISTS" in str(cause)) for cause in error.failures.values()), \
-                    text
+                causes = [str(cause) for cause in error.failures.values()]
+                assert all(("ABORTED" in cause or "ALREADY_EXISTS" in cause) for cause in causes), text
                 assert "another transformation" in text, text
                 if new_version in committed[0]:
                     assert f"{new_version} was not committed" not in text, text

@@ -53,15 +53,15 @@ def run(args: argparse.Namespace) -> list[dict]:
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
     hosts = ["h0", "h1", "h2", "h3"]
     results = []
-    with tempfile.TemporaryDirectory(prefix="tenplex-partition-", dir=base_dir) as tmp, \
+    with tempfile.TemporaryDirectory(prefix="tenplex-partition-", dir=base_dir) as tmp_name, \
             EmulatedCluster(hosts, mbit=args.link_mbit) as cluster:
-        tmp = Path(tmp)
+        tmp = Path(tmp_name)
         _write_base(tmp, old)
         stores = LinkedStores(cluster, {h: tmp / h for h in hosts}, tmp / "work")
         for fault, cut in (("none", None), ("source h0 cut", "h0"), ("destination h3 cut", "h3")):
             outcome: dict = {}
 
-            def transform() -> None:
+            def transform(outcome: dict = outcome) -> None:
                 try:
                     outcome["report"] = stores.transform(the_plan, old, new, 1, 2)
                 except TransformError as e:

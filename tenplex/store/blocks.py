@@ -120,4 +120,4 @@ class BlockTally:
             self._stale.clear()
         for index in redo:
             self._digests[index] = self._hash(index, None)
-        return list(self._digests)
+        return list(self._digests)  # type: ignore[arg-type]  # the loop above set every one

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Callable, Generator, Iterator
 
 import grpc
 import numpy as np
@@ -365,7 +365,7 @@ class StoreClient:
         return list(self._call("Gc", pb.GcRequest(keep=keep), f"Gc({keep})").deleted)
 
     # ---- transformation --------------------------------------------------
-    def transform(self, request: pb.TransformRequest, timeout: float) -> Iterator[pb.TransformProgress]:
+    def transform(self, request: pb.TransformRequest, timeout: float) -> Generator[pb.TransformProgress, None, None]:
         """Run this host's part of a transformation; yields progress, the last message has ``done``."""
         try:
             yield from self._watched(self._stub.Transform(request, timeout=timeout, metadata=self._metadata),

@@ -91,7 +91,7 @@ class ShardEntry:
     blocks: tuple[str, ...] | None = None  # before them have none and are verified whole
 
     def to_dict(self) -> dict:
-        row = {"device": self.device, "tensor": self.tensor, "offsets": list(self.box.offsets),
+        row: dict = {"device": self.device, "tensor": self.tensor, "offsets": list(self.box.offsets),
                "lengths": list(self.box.lengths), "dtype": self.dtype,
                "shape": None if self.shape is None else list(self.shape),
                "file": self.file, "xxh3": self.xxh3, "nbytes": self.nbytes}

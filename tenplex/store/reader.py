@@ -52,10 +52,11 @@ class VersionReader:
         self.manifest = doc
         self._by_device: dict[str, list[ShardEntry]] = {}
         self._files: dict[str, ShardFile] = {}
-        for e in self.entries:
-            self._by_device.setdefault(e.device, []).append(e)
-            self._files[e.file] = ShardFile(e, self._open, f"version {self.version} on host {self.host}, device "
-                                                           f"{e.device}, tensor {e.tensor!r}, file {path}/{e.file}")
+        for entry in self.entries:
+            self._by_device.setdefault(entry.device, []).append(entry)
+            self._files[entry.file] = ShardFile(entry, self._open, f"version {self.version} on host {self.host}, "
+                                                f"device {entry.device}, tensor {entry.tensor!r}, "
+                                                f"file {path}/{entry.file}")
 
     def _open(self, name: str) -> int:
         if self._dirfd < 0:

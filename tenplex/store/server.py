@@ -258,9 +258,9 @@ class StoreService:
                 if buffer is None or buffer.nbytes < span:
                     buffer = memoryview(np.empty(span, np.uint8))
                 view = buffer[:span]
-                digest = xxhash.xxh3_64()
-                reader.shard_file(entry).read_into(start, view, verified=verified, digest=digest)
-                digest = digest.intdigest()
+                hasher = xxhash.xxh3_64()
+                reader.shard_file(entry).read_into(start, view, verified=verified, digest=hasher)
+                digest = hasher.intdigest()
             else:
                 data = np.ascontiguousarray(reader.region(entry, sub, verified))
                 view = memoryview(data.reshape(-1)).cast("B")

@@ -43,6 +43,7 @@ class ShardFile:
     def __init__(self, entry: ShardEntry, opener: Callable[[str], int], where: str):
         self.entry, self._open, self.where = entry, opener, where
         self.data_offset: int | None = None
+        self._blocks: tuple[str, ...]
         if entry.blocks is None:  # written before block checksums: one block, the whole data
             self._size, self._blocks = max(entry.nbytes, 1), (entry.xxh3,)
         else:
@@ -94,7 +95,7 @@ class ShardFile:
         while view.nbytes:
             n = os.preadv(fd, [view], offset)
             if n <= 0:
-                raise self._fail(f"truncated while reading (ended at data byte {offset - self.data_offset})")
+                raise self._fail(f"truncated while reading (ended at data byte {offset - (self.data_offset or 0)})")
             view, offset = view[n:], offset + n
 
     def read_into(self, start: int, dest: memoryview | None, length: int | None = None, verified: set | None = None,
@@ -136,7 +137,8 @@ class ShardFile:
                 piece_end = min(piece + _PIECE, hi)
                 inside = dest is not None and start <= piece and piece_end <= end
                 # a piece the caller wants whole goes straight into its destination, else through the buffer
-                view = dest[piece - start:piece_end - start] if inside else scratch[:piece_end - piece]
+                view = dest[piece - start:piece_end - start] if dest is not None and inside else \
+                    scratch[:piece_end - piece]
                 self._pread(fd, view, offset + piece)
                 if hasher is not None:
                     hasher.update(view)

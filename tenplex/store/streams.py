@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ..errors import StoreError
 
@@ -44,7 +44,7 @@ class StreamLimits:
         threading.Thread(target=self._watch, name="stream-watchdog", daemon=True).start()
 
     @contextmanager
-    def slot(self, context, what: str) -> Iterator[callable]:
+    def slot(self, context, what: str) -> Iterator[Callable[[], None]]:
         """Hold a slot while the stream runs; the yielded ``progress()`` marks that data moved."""
         if not self._slots.acquire(blocking=False):
             raise Busy(f"the store server already runs {self.max_streams} bulk streams (the most it admits); "

@@ -477,6 +477,7 @@ def _new_region(targets: dict, linked: dict, reader: VersionReader | None, devic
             return target.read(box)
     for key, entry in linked.items():
         if key[0] == device and key[1] == tensor and key[2].contains(box):
+            assert reader is not None  # a shard is hard-linked only from this host's old version
             return reader.region(entry, box)
     raise TransformError(f"plan fans out {tensor!r} {box} from {device}'s new shards, but this host stages no such "
                          f"shard; the plan does not match the new layout")
