@@ -1,7 +1,8 @@
 """The DCP side of ``tenplex bench compare``: ``dcp.save`` under one layout, ``dcp.load`` with resharding under another.
 
 May import: torch, numpy, ``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``,
-``tenplex.files``, this package's ``gpt_state`` and ``restore`` and the standard library.
+``tenplex.files``, ``tenplex.runtime.launch`` (a free port), this package's ``gpt_state`` and ``restore`` and the
+standard library.
 
 One process per device of the layout, one real gloo process group
 (``python -m tenplex.bench.compare_dcp SPEC RANK``; rank r is the r-th device
@@ -20,13 +21,13 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from ..devices import host_of
+from ..runtime.launch import free_port
 
 
 def run_dcp(layout_path: Path, mode: str, checkpoint: Path, work: Path, verify: bool = False,
@@ -42,13 +43,12 @@ def run_dcp(layout_path: Path, mode: str, checkpoint: Path, work: Path, verify: 
     spec_path = work / f"dcp-{mode}.json"
     spec_path.write_text(json.dumps({"layout": str(layout_path), "mode": mode, "checkpoint": str(checkpoint),
                                      "result_dir": str(work), "verify": verify, "drop_cache": drop_cache}))
-    with socket.socket() as s:  # a free port for the process group's rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    procs = [subprocess.Popen([sys.executable, "-m", "tenplex.bench.compare_dcp", str(spec_path), str(rank)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=open(work / f"dcp-{mode}-{rank}.log", "w"))
-             for rank in range(len(devices))]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    procs = []
+    for rank in range(len(devices)):
+        with open(work / f"dcp-{mode}-{rank}.log", "w") as rank_log:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen([sys.executable, "-m", "tenplex.bench.compare_dcp", str(spec_path),
+                                           str(rank)], env=env, stdout=subprocess.DEVNULL, stderr=rank_log))
     try:
         deadline = time.monotonic() + timeout
         for proc in procs:
