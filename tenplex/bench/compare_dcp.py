@@ -1,8 +1,8 @@
 """The DCP side of ``tenplex bench compare``: ``dcp.save`` under one layout, ``dcp.load`` with resharding under another.
 
 May import: torch, numpy, ``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``,
-``tenplex.files``, ``tenplex.runtime.launch`` (a free port), this package's ``gpt_state`` and ``restore`` and the
-standard library.
+``tenplex.files``, ``tenplex.runtime.launch`` (a free port), ``tenplex.integration.process_group``, this
+package's ``gpt_state`` and ``restore`` and the standard library.
 
 One process per device of the layout, one real gloo process group
 (``python -m tenplex.bench.compare_dcp SPEC RANK``; rank r is the r-th device
@@ -110,6 +110,8 @@ def _worker(spec_path: str, rank: int) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
+    from ..integration.process_group import init_process_group, leave_process_group
+
     from ..box import Box
     from ..layout import from_dict
     from .gpt_state import values
@@ -118,7 +120,7 @@ def _worker(spec_path: str, rank: int) -> None:
     spec = json.loads(Path(spec_path).read_text())
     layout = from_dict(json.loads(Path(spec["layout"]).read_text()))
     device = sorted(layout.devices)[rank]
-    dist.init_process_group("gloo", rank=rank, world_size=len(layout.devices))
+    init_process_group("gloo", rank=rank, world_size=len(layout.devices))
     saving = spec["mode"] == "save"
     boxes: dict[str, list] = {}
     for shard in layout.devices[device]:
@@ -151,8 +153,7 @@ def _worker(spec_path: str, rank: int) -> None:
               "read_bytes": after["read"] - before["read"], "written_bytes": after["written"] - before["written"],
               "mismatches": wrong}
     Path(spec["result_dir"], f"result-{rank}.json").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

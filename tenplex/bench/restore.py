@@ -114,10 +114,11 @@ class _Timed:
 def _worker(spec_path: str) -> None:
     import torch.distributed as dist
 
+    from tenplex.integration.process_group import init_process_group, leave_process_group
     from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
     spec = json.loads(Path(spec_path).read_text())
-    dist.init_process_group("gloo")
+    init_process_group("gloo")
     result: dict = {"old": spec["old"], "new": spec["new"], "model": spec["model"],
                     "tenplex_new_hosts": len(spec["roots"])}
     timed = _Timed(result, spec)
@@ -132,8 +133,7 @@ def _worker(spec_path: str) -> None:
                 result[f"dcp_{where}_{key}_over_tenplex"] = round(result[f"dcp_{where}_{key}_s"]
                                                                  / max(result[f"tenplex_{what}_s"], 1e-9), 2)
         Path(spec["result"]).write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def _time_tenplex(timed: _Timed, old, spec: dict) -> None:

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..integration.process_group import init_process_group, leave_process_group
 from ..parallel import ParallelConfig
 from .launcher import EXIT_RESTART
 from .policy import Choice, choose
@@ -129,7 +130,7 @@ class Job:
             raise ConfigError(f"save_every must be None (automatic), 0 (only when stopping) or positive, got "
                               f"{save_every}")
         if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+            init_process_group(backend, timeout=timeout)
         self.started = time.time()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
@@ -399,7 +400,7 @@ class Job:
         if not self.idle:
             self._tell_idle(stopping=True)
         try:
-            dist.destroy_process_group()
+            self._leave()
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -419,8 +420,15 @@ class Job:
                 self._save("final")
             self._tracked["checkpointer"].wait_replicated(self.replication_wait)
         self._tell_idle(stopping=False)
-        # The training ranks leave together: rank 0 hosts the c10d store, and a rank still tearing down its
-        # process group after rank 0 exited aborted in native code ("terminate called without an active
-        # exception", about one run in six). Idle ranks already waited for rank 0's word (``_tell_idle``).
-        dist.barrier(group=self.group)
-        dist.destroy_process_group()
+        self._leave()
+
+    def _leave(self) -> None:
+        """Leave together and free the process groups before the interpreter exits
+        (see :mod:`tenplex.integration.process_group`). Idle ranks already waited for
+        rank 0's word in ``_tell_idle``."""
+        if not self.idle:
+            dist.barrier(group=self.group)
+        self.group = None  # freeing a group joins its gloo threads: drop every reference first
+        if self._tracked is not None:
+            self._tracked["checkpointer"].group = None
+        leave_process_group(together=False)

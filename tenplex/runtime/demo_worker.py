@@ -1,7 +1,7 @@
 """One rank of the ``tenplex demo`` job: train the reference GPT on a packed dataset, save or restore with tenplex.
 
 May import: torch, safetensors, ``tenplex`` (``save``, ``restore``, ``Checkpointer``),
-``tenplex.dataset``, the reference model ``tenplex.models.gpt`` and the standard library.
+``tenplex.integration.process_group``, ``tenplex.dataset``, the reference model ``tenplex.models.gpt`` and the standard library.
 
 Usage: ``python -m tenplex.runtime.demo_worker SPEC.json`` with the environment
 that :func:`tenplex.runtime.launch.run_job` sets. The spec says the parallel
@@ -37,13 +37,14 @@ import tenplex
 from tenplex.dataset import DatasetError, DatasetState
 from tenplex.dataset.reader import open_mounted
 from tenplex.dataset.torch_data import RankBatchSampler, RankDataset
+from tenplex.integration.process_group import init_process_group, leave_process_group
 from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(spec["out"])
-    dist.init_process_group("gloo")
+    init_process_group("gloo")
     rank = dist.get_rank()
     par = Parallel.parse(spec["parallel"])
     # A fresh job and a restarted one start from different weights: only a correct restore makes them equal.
@@ -56,8 +57,7 @@ def main() -> None:
     record["reader"] = "fuse" if spec.get("mount") else "in-process"
     _train(trainer, ckpt, data, spec, step, state, record, out, rank)
     (out / f"rank{rank}.json").write_text(json.dumps(record))
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def _restore(trainer: Trainer, ckpt: tenplex.Checkpointer, spec: dict,

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import tenplex
+from tenplex.integration.process_group import init_process_group, leave_process_group
 from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
 GLOBAL_BATCH = 8
@@ -201,7 +202,7 @@ def run_annotated(phase: dict, rank: int) -> dict:
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    dist.init_process_group("gloo")
+    init_process_group("gloo")
     rank = dist.get_rank()
     kinds = {"save": run_save, "restore": run_restore, "mismatch": run_mismatch,
              "annotated_save": run_annotated, "annotated_restore": run_annotated}
@@ -219,7 +220,7 @@ def main() -> None:
         if rank == 0:
             (out / name).write_text(json.dumps(result))
         dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 import tenplex
+from tenplex.integration.process_group import init_process_group, leave_process_group
 from tenplex.store import Store
 
 ROWS, COLS = 8, 6
@@ -69,7 +70,7 @@ def local_state(model: RowSharded, optimizer) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    dist.init_process_group("gloo")
+    init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     host = os.environ["TENPLEX_HOST"]
     os.environ["TENPLEX_STORE_ADDRESS"] = spec["stores"][host]
@@ -109,8 +110,7 @@ def main() -> None:
             raise ValueError(f"unknown op {kind!r}")
     (out / f"result_r{rank}.json").write_text(json.dumps(results))
     ckpt.close()
-    dist.barrier()  # leave together: a rank tearing down after rank 0 (the c10d store's host) exited could abort
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":

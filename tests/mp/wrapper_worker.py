@@ -22,6 +22,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.nn.parallel import DistributedDataParallel
 
 import tenplex
+from tenplex.integration.process_group import init_process_group, leave_process_group
 
 
 class Net(torch.nn.Module):
@@ -108,13 +109,13 @@ def run_case(case: dict, rank: int) -> dict:
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    dist.init_process_group("gloo")
+    init_process_group("gloo")
     rank = dist.get_rank()
     results = {f"{c['save']}->{c['restore']}": run_case(c, rank) for c in spec["cases"]}
     out = Path(spec["out"])
     out.mkdir(parents=True, exist_ok=True)
     (out / f"r{rank}.json").write_text(json.dumps(results))
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":
