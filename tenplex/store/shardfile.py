@@ -23,6 +23,9 @@ from .manifest import CorruptShard, ShardEntry
 
 _MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 _PIECE = 1 << 20  # reads go piece by piece: small enough to stay in the CPU cache between pread and hash
+# One piece buffer per thread, shared by every shard file: a fresh bytearray is zero-filled, which cost more than
+# the hashing when each of a restore's hundreds of shards made its own.
+_scratch = threading.local()
 
 
 class ShardFile:
@@ -49,7 +52,6 @@ class ShardFile:
         else:
             self._size, self._blocks = entry.block_bytes, entry.blocks
         self._trusted: set[int] = set()  # legacy rows: block 0 once verified
-        self._scratch = threading.local()
 
     def _fail(self, what: str) -> CorruptShard:
         return CorruptShard(f"{self.where}: {what}; the stored shard is damaged: read it from another replica, or "
@@ -85,10 +87,11 @@ class ShardFile:
             raise self._fail(f"truncated: {size} bytes, the data needs {self.data_offset + self.entry.nbytes}")
         return self.data_offset
 
-    def _piece_buffer(self) -> memoryview:
-        buffer = getattr(self._scratch, "buffer", None)
+    @staticmethod
+    def _piece_buffer() -> memoryview:
+        buffer = getattr(_scratch, "buffer", None)
         if buffer is None:
-            buffer = self._scratch.buffer = memoryview(bytearray(_PIECE))
+            buffer = _scratch.buffer = memoryview(bytearray(_PIECE))
         return buffer
 
     def _pread(self, fd: int, view: memoryview, offset: int) -> None:
