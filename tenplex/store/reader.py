@@ -153,21 +153,46 @@ class VersionReader:
         return self.region(entry, box)
 
     def readinto(self, device: str, tensor: str, box: Box, dest) -> None:
-        """Fill ``dest`` (a writable buffer of ``box``'s C-order bytes) with that region of ``device``'s shard,
-        verified; a region that is one contiguous run of the file is read straight into ``dest``."""
+        """Fill ``dest`` with that region of ``device``'s shard, verified.
+
+        ``dest`` is a writable buffer of ``box``'s C-order bytes, or a writable
+        numpy array of ``box``'s shape and the stored item size with any
+        strides (say a column block of a larger tensor). A region that is one
+        contiguous run of the file goes straight into a contiguous ``dest``;
+        otherwise the rows are copied into place from each piece while it is
+        in cache, with no intermediate buffer, whenever the region and ``dest``
+        are both rows of a contiguous run; anything else is read whole and copied."""
         entry = self.find(device, tensor, box)
-        dest = memoryview(dest).cast("B")
-        if dest.nbytes != box.volume * itemsize(entry.dtype):
-            raise StoreError(f"{tensor!r} {box}: destination of {dest.nbytes} bytes, the region has "
-                             f"{box.volume * itemsize(entry.dtype)}")
+        item = itemsize(entry.dtype)
+        array = dest if isinstance(dest, np.ndarray) else None
+        if array is not None:
+            if array.shape != box.lengths or array.itemsize != item or not array.flags.writeable:
+                raise StoreError(f"{tensor!r} {box}: destination array {array.shape} of {array.itemsize}-byte items "
+                                 f"(writable: {array.flags.writeable}); the region needs {box.lengths} of {item}")
+        else:
+            dest = memoryview(dest).cast("B")
+            if dest.nbytes != box.volume * item:
+                raise StoreError(f"{tensor!r} {box}: destination of {dest.nbytes} bytes, the region has "
+                                 f"{box.volume * item}")
         if box.is_empty():
             return
-        start, span, _ = self.byte_span(entry, box)
-        if span == dest.nbytes:
-            self._files[entry.file].read_into(start, dest)
+        start, span, strides = self.byte_span(entry, box)
+        file = self._files[entry.file]
+        if array is not None and array.flags.c_contiguous:
+            array, dest = None, memoryview(array).cast("B")
+        if array is None and span == dest.nbytes:
+            file.read_into(start, dest)
             return
-        values = self.region(entry, box)
-        np.frombuffer(dest, values.dtype).reshape(box.lengths)[...] = values
+        target = array if array is not None else np.frombuffer(dest, np.uint8).view(
+            np.dtype(f"V{item}")).reshape(box.lengths)
+        rows = row_geometry(box.lengths, strides, target.strides, item)
+        if rows is not None:
+            count, run, src_stride, dst_stride = rows
+            first_item = target[tuple(slice(0, 1) for _ in box.lengths)].reshape(1).view(np.uint8)
+            file.read_rows(start, src_stride, np.lib.stride_tricks.as_strided(first_item, (count, run),
+                                                                              (dst_stride, 1)))
+            return
+        target[...] = self.region(entry, box).view(target.dtype)
 
     def verify(self) -> list[str]:
         """Check every block of every shard; return descriptions of the ones that do not match (empty: all good)."""
@@ -219,3 +244,22 @@ def layout_from_manifests(manifests: list[dict]) -> Layout:
                                   f"{tensors[e.tensor]} and {spec}")
             devices.setdefault(e.device, []).append(Shard(e.tensor, e.box))
     return Layout.build(tensors, devices)
+
+
+def row_geometry(lengths: tuple[int, ...], src_strides, dst_strides, item: int) -> tuple[int, int, int, int] | None:
+    """(rows, bytes per row, source row stride, destination row stride) when a region of shape ``lengths`` is,
+    in both its source and its destination (byte strides given), a sequence of equally spaced contiguous
+    rows; None otherwise. Dimensions of length 1 do not count."""
+    dims = [(n, s, d) for n, s, d in zip(lengths, src_strides, dst_strides) if n != 1]
+    run = item
+    while dims and dims[-1][1] == run and dims[-1][2] == run:  # contiguous in both: part of the row
+        run *= dims.pop()[0]
+    while len(dims) > 1:  # outer dimensions that step evenly in both merge into one
+        (n0, s0, d0), (n1, s1, d1) = dims[-2], dims[-1]
+        if s0 != s1 * n1 or d0 != d1 * n1:
+            return None
+        dims[-2:] = [(n0 * n1, s1, d1)]
+    if not dims:
+        return 1, run, run, run
+    count, src_stride, dst_stride = dims[0]
+    return count, run, src_stride, dst_stride

@@ -1,6 +1,6 @@
 """Verified reads of one committed shard file with ``pread``.
 
-May import: xxhash, this package's ``manifest`` and the standard library.
+May import: numpy, xxhash, this package's ``manifest`` and the standard library.
 
 Reads never memory-map a committed file: a file truncated under a map kills the
 process with SIGBUS on the next access. :class:`ShardFile` opens the file for
@@ -17,6 +17,7 @@ import struct
 import threading
 from typing import Callable
 
+import numpy as np
 import xxhash
 
 from .manifest import CorruptShard, ShardEntry
@@ -124,8 +125,45 @@ class ShardFile:
         finally:
             os.close(fd)
 
-    def _scan(self, fd: int, start: int, end: int, dest: memoryview | None, verified: set | None, digest) -> int:
-        """Stream data bytes [start, end) through the piece buffer: verify, copy, digest (see read_into)."""
+    def read_rows(self, start: int, stride: int, out: np.ndarray) -> None:
+        """Read ``len(out)`` rows of ``out.shape[1]`` data bytes, the first at ``start`` and each ``stride`` bytes after
+        the one before, into the rows of ``out`` (a writable uint8 array, any row stride), verifying every
+        block the rows' span touches. Each piece is copied from the piece buffer while it is in cache: one pass,
+        no buffer of the span."""
+        rows, run = out.shape
+        if not rows or not run:
+            return
+
+        def scatter(lo: int, view: memoryview) -> None:
+            """Copy the parts of rows that lie in span bytes [lo, lo + len(view)) from ``view``."""
+            hi = lo + view.nbytes
+            first, last = max(0, (lo - run) // stride + 1), min(rows - 1, (hi - 1) // stride)
+            whole_first = -(-lo // stride)
+            whole_last = min(last, (hi - run) // stride) if hi >= run else -1
+            piece = np.frombuffer(view, np.uint8)
+            if whole_first <= whole_last:
+                n = whole_last - whole_first + 1
+                out[whole_first:whole_last + 1] = np.lib.stride_tricks.as_strided(
+                    piece[whole_first * stride - lo:], (n, run), (stride, 1), writeable=False)
+            cut = {r for r in (first, last) if not whole_first <= r <= whole_last}  # rows cut by the piece's ends
+            for r in cut:
+                a, b = max(r * stride, lo), min(r * stride + run, hi)
+                if a < b:
+                    out[r, a - r * stride:b - r * stride] = piece[a - lo:b - lo]
+
+        end = start + (rows - 1) * stride + run
+        if start < 0 or end > self.entry.nbytes:
+            raise ValueError(f"{self.where}: data bytes {start}-{end} outside 0-{self.entry.nbytes}")
+        fd = self._open_file()
+        try:
+            self._scan(fd, start, end, None, None, None, consume=scatter)
+        finally:
+            os.close(fd)
+
+    def _scan(self, fd: int, start: int, end: int, dest: memoryview | None, verified: set | None, digest,
+              consume: Callable[[int, memoryview], None] | None = None) -> int:
+        """Stream data bytes [start, end) through the piece buffer: verify, copy, digest (see read_into), and
+        hand each piece's wanted bytes to ``consume(offset from start, bytes)`` while they are in cache."""
         verified = self._trusted if self.entry.blocks is None else (set() if verified is None else verified)
         offset = self._check_size(fd)
         scratch = self._piece_buffer()
@@ -151,6 +189,8 @@ class ShardFile:
                         dest[a - start:b - start] = view[a - piece:b - piece]
                     if digest is not None:
                         digest.update(view[a - piece:b - piece])
+                    if consume is not None:
+                        consume(a - start, view[a - piece:b - piece])
             if hasher is not None:
                 actual = f"{hasher.intdigest():016x}"
                 if actual != self._blocks[index]:
