@@ -179,7 +179,8 @@ class VersionReader:
         start, span, strides = self.byte_span(entry, box)
         file = self._files[entry.file]
         if array is not None and array.flags.c_contiguous:
-            array, dest = None, memoryview(array).cast("B")
+            dest = memoryview(array).cast("B")
+            array = None
         if array is None and span == dest.nbytes:
             file.read_into(start, dest)
             return
