@@ -77,6 +77,14 @@ def test_regions_fill_strided_destinations_bit_for_bit(stored, box):
     assert (outer == -1.0).all()  # nothing outside the block was written
 
 
+@pytest.mark.parametrize("box", BOXES, ids=str)
+def test_read_returns_the_region_contiguous(stored, box):
+    store, data, _ = stored
+    values = store.open(1).read("h0/0", "t", box)
+    assert values.flags.c_contiguous and values.dtype == np.float32
+    assert np.array_equal(values, data[box.slices()])
+
+
 def test_long_rows_crossing_pieces_and_blocks(stored):
     store, _, big = stored
     reader = store.open(1)

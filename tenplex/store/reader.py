@@ -129,18 +129,40 @@ class VersionReader:
         return self._files[entry.file]
 
     def region(self, entry: ShardEntry, box: Box, verified: set | None = None, digest=None) -> np.ndarray:
-        """The region ``box`` (global coordinates, inside ``entry.box``) of a stored shard, read and verified.
+        """The region ``box`` (global coordinates, inside ``entry.box``) of a stored shard, read and verified:
+        a C-contiguous array, unless ``digest`` is given and the region is not one run of the file.
 
-        Reads the bytes from the region's first to its last element (just the region when it is
-        contiguous in the file) and checks every block they touch. ``verified`` and ``digest`` (fed the
-        bytes read, in order): see ``ShardFile.read_into``."""
+        Every block the region's bytes touch is checked. ``verified`` and ``digest`` (fed the bytes read, in
+        order: from the region's first to its last element): see ``ShardFile.read_into``."""
         dtype = np.dtype(numpy_storage(entry.dtype))
-        if box.is_empty():
-            return np.empty(box.lengths, dtype)
+        out = np.empty(box.lengths, dtype)
+        if box.is_empty() or self._fill(entry, box, out, verified, digest):
+            return out
         start, span, strides = self.byte_span(entry, box)
         buffer = np.empty(span, np.uint8)
         self._files[entry.file].read_into(start, memoryview(buffer), verified=verified, digest=digest)
         return np.ndarray(box.lengths, dtype=dtype, buffer=buffer, strides=strides)
+
+    def _fill(self, entry: ShardEntry, box: Box, target: np.ndarray, verified: set | None = None,
+              digest=None) -> bool:
+        """Read region ``box`` straight into ``target`` (its shape, the stored item size, any strides); False,
+        with nothing read, when that needs an intermediate buffer (the caller reads the span instead).
+
+        One contiguous run of the file into a contiguous target is ``pread`` in place; rows that line up in
+        both (:func:`row_geometry`) are copied from each verified piece while it is in cache."""
+        start, span, strides = self.byte_span(entry, box)
+        file = self._files[entry.file]
+        if target.flags.c_contiguous and span == target.nbytes:
+            file.read_into(start, memoryview(target.reshape(-1).view(np.uint8)), verified=verified, digest=digest)
+            return True
+        rows = None if digest is not None else row_geometry(box.lengths, strides, target.strides, target.itemsize)
+        if rows is None:
+            return False
+        count, run, src_stride, dst_stride = rows
+        first_item = target[tuple(slice(0, 1) for _ in box.lengths)].reshape(1).view(np.uint8)
+        file.read_rows(start, src_stride, np.lib.stride_tricks.as_strided(first_item, (count, run), (dst_stride, 1)),
+                       verified)
+        return True
 
     def array(self, entry: ShardEntry) -> np.ndarray:
         """The whole stored shard, read and verified."""
@@ -164,36 +186,19 @@ class VersionReader:
         are both rows of a contiguous run; anything else is read whole and copied."""
         entry = self.find(device, tensor, box)
         item = itemsize(entry.dtype)
-        array = dest if isinstance(dest, np.ndarray) else None
-        if array is not None:
-            if array.shape != box.lengths or array.itemsize != item or not array.flags.writeable:
-                raise StoreError(f"{tensor!r} {box}: destination array {array.shape} of {array.itemsize}-byte items "
-                                 f"(writable: {array.flags.writeable}); the region needs {box.lengths} of {item}")
+        if isinstance(dest, np.ndarray):
+            if dest.shape != box.lengths or dest.itemsize != item or not dest.flags.writeable:
+                raise StoreError(f"{tensor!r} {box}: destination array {dest.shape} of {dest.itemsize}-byte items "
+                                 f"(writable: {dest.flags.writeable}); the region needs {box.lengths} of {item}")
+            target = dest
         else:
-            dest = memoryview(dest).cast("B")
-            if dest.nbytes != box.volume * item:
-                raise StoreError(f"{tensor!r} {box}: destination of {dest.nbytes} bytes, the region has "
+            raw = memoryview(dest).cast("B")
+            if raw.nbytes != box.volume * item:
+                raise StoreError(f"{tensor!r} {box}: destination of {raw.nbytes} bytes, the region has "
                                  f"{box.volume * item}")
-        if box.is_empty():
-            return
-        start, span, strides = self.byte_span(entry, box)
-        file = self._files[entry.file]
-        if array is not None and array.flags.c_contiguous:
-            dest = memoryview(array).cast("B")
-            array = None
-        if array is None and span == dest.nbytes:
-            file.read_into(start, dest)
-            return
-        target = array if array is not None else np.frombuffer(dest, np.uint8).view(
-            np.dtype(f"V{item}")).reshape(box.lengths)
-        rows = row_geometry(box.lengths, strides, target.strides, item)
-        if rows is not None:
-            count, run, src_stride, dst_stride = rows
-            first_item = target[tuple(slice(0, 1) for _ in box.lengths)].reshape(1).view(np.uint8)
-            file.read_rows(start, src_stride, np.lib.stride_tricks.as_strided(first_item, (count, run),
-                                                                              (dst_stride, 1)))
-            return
-        target[...] = self.region(entry, box).view(target.dtype)
+            target = np.frombuffer(raw, np.uint8).view(np.dtype(f"V{item}")).reshape(box.lengths)
+        if not box.is_empty() and not self._fill(entry, box, target):
+            target[...] = self.region(entry, box).view(target.dtype)
 
     def verify(self) -> list[str]:
         """Check every block of every shard; return descriptions of the ones that do not match (empty: all good)."""

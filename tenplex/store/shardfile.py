@@ -125,11 +125,11 @@ class ShardFile:
         finally:
             os.close(fd)
 
-    def read_rows(self, start: int, stride: int, out: np.ndarray) -> None:
+    def read_rows(self, start: int, stride: int, out: np.ndarray, verified: set | None = None) -> None:
         """Read ``len(out)`` rows of ``out.shape[1]`` data bytes, the first at ``start`` and each ``stride`` bytes after
         the one before, into the rows of ``out`` (a writable uint8 array, any row stride), verifying every
-        block the rows' span touches. Each piece is copied from the piece buffer while it is in cache: one pass,
-        no buffer of the span."""
+        block the rows' span touches (``verified``: see :meth:`read_into`). Each piece is copied from the piece
+        buffer while it is in cache: one pass, no buffer of the span."""
         rows, run = out.shape
         if not rows or not run:
             return
@@ -156,7 +156,7 @@ class ShardFile:
             raise ValueError(f"{self.where}: data bytes {start}-{end} outside 0-{self.entry.nbytes}")
         fd = self._open_file()
         try:
-            self._scan(fd, start, end, None, None, None, consume=scatter)
+            self._scan(fd, start, end, None, verified, None, consume=scatter)
         finally:
             os.close(fd)
 
