@@ -130,7 +130,8 @@ class VersionReader:
 
     def region(self, entry: ShardEntry, box: Box, verified: set | None = None, digest=None) -> np.ndarray:
         """The region ``box`` (global coordinates, inside ``entry.box``) of a stored shard, read and verified:
-        a C-contiguous array, unless ``digest`` is given and the region is not one run of the file.
+        a C-contiguous array, unless its rows do not line up (:func:`row_geometry`) or ``digest`` is given and
+        the region is not one run of the file; then a strided view of the bytes from its first to last element.
 
         Every block the region's bytes touch is checked. ``verified`` and ``digest`` (fed the bytes read, in
         order: from the region's first to its last element): see ``ShardFile.read_into``."""
