@@ -61,7 +61,8 @@ import json, sys
 import tenplex.elastic
 out = {}
 job = tenplex.elastic.Job(global_batch=4)
-out["env"] = [job.choice.degrees(), job.choice.reason, job.save_every, job.checkpointer_options["replicas"], str(job.dataset)]
+out["env"] = [job.choice.degrees(), job.choice.reason, job.save_every, job.checkpointer_options["replicas"],
+              str(job.dataset)]
 explicit = tenplex.elastic.Job(global_batch=4, max_tp=1, save_every=3, replicas=2, dataset="mine/")
 out["explicit"] = [explicit.save_every, explicit.checkpointer_options["replicas"], str(explicit.dataset)]
 print(json.dumps(out))
