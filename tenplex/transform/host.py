@@ -1,7 +1,7 @@
 """One destination host's part of a transformation: stage version N+1 from N and prepare it.
 
-May import: numpy, ``tenplex.store`` (local store and client), ``tenplex.transfer_plan``,
-``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``, ``tenplex.errors``
+May import: numpy, ``tenplex.store`` (local store, client, transformer types; never its protobuf),
+``tenplex.transfer_plan``, ``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``, ``tenplex.errors``
 and the standard library. Runs inside the host's store server (the
 ``Transform`` RPC), so it reads this host's old shards straight from disk.
 
@@ -30,7 +30,7 @@ A region whose source fails (host down, cut off, corrupted data after
 retries, missing version) is fetched again from the other replicas the old
 layout lists, this host's own first; only when no replica covers it does the
 part fail, naming the tensor, region and every cause. A source counts as
-failed when a pull from it delivers nothing for ``request.timeout_s`` seconds
+failed when a pull from it delivers nothing for ``request.stall_timeout_s`` seconds
 (the stall limit): a partitioned peer sends no reset, so waiting for a
 deadline would take minutes. While it works, the part sends the coordinator a
 progress message at least every ``HEARTBEAT_S``, so that the coordinator can
@@ -39,7 +39,6 @@ tell a silent host from a busy one in the same way.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -52,11 +51,11 @@ import numpy as np
 from ..box import Box, split_by, subtract_all
 from ..devices import host_of
 from ..errors import StoreError, TransformError
-from ..layout import Layout, from_dict as layout_from_dict
-from ..transfer_plan import Transfer, plan_from_dict
+from ..layout import Layout
+from ..transfer_plan import Transfer
 from ..store import LAYOUT_DOC, CorruptShard, ShardEntry, ShardTarget, Store, VersionReader, wire
-from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient
+from ..store.transformer import TransformProgress, TransformRequest
 from .schedule import LOCAL, Piece, Schedule
 from ..store.manifest import TRANSFORM_PART
 
@@ -69,7 +68,7 @@ BATCH_REGIONS = 512
 PROGRESS_EVERY_BYTES = 64 << 20  # progress messages are throttled to this granularity
 PROGRESS_EVERY_S = 0.25
 HEARTBEAT_S = 1.0               # a progress message at least this often, even when no bytes arrive
-STALL_S = 5.0                   # default stall limit of pulls (request.timeout_s)
+STALL_S = 5.0                   # default stall limit of pulls (request.stall_timeout_s)
 CALL_TIMEOUT_S = 60.0           # overall deadline base of calls to peers; stalls are caught much earlier
 
 
@@ -84,10 +83,10 @@ class _Counters:
     refetched: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def message(self) -> pb.TransformProgress:
-        return pb.TransformProgress(bytes_done=self.done, bytes_total=self.total, kept_bytes=self.kept,
-                                    local_bytes=self.local, remote_bytes=self.remote,
-                                    refetched_bytes=self.refetched, linked_bytes=self.linked)
+    def message(self, done: bool = False) -> TransformProgress:
+        return TransformProgress(bytes_done=self.done, bytes_total=self.total, kept_bytes=self.kept,
+                                 local_bytes=self.local, remote_bytes=self.remote, refetched_bytes=self.refetched,
+                                 linked_bytes=self.linked, done=done)
 
 
 class _Sources:
@@ -229,21 +228,20 @@ class _Completion:
             target.finish()
 
 
-def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable[[pb.TransformProgress], None],
+def run_host_part(store: Store, request: TransformRequest, progress: Callable[[TransformProgress], None],
                   cancelled: threading.Event | None = None, token: str | None = None,
-                  root_certificates: bytes | None = None) -> pb.TransformProgress:
-    """Stage ``request.new_version`` on this host and prepare it (the coordinator commits). Returns final counters."""
-    host = request.host or store.host
+                  root_certificates: bytes | None = None) -> TransformProgress:
+    """Stage ``request.new_version`` on this host and prepare it (the coordinator commits). Returns the final
+    counters (``done`` set). A :class:`~tenplex.store.transformer.Transformer`."""
+    host = request.host
     if host != store.host:
         raise StoreError(f"transform request for host {host} reached the store of host {store.host}")
-    plan = plan_from_dict(json.loads(request.plan_json), source="transform request plan")
-    old = layout_from_dict(json.loads(request.old_layout_json), source="transform request old layout")
-    new = layout_from_dict(json.loads(request.new_layout_json), source="transform request new layout")
+    plan, old, new = request.plan, request.old_layout, request.new_layout
     cancelled = cancelled or threading.Event()
     streams = request.streams or DEFAULT_STREAMS
     reader = store.open(request.old_version) if request.old_version in store.versions() else None
     sources = _Sources(host, old, request.old_version, reader, dict(request.peers), token, root_certificates,
-                       streams, request.chunk_bytes or wire.DEFAULT_CHUNK_BYTES, request.timeout_s or STALL_S)
+                       streams, request.chunk_bytes or wire.DEFAULT_CHUNK_BYTES, request.stall_timeout_s or STALL_S)
     counters = _Counters()
     beating = threading.Event()
     threading.Thread(target=_heartbeat, args=(counters, progress, beating), name=f"heartbeat-{host}",
@@ -265,7 +263,7 @@ def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable
         beating.set()
         sources.close()
     log.info("host %s: prepared version %s", host, request.new_version)
-    return counters.message()
+    return counters.message(done=True)
 
 
 def _heartbeat(counters: _Counters, progress, stop: threading.Event) -> None:
@@ -483,7 +481,7 @@ def _new_region(targets: dict, linked: dict, reader: VersionReader | None, devic
                          f"shard; the plan does not match the new layout")
 
 
-def _carry_json(host: str, request: pb.TransformRequest, old: Layout, writer, reader: VersionReader | None,
+def _carry_json(host: str, request: TransformRequest, old: Layout, writer, reader: VersionReader | None,
                 sources: _Sources) -> None:
     """Copy the old version's JSON documents (step, RNG, dataset position…) into the new version.
 
