@@ -56,7 +56,7 @@ from ..transfer_plan import Transfer
 from ..store import LAYOUT_DOC, CorruptShard, ShardEntry, ShardTarget, Store, VersionReader, wire
 from ..store.client import StoreClient
 from ..store.transformer import TransformProgress, TransformRequest
-from .schedule import LOCAL, Piece, Schedule
+from .schedule import LOCAL, Pull, Schedule
 from ..store.manifest import TRANSFORM_PART
 
 log = logging.getLogger(__name__)
@@ -307,7 +307,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
 
     targets: dict[tuple[str, str, Box], ShardTarget] = {}
     linked: dict[tuple[str, str, Box], ShardEntry] = {}  # fan-out sources that were hard-linked
-    pieces: list[Piece] = []
+    pieces: list[Pull] = []
     fan_out: list[tuple[Transfer, tuple]] = []
     small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = {}  # source host -> small remote regions
     reserves: list[Callable[[], None]] = []
@@ -338,13 +338,13 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
                 nbytes = piece.volume * spec.itemsize
                 completion.expect(target)
                 if kind != "remote":
-                    pieces.append(Piece(LOCAL, nbytes, _job(sources, t.src, {}, t.tensor, piece, target, kind,
+                    pieces.append(Pull(LOCAL, nbytes, _job(sources, t.src, {}, t.tensor, piece, target, kind,
                                                             advance, cancelled, completion)))
                 elif nbytes < SMALL_BYTES:
                     small.setdefault(host_of(t.src), []).append((t.src, t.tensor, piece, target))
                 else:
                     holders = sources.holders(t.tensor, piece)
-                    pieces.append(Piece(host_of(t.src), nbytes, _job(sources, t.src, holders, t.tensor, piece, target,
+                    pieces.append(Pull(host_of(t.src), nbytes, _job(sources, t.src, holders, t.tensor, piece, target,
                                                                      kind, advance, cancelled, completion),
                                         frozenset(holders) - {host_of(t.src)}))
     for _, key in fan_out:
@@ -353,7 +353,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
         for batch in _batches(items):
             batch_holders = [sources.holders(tensor, piece) for _, tensor, piece, _ in batch]
             shared = frozenset.intersection(*(frozenset(h) for h in batch_holders)) - {source_host}
-            pieces.append(Piece(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
+            pieces.append(Pull(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
                                 _batch_job(sources, batch, batch_holders, advance, cancelled, completion), shared))
     # Destinations start their round of sources at different places (see schedule).
     schedule = Schedule(pieces, start=new.hosts().index(host) if host in new.hosts() else 0,
