@@ -1,6 +1,6 @@
 """What the store's ``Transform`` RPC hands its transformer, and what the transformer reports back.
 
-May import: ``tenplex.layout``, ``tenplex.transfer_plan``, this package's ``local`` (for types) and the
+May import: ``tenplex.layout``, ``tenplex.transfer_plan``, this package's ``contract`` (for types) and the
 standard library. No protobuf:
 ``wire`` converts these values to and from the gRPC messages, on the server
 and on the client, and nothing else sees the messages.
@@ -23,7 +23,7 @@ from ..layout import Layout
 from ..transfer_plan import Plan
 
 if TYPE_CHECKING:
-    from .local import Store
+    from .contract import TensorStore
 
 COUNTERS = ("bytes_total", "kept_bytes", "linked_bytes", "local_bytes", "remote_bytes", "refetched_bytes")
 
@@ -80,6 +80,6 @@ class Transformer(Protocol):
     coordinator's heartbeat); stops early when ``cancelled`` is set; pulls from peers with ``token`` and
     ``root_certificates``. Returns the final counters."""
 
-    def __call__(self, store: Store, request: TransformRequest, progress: Callable[[TransformProgress], None],
+    def __call__(self, store: TensorStore, request: TransformRequest, progress: Callable[[TransformProgress], None],
                  cancelled: threading.Event | None = None, token: str | None = None,
                  root_certificates: bytes | None = None) -> TransformProgress: ...
