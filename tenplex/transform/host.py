@@ -1,6 +1,6 @@
 """One destination host's part of a transformation: stage version N+1 from N and prepare it.
 
-May import: numpy, ``tenplex.store`` (local store, client, transformer types; never its protobuf),
+May import: numpy, ``tenplex.store`` (its contract, client and transformer types; never its protobuf),
 ``tenplex.transfer_plan``, ``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``, ``tenplex.errors``
 and the standard library. Runs inside the host's store server (the
 ``Transform`` RPC), so it reads this host's old shards straight from disk.
@@ -8,7 +8,8 @@ and the standard library. Runs inside the host's store server (the
 Order of work, per new shard of this host's devices:
 
 1. A shard kept whole (same device, or another device of this host, same
-   box) is hard-linked to the old file: no bytes are copied.
+   box) is hard-linked to the old file: no bytes are copied. (A store that
+   cannot link, see ``tenplex.store.contract``, gets it copied in step 2.)
 2. Every other ``"from": "old"`` region is written straight into the new
    shard's file (``ShardTarget``): from this host's old files (memory-mapped)
    without gRPC, or pulled from the source host by ``streams`` concurrent
@@ -306,7 +307,7 @@ class _Work:
     small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = field(default_factory=dict)  # source host -> regions
     fan_out: list[tuple[Transfer, ShardKey]] = field(default_factory=list)
     reserves: list[Callable[[], None]] = field(default_factory=list)
-    completion: _Completion = field(default_factory=lambda: _Completion())
+    completion: _Completion = field(default_factory=_Completion)
 
 
 def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer: StoreWriter,
