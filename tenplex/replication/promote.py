@@ -22,7 +22,6 @@ from ..store.manifest import PROMOTE_PART
 from .copier import replica_store
 
 
-
 def stage(store: Store, saved_version: int, new_version: int, source: Layout,
           replica_devices: dict[str, tuple[str, str]]) -> None:
     """Stage and prepare this host's part of ``new_version`` (commit with
