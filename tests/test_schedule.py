@@ -1,11 +1,11 @@
 """The pull schedule of one destination (tenplex.transform.schedule): every source busy at once, different
 destinations starting at different sources, replicas taking over queued pieces, failed sources given nothing."""
 
-from tenplex.transform.schedule import LOCAL, Piece, Schedule
+from tenplex.transform.schedule import LOCAL, Pull, Schedule
 
 
 def _pieces(source, n, replicas=(), nbytes=10):
-    return [Piece(source, nbytes, lambda server: None, frozenset(replicas)) for _ in range(n)]
+    return [Pull(source, nbytes, lambda server: None, frozenset(replicas)) for _ in range(n)]
 
 
 def test_streams_spread_over_sources_and_destinations_start_apart():

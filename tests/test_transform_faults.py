@@ -193,7 +193,7 @@ def test_cancelled_host_part_is_never_prepared(tmp_path):
     """A coordinator cancel makes every pull return early: the part must fail, not prepare zero-filled shards."""
     import threading
 
-    from tenplex.store._proto import store_pb2 as pb
+    from tenplex.transform import TransformRequest
     from tenplex.transform.host import run_host_part
 
     old = gpt_layout(1, 2, 1, 1, 2)   # tp=2 on h0/0 and h0/1
@@ -202,10 +202,8 @@ def test_cancelled_host_part_is_never_prepared(tmp_path):
     write_version(roots, old, 1, random_globals(old))
     cancelled = threading.Event()
     cancelled.set()
-    request = pb.TransformRequest(host="h0", old_version=1, new_version=2,
-                                  plan_json=json.dumps(plan(old, new).to_dict()),
-                                  old_layout_json=json.dumps(old.to_dict()),
-                                  new_layout_json=json.dumps(new.to_dict()), peers={"h0": "127.0.0.1:1"})
+    request = TransformRequest(host="h0", old_version=1, new_version=2, plan=plan(old, new), old_layout=old,
+                               new_layout=new, peers={"h0": "127.0.0.1:1"})
     store = Store(roots["h0"], "h0")
     with pytest.raises(TransformError, match="cancelled"):
         run_host_part(store, request, lambda p: None, cancelled=cancelled)

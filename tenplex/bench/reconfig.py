@@ -70,10 +70,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..planner import plan
     from ..ptc import layout
     from ..store import Store
-    from ..transform import transform
-    from .cluster import EmulatedCluster
-    from .linked import LinkedStores, measured_transform
-    from .transfer import _memcpy_seconds, _socket_seconds, _start_server, socket_file_seconds
+    from .transfer import _memcpy_seconds, _socket_seconds, socket_file_seconds
 
     model = gpt(args.layers, args.hidden, args.heads, args.vocab, optimizer="adam")
 
@@ -82,62 +79,73 @@ def run(args: argparse.Namespace) -> list[dict]:
         return layout(model, ParallelConfig(dp, tp, pp, devices))
 
     old = make(*BASE[1:])
-    state_bytes = old.total_bytes()
     hosts = sorted({h for _, *config in CHANGES for h in make(*config).hosts()} | set(old.hosts()))
-    memcpy_gbps = (256 << 20) / _memcpy_seconds(256 << 20) / 1e9
-    socket_gbps = (512 << 20) / _socket_seconds(512 << 20) / 1e9
-    base_dir = args.dir or _default_dir(3 * 2 * state_bytes)
+    baselines = {"memcpy_gbps": (256 << 20) / _memcpy_seconds(256 << 20) / 1e9,
+                 "socket_gbps": (512 << 20) / _socket_seconds(512 << 20) / 1e9}
+    base_dir = args.dir or _default_dir(3 * 2 * old.total_bytes())
     results = []
     with tempfile.TemporaryDirectory(prefix="tenplex-reconfig-", dir=base_dir) as tmp_name:
         tmp = Path(tmp_name)
-        file_gbps = (512 << 20) / socket_file_seconds(tmp, 512 << 20) / 1e9
+        baselines["file_gbps"] = (512 << 20) / socket_file_seconds(tmp, 512 << 20) / 1e9
         _write_base(tmp, old)
         with contextlib.ExitStack() as stack:
-            if args.link_mbit:  # refuses (ClusterUnavailable) rather than measuring loopback
-                cluster = stack.enter_context(EmulatedCluster(hosts, mbit=args.link_mbit))
-                linked = LinkedStores(cluster, {h: tmp / h for h in hosts}, tmp / "work")
-
-                def run_change(the_plan, new):
-                    return measured_transform(linked, the_plan, old, new, 1, 2, streams=args.streams)
-            else:
-                servers: dict = {}
-                stack.callback(_stop, servers)
-                for h in hosts:
-                    servers[h] = _start_server(tmp, h)
-                stores = {h: address for h, (_, address) in servers.items()}
-
-                def run_change(the_plan, new):
-                    return transform(the_plan, old, new, stores, 1, 2, streams=args.streams), {}
+            run_change = _change_runner(stack, args, tmp, hosts, old)
             for name, *config in CHANGES:
                 new = make(*config)
                 the_plan = plan(old, new)
                 report, links = run_change(the_plan, new)
-                moved = report["hosts"]
-                stats = the_plan.stats
-                results.append({
-                    "change": name, "from": BASE[0], "seconds": round(report["seconds"], 3),
-                    "state_bytes": state_bytes, "target_bytes": stats.target_bytes,
-                    "kept_bytes": stats.kept_bytes, "intra_host_bytes": stats.intra_host_bytes,
-                    "inter_host_bytes": stats.inter_host_bytes,
-                    "inter_host_lower_bound": stats.inter_host_lower_bound,
-                    "max_host_send_bytes": stats.max_host_send_bytes, "max_host_recv_bytes": stats.max_host_recv_bytes,
-                    "measured_linked_bytes": sum(h["linked_bytes"] for h in moved.values()),
-                    "measured_kept_copied_bytes": sum(h["kept_bytes"] for h in moved.values()),
-                    "measured_intra_host_bytes": sum(h["local_bytes"] for h in moved.values()),
-                    "measured_inter_host_bytes": sum(h["remote_bytes"] for h in moved.values()),
-                    "transfers": len(the_plan.transfers),
-                    "target_gbps": round(stats.target_bytes / report["seconds"] / 1e9, 3),
-                    "inter_host_gbps": round(stats.inter_host_bytes / report["seconds"] / 1e9, 3),
-                    "raw_socket_file_gbps": round(file_gbps, 3),
-                    "inter_host_vs_file_ratio": round(stats.inter_host_bytes / report["seconds"] / 1e9 / file_gbps, 3),
-                    "baseline_memcpy_seconds": round(stats.target_bytes / memcpy_gbps / 1e9, 3),
-                    "baseline_raw_socket_seconds": round(stats.inter_host_bytes / socket_gbps / 1e9, 3),
-                    "streams": args.streams, "store_dir": str(base_dir), "cpus": os.cpu_count(),
-                    "load_average": [round(x, 2) for x in os.getloadavg()], **links,
-                })
+                results.append({**_row(str(name), old, the_plan, report, baselines), "streams": args.streams,
+                                "store_dir": str(base_dir), "cpus": os.cpu_count(),
+                                "load_average": [round(x, 2) for x in os.getloadavg()], **links})
                 for h in new.hosts():
                     Store(tmp / h, h).delete(2)
     return results
+
+
+def _change_runner(stack: contextlib.ExitStack, args: argparse.Namespace, tmp: Path, hosts: list[str], old):
+    """``run_change(plan, new) -> (report, link measurements)``: version 1 -> 2 across store processes, one per
+    host (behind emulated links with ``--link-mbit``); they stop when ``stack`` closes."""
+    from ..transform import transform
+    from .cluster import EmulatedCluster
+    from .linked import LinkedStores, measured_transform
+    from .transfer import _start_server
+
+    if args.link_mbit:  # refuses (ClusterUnavailable) rather than measuring loopback
+        cluster = stack.enter_context(EmulatedCluster(hosts, mbit=args.link_mbit))
+        linked = LinkedStores(cluster, {h: tmp / h for h in hosts}, tmp / "work")
+        return lambda the_plan, new: measured_transform(linked, the_plan, old, new, 1, 2, streams=args.streams)
+    servers: dict = {}
+    stack.callback(_stop, servers)
+    for h in hosts:
+        servers[h] = _start_server(tmp, h)
+    stores = {h: address for h, (_, address) in servers.items()}
+    return lambda the_plan, new: (transform(the_plan, old, new, stores, 1, 2, streams=args.streams), {})
+
+
+def _row(name: str, old, the_plan, report: dict, baselines: dict[str, float]) -> dict:
+    """One change's measurements next to its plan's statistics and the same run's baselines."""
+    moved = report["hosts"]
+    stats = the_plan.stats
+    file_gbps = baselines["file_gbps"]
+    return {
+        "change": name, "from": BASE[0], "seconds": round(report["seconds"], 3),
+        "state_bytes": old.total_bytes(), "target_bytes": stats.target_bytes,
+        "kept_bytes": stats.kept_bytes, "intra_host_bytes": stats.intra_host_bytes,
+        "inter_host_bytes": stats.inter_host_bytes,
+        "inter_host_lower_bound": stats.inter_host_lower_bound,
+        "max_host_send_bytes": stats.max_host_send_bytes, "max_host_recv_bytes": stats.max_host_recv_bytes,
+        "measured_linked_bytes": sum(h["linked_bytes"] for h in moved.values()),
+        "measured_kept_copied_bytes": sum(h["kept_bytes"] for h in moved.values()),
+        "measured_intra_host_bytes": sum(h["local_bytes"] for h in moved.values()),
+        "measured_inter_host_bytes": sum(h["remote_bytes"] for h in moved.values()),
+        "transfers": len(the_plan.transfers),
+        "target_gbps": round(stats.target_bytes / report["seconds"] / 1e9, 3),
+        "inter_host_gbps": round(stats.inter_host_bytes / report["seconds"] / 1e9, 3),
+        "raw_socket_file_gbps": round(file_gbps, 3),
+        "inter_host_vs_file_ratio": round(stats.inter_host_bytes / report["seconds"] / 1e9 / file_gbps, 3),
+        "baseline_memcpy_seconds": round(stats.target_bytes / baselines["memcpy_gbps"] / 1e9, 3),
+        "baseline_raw_socket_seconds": round(stats.inter_host_bytes / baselines["socket_gbps"] / 1e9, 3),
+    }
 
 
 def _stop(servers: dict) -> None:

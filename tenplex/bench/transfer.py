@@ -70,55 +70,79 @@ def run(args: argparse.Namespace) -> dict:
     if args.link_mbit:
         from .transfer_linked import run as run_linked
         return run_linked(args)
-    from ..layout import Layout, Shard, TensorSpec
-    from ..box import Box
-    from ..transfer_plan import Plan, PlanStats, Transfer
     from ..store import Store
-    from ..transform import transform
 
-    rows = max(1, args.bytes // ROW)
-    nbytes = rows * ROW
-    shape = (rows, ROW // 4)
-    spec = {"x": TensorSpec(shape, "float32")}
-    whole = Box.whole(shape)
-    old = Layout.build(spec, {"h0/0": [Shard("x", whole)]})
-    new = Layout.build(spec, {"h1/0": [Shard("x", whole)]})
-    plan = Plan((Transfer("x", "h0/0", "h1/0", "old", whole),),
-                PlanStats(target_bytes=nbytes, inter_host_bytes=nbytes, inter_host_lower_bound=nbytes))
+    move = _OneTensorMove(args.bytes)
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
     with tempfile.TemporaryDirectory(prefix="tenplex-bench-", dir=base_dir) as tmp_name:
         tmp = Path(tmp_name)
-        data = np.random.default_rng(0).random(shape, dtype=np.float32)
+        data = np.random.default_rng(0).random(move.shape, dtype=np.float32)
         with Store(tmp / "h0", "h0").begin(1) as w:
-            w.put("h0/0", "x", whole, data, "float32", shape=shape)
+            w.put("h0/0", "x", move.whole, data, "float32", shape=move.shape)
             w.commit()
         del data
-        # h0 and h0-grpc serve the same store directory; h0-grpc without the data plane
-        servers: dict[str, tuple[subprocess.Popen, str]] = {}
-        try:
-            for name, host, *extra in (("h0", "h0"), ("h0-grpc", "h0", "--no-data-plane"), ("h1", "h1")):
-                servers[name] = _start_server(tmp, host, *extra)
-            addresses = {name: address for name, (_, address) in servers.items()}
-            path = _path_of(addresses["h0"])
-            times: dict[str, list[float]] = {k: [] for k in ("tenplex", "grpc", "pull", "grpc_pull", "raw", "file")}
-            version = 2
-            for _ in range(args.repeat):
-                for key, source in (("tenplex", "h0"), ("grpc", "h0-grpc")):
-                    report = transform(plan, old, new, {"h0": addresses[source], "h1": addresses["h1"]}, 1,
-                                       version, streams=args.streams, chunk_bytes=args.chunk_bytes)
-                    times[key].append(report["seconds"])
-                    Store(tmp / "h1", "h1").delete(version)
-                    version += 1
-                times["pull"].append(_pull_seconds(addresses["h0"], shape, args.streams, args.chunk_bytes))
-                times["grpc_pull"].append(_pull_seconds(addresses["h0-grpc"], shape, args.streams, args.chunk_bytes))
-                times["raw"].append(_socket_seconds(nbytes))
-                times["file"].append(socket_file_seconds(tmp, nbytes))
-        finally:
-            for proc, _ in servers.values():
-                proc.terminate()
-                proc.wait()
-        fresh_write = _fresh_file_seconds(tmp, nbytes)
+        path, times = _measure(tmp, move, args)
+        fresh_write = _fresh_file_seconds(tmp, move.nbytes)
+    return _summary(move.nbytes, times, fresh_write, path, args, base_dir)
 
+
+class _OneTensorMove:
+    """One float32 tensor of about ``nbytes`` (whole rows), held whole by h0/0 and moved whole to h1/0."""
+
+    def __init__(self, nbytes: int):
+        from ..box import Box
+        from ..layout import Layout, Shard, TensorSpec
+        from ..transfer_plan import Plan, PlanStats, Transfer
+
+        rows = max(1, nbytes // ROW)
+        self.nbytes = rows * ROW
+        self.shape = (rows, ROW // 4)
+        spec = {"x": TensorSpec(self.shape, "float32")}
+        self.whole = Box.whole(self.shape)
+        self.old = Layout.build(spec, {"h0/0": [Shard("x", self.whole)]})
+        self.new = Layout.build(spec, {"h1/0": [Shard("x", self.whole)]})
+        self.plan = Plan((Transfer("x", "h0/0", "h1/0", "old", self.whole),),
+                         PlanStats(target_bytes=self.nbytes, inter_host_bytes=self.nbytes,
+                                   inter_host_lower_bound=self.nbytes))
+
+
+def _measure(tmp: Path, move: _OneTensorMove, args: argparse.Namespace) -> tuple[str, dict[str, list[float]]]:
+    """(the read path, seconds per repetition): tenplex's transform with and without the data plane, plain pulls
+    over each, and the raw socket baselines, all in the same run."""
+    from ..store import Store
+    from ..transform import transform
+
+    # h0 and h0-grpc serve the same store directory; h0-grpc without the data plane
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        for name, host, *extra in (("h0", "h0"), ("h0-grpc", "h0", "--no-data-plane"), ("h1", "h1")):
+            servers[name] = _start_server(tmp, host, *extra)
+        addresses = {name: address for name, (_, address) in servers.items()}
+        path = _path_of(addresses["h0"])
+        times: dict[str, list[float]] = {k: [] for k in ("tenplex", "grpc", "pull", "grpc_pull", "raw", "file")}
+        version = 2
+        for _ in range(args.repeat):
+            for key, source in (("tenplex", "h0"), ("grpc", "h0-grpc")):
+                report = transform(move.plan, move.old, move.new, {"h0": addresses[source], "h1": addresses["h1"]},
+                                   1, version, streams=args.streams, chunk_bytes=args.chunk_bytes)
+                times[key].append(report["seconds"])
+                Store(tmp / "h1", "h1").delete(version)
+                version += 1
+            times["pull"].append(_pull_seconds(addresses["h0"], move.shape, args.streams, args.chunk_bytes))
+            times["grpc_pull"].append(_pull_seconds(addresses["h0-grpc"], move.shape, args.streams,
+                                                    args.chunk_bytes))
+            times["raw"].append(_socket_seconds(move.nbytes))
+            times["file"].append(socket_file_seconds(tmp, move.nbytes))
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait()
+    return path, times
+
+
+def _summary(nbytes: int, times: dict[str, list[float]], fresh_write: float, path: str, args: argparse.Namespace,
+             base_dir: Path | None) -> dict:
+    """The benchmark's JSON: GB/s (median and best of the repetitions) and the ratios to the baselines."""
     def median(key: str) -> float:
         return nbytes / statistics.median(times[key]) / 1e9
 

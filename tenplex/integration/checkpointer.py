@@ -63,6 +63,7 @@ from ..replication.copier import Replicator, held_layout, held_versions
 from ..replication.plan import Lost
 from ..replication.stores import STORES_DOC, answering, replicas_of, stores_doc
 from ..store import LAYOUT_DOC, Store
+from ..store.manifest import PROMOTE_PART
 from .annotate import Annotations
 from .exchange import agree, all_gather_json, broadcast_json
 from .names import likely_cause, parameter_names
@@ -426,7 +427,7 @@ class Checkpointer:
         try:
             agree(what, lambda: promote.stage(self.store, found.version, target, found.layout, found.replica_devices)
                   if rank == leader and holds else None, self.group)
-            agree(what, lambda: self.store.commit(target, parts=[promote.PART]) if rank == leader and holds else None,
+            agree(what, lambda: self.store.commit(target, parts=[PROMOTE_PART]) if rank == leader and holds else None,
                   self.group)
         except Exception:
             if rank == leader and holds:

@@ -33,6 +33,7 @@ from pathlib import Path
 from ..errors import TenplexError
 from ..layout import Layout, from_dict as layout_from_dict
 from ..store import LAYOUT_DOC, Store, wire
+from ..store.manifest import REPLICA_PART
 from .plan import Copy, copies, copy_layout
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,6 @@ log = logging.getLogger(__name__)
 REPLICAS_DIR = "replicas"
 CHUNK_BYTES = 4 << 20    # one chunk in flight: the copier's memory bound
 PIECE_BYTES = 64 << 20   # one read call
-PART = "copy"
 
 
 class ReplicationCancelled(TenplexError):
@@ -148,7 +148,7 @@ class Replicator:
         from ..store.client import StoreClient  # grpc: loaded only where copies are pulled
 
         with StoreClient(address, token=self.token, timeout=self.timeout, chunk_bytes=CHUNK_BYTES) as client, \
-                target_store.begin(self.version, part=PART) as writer:
+                target_store.begin(self.version, part=REPLICA_PART) as writer:
             for c in mine:
                 spec = self.saved.tensors[c.tensor]
                 target = writer.create(c.device, c.tensor, c.box, spec.dtype, spec.shape)

@@ -18,17 +18,17 @@ from __future__ import annotations
 from ..devices import host_of
 from ..layout import Layout
 from ..store import LAYOUT_DOC, Store
+from ..store.manifest import PROMOTE_PART
 from .copier import replica_store
-
-PART = "promote"
 
 
 def stage(store: Store, saved_version: int, new_version: int, source: Layout,
           replica_devices: dict[str, tuple[str, str]]) -> None:
-    """Stage and prepare this host's part of ``new_version`` (commit with ``store.commit(new_version, [PART])``)."""
+    """Stage and prepare this host's part of ``new_version`` (commit with
+    ``store.commit(new_version, [PROMOTE_PART])``)."""
     reader = store.open(saved_version)
     store.abort(new_version)  # leftovers of an interrupted earlier attempt
-    with store.begin(new_version, part=PART) as writer:
+    with store.begin(new_version, part=PROMOTE_PART) as writer:
         for entry in reader.entries:
             if entry.device in source.devices:
                 writer.link(entry.device, reader, entry)

@@ -5,6 +5,11 @@ May import: numpy, xxhash, grpc, protobuf, ``tenplex.box``, ``tenplex.layout``,
 ``tenplex.files``. Never torch. The gRPC schema is ``proto/tenplex/v1/store.proto``;
 its generated code lives in ``_proto`` (``make proto`` regenerates it).
 
+The contract every store backend keeps, its order of calls and its optional
+capabilities (hard links, file-backed zero-copy reads) are the protocols in
+``contract`` (``TensorStore``, ``StoreWriter``, ``StoreReader``); code above the
+store should need no more. ``Store`` is the POSIX implementation.
+
 Local API (workers on the same host; no network)::
 
     store = Store(root, host)                 # one directory per host, created if missing
@@ -50,6 +55,7 @@ straight into the destination; same token (HMAC of a nonce), off with TLS.
 """
 
 from ..errors import StoreError
+from .contract import FileBackedReader, LinkingWriter, StoreReader, StoreWriter, TensorStore
 from .local import Store
 from .manifest import (LAYOUT_DOC, MANIFEST_FORMAT, AlreadyCommitted, Conflict, CorruptShard, NotFound, OutOfRange,
                        ShardEntry)
@@ -57,6 +63,7 @@ from .reader import VersionReader, layout_from_manifests
 from .target import ShardTarget, checksum
 from .writer import VersionWriter
 
-__all__ = ["Store", "VersionWriter", "VersionReader", "ShardEntry", "ShardTarget", "StoreError", "NotFound",
+__all__ = ["TensorStore", "StoreReader", "StoreWriter", "LinkingWriter", "FileBackedReader",
+           "Store", "VersionWriter", "VersionReader", "ShardEntry", "ShardTarget", "StoreError", "NotFound",
            "OutOfRange", "CorruptShard", "AlreadyCommitted", "Conflict", "checksum",
            "layout_from_manifests", "MANIFEST_FORMAT", "LAYOUT_DOC"]

@@ -43,6 +43,7 @@ from . import wire
 from .dataplane import DataPlaneError, DataPlaneUnreachable, DataPool
 from ._proto import store_pb2 as pb
 from ._proto import store_pb2_grpc as pb_grpc
+from .transformer import TransformProgress, TransformRequest
 
 
 DATA_PLANE_MIN_BYTES = 1 << 20  # smaller reads stay on gRPC, where a call costs less than a new connection
@@ -135,7 +136,7 @@ class StoreClient:
         except grpc.RpcError as e:
             raise self._error(e, what) from None
 
-    def _watched(self, call, what: str) -> Iterator:
+    def _watched(self, call, what: str) -> Generator:
         """The messages of a streaming ``call``; with ``stall_timeout``, the call is cancelled and fails as
         UNAVAILABLE when no message arrives for that long (progress-based, unlike its overall deadline)."""
         stall_timeout = self.stall_timeout
@@ -365,13 +366,19 @@ class StoreClient:
         return list(self._call("Gc", pb.GcRequest(keep=keep), f"Gc({keep})").deleted)
 
     # ---- transformation --------------------------------------------------
-    def transform(self, request: pb.TransformRequest, timeout: float) -> Generator[pb.TransformProgress, None, None]:
-        """Run this host's part of a transformation; yields progress, the last message has ``done``."""
+    def transform(self, request: TransformRequest, timeout: float) -> Generator[TransformProgress, None, None]:
+        """Run this host's part of a transformation; yields progress, the last message has ``done``.
+        Closing the generator drops the call, which cancels the part on the store."""
+        what = f"Transform({request.old_version} -> {request.new_version})"
+        messages = self._watched(self._stub.Transform(wire.to_pb_transform_request(request), timeout=timeout,
+                                                      metadata=self._metadata), what)
         try:
-            yield from self._watched(self._stub.Transform(request, timeout=timeout, metadata=self._metadata),
-                                     f"Transform({request.old_version} -> {request.new_version})")
+            for message in messages:
+                yield wire.from_pb_transform_progress(message)
         except grpc.RpcError as e:
-            raise self._error(e, f"Transform({request.old_version} -> {request.new_version})") from None
+            raise self._error(e, what) from None
+        finally:
+            messages.close()
 
     # ---- dataset files ---------------------------------------------------
     def stat_file(self, path: str) -> dict:

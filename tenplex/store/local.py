@@ -1,8 +1,11 @@
 """The local tensor store of one host: versioned, atomically committed shard files in one directory.
 
-May import: this package's ``manifest``, ``reader`` and ``writer``, ``tenplex.box``,
+May import: this package's ``contract``, ``manifest``, ``reader`` and ``writer``, ``tenplex.box``,
 ``tenplex.errors`` and the standard library. No network: workers on the host use this module
 directly (writing: ``writer``; reading: ``reader``).
+
+The POSIX implementation of the store's contract (``contract.TensorStore``, with both optional
+capabilities: its writers link, its readers are file-backed); mypy checks that it keeps it.
 
 Directory layout under ``root``::
 
@@ -29,7 +32,7 @@ import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ..box import Box
 from ..errors import StoreError
@@ -87,7 +90,7 @@ class Store:
             raise AlreadyCommitted(f"version {version} is already committed in store {self.root}; "
                              f"write a higher version (latest is {self.latest()})")
         part = check_name("part", part or f"p{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        return VersionWriter(self, version, part)
+        return VersionWriter(self.root / "staging" / str(version), version, part, self.commit)
 
     def staged_parts(self, version: int) -> list[str]:
         """Names of the prepared parts of a staged version."""
@@ -195,3 +198,11 @@ class Store:
                 yield
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
+
+
+if TYPE_CHECKING:  # mypy proves that the local store keeps the contract, with both capabilities
+    from .contract import FileBackedReader, LinkingWriter, TensorStore
+
+    def _keeps_the_contract(store: Store, writer: VersionWriter,
+                            reader: VersionReader) -> tuple[TensorStore, LinkingWriter, FileBackedReader]:
+        return store, writer, reader

@@ -46,6 +46,8 @@ LAYOUT_DOC = "layout"  # version-level JSON doc holding the whole tenplex.layout
 # Staged parts tenplex itself names (a part is one writer's share of a version):
 RPC_PART = "remote"           # shards written through the WriteShard RPC without a part name
 TRANSFORM_PART = "transform"  # a destination host's part of a transformation
+REPLICA_PART = "copy"         # a host's copies of another host's regions (tenplex.replication.copier)
+PROMOTE_PART = "promote"      # survivors' shards and copies put together after a host was lost (replication.promote)
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 
 

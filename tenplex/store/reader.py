@@ -124,6 +124,12 @@ class VersionReader:
         span = sum((n - 1) * s for n, s in zip(local.lengths, strides)) + itemsize(entry.dtype)
         return start, span, tuple(strides)
 
+    def link_file(self, entry: ShardEntry, dest: Path) -> None:
+        """Hard-link ``entry``'s file of exactly this version (opened through the version's directory) to ``dest``."""
+        if self._dirfd < 0:
+            raise StoreError(f"the reader of {self.path} is closed")
+        os.link(entry.file, dest, src_dir_fd=self._dirfd)
+
     def shard_file(self, entry: ShardEntry) -> ShardFile:
         """The verified reader of one stored shard (for callers that stream its bytes)."""
         return self._files[entry.file]

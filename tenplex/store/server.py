@@ -2,9 +2,10 @@
 
 May import: grpc, numpy, xxhash, this package, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``
 and the standard library. It never imports ``tenplex.transform``: the
-``Transform`` RPC calls the ``transformer`` function given to :func:`serve`
-(the CLI passes ``tenplex.transform.host.run_host_part``), keeping the store
-below the transformer in the layering.
+``Transform`` RPC calls the ``transformer`` given to :func:`serve` (a
+``transformer.Transformer``; the CLI passes
+``tenplex.transform.host.run_host_part``) with a ``TransformRequest`` decoded
+from the message, keeping the store below the transformer in the layering.
 
 Security: :func:`serve` binds 127.0.0.1 unless told otherwise; any other
 address requires a shared token, which every call must then present as
@@ -37,7 +38,7 @@ import threading
 import time
 from concurrent import futures
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 
 import grpc
 import numpy as np
@@ -55,6 +56,7 @@ from .dataplane import DataServer
 from .local import Store
 from .reader import VersionReader
 from .streams import Busy, StreamLimits
+from .transformer import Transformer
 from .writer import VersionWriter
 
 log = logging.getLogger(__name__)
@@ -123,7 +125,7 @@ def _guard(method):
 
 # --------------------------------------------------------------- service --
 class StoreService:
-    def __init__(self, store: Store, transformer: Callable | None = None, token: str | None = None,
+    def __init__(self, store: Store, transformer: Transformer | None = None, token: str | None = None,
                  peer_root_certificates: bytes | None = None, limits: StreamLimits | None = None,
                  part_idle_s: float = DEFAULT_PART_IDLE_S):
         self.store = store
@@ -401,10 +403,14 @@ class StoreService:
 
         def work():
             try:
-                result = self.transformer(self.store, request, lambda p: updates.put(("progress", p)),
+                if request.host and request.host != self.store.host:
+                    raise StoreError(f"transform request for host {request.host} reached the store of host "
+                                     f"{self.store.host}")
+                result = self.transformer(self.store, wire.from_pb_transform_request(request, self.store.host),
+                                          lambda p: updates.put(("progress", wire.to_pb_transform_progress(p))),
                                           cancelled=cancelled, token=self.token,
                                           root_certificates=self.peer_root_certificates)
-                updates.put(("done", result))
+                updates.put(("done", wire.to_pb_transform_progress(result)))
             except BaseException as e:  # noqa: BLE001 - reported to the coordinator below
                 updates.put(("error", e))
             finally:
@@ -505,7 +511,7 @@ def _handlers(service: StoreService) -> grpc.GenericRpcHandler:
 
 
 def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | None = None,
-          tls_cert: bytes | None = None, tls_key: bytes | None = None, transformer: Callable | None = None,
+          tls_cert: bytes | None = None, tls_key: bytes | None = None, transformer: Transformer | None = None,
           peer_root_certificates: bytes | None = None, max_workers: int = 64,
           data_plane: bool = True, max_streams: int | None = None,
           stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
@@ -515,9 +521,9 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
     ``data_plane``: also serve large box reads on a plain TCP port of the same
     address (see ``dataplane``); never with TLS, whose clients use ReadBox.
 
-    ``transformer(store, request, progress, cancelled=, token=, root_certificates=)`` runs
-    the Transform RPC; it pulls from peers with this server's token and ``peer_root_certificates``
-    (TLS when given).
+    ``transformer(store, request, progress, cancelled=, token=, root_certificates=)`` (a
+    :class:`~tenplex.store.transformer.Transformer`) runs the Transform RPC; it pulls from peers with this
+    server's token and ``peer_root_certificates`` (TLS when given).
 
     At most ``max_streams`` bulk streams (default: all but 16 of the ``max_workers`` threads) run at once,
     and one that makes no progress for ``stream_idle_s`` seconds is cancelled (see ``streams``). A remote

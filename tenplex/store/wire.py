@@ -1,6 +1,7 @@
-"""Chunk framing, chunk splitting and channel options shared by the store server and client.
+"""Chunk framing, chunk splitting, channel options and message conversions shared by the store server and client.
 
-May import: grpc, xxhash, ``tenplex.box``, this package's generated ``_proto`` and the standard library.
+May import: grpc, xxhash, ``tenplex.box``, ``tenplex.layout``, ``tenplex.transfer_plan``, this package's
+generated ``_proto`` and ``transformer``, and the standard library.
 
 Chunks (``Chunk``, ``FileChunk``) carry up to ``chunk_bytes`` of payload. To
 avoid two extra copies of every payload inside protobuf, the server encodes
@@ -14,11 +15,17 @@ language read and write the same messages.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
+import json
+import threading
 from typing import Iterator
 
 from ..box import Box
+from ..layout import Layout, from_dict as layout_from_dict
+from ..transfer_plan import plan_from_dict
 from ._proto import store_pb2 as pb
+from .transformer import TransformProgress, TransformRequest
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 MAX_CHUNK_BYTES = 64 << 20
@@ -160,6 +167,55 @@ def to_pb_box(box: Box) -> pb.Box:
 
 def from_pb_box(msg: pb.Box) -> Box:
     return Box(tuple(msg.offsets), tuple(msg.lengths))
+
+
+# The Transform RPC: only this module and the generated code know its messages; a 0 or "" in a
+# message means "the transformer's default" (None in the request).
+def to_pb_transform_request(request: TransformRequest) -> pb.TransformRequest:
+    return pb.TransformRequest(
+        host=request.host, old_version=request.old_version, new_version=request.new_version,
+        plan_json=json.dumps(request.plan.to_dict()), old_layout_json=_layout_json(request.old_layout),
+        new_layout_json=_layout_json(request.new_layout), peers=dict(request.peers),
+        streams=request.streams or 0, chunk_bytes=request.chunk_bytes or 0,
+        json_from_host=request.json_from_host or "", timeout_s=request.stall_timeout_s or 0.0)
+
+
+_recent_layouts: list[tuple[Layout, str]] = []  # the last few layouts encoded, held so that their ids stay theirs
+_recent_lock = threading.Lock()
+
+
+def _layout_json(layout: Layout) -> str:
+    """The JSON of ``layout``, encoded once for all the requests that carry it: a coordinator sends the same two
+    layouts to every host, and a large layout takes a good part of a second to encode."""
+    with _recent_lock:
+        for known, text in _recent_layouts:
+            if known is layout:
+                return text
+    text = json.dumps(layout.to_dict())
+    with _recent_lock:
+        _recent_layouts.append((layout, text))
+        del _recent_layouts[:-4]
+    return text
+
+
+def from_pb_transform_request(msg: pb.TransformRequest, host: str) -> TransformRequest:
+    """The request a Transform call carries (``host``: this store's, when the message names none); malformed
+    JSON documents raise errors that name them."""
+    return TransformRequest(
+        host=msg.host or host, old_version=msg.old_version, new_version=msg.new_version,
+        plan=plan_from_dict(json.loads(msg.plan_json), source="transform request plan"),
+        old_layout=layout_from_dict(json.loads(msg.old_layout_json), source="transform request old layout"),
+        new_layout=layout_from_dict(json.loads(msg.new_layout_json), source="transform request new layout"),
+        peers=dict(msg.peers), streams=msg.streams or None, chunk_bytes=msg.chunk_bytes or None,
+        json_from_host=msg.json_from_host or None, stall_timeout_s=msg.timeout_s or None)
+
+
+def to_pb_transform_progress(progress: TransformProgress) -> pb.TransformProgress:
+    return pb.TransformProgress(**{f.name: getattr(progress, f.name) for f in dataclasses.fields(progress)})
+
+
+def from_pb_transform_progress(msg: pb.TransformProgress) -> TransformProgress:
+    return TransformProgress(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(TransformProgress)})
 
 
 @functools.cache

@@ -1,8 +1,9 @@
 """Staging one part of a version: shard files, JSON documents, prepare (durable), commit.
 
 May import: numpy, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``,
-``tenplex.layout``, this package's ``_safetensors``, ``blocks``, ``manifest`` and ``target``,
-and the standard library.
+``tenplex.layout``, this package's ``_safetensors``, ``blocks``, ``contract``, ``manifest`` and
+``target``, and the standard library. Not ``local``: the store hands a writer its staging
+directory and the function that publishes a version, so the two do not import each other.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import shutil
 import threading
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import numpy as np
 
 from . import _safetensors as st
+from .contract import FileBackedReader
 from .manifest import LAYOUT_DOC, PART_FORMAT, ShardEntry, check_name, fsync_dir, write_json_durable
 from .blocks import BLOCK_BYTES, block_digests, root_digest
 from .target import ShardTarget
@@ -27,10 +29,6 @@ from ..dtypes import itemsize, numpy_storage
 from ..errors import StoreError
 from ..layout import Layout
 
-if TYPE_CHECKING:
-    from .local import Store
-    from .reader import VersionReader
-
 
 class VersionWriter:
     """Stages one part of a version. Use as a context manager: an exception inside aborts the part.
@@ -38,11 +36,15 @@ class VersionWriter:
     ``put`` writes a complete shard; ``allocate`` returns a writable memory map of
     a new shard to be filled in place (its checksum is computed at ``prepare``);
     ``link`` reuses an already committed shard file without copying.
+
+    ``staging`` is the version's staging directory (this part writes ``staging/<part>/`` and
+    ``staging/<part>.part.json``); ``publish(version)`` commits the version with every prepared part
+    (``Store.commit``).
     """
 
-    def __init__(self, store: Store, version: int, part: str):
-        self.store, self.version, self.part = store, version, part
-        self.staging = store.root / "staging" / str(version)
+    def __init__(self, staging: Path, version: int, part: str, publish: Callable[[int], None]):
+        self.version, self.part, self._publish = version, part, publish
+        self.staging = staging
         self.dir = self.staging / part
         if self.dir.exists() or (self.staging / f"{part}.part.json").exists():
             # A writer of the same name crashed earlier: its files are stale.
@@ -161,10 +163,14 @@ class VersionWriter:
         target.close()
         target.path.unlink(missing_ok=True)
 
-    def link(self, device: str, reader: "VersionReader", entry: ShardEntry) -> None:
+    def link(self, device: str, reader: FileBackedReader, entry: ShardEntry) -> None:
         """Make ``entry`` (a committed shard of ``reader``'s version on this host) ``device``'s shard, by hard link."""
         rel, path = self._claim(device, entry.tensor, entry.box, entry.dtype, entry.shape)
-        os.link(reader.path / entry.file, path)
+        try:
+            reader.link_file(entry, path)
+        except BaseException:
+            self._release(device, entry.tensor, entry.box, path)
+            raise
         self._add(replace(entry, device=device, file=rel))
 
     def put_json(self, name: str, doc) -> None:
@@ -216,7 +222,7 @@ class VersionWriter:
         doubt), and ``Store.commit(version, parts)`` for several writers."""
         self.prepare()
         try:
-            self.store.commit(self.version)
+            self._publish(self.version)
         except BaseException:
             self._state = "failed"
             raise

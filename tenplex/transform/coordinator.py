@@ -1,7 +1,7 @@
 """Run a plan across every host's store with a two-phase commit.
 
-May import: ``tenplex.store`` (client), ``tenplex.transfer_plan``, ``tenplex.layout``,
-``tenplex.devices``, ``tenplex.errors`` and the standard library.
+May import: ``tenplex.store`` (client and transformer types; never its protobuf), ``tenplex.transfer_plan``,
+``tenplex.layout``, ``tenplex.devices``, ``tenplex.errors`` and the standard library.
 
 Phase 1: every destination host (a host of the new layout) stages and
 prepares the new version through its store's ``Transform`` RPC, pulling from
@@ -24,7 +24,6 @@ work that will be aborted.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -34,8 +33,8 @@ from ..devices import host_of
 from ..errors import ConfigError, TransformError
 from ..layout import Layout
 from ..transfer_plan import Plan, PlanStats
-from ..store._proto import store_pb2 as pb
 from ..store.client import StoreClient
+from ..store.transformer import TransformProgress, TransformRequest
 
 Progress = Callable[[str, int, int], None]  # (host, bytes done, bytes total)
 log = logging.getLogger(__name__)
@@ -59,47 +58,97 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
     layout lacks (``plan.new_tensors``) get no shards in the new version: the
     job initialises them.
     """
+    _check(plan, old_layout, new_layout, stores, old_version, new_version)
+    started = time.monotonic()
+    requests = _requests(plan, old_layout, new_layout, stores, old_version, new_version, streams, chunk_bytes,
+                         pull_timeout)
+    destinations = list(requests)
+    clients = {h: StoreClient(a, token=token, root_certificates=root_certificates, timeout=timeout,
+                              stall_timeout=pull_timeout) for h, a in stores.items()}
+    outcome = _Outcome()
+    log.info("transformation %s -> %s: %d destination host(s), %d transfers", old_version, new_version,
+             len(destinations), len(plan.transfers))
+    try:
+        _prepare_everywhere(clients, requests, outcome, progress, timeout)
+        if not outcome.failures and before_commit is not None:
+            try:
+                before_commit()
+            except Exception as e:  # noqa: BLE001
+                outcome.failures["coordinator"] = _caused(TransformError(f"before_commit hook failed: {e}"), e)
+        if outcome.failures:  # what another transformation staged or committed is its own: left alone
+            _abort(clients, [h for h in destinations if h not in outcome.conflicts], new_version, outcome.failures)
+            raise _failed("prepare", old_version, new_version, outcome.failures, outcome.conflicts)
+        log.info("transformation %s -> %s: every host prepared; committing", old_version, new_version)
+        _commit_everywhere(clients, destinations, new_version, outcome)
+        if outcome.failures:
+            raise _failed("commit", old_version, new_version, outcome.failures, outcome.conflicts)
+    finally:
+        for client in clients.values():
+            client.close()
+    return {"old_version": old_version, "new_version": new_version, "seconds": time.monotonic() - started,
+            "hosts": {h: r.counts() for h, r in sorted(outcome.results.items())}}
+
+
+def _check(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[str, str], old_version: int,
+           new_version: int) -> None:
+    """Refuse a transformation that cannot work before any host is touched."""
     if new_version == old_version:
         raise TransformError(f"new version {new_version} must differ from the old version")
-    for t in plan.transfers:  # a plan made for other layouts: fail before any host is touched
+    for t in plan.transfers:  # a plan made for other layouts
         if t.dst not in new_layout.devices or (t.source == "old" and t.src not in old_layout.devices):
             raise TransformError(f"the plan does not match the layouts: transfer {t.to_dict()} names a device "
                                  f"that the {'new' if t.dst not in new_layout.devices else 'old'} layout lacks; "
                                  f"plan again with tenplex.planner.plan(old_layout, new_layout)")
-    destinations = new_layout.hosts()
-    missing = sorted(set(destinations) - set(stores))
+    missing = sorted(set(new_layout.hosts()) - set(stores))
     if missing:
         raise TransformError(f"no store address for destination host(s) {missing}; got {sorted(stores)}",
                              {h: ConfigError(f"no store address for host {h}") for h in missing})
-    started = time.monotonic()
+
+
+def _requests(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[str, str], old_version: int,
+              new_version: int, streams: int, chunk_bytes: int, pull_timeout: float) -> dict[str, TransformRequest]:
+    """Each destination host's request (in the new layout's host order), with only its own transfers: the
+    whole plan's statistics would not describe them."""
     old_hosts = old_layout.hosts()
-    transfers_of: dict[str, list] = {h: [] for h in destinations}
+    transfers_of: dict[str, list] = {h: [] for h in new_layout.hosts()}
     for t in plan.transfers:
         transfers_of.setdefault(host_of(t.dst), []).append(t)
-    # Each host gets only its own transfers; whole-plan statistics would not describe them.
-    plan_json = {h: json.dumps(Plan(tuple(ts), PlanStats(), plan.new_tensors).to_dict())
-                 for h, ts in transfers_of.items()}
-    old_layout_json, new_layout_json = json.dumps(old_layout.to_dict()), json.dumps(new_layout.to_dict())
-    clients = {h: StoreClient(a, token=token, root_certificates=root_certificates, timeout=timeout,
-                              stall_timeout=pull_timeout) for h, a in stores.items()}
-    results: dict[str, pb.TransformProgress] = {}
-    failures: dict[str, BaseException] = {}
-    conflicts: set[str] = set()  # hosts where another transformation holds or committed new_version
-    lock = threading.Lock()
+    return {host: TransformRequest(
+        host=host, old_version=old_version, new_version=new_version,
+        plan=Plan(tuple(ts), PlanStats(), plan.new_tensors), old_layout=old_layout, new_layout=new_layout,
+        peers=stores, streams=streams, chunk_bytes=chunk_bytes or None,
+        # The host whose old JSON documents the new version carries: this one when it held old state.
+        json_from_host=host if host in old_hosts else next((h for h in old_hosts if h in stores), None),
+        stall_timeout_s=pull_timeout) for host, ts in transfers_of.items()}
 
+
+class _Outcome:
+    """What the hosts reported so far, written from their threads."""
+
+    def __init__(self) -> None:
+        self.results: dict[str, TransformProgress] = {}
+        self.failures: dict[str, BaseException] = {}
+        self.conflicts: set[str] = set()  # hosts where another transformation holds or committed the new version
+        self.lock = threading.Lock()
+
+    def failed(self, host: str, error: BaseException) -> None:
+        with self.lock:
+            self.failures[host] = error
+            if _conflict(error):
+                self.conflicts.add(host)
+
+
+def _prepare_everywhere(clients: dict[str, StoreClient], requests: dict[str, TransformRequest], outcome: _Outcome,
+                        progress: Progress | None, timeout: float) -> None:
+    """Phase 1: every destination host stages and prepares its part, all at once, one thread each."""
     def run(host: str) -> None:
-        json_from = host if host in old_hosts else next((h for h in old_hosts if h in stores), "")
-        request = pb.TransformRequest(
-            host=host, old_version=old_version, new_version=new_version,
-            plan_json=plan_json[host], old_layout_json=old_layout_json, new_layout_json=new_layout_json,
-            peers=stores, streams=streams, chunk_bytes=chunk_bytes, json_from_host=json_from,
-            timeout_s=pull_timeout)
+        request = requests[host]
         try:
             final = None
             updates = clients[host].transform(request, timeout=timeout)
             try:
                 for update in updates:
-                    if failures:  # the transformation fails anyway: stop this host's work now
+                    if outcome.failures:  # the transformation fails anyway: stop this host's work now
                         raise _Stopped()
                     if progress is not None:
                         progress(host, update.bytes_done, update.bytes_total)
@@ -108,61 +157,44 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
                 updates.close()  # drops the call, which cancels it on the store
             if final is None or not final.done:
                 raise TransformError(f"store of host {host} ended the transformation without reporting completion")
-            with lock:
-                results[host] = final
+            with outcome.lock:
+                outcome.results[host] = final
         except _Stopped:
-            log.info("transformation %s -> %s: stopped host %s after another host failed", old_version,
-                     new_version, host)
+            log.info("transformation %s -> %s: stopped host %s after another host failed", request.old_version,
+                     request.new_version, host)
         except Exception as e:  # noqa: BLE001 - collected and reported for every host
-            # INFO, not WARNING: the TransformError raised below carries every cause; the CLI prints it in one line.
-            log.info("transformation %s -> %s failed on host %s", old_version, new_version, host, exc_info=True)
-            with lock:
-                failures[host] = e
-                if _conflict(e):
-                    conflicts.add(host)
+            # INFO, not WARNING: the TransformError raised later carries every cause; the CLI prints it in one line.
+            log.info("transformation %s -> %s failed on host %s", request.old_version, request.new_version, host,
+                     exc_info=True)
+            outcome.failed(host, e)
 
-    log.info("transformation %s -> %s: %d destination host(s), %d transfers", old_version, new_version,
-             len(destinations), len(plan.transfers))
-    try:
-        threads = [threading.Thread(target=run, args=(h,), name=f"transform-{h}") for h in destinations]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if not failures and before_commit is not None:
-            try:
-                before_commit()
-            except Exception as e:  # noqa: BLE001
-                failures["coordinator"] = _caused(TransformError(f"before_commit hook failed: {e}"), e)
-        if failures:  # what another transformation staged or committed is its own: left alone
-            _abort(clients, [h for h in destinations if h not in conflicts], new_version, failures)
-            raise _failed("prepare", old_version, new_version, failures, conflicts)
-        log.info("transformation %s -> %s: every host prepared; committing", old_version, new_version)
-        committed = []
-        for host in destinations:
-            try:
-                clients[host].commit(new_version)
-                committed.append(host)
-            except Exception as e:  # noqa: BLE001
-                failures[host] = e
-                if _conflict(e):
-                    conflicts.add(host)
-        if failures:
-            for host in committed:  # nobody can have used the new version yet: take it back
-                try:
-                    clients[host].delete(new_version)
-                except Exception as e:  # noqa: BLE001
-                    failures[host] = _caused(TransformError(f"committed, and could not be rolled back: {e}"), e)
-            _abort(clients, [h for h in destinations if h not in committed and h not in conflicts], new_version,
-                   failures)
-            raise _failed("commit", old_version, new_version, failures, conflicts)
-    finally:
-        for client in clients.values():
-            client.close()
-    return {"old_version": old_version, "new_version": new_version, "seconds": time.monotonic() - started,
-            "hosts": {h: {"bytes_total": r.bytes_total, "kept_bytes": r.kept_bytes, "linked_bytes": r.linked_bytes,
-                          "local_bytes": r.local_bytes, "remote_bytes": r.remote_bytes,
-                          "refetched_bytes": r.refetched_bytes} for h, r in sorted(results.items())}}
+    threads = [threading.Thread(target=run, args=(h,), name=f"transform-{h}") for h in requests]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _commit_everywhere(clients: dict[str, StoreClient], destinations: list[str], version: int,
+                       outcome: _Outcome) -> None:
+    """Phase 2: every host commits; when one fails, the hosts that committed already delete the version again
+    and the others abort it (a host where another transformation owns the version is left alone)."""
+    committed = []
+    for host in destinations:
+        try:
+            clients[host].commit(version)
+            committed.append(host)
+        except Exception as e:  # noqa: BLE001
+            outcome.failed(host, e)
+    if not outcome.failures:
+        return
+    for host in committed:  # nobody can have used the new version yet: take it back
+        try:
+            clients[host].delete(version)
+        except Exception as e:  # noqa: BLE001
+            outcome.failures[host] = _caused(TransformError(f"committed, and could not be rolled back: {e}"), e)
+    _abort(clients, [h for h in destinations if h not in committed and h not in outcome.conflicts], version,
+           outcome.failures)
 
 
 class _Stopped(Exception):

@@ -1,14 +1,15 @@
 """One destination host's part of a transformation: stage version N+1 from N and prepare it.
 
-May import: numpy, ``tenplex.store`` (local store and client), ``tenplex.transfer_plan``,
-``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``, ``tenplex.errors``
+May import: numpy, ``tenplex.store`` (its contract, client and transformer types; never its protobuf),
+``tenplex.transfer_plan``, ``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``, ``tenplex.errors``
 and the standard library. Runs inside the host's store server (the
 ``Transform`` RPC), so it reads this host's old shards straight from disk.
 
 Order of work, per new shard of this host's devices:
 
 1. A shard kept whole (same device, or another device of this host, same
-   box) is hard-linked to the old file: no bytes are copied.
+   box) is hard-linked to the old file: no bytes are copied. (A store that
+   cannot link, see ``tenplex.store.contract``, gets it copied in step 2.)
 2. Every other ``"from": "old"`` region is written straight into the new
    shard's file (``ShardTarget``): from this host's old files (memory-mapped)
    without gRPC, or pulled from the source host by ``streams`` concurrent
@@ -30,7 +31,7 @@ A region whose source fails (host down, cut off, corrupted data after
 retries, missing version) is fetched again from the other replicas the old
 layout lists, this host's own first; only when no replica covers it does the
 part fail, naming the tensor, region and every cause. A source counts as
-failed when a pull from it delivers nothing for ``request.timeout_s`` seconds
+failed when a pull from it delivers nothing for ``request.stall_timeout_s`` seconds
 (the stall limit): a partitioned peer sends no reset, so waiting for a
 deadline would take minutes. While it works, the part sends the coordinator a
 progress message at least every ``HEARTBEAT_S``, so that the coordinator can
@@ -39,7 +40,6 @@ tell a silent host from a busy one in the same way.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -52,12 +52,13 @@ import numpy as np
 from ..box import Box, split_by, subtract_all
 from ..devices import host_of
 from ..errors import StoreError, TransformError
-from ..layout import Layout, from_dict as layout_from_dict
-from ..transfer_plan import Transfer, plan_from_dict
-from ..store import LAYOUT_DOC, CorruptShard, ShardEntry, ShardTarget, Store, VersionReader, wire
-from ..store._proto import store_pb2 as pb
+from ..layout import Layout
+from ..transfer_plan import Transfer
+from ..store import (LAYOUT_DOC, CorruptShard, FileBackedReader, LinkingWriter, ShardEntry, ShardTarget, StoreReader,
+                     StoreWriter, TensorStore, wire)
 from ..store.client import StoreClient
-from .schedule import LOCAL, Piece, Schedule
+from ..store.transformer import TransformProgress, TransformRequest
+from .schedule import LOCAL, Pull, Schedule
 from ..store.manifest import TRANSFORM_PART
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,15 @@ BATCH_REGIONS = 512
 PROGRESS_EVERY_BYTES = 64 << 20  # progress messages are throttled to this granularity
 PROGRESS_EVERY_S = 0.25
 HEARTBEAT_S = 1.0               # a progress message at least this often, even when no bytes arrive
-STALL_S = 5.0                   # default stall limit of pulls (request.timeout_s)
+STALL_S = 5.0                   # default stall limit of pulls (request.stall_timeout_s)
 CALL_TIMEOUT_S = 60.0           # overall deadline base of calls to peers; stalls are caught much earlier
 
 
 @dataclass
 class _Counters:
+    """This part's byte counters; ``add`` reports them to ``progress``, throttled."""
+
+    progress: Callable[[TransformProgress], None]
     total: int = 0
     done: int = 0
     kept: int = 0
@@ -83,17 +87,32 @@ class _Counters:
     remote: int = 0
     refetched: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _reported: tuple[int, float] = field(default_factory=lambda: (0, time.monotonic()))  # bytes done, when
 
-    def message(self) -> pb.TransformProgress:
-        return pb.TransformProgress(bytes_done=self.done, bytes_total=self.total, kept_bytes=self.kept,
-                                    local_bytes=self.local, remote_bytes=self.remote,
-                                    refetched_bytes=self.refetched, linked_bytes=self.linked)
+    def message(self, done: bool = False) -> TransformProgress:
+        return TransformProgress(bytes_done=self.done, bytes_total=self.total, kept_bytes=self.kept,
+                                 local_bytes=self.local, remote_bytes=self.remote, refetched_bytes=self.refetched,
+                                 linked_bytes=self.linked, done=done)
+
+    def add(self, nbytes: int, kind: str) -> None:
+        """``nbytes`` more are in place, got there as ``kind`` (kept, linked, local, remote, refetched)."""
+        with self.lock:
+            self.done += nbytes
+            setattr(self, kind, getattr(self, kind) + nbytes)
+            now = time.monotonic()
+            if self.done - self._reported[0] >= PROGRESS_EVERY_BYTES or now - self._reported[1] >= PROGRESS_EVERY_S:
+                self._reported = (self.done, now)
+                self.progress(self.message())
+
+    def report(self) -> None:
+        with self.lock:
+            self.progress(self.message())
 
 
 class _Sources:
     """Reads regions of old shards: locally from disk, or from peer stores, with replica fallback."""
 
-    def __init__(self, host: str, old: Layout, version: int, reader: VersionReader | None,
+    def __init__(self, host: str, old: Layout, version: int, reader: StoreReader | None,
                  peers: dict[str, str], token: str | None, root_certificates: bytes | None, streams: int,
                  chunk_bytes: int, stall: float):
         self.host, self.old, self.version, self.reader = host, old, version, reader
@@ -229,32 +248,30 @@ class _Completion:
             target.finish()
 
 
-def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable[[pb.TransformProgress], None],
+def run_host_part(store: TensorStore, request: TransformRequest, progress: Callable[[TransformProgress], None],
                   cancelled: threading.Event | None = None, token: str | None = None,
-                  root_certificates: bytes | None = None) -> pb.TransformProgress:
-    """Stage ``request.new_version`` on this host and prepare it (the coordinator commits). Returns final counters."""
-    host = request.host or store.host
+                  root_certificates: bytes | None = None) -> TransformProgress:
+    """Stage ``request.new_version`` on this host and prepare it (the coordinator commits). Returns the final
+    counters (``done`` set). A :class:`~tenplex.store.transformer.Transformer`."""
+    host = request.host
     if host != store.host:
         raise StoreError(f"transform request for host {host} reached the store of host {store.host}")
-    plan = plan_from_dict(json.loads(request.plan_json), source="transform request plan")
-    old = layout_from_dict(json.loads(request.old_layout_json), source="transform request old layout")
-    new = layout_from_dict(json.loads(request.new_layout_json), source="transform request new layout")
+    plan, old, new = request.plan, request.old_layout, request.new_layout
     cancelled = cancelled or threading.Event()
     streams = request.streams or DEFAULT_STREAMS
     reader = store.open(request.old_version) if request.old_version in store.versions() else None
     sources = _Sources(host, old, request.old_version, reader, dict(request.peers), token, root_certificates,
-                       streams, request.chunk_bytes or wire.DEFAULT_CHUNK_BYTES, request.timeout_s or STALL_S)
-    counters = _Counters()
+                       streams, request.chunk_bytes or wire.DEFAULT_CHUNK_BYTES, request.stall_timeout_s or STALL_S)
+    counters = _Counters(progress)
     beating = threading.Event()
-    threading.Thread(target=_heartbeat, args=(counters, progress, beating), name=f"heartbeat-{host}",
-                     daemon=True).start()
+    threading.Thread(target=_heartbeat, args=(counters, beating), name=f"heartbeat-{host}", daemon=True).start()
     log.info("host %s: staging version %s from %s (%d transfers, %d streams)", host, request.new_version,
              request.old_version, len(plan.transfers), streams)
     store.abort(request.new_version)  # leftovers of an earlier, interrupted attempt
     writer = store.begin(request.new_version, part=TRANSFORM_PART)
     try:
-        _stage(host, plan.transfers, set(plan.new_tensors), new, writer, reader, sources, counters, progress,
-               cancelled, streams)
+        _stage(host, plan.transfers, set(plan.new_tensors), new, writer, reader, sources, counters, cancelled,
+               streams)
         _carry_json(host, request, old, writer, reader, sources)
         writer.put_layout(new)
         writer.prepare()
@@ -265,22 +282,63 @@ def run_host_part(store: Store, request: pb.TransformRequest, progress: Callable
         beating.set()
         sources.close()
     log.info("host %s: prepared version %s", host, request.new_version)
-    return counters.message()
+    return counters.message(done=True)
 
 
-def _heartbeat(counters: _Counters, progress, stop: threading.Event) -> None:
+def _heartbeat(counters: _Counters, stop: threading.Event) -> None:
     """Tell the coordinator this host is alive while it works (allocating, pulling, checksumming)."""
     while not stop.wait(HEARTBEAT_S):
         with counters.lock:
             if not stop.is_set():
-                progress(counters.message())
+                counters.progress(counters.message())
 
 
-def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, reader, sources: _Sources,
-           counters: _Counters, progress, cancelled: threading.Event, streams: int) -> None:
-    mine = [t for t in transfers if host_of(t.dst) == host]
-    # new shard (device, tensor, box) -> transfers filling it; tensors new to this layout are the job's to initialise
-    by_shard: dict[tuple[str, str, Box], list[Transfer]] = {}
+ShardKey = tuple[str, str, Box]  # a new shard: (device, tensor, box)
+
+
+@dataclass
+class _Work:
+    """What staging queued: the new shards' files, the shards linked whole, the pulls (and the small remote
+    regions still to batch into pulls), the local fan-out, and the space reservations."""
+
+    targets: dict[ShardKey, ShardTarget] = field(default_factory=dict)
+    linked: dict[ShardKey, ShardEntry] = field(default_factory=dict)  # fan-out sources that were hard-linked
+    pulls: list[Pull] = field(default_factory=list)
+    small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = field(default_factory=dict)  # source host -> regions
+    fan_out: list[tuple[Transfer, ShardKey]] = field(default_factory=list)
+    reserves: list[Callable[[], None]] = field(default_factory=list)
+    completion: _Completion = field(default_factory=_Completion)
+
+
+def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer: StoreWriter,
+           reader: StoreReader | None, sources: _Sources, counters: _Counters, cancelled: threading.Event,
+           streams: int) -> None:
+    """Fill every new shard of this host: link whole kept shards, queue and run the pulls, then fan out."""
+    fills_of = _fills_by_shard(host, transfers, uninitialised, new)
+    counters.total = sum(key[2].volume * new.tensors[key[1]].itemsize for key in fills_of)
+    work = _Work()
+    for key, fills in fills_of.items():
+        _check_covered(key, fills)
+        if not _link_whole(host, key, fills, new, writer, reader, work, counters):
+            _queue_fills(host, key, fills, new, writer, sources, work, counters, cancelled)
+    for _, key in work.fan_out:
+        work.completion.exclude(work.targets[key])
+    _queue_batches(work, sources, counters, cancelled)
+    # Destinations start their round of sources at different places (see schedule).
+    schedule = Schedule(work.pulls, start=new.hosts().index(host) if host in new.hosts() else 0,
+                        failed=lambda h: h in sources.failed)
+    _run(host, work.reserves, schedule, streams, cancelled)
+    # A cancel makes every pending job return early: the shards are then incomplete and must never be prepared.
+    if cancelled.is_set():
+        raise TransformError(f"host {host}: transformation cancelled")
+    _fan_out(host, work, new, reader, counters, cancelled)
+    counters.report()
+
+
+def _fills_by_shard(host: str, transfers, uninitialised: set[str], new: Layout) -> dict[ShardKey, list[Transfer]]:
+    """Each new shard of this host's devices -> the transfers that fill it. Tensors new to this layout get no
+    shards: the job initialises them."""
+    by_shard: dict[ShardKey, list[Transfer]] = {}
     boxes_of: dict[tuple[str, str], list[Box]] = {}  # (device, tensor) -> its new boxes
     for device, shards in new.devices.items():
         if host_of(device) == host:
@@ -288,89 +346,88 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer, r
                 if shard.tensor not in uninitialised:
                     by_shard[(device, shard.tensor, shard.box)] = []
                     boxes_of.setdefault((device, shard.tensor), []).append(shard.box)
-    for t in mine:
+    for t in transfers:
+        if host_of(t.dst) != host:
+            continue
         owner = next(((t.dst, t.tensor, b) for b in boxes_of.get((t.dst, t.tensor), ()) if b.contains(t.box)), None)
         if owner is None:
             raise TransformError(f"plan sends {t.tensor!r} {t.box} to {t.dst}, but no box of {t.dst} in the new "
                                  f"layout contains it; the plan does not match the new layout")
         by_shard[owner].append(t)
-    counters.total = sum(key[2].volume * new.tensors[key[1]].itemsize for key in by_shard)
+    return by_shard
 
-    last = [0, time.monotonic()]
 
-    def advance(nbytes: int, kind: str) -> None:
-        with counters.lock:
-            counters.done += nbytes
-            setattr(counters, kind, getattr(counters, kind) + nbytes)
-            now = time.monotonic()
-            if counters.done - last[0] >= PROGRESS_EVERY_BYTES or now - last[1] >= PROGRESS_EVERY_S:
-                last[0], last[1] = counters.done, now
-                progress(counters.message())
+def _check_covered(key: ShardKey, fills: list[Transfer]) -> None:
+    device, tensor, box = key
+    covered = sum(t.box.volume for t in fills)
+    if covered != box.volume or subtract_all(box, [t.box for t in fills]):
+        raise TransformError(f"plan covers {covered} of {box.volume} elements of {tensor!r} {box} on {device}; "
+                             f"every new box must be covered exactly once")
 
-    targets: dict[tuple[str, str, Box], ShardTarget] = {}
-    linked: dict[tuple[str, str, Box], ShardEntry] = {}  # fan-out sources that were hard-linked
-    pieces: list[Piece] = []
-    fan_out: list[tuple[Transfer, tuple]] = []
-    small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = {}  # source host -> small remote regions
-    reserves: list[Callable[[], None]] = []
-    completion = _Completion()
-    for key, fills in by_shard.items():
-        device, tensor, box = key
-        spec = new.tensors[tensor]
-        covered = sum(t.box.volume for t in fills)
-        if covered != box.volume or subtract_all(box, [t.box for t in fills]):
-            raise TransformError(f"plan covers {covered} of {box.volume} elements of {tensor!r} {box} on {device}; "
-                                 f"every new box must be covered exactly once")
-        linkable = _linkable(host, fills, box, reader)
-        if linkable is not None:
-            writer.link(device, reader, linkable)
-            linked[key] = linkable
-            advance(box.volume * spec.itemsize, "linked")
+
+def _link_whole(host: str, key: ShardKey, fills: list[Transfer], new: Layout, writer: StoreWriter,
+                reader: StoreReader | None, work: _Work, counters: _Counters) -> bool:
+    """Hard-link the shard when a whole old shard of this host fills it and the store can link; True if done."""
+    if not isinstance(writer, LinkingWriter) or not isinstance(reader, FileBackedReader):
+        return False  # a store without the capability: the shard is copied like any local region
+    entry = _linkable(host, fills, key[2], reader)
+    if entry is None:
+        return False
+    writer.link(key[0], reader, entry)
+    work.linked[key] = entry
+    counters.add(key[2].volume * new.tensors[key[1]].itemsize, "linked")
+    return True
+
+
+def _queue_fills(host: str, key: ShardKey, fills: list[Transfer], new: Layout, writer: StoreWriter,
+                 sources: _Sources, work: _Work, counters: _Counters, cancelled: threading.Event) -> None:
+    """Create the new shard's file and queue its regions: local copies and large remote regions as pulls of up
+    to ``PIECE_BYTES``, small remote regions for batching, ``"from": "new"`` regions for the fan-out."""
+    device, tensor, box = key
+    spec = new.tensors[tensor]
+    # Space is reserved by a thread of its own (``_run``) so that allocation overlaps the pulls.
+    target = writer.create(device, tensor, box, spec.dtype, spec.shape, reserve=False)
+    work.targets[key] = target
+    work.reserves.append(target.reserve)
+    for t in fills:
+        if t.source == "new":
+            work.fan_out.append((t, key))
             continue
-        # Space is reserved by a thread of its own (``_run``) so that allocation overlaps the pulls.
-        target = writer.create(device, tensor, box, spec.dtype, spec.shape, reserve=False)
-        targets[key] = target
-        reserves.append(target.reserve)
-        for t in fills:
-            if t.source == "new":
-                fan_out.append((t, key))
-                continue
-            kind = "kept" if t.kept else ("local" if host_of(t.src) == host else "remote")
-            for piece in wire.split_box(t.box, spec.itemsize, PIECE_BYTES):
-                nbytes = piece.volume * spec.itemsize
-                completion.expect(target)
-                if kind != "remote":
-                    pieces.append(Piece(LOCAL, nbytes, _job(sources, t.src, {}, t.tensor, piece, target, kind,
-                                                            advance, cancelled, completion)))
-                elif nbytes < SMALL_BYTES:
-                    small.setdefault(host_of(t.src), []).append((t.src, t.tensor, piece, target))
-                else:
-                    holders = sources.holders(t.tensor, piece)
-                    pieces.append(Piece(host_of(t.src), nbytes, _job(sources, t.src, holders, t.tensor, piece, target,
-                                                                     kind, advance, cancelled, completion),
-                                        frozenset(holders) - {host_of(t.src)}))
-    for _, key in fan_out:
-        completion.exclude(targets[key])
-    for source_host, items in small.items():
+        kind = "kept" if t.kept else ("local" if host_of(t.src) == host else "remote")
+        for piece in wire.split_box(t.box, spec.itemsize, PIECE_BYTES):
+            nbytes = piece.volume * spec.itemsize
+            work.completion.expect(target)
+            if kind != "remote":
+                work.pulls.append(Pull(LOCAL, nbytes, _job(sources, t.src, {}, t.tensor, piece, target, kind,
+                                                           counters.add, cancelled, work.completion)))
+            elif nbytes < SMALL_BYTES:
+                work.small.setdefault(host_of(t.src), []).append((t.src, t.tensor, piece, target))
+            else:
+                holders = sources.holders(t.tensor, piece)
+                job = _job(sources, t.src, holders, t.tensor, piece, target, kind, counters.add, cancelled,
+                           work.completion)
+                work.pulls.append(Pull(host_of(t.src), nbytes, job, frozenset(holders) - {host_of(t.src)}))
+
+
+def _queue_batches(work: _Work, sources: _Sources, counters: _Counters, cancelled: threading.Event) -> None:
+    """Turn the small remote regions into pulls of many regions each (one ``ReadBoxes`` call)."""
+    for source_host, items in work.small.items():
         for batch in _batches(items):
             batch_holders = [sources.holders(tensor, piece) for _, tensor, piece, _ in batch]
             shared = frozenset.intersection(*(frozenset(h) for h in batch_holders)) - {source_host}
-            pieces.append(Piece(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
-                                _batch_job(sources, batch, batch_holders, advance, cancelled, completion), shared))
-    # Destinations start their round of sources at different places (see schedule).
-    schedule = Schedule(pieces, start=new.hosts().index(host) if host in new.hosts() else 0,
-                        failed=lambda h: h in sources.failed)
-    _run(host, reserves, schedule, streams, cancelled)
-    # A cancel makes every pending job return early: the shards are then incomplete and must never be prepared.
-    if cancelled.is_set():
-        raise TransformError(f"host {host}: transformation cancelled")
-    for t, key in fan_out:
+            work.pulls.append(Pull(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
+                                   _batch_job(sources, batch, batch_holders, counters.add, cancelled,
+                                              work.completion), shared))
+
+
+def _fan_out(host: str, work: _Work, new: Layout, reader: StoreReader | None, counters: _Counters,
+             cancelled: threading.Event) -> None:
+    """Copy the ``"from": "new"`` regions, in plan order, from the new shards the pulls filled."""
+    for t, key in work.fan_out:
         if cancelled.is_set():
             raise TransformError(f"host {host}: transformation cancelled")
-        targets[key].write(t.box, _new_region(targets, linked, reader, t.src, t.tensor, t.box))
-        advance(t.box.volume * new.tensors[t.tensor].itemsize, "local")
-    with counters.lock:
-        progress(counters.message())
+        work.targets[key].write(t.box, _new_region(work.targets, work.linked, reader, t.src, t.tensor, t.box))
+        counters.add(t.box.volume * new.tensors[t.tensor].itemsize, "local")
 
 
 def _run(host: str, reserves: list[Callable[[], None]], schedule: Schedule, streams: int,
@@ -454,7 +511,7 @@ def _batch_job(sources: _Sources, batch: list, holders: list[dict[str, str]], ad
     return run
 
 
-def _linkable(host: str, fills: list[Transfer], box: Box, reader: VersionReader | None):
+def _linkable(host: str, fills: list[Transfer], box: Box, reader: StoreReader | None):
     """The old shard entry to hard-link when one old-version transfer from this host fills the whole box
     with a whole old shard of the same box; else None."""
     if reader is None or len(fills) != 1:
@@ -469,7 +526,7 @@ def _linkable(host: str, fills: list[Transfer], box: Box, reader: VersionReader 
     return entry if entry.box == box else None
 
 
-def _new_region(targets: dict, linked: dict, reader: VersionReader | None, device: str, tensor: str,
+def _new_region(targets: dict, linked: dict, reader: StoreReader | None, device: str, tensor: str,
                 box: Box) -> np.ndarray:
     """Region ``box`` of ``device``'s new shard of ``tensor`` (staged here, or hard-linked and read verified)."""
     for key, target in targets.items():
@@ -483,7 +540,7 @@ def _new_region(targets: dict, linked: dict, reader: VersionReader | None, devic
                          f"shard; the plan does not match the new layout")
 
 
-def _carry_json(host: str, request: pb.TransformRequest, old: Layout, writer, reader: VersionReader | None,
+def _carry_json(host: str, request: TransformRequest, old: Layout, writer, reader: StoreReader | None,
                 sources: _Sources) -> None:
     """Copy the old version's JSON documents (step, RNG, dataset position…) into the new version.
 

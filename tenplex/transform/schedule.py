@@ -33,7 +33,7 @@ LOCAL = ""  # the queue of this host's local copies (no network)
 
 
 @dataclass(eq=False)
-class Piece:
+class Pull:
     """One pull: ``run(server)`` reads it from host ``server`` (``source`` or one of ``replicas``)."""
 
     source: str
@@ -45,8 +45,8 @@ class Piece:
 class Schedule:
     """Hands out pieces to pull threads (thread-safe); ``done(server)`` after each piece ran."""
 
-    def __init__(self, pieces: list[Piece], start: int = 0, failed: Callable[[str], bool] = lambda host: False):
-        self._queues: dict[str, deque[Piece]] = {}
+    def __init__(self, pieces: list[Pull], start: int = 0, failed: Callable[[str], bool] = lambda host: False):
+        self._queues: dict[str, deque[Pull]] = {}
         self._queued: dict[str, int] = {}  # bytes still queued per source
         for piece in pieces:
             self._queues.setdefault(piece.source, deque()).append(piece)
@@ -58,7 +58,7 @@ class Schedule:
         self._failed = failed
         self._lock = threading.Lock()
 
-    def take(self) -> tuple[Piece, str] | None:
+    def take(self) -> tuple[Pull, str] | None:
         """The next piece and the host to read it from, or None when every piece has been handed out."""
         with self._lock:
             usable = [h for h in self._rank if not self._failed(h)]
@@ -78,7 +78,7 @@ class Schedule:
         with self._lock:
             self._in_flight[server] -= 1
 
-    def _pop(self, source: str, index: int = 0) -> Piece | None:
+    def _pop(self, source: str, index: int = 0) -> Pull | None:
         queue = self._queues.get(source)
         if not queue:
             return None
@@ -87,7 +87,7 @@ class Schedule:
         self._queued[source] -= piece.nbytes
         return piece
 
-    def _steal(self, server: str) -> Piece | None:
+    def _steal(self, server: str) -> Pull | None:
         """A piece queued for another source that ``server`` also holds, from the fullest queue, from its end
         (its own source works from the front)."""
         for source in sorted(self._queues, key=lambda s: -self._queued[s]):

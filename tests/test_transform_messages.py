@@ -1,0 +1,51 @@
+"""The Transform RPC's domain values and their protobuf form: only ``wire`` converts, and nothing is lost."""
+
+from __future__ import annotations
+
+import json
+
+from tenplex.planner import plan
+from tenplex.store import wire
+from tenplex.store._proto import store_pb2 as pb
+from tenplex.transform import TransformProgress, TransformRequest
+
+from store_helpers import gpt_layout
+
+
+def _request(**options) -> TransformRequest:
+    old, new = gpt_layout(2, 2, 1, 2, 2), gpt_layout(1, 4, 1, 2, 2)
+    return TransformRequest(host="h1", old_version=3, new_version=4, plan=plan(old, new), old_layout=old,
+                            new_layout=new, peers={"h0": "127.0.0.1:5001", "h1": "127.0.0.1:5002"}, **options)
+
+
+def test_a_request_survives_the_round_trip_through_its_message():
+    for options in ({}, {"streams": 8, "chunk_bytes": 1 << 20, "json_from_host": "h0", "stall_timeout_s": 2.5}):
+        request = _request(**options)
+        message = wire.to_pb_transform_request(request)
+        back = wire.from_pb_transform_request(pb.TransformRequest.FromString(message.SerializeToString()), "h9")
+        assert back == request
+
+
+def test_defaults_travel_as_the_messages_zero_values():
+    """None (the transformer's default) is 0 or "" on the wire, as store.proto documents for other clients."""
+    message = wire.to_pb_transform_request(_request())
+    assert (message.streams, message.chunk_bytes, message.json_from_host, message.timeout_s) == (0, 0, "", 0.0)
+    assert json.loads(message.plan_json)["format"] == "tenplex.plan/1"
+    assert json.loads(message.new_layout_json)["format"] == "tenplex.layout/1"
+
+
+def test_a_message_without_a_host_is_for_the_receiving_store():
+    message = wire.to_pb_transform_request(_request())
+    message.host = ""
+    assert wire.from_pb_transform_request(message, "h9").host == "h9"
+
+
+def test_progress_survives_the_round_trip_field_by_field():
+    progress = TransformProgress(bytes_done=1, bytes_total=2, kept_bytes=3, linked_bytes=4, local_bytes=5,
+                                 remote_bytes=6, refetched_bytes=7, done=True)
+    message = wire.to_pb_transform_progress(progress)
+    assert (message.bytes_done, message.bytes_total, message.kept_bytes, message.linked_bytes, message.local_bytes,
+            message.remote_bytes, message.refetched_bytes, message.done) == (1, 2, 3, 4, 5, 6, 7, True)
+    assert wire.from_pb_transform_progress(message) == progress
+    assert progress.counts() == {"bytes_total": 2, "kept_bytes": 3, "linked_bytes": 4, "local_bytes": 5,
+                                 "remote_bytes": 6, "refetched_bytes": 7}
