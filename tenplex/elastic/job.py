@@ -96,6 +96,7 @@ class Restored:
     transformed: bool
     plan_stats: dict
     seconds: float
+    saved_version: int | None = None   # the version that was saved (``version`` may be a transformed copy of it)
 
 
 class Job:
@@ -212,7 +213,7 @@ class Job:
         if self.dataset is not None:
             self._open_data(extra.get(DATASET_KEY))
         self.restored = Restored(self.step, info.version, info.transformed, dict(info.plan_stats),
-                                 time.monotonic() - begin)
+                                 time.monotonic() - begin, info.saved_version)
         self._last_boundary = time.monotonic()
         if self.save_every:
             self._next_save = self.step + self.save_every
