@@ -1,9 +1,10 @@
-"""``tenplex demo --elastic``: an elastic job on real torchrun agents, through joins, failures and leaves.
+"""``tenplex demo --elastic``: an elastic job on real torchrun agents, through joins, failures, leaves and partitions.
 
 May import: ``tenplex.elastic.nodes`` and ``.timeline``, ``tenplex.runtime`` (dataset, job
-launcher), ``tenplex.replication`` (is a save's copy complete?), ``tenplex.bench.cluster`` (``link_mbit``: the emulated cluster), ``tenplex.errors`` and the
-standard library. No torch in this process: the
-training runs in the workers (``examples/01-gpt-train/train.py`` through :class:`tenplex.elastic.Job`).
+launcher), ``tenplex.replication`` (is a save's copy complete?), ``tenplex.bench.cluster``
+(``link_mbit``: the emulated cluster), ``tenplex.errors`` and the standard library. No torch in
+this process: the training runs in the workers (``examples/01-gpt-train/train.py`` through
+:class:`tenplex.elastic.Job`).
 
 1. It packs the example dataset (exactly one epoch: ``steps`` global batches).
 2. The **reference**: the same script trains every step uninterrupted on one

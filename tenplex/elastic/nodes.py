@@ -72,7 +72,8 @@ class Nodes:
         from ..bench.cluster import CONTROL
 
         port_file, log = self.base / "rendezvous.port", self.base / "rendezvous.log"
-        argv = [sys.executable, "-m", "tenplex.cli", "rendezvous", "serve", "--port", "0", "--port-file", str(port_file)]
+        argv = [sys.executable, "-m", "tenplex.cli", "rendezvous", "serve", "--port", "0",
+                "--port-file", str(port_file)]
         if self.cluster is not None:
             # TCPStore has no authentication: only the hosts of this run's private network reach it.
             argv += ["--bind", self.cluster.address(CONTROL), "--allow-unauthenticated"]
