@@ -94,6 +94,7 @@ def mount(dataset: str | os.PathLike, mountpoint: str | os.PathLike, state_file:
     check_fuse()
     check_mountpoint(mountpoint)
     mountpoint = Path(mountpoint).resolve()
+    own_log = log_path is None  # a log of our own making: removed again if the mount fails (its text is in the error)
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix="tenplex-vfs-", suffix=".log")
         os.close(fd)
@@ -113,7 +114,7 @@ def mount(dataset: str | os.PathLike, mountpoint: str | os.PathLike, state_file:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise VfsError(f"the FUSE server exited with code {process.returncode}: {handle.log().strip()}")
+            raise VfsError(f"the FUSE server exited with code {process.returncode}: {_last_words(handle, own_log)}")
         if os.path.ismount(mountpoint):
             try:
                 read_root(mountpoint)
@@ -122,7 +123,15 @@ def mount(dataset: str | os.PathLike, mountpoint: str | os.PathLike, state_file:
                 pass
         time.sleep(0.02)
     handle.unmount(lazy=True, timeout=5)
-    raise VfsError(f"{mountpoint} was not mounted within {timeout} s; server log: {handle.log().strip()}")
+    raise VfsError(f"{mountpoint} was not mounted within {timeout} s; server log: {_last_words(handle, own_log)}")
+
+
+def _last_words(handle: MountHandle, remove: bool) -> str:
+    """The failed server's log, for the error message; the log file itself is removed when ``remove``."""
+    text = handle.log().strip()
+    if remove and handle.log_path is not None:
+        handle.log_path.unlink(missing_ok=True)
+    return text
 
 
 def unmount(mountpoint: str | os.PathLike, lazy: bool = False) -> None:

@@ -138,6 +138,18 @@ def test_path_traversal_in_metadata_is_refused(tmp_path):
             open_dataset(tmp_path / "ds")
 
 
+def test_hand_edited_sizes_in_metadata_name_the_file_and_field(tmp_path):
+    _tokens(tmp_path)
+    pack(tmp_path / "tokens.bin", tmp_path / "ds", seq_len=8, dtype="uint16")
+    meta_path = tmp_path / "ds" / "dataset.json"
+    meta = json.loads(meta_path.read_text())
+    for bad in ("12x", -1, 3.5, None, True):
+        meta["files"][0]["bytes"] = bad
+        meta_path.write_text(json.dumps(meta))
+        with pytest.raises(DatasetError, match=r"dataset\.json: files\[0\] \(records-00000\.bin\) has \"bytes\": "):
+            open_dataset(tmp_path / "ds")
+
+
 def test_identity_tracks_content(tmp_path):
     _tokens(tmp_path)
     a = pack(tmp_path / "tokens.bin", tmp_path / "a", seq_len=8, dtype="uint16")

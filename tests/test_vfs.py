@@ -4,6 +4,7 @@ import errno
 import gc
 import json
 import os
+import tempfile
 import signal
 import subprocess
 import sys
@@ -324,6 +325,19 @@ def test_mounting_a_truncated_index_fails_clearly(dataset, tmp_path):
     (tmp_path / "m").mkdir()
     with pytest.raises(VfsError, match=r"index\.npy: 100 bytes.*truncated"):
         mount(info.root, tmp_path / "m", tmp_path / "state.json", log_path=tmp_path / "log")
+    assert not os.path.ismount(tmp_path / "m")
+
+
+def test_a_failed_mount_leaves_no_log_of_its_own_behind(dataset, tmp_path, monkeypatch):
+    info, _ = dataset
+    write_state_file(tmp_path / "state.json", DatasetState(info.identity, N, 7, 0, B), dp=2)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "m").mkdir()
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    with pytest.raises(VfsError, match="exited with code .*not a tenplex dataset"):  # the log's text, in the error
+        mount(tmp_path / "empty", tmp_path / "m", tmp_path / "state.json")
+    assert list((tmp_path / "tmp").iterdir()) == []
     assert not os.path.ismount(tmp_path / "m")
 
 

@@ -163,9 +163,14 @@ def open_dataset(root: str | os.PathLike, read_bytes: Callable[[Path], bytes] = 
     root = Path(root).absolute() if read_bytes is _local_bytes else Path(root)
     meta = _load_metadata(root, read_bytes)
     files = []
-    for entry in meta["files"]:
+    for number, entry in enumerate(meta["files"]):
         name = safe_name(entry.get("name", "") if isinstance(entry, dict) else "", "record file name")
-        files.append(RecordFile(name, int(entry.get("bytes", -1))))
+        size = entry.get("bytes")
+        if type(size) is not int or size < 0:
+            raise DatasetError(f"{root / METADATA_NAME}: files[{number}] ({name}) has \"bytes\": {size!r}, expected "
+                               f"a size in bytes (a whole number >= 0); the file was edited by hand: re-pack the "
+                               f"dataset")
+        files.append(RecordFile(name, size))
     index = _load_index(root, meta, read_bytes)
     for f in files:
         path = root / f.name

@@ -6,9 +6,9 @@ May import: ``tenplex.store``, ``tenplex.dtypes``, ``tenplex.box``,
 Saving hands each piece's CPU values to ``VersionWriter.put``, which writes
 them with plain file writes (no intermediate copy for a contiguous CPU tensor).
 Restoring reads each region with ``VersionReader.readinto``, which verifies
-the block checksums of the bytes it reads: straight into the local tensor when
-that is a contiguous CPU tensor (and the region one contiguous run of the
-file), otherwise into a buffer and then one copy. bfloat16 and float8 travel as
+the block checksums of the bytes it reads, straight into the local CPU tensor
+(a contiguous run with ``pread``, rows such as a column block copied into
+place piece by piece); a GPU tensor gets a host buffer and then one copy. bfloat16 and float8 travel as
 their raw bits (uint16/uint8) because numpy has no such types.
 """
 
@@ -47,9 +47,9 @@ def read_piece(reader: VersionReader, sources: list[tuple[str, Box]], piece: Pie
         dest = own[region.local(piece.box).slices()]
         if dest.dim() == 0:
             _copy_from_map(reader.read(device, piece.name, region), dest, piece.spec.dtype)
-        elif dest.device.type == "cpu" and dest.is_contiguous():
-            reader.readinto(device, piece.name, region, _bytes_of(dest))
-        else:  # e.g. a column block of the local tensor, or a GPU tensor: read whole, then one copy
+        elif dest.device.type == "cpu":  # contiguous or not (a column block of the local tensor): in place
+            reader.readinto(device, piece.name, region, dest.view(_int_of_size(dest.element_size())).numpy())
+        else:  # a GPU tensor: read into host memory, then one copy
             buffer = torch.empty(dest.shape, dtype=dest.dtype)
             reader.readinto(device, piece.name, region, _bytes_of(buffer))
             dest.copy_(buffer)

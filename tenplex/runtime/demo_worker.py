@@ -1,7 +1,8 @@
 """One rank of the ``tenplex demo`` job: train the reference GPT on a packed dataset, save or restore with tenplex.
 
 May import: torch, safetensors, ``tenplex`` (``save``, ``restore``, ``Checkpointer``),
-``tenplex.integration.process_group``, ``tenplex.dataset``, the reference model ``tenplex.models.gpt`` and the standard library.
+``tenplex.integration.process_group``, ``tenplex.dataset``, the reference model ``tenplex.models.gpt`` and the
+standard library.
 
 Usage: ``python -m tenplex.runtime.demo_worker SPEC.json`` with the environment
 that :func:`tenplex.runtime.launch.run_job` sets. The spec says the parallel

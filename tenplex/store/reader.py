@@ -129,18 +129,41 @@ class VersionReader:
         return self._files[entry.file]
 
     def region(self, entry: ShardEntry, box: Box, verified: set | None = None, digest=None) -> np.ndarray:
-        """The region ``box`` (global coordinates, inside ``entry.box``) of a stored shard, read and verified.
+        """The region ``box`` (global coordinates, inside ``entry.box``) of a stored shard, read and verified:
+        a C-contiguous array, unless its rows do not line up (:func:`row_geometry`) or ``digest`` is given and
+        the region is not one run of the file; then a strided view of the bytes from its first to last element.
 
-        Reads the bytes from the region's first to its last element (just the region when it is
-        contiguous in the file) and checks every block they touch. ``verified`` and ``digest`` (fed the
-        bytes read, in order): see ``ShardFile.read_into``."""
+        Every block the region's bytes touch is checked. ``verified`` and ``digest`` (fed the bytes read, in
+        order: from the region's first to its last element): see ``ShardFile.read_into``."""
         dtype = np.dtype(numpy_storage(entry.dtype))
-        if box.is_empty():
-            return np.empty(box.lengths, dtype)
+        out = np.empty(box.lengths, dtype)
+        if box.is_empty() or self._fill(entry, box, out, verified, digest):
+            return out
         start, span, strides = self.byte_span(entry, box)
         buffer = np.empty(span, np.uint8)
         self._files[entry.file].read_into(start, memoryview(buffer), verified=verified, digest=digest)
         return np.ndarray(box.lengths, dtype=dtype, buffer=buffer, strides=strides)
+
+    def _fill(self, entry: ShardEntry, box: Box, target: np.ndarray, verified: set | None = None,
+              digest=None) -> bool:
+        """Read region ``box`` straight into ``target`` (its shape, the stored item size, any strides); False,
+        with nothing read, when that needs an intermediate buffer (the caller reads the span instead).
+
+        One contiguous run of the file into a contiguous target is ``pread`` in place; rows that line up in
+        both (:func:`row_geometry`) are copied from each verified piece while it is in cache."""
+        start, span, strides = self.byte_span(entry, box)
+        file = self._files[entry.file]
+        if target.flags.c_contiguous and span == target.nbytes:
+            file.read_into(start, memoryview(target.reshape(-1).view(np.uint8)), verified=verified, digest=digest)
+            return True
+        rows = None if digest is not None else row_geometry(box.lengths, strides, target.strides, target.itemsize)
+        if rows is None:
+            return False
+        count, run, src_stride, dst_stride = rows
+        first_item = target[tuple(slice(0, 1) for _ in box.lengths)].reshape(1).view(np.uint8)
+        file.read_rows(start, src_stride, np.lib.stride_tricks.as_strided(first_item, (count, run), (dst_stride, 1)),
+                       verified)
+        return True
 
     def array(self, entry: ShardEntry) -> np.ndarray:
         """The whole stored shard, read and verified."""
@@ -153,21 +176,30 @@ class VersionReader:
         return self.region(entry, box)
 
     def readinto(self, device: str, tensor: str, box: Box, dest) -> None:
-        """Fill ``dest`` (a writable buffer of ``box``'s C-order bytes) with that region of ``device``'s shard,
-        verified; a region that is one contiguous run of the file is read straight into ``dest``."""
+        """Fill ``dest`` with that region of ``device``'s shard, verified.
+
+        ``dest`` is a writable buffer of ``box``'s C-order bytes, or a writable
+        numpy array of ``box``'s shape and the stored item size with any
+        strides (say a column block of a larger tensor). A region that is one
+        contiguous run of the file goes straight into a contiguous ``dest``;
+        otherwise the rows are copied into place from each piece while it is
+        in cache, with no intermediate buffer, whenever the region and ``dest``
+        are both rows of a contiguous run; anything else is read whole and copied."""
         entry = self.find(device, tensor, box)
-        dest = memoryview(dest).cast("B")
-        if dest.nbytes != box.volume * itemsize(entry.dtype):
-            raise StoreError(f"{tensor!r} {box}: destination of {dest.nbytes} bytes, the region has "
-                             f"{box.volume * itemsize(entry.dtype)}")
-        if box.is_empty():
-            return
-        start, span, _ = self.byte_span(entry, box)
-        if span == dest.nbytes:
-            self._files[entry.file].read_into(start, dest)
-            return
-        values = self.region(entry, box)
-        np.frombuffer(dest, values.dtype).reshape(box.lengths)[...] = values
+        item = itemsize(entry.dtype)
+        if isinstance(dest, np.ndarray):
+            if dest.shape != box.lengths or dest.itemsize != item or not dest.flags.writeable:
+                raise StoreError(f"{tensor!r} {box}: destination array {dest.shape} of {dest.itemsize}-byte items "
+                                 f"(writable: {dest.flags.writeable}); the region needs {box.lengths} of {item}")
+            target = dest
+        else:
+            raw = memoryview(dest).cast("B")
+            if raw.nbytes != box.volume * item:
+                raise StoreError(f"{tensor!r} {box}: destination of {raw.nbytes} bytes, the region has "
+                                 f"{box.volume * item}")
+            target = np.frombuffer(raw, np.uint8).view(np.dtype(f"V{item}")).reshape(box.lengths)
+        if not box.is_empty() and not self._fill(entry, box, target):
+            target[...] = self.region(entry, box).view(target.dtype)
 
     def verify(self) -> list[str]:
         """Check every block of every shard; return descriptions of the ones that do not match (empty: all good)."""
@@ -219,3 +251,22 @@ def layout_from_manifests(manifests: list[dict]) -> Layout:
                                   f"{tensors[e.tensor]} and {spec}")
             devices.setdefault(e.device, []).append(Shard(e.tensor, e.box))
     return Layout.build(tensors, devices)
+
+
+def row_geometry(lengths: tuple[int, ...], src_strides, dst_strides, item: int) -> tuple[int, int, int, int] | None:
+    """(rows, bytes per row, source row stride, destination row stride) when a region of shape ``lengths`` is,
+    in both its source and its destination (byte strides given), a sequence of equally spaced contiguous
+    rows; None otherwise. Dimensions of length 1 do not count."""
+    dims = [(n, s, d) for n, s, d in zip(lengths, src_strides, dst_strides) if n != 1]
+    run = item
+    while dims and dims[-1][1] == run and dims[-1][2] == run:  # contiguous in both: part of the row
+        run *= dims.pop()[0]
+    while len(dims) > 1:  # outer dimensions that step evenly in both merge into one
+        (n0, s0, d0), (n1, s1, d1) = dims[-2], dims[-1]
+        if s0 != s1 * n1 or d0 != d1 * n1:
+            return None
+        dims[-2:] = [(n0 * n1, s1, d1)]
+    if not dims:
+        return 1, run, run, run
+    count, src_stride, dst_stride = dims[0]
+    return count, run, src_stride, dst_stride

@@ -1,6 +1,6 @@
 """Verified reads of one committed shard file with ``pread``.
 
-May import: xxhash, this package's ``manifest`` and the standard library.
+May import: numpy, xxhash, this package's ``manifest`` and the standard library.
 
 Reads never memory-map a committed file: a file truncated under a map kills the
 process with SIGBUS on the next access. :class:`ShardFile` opens the file for
@@ -17,12 +17,16 @@ import struct
 import threading
 from typing import Callable
 
+import numpy as np
 import xxhash
 
 from .manifest import CorruptShard, ShardEntry
 
 _MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 _PIECE = 1 << 20  # reads go piece by piece: small enough to stay in the CPU cache between pread and hash
+# One piece buffer per thread, shared by every shard file: a fresh bytearray is zero-filled, which cost more than
+# the hashing when each of a restore's hundreds of shards made its own.
+_scratch = threading.local()
 
 
 class ShardFile:
@@ -49,7 +53,6 @@ class ShardFile:
         else:
             self._size, self._blocks = entry.block_bytes, entry.blocks
         self._trusted: set[int] = set()  # legacy rows: block 0 once verified
-        self._scratch = threading.local()
 
     def _fail(self, what: str) -> CorruptShard:
         return CorruptShard(f"{self.where}: {what}; the stored shard is damaged: read it from another replica, or "
@@ -85,10 +88,11 @@ class ShardFile:
             raise self._fail(f"truncated: {size} bytes, the data needs {self.data_offset + self.entry.nbytes}")
         return self.data_offset
 
-    def _piece_buffer(self) -> memoryview:
-        buffer = getattr(self._scratch, "buffer", None)
+    @staticmethod
+    def _piece_buffer() -> memoryview:
+        buffer = getattr(_scratch, "buffer", None)
         if buffer is None:
-            buffer = self._scratch.buffer = memoryview(bytearray(_PIECE))
+            buffer = _scratch.buffer = memoryview(bytearray(_PIECE))
         return buffer
 
     def _pread(self, fd: int, view: memoryview, offset: int) -> None:
@@ -121,8 +125,45 @@ class ShardFile:
         finally:
             os.close(fd)
 
-    def _scan(self, fd: int, start: int, end: int, dest: memoryview | None, verified: set | None, digest) -> int:
-        """Stream data bytes [start, end) through the piece buffer: verify, copy, digest (see read_into)."""
+    def read_rows(self, start: int, stride: int, out: np.ndarray, verified: set | None = None) -> None:
+        """Read ``len(out)`` rows of ``out.shape[1]`` data bytes, the first at ``start`` and each ``stride`` bytes after
+        the one before, into the rows of ``out`` (a writable uint8 array, any row stride), verifying every
+        block the rows' span touches (``verified``: see :meth:`read_into`). Each piece is copied from the piece
+        buffer while it is in cache: one pass, no buffer of the span."""
+        rows, run = out.shape
+        if not rows or not run:
+            return
+
+        def scatter(lo: int, view: memoryview) -> None:
+            """Copy the parts of rows that lie in span bytes [lo, lo + len(view)) from ``view``."""
+            hi = lo + view.nbytes
+            first, last = max(0, (lo - run) // stride + 1), min(rows - 1, (hi - 1) // stride)
+            whole_first = -(-lo // stride)
+            whole_last = min(last, (hi - run) // stride) if hi >= run else -1
+            piece = np.frombuffer(view, np.uint8)
+            if whole_first <= whole_last:
+                n = whole_last - whole_first + 1
+                out[whole_first:whole_last + 1] = np.lib.stride_tricks.as_strided(
+                    piece[whole_first * stride - lo:], (n, run), (stride, 1), writeable=False)
+            cut = {r for r in (first, last) if not whole_first <= r <= whole_last}  # rows cut by the piece's ends
+            for r in cut:
+                a, b = max(r * stride, lo), min(r * stride + run, hi)
+                if a < b:
+                    out[r, a - r * stride:b - r * stride] = piece[a - lo:b - lo]
+
+        end = start + (rows - 1) * stride + run
+        if start < 0 or end > self.entry.nbytes:
+            raise ValueError(f"{self.where}: data bytes {start}-{end} outside 0-{self.entry.nbytes}")
+        fd = self._open_file()
+        try:
+            self._scan(fd, start, end, None, verified, None, consume=scatter)
+        finally:
+            os.close(fd)
+
+    def _scan(self, fd: int, start: int, end: int, dest: memoryview | None, verified: set | None, digest,
+              consume: Callable[[int, memoryview], None] | None = None) -> int:
+        """Stream data bytes [start, end) through the piece buffer: verify, copy, digest (see read_into), and
+        hand each piece's wanted bytes to ``consume(offset from start, bytes)`` while they are in cache."""
         verified = self._trusted if self.entry.blocks is None else (set() if verified is None else verified)
         offset = self._check_size(fd)
         scratch = self._piece_buffer()
@@ -148,6 +189,8 @@ class ShardFile:
                         dest[a - start:b - start] = view[a - piece:b - piece]
                     if digest is not None:
                         digest.update(view[a - piece:b - piece])
+                    if consume is not None:
+                        consume(a - start, view[a - piece:b - piece])
             if hasher is not None:
                 actual = f"{hasher.intdigest():016x}"
                 if actual != self._blocks[index]:
