@@ -69,6 +69,8 @@ LINKED_TIMEOUT_S = 15.0
 # freed only when its host gives up retransmitting to that peer, after about 6 s with 4 retries (Linux: 15, about
 # 15 minutes). Its exit then breaks its connections to the others, who were waiting on it.
 LINKED_TCP_RETRIES = 4
+# A save's copies take a second or two here; a minute means the replication failed (its log says why).
+REPLICATION_WAIT_S = 60.0
 # Three nodes run a pipeline with one stage per node: losing one loses the only data-parallel copy of its
 # stage, which only the replicated copies (tenplex.replication) bring back.
 DEFAULT_PINS = {6: "tp=2,pp=3"}
@@ -195,8 +197,8 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
                 # The survivors resume from the newest save only once its copies exist: wait for the background
                 # replication, so that the checks know which save the next world must restore.
                 newest = max((d["version"] for d in progress.docs if d["event"] == "saved"), default=None)
-                _wait(lambda: newest is None or _replicated(nodes, newest), deadline, nodes,  # noqa: B023
-                      f"the copies of version {newest}")
+                _wait(lambda: newest is None or _replicated(nodes, newest),  # noqa: B023
+                      min(deadline, time.monotonic() + REPLICATION_WAIT_S), nodes, f"the copies of version {newest}")
             say(f"event {i + 1}: {e.kind} {e.host} at step {at}")
             fired.append({"time": time.time(), "step": at})
             if e.kind == "join":
