@@ -108,7 +108,9 @@ class Job:
     (:func:`tenplex.elastic.policy.choose`). ``save_every``: steps between
     periodic saves (None: automatic, at most ``save_budget`` of the time; 0:
     only when stopping). ``timeout``: how long a collective may wait for a
-    peer before the rank gives up (a dead node that sent no reset).
+    peer before the rank gives up (a dead node that sent no reset; gloo's
+    point-to-point receives, as in pipelining, ignore it and wait until the
+    host's TCP gives up on the peer: see ``net.ipv4.tcp_retries2``).
     ``on_save(info)`` runs on every rank after each committed save (``info``:
     step, version, why, seconds), for example to log it; ``on_exit(code, why)``
     runs before the job exits at a step boundary (stopping, or a peer gone). ``replicas``: copies

@@ -164,7 +164,7 @@ def _cut_off(host: str, cut: float, worlds: list[World], roots: list[Path]) -> d
 
 def summarize(reference: Path, elastic: Path, events: list, fired: list[dict], roots: list[Path],
               after: list[list[str]]) -> tuple[dict, dict]:
-    """The ``tenplex.demo.elastic/1`` summary (events with their times and bytes, the four checks), and the
+    """The ``tenplex.demo.elastic/1`` summary (events with their times and bytes, the checks), and the
     loss histories and worlds behind it (for the plot)."""
     worlds, ref_worlds = read_worlds(elastic), read_worlds(reference)
     history, ref_history = final_history(worlds), final_history(ref_worlds)
