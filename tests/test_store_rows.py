@@ -137,3 +137,21 @@ def test_every_sub_box_of_a_small_shard(tmp_path):
         target = np.zeros((9, 9, 9), np.int16)[1:1 + box.lengths[0], 2:2 + box.lengths[1], ::2][:, :, :box.lengths[2]]
         reader.readinto("h0/0", "x", box, target)
         assert np.array_equal(target, data[a0:b0, a1:b1, a2:b2]), box
+
+
+def test_bench_reads_reports_every_case_against_its_baselines():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "tenplex.cli", "bench", "reads", "--json", "--mib", "4",
+                          "--repeat", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["bytes"] == 4 << 20 and doc["rows"] * doc["cols"] * 4 == doc["bytes"]
+    sizes = {"whole": 4 << 20, "whole_into_columns": 4 << 20, "half_columns": 2 << 20, "half_rows": 2 << 20}
+    for case, nbytes in sizes.items():
+        row = doc[case]
+        assert row["bytes"] == nbytes
+        assert row["verified_s"] > 0 and row["mmap_s"] > 0 and row["memcpy_s"] > 0
+        assert row["verified_over_mmap"] == pytest.approx(row["verified_s"] / row["mmap_s"], rel=0.02, abs=0.01)

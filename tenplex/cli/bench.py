@@ -16,8 +16,8 @@ import importlib
 import json
 
 # Benchmark modules under tenplex.bench.
-BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "plan", "transfer", "reconfig", "compare", "partition", "simulate",
-                              "replicate")
+BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "reads", "plan", "transfer", "reconfig", "compare", "partition",
+                              "simulate", "replicate")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -59,6 +59,7 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from ..integration.process_group import init_process_group, leave_process_group
 from ..parallel import ParallelConfig
+from .envsettings import settings_from_env
 from .launcher import EXIT_RESTART
 from .policy import Choice, choose
 
@@ -104,7 +105,12 @@ class Job:
 
     ``dataset``: a packed tenplex dataset directory (``tenplex data pack``), or
     None if the script reads its data itself (the position is then the step).
-    ``max_tp``, ``pp``, ``pinned``, ``policy``: the configuration policy
+    Arguments left at None take the settings the launcher put in the
+    environment (``TENPLEX_MAX_TP``, ``TENPLEX_PP``, ``TENPLEX_PINNED``,
+    ``TENPLEX_REPLICAS``, ``TENPLEX_SAVE_INTERVAL``, ``TENPLEX_DATASET``: the
+    operator's worker pods; :mod:`tenplex.elastic.envsettings`); explicit
+    arguments win.
+    ``max_tp`` (default 8), ``pp``, ``pinned``, ``policy``: the configuration policy
     (:func:`tenplex.elastic.policy.choose`). ``save_every``: steps between
     periodic saves (None: automatic, at most ``save_budget`` of the time; 0:
     only when stopping). ``timeout``: how long a collective may wait for a
@@ -123,12 +129,19 @@ class Job:
     """
 
     def __init__(self, *, global_batch: int, dataset: str | os.PathLike | None = None, seed: int = 0,
-                 drop_last: bool = True, max_tp: int = 8, pp: int | None = None,
+                 drop_last: bool = True, max_tp: int | None = None, pp: int | None = None,
                  pinned: Mapping[int, ParallelConfig | str] | None = None,
                  policy: Callable | None = None, save_every: int | None = None, save_budget: float = 0.05,
                  replicas: int | None = None, backend: str = "gloo", timeout: float = 120.0,
                  checkpointer_options: Mapping[str, Any] | None = None, on_save: Callable[[dict], None] | None = None,
                  on_exit: Callable[[int, str], None] | None = None, replication_wait: float = 10.0):
+        # Arguments left out (None) take the launcher's settings: the operator's pods set them (envsettings).
+        given: dict[str, Any] = {"max_tp": max_tp, "pp": pp, "pinned": pinned, "replicas": replicas,
+                                 "save_every": save_every, "dataset": dataset}
+        given.update({k: v for k, v in settings_from_env(os.environ).items() if given[k] is None})
+        tp_cap: int = given["max_tp"] or 8
+        pp, pinned = given["pp"], given["pinned"]
+        replicas, save_every, dataset = given["replicas"], given["save_every"], given["dataset"]
         if save_every is not None and save_every < 0:
             raise ConfigError(f"save_every must be None (automatic), 0 (only when stopping) or positive, got "
                               f"{save_every}")
@@ -146,7 +159,7 @@ class Job:
         peers = all_gather_json({"host": self.host, "token": f"{time.time_ns():x}-{os.getpid()}"})
         self.hosts = list(dict.fromkeys(p["host"] for p in peers))
         self.world_id = peers[0]["token"]  # names this world (rank 0's token) in logs; the same on every rank
-        self.choice: Choice = choose(self.world_size, per_node, max_tp=max_tp, pp=pp, pinned=pinned, policy=policy,
+        self.choice: Choice = choose(self.world_size, per_node, max_tp=tp_cap, pp=pp, pinned=pinned, policy=policy,
                                      hosts=self.hosts if len(self.hosts) * per_node == self.world_size else None)
         # Ranks left idle by the policy train nothing: the others save, restore and agree within their own group.
         self.group = dist.new_group(list(range(self.choice.used))) if self.choice.idle else None

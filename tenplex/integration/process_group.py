@@ -22,7 +22,9 @@ way, and these functions deal with both:
 from __future__ import annotations
 
 import gc
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -52,4 +54,39 @@ def leave_process_group(group=None, *, together: bool = True) -> None:
         dist.barrier(group=group)
     dist.destroy_process_group()
     del group
+    _wait_for_idle_gloo_threads()
     gc.collect()
+
+
+def _wait_for_idle_gloo_threads(timeout: float = 5.0) -> None:
+    """Wait, without the GIL, until every gloo worker thread is asleep (parked waiting for work).
+
+    A worker thread releases a finished collective's tensors under the group's
+    lock and needs the GIL to do it. A group freed by the garbage collector
+    from an object that holds it without releasing the GIL (a DDP ``Reducer``)
+    waits for that lock while holding the GIL: a deadlock, seen here as a hung
+    rank. Sleeping lets such a thread finish; a thread seen asleep twice in a
+    row, 10 ms apart, while this thread held no GIL, is parked.
+    """
+    deadline = time.monotonic() + timeout
+    asleep_before: set[str] = set()
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+        states = _gloo_thread_states()
+        asleep = {tid for tid, state in states.items() if state == "S"}
+        if asleep == set(states) and asleep == asleep_before:
+            return
+        asleep_before = asleep
+
+
+def _gloo_thread_states() -> dict[str, str]:
+    """Thread id -> scheduler state (R, S, D, …) of this process's gloo worker threads (Linux /proc)."""
+    states = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() == "pt_gloo_runloop":
+                # "pid (comm) state ...": the state follows the last ")" (a name may hold spaces)
+                states[task.name] = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # the thread ended meanwhile
+            continue
+    return states
