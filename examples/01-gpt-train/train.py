@@ -25,7 +25,7 @@ from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 def main() -> None:
     args = parse_args()
     job = tenplex.elastic.Job(dataset=args.data, global_batch=args.global_batch, max_tp=args.max_tp,
-                              pinned=args.pin, save_every=args.save_every, replicas=args.replicas,
+                              pinned=args.pin, save_every=args.save_every, replicas=args.replicas, timeout=args.timeout,
                               checkpointer_options={"keep": args.keep_versions},
                               on_save=(lambda save: record.saved(save)) if args.record else None,
                               on_exit=(lambda code, why: record.exit(code, why)) if args.record else None)
@@ -72,6 +72,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=None,
                    help="copies of regions no other host holds (default: 1 with two or more hosts)")
     p.add_argument("--keep-versions", type=int, default=2, help="saved versions each store keeps")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds a collective waits for a peer before giving up (a partitioned peer sends no reset)")
     p.add_argument("--init-seed", type=int, default=0, help="seed of the initial weights of a fresh start")
     p.add_argument("--record", type=Path, help="directory for per-rank JSON lines and state dumps (the demo)")
     args = p.parse_args()

@@ -28,9 +28,13 @@ def register(subparsers) -> None:
     p.add_argument("--elastic", action="store_true",
                    help="run an elastic job on real torchrun agents (tenplex run) through a schedule of nodes "
                         "joining, failing and leaving")
-    p.add_argument("--schedule", help="with --elastic: events KIND:HOST@STEP, comma-separated "
-                                      "(default join:h2@4,fail:h1@8,leave:h2@12; h0 and h1 run at the start)")
+    p.add_argument("--schedule", help="with --elastic: events KIND:HOST@STEP, comma-separated, KIND one of join, "
+                                      "fail, leave, partition (with --link-mbit) (default join:h2@4,fail:h1@8,"
+                                      "leave:h2@12; h0 and h1 run at the start)")
     p.add_argument("--plot", type=Path, help="with --elastic: write both loss curves and the events to this PNG")
+    p.add_argument("--link-mbit", type=float, metavar="N",
+                   help="with --elastic: run every node in its own network namespace with a link of N Mbit/s each "
+                        "way (needs root and iproute2); enables partition:HOST@STEP events")
     p.add_argument("--steps", type=int, default=None,
                    help="steps before the rescale, and after it (default 8); with --elastic: all steps (default 16)")
     p.add_argument("--from", dest="parallel_from", default="tp=2,dp=2", metavar="PARALLEL",
@@ -66,8 +70,8 @@ def _output_and_workdir(args: argparse.Namespace, prefix: str):
 def main(args: argparse.Namespace) -> int:
     if args.elastic:
         return elastic(args)
-    if args.schedule or args.plot:
-        raise UsageError("--schedule and --plot belong to --elastic")
+    if args.schedule or args.plot or args.link_mbit is not None:
+        raise UsageError("--schedule, --plot and --link-mbit belong to --elastic")
     args.steps = 8 if args.steps is None else args.steps
     if args.steps < 1:
         raise UsageError("--steps must be at least 1")
@@ -142,16 +146,21 @@ def report(s: dict, say) -> None:
 
 def elastic(args: argparse.Namespace) -> int:
     """``tenplex demo --elastic``: see :mod:`tenplex.elastic.demo`."""
-    from ..elastic.demo import DEFAULT_SCHEDULE, parse_schedule, run
+    from ..elastic.demo import DEFAULT_SCHEDULE, parse_schedule, require_links, run
     from ..elastic.timeline import plot, print_timeline
 
     steps = 16 if args.steps is None else args.steps
     schedule = args.schedule or DEFAULT_SCHEDULE
-    parse_schedule(schedule, ("h0", "h1"), steps)  # bad input: one line, before anything starts
+    if args.link_mbit is not None and args.link_mbit <= 0:
+        raise UsageError(f"--link-mbit must be positive, got {args.link_mbit:g}")
+    # bad input: one line, before anything starts
+    parse_schedule(schedule, ("h0", "h1"), steps, links=args.link_mbit is not None)
+    if args.link_mbit is not None:
+        require_links()
     say, workdir = _output_and_workdir(args, "tenplex-elastic-")
     start = time.monotonic()
     try:
-        summary, history = run(workdir, schedule, steps, say=say)
+        summary, history = run(workdir, schedule, steps, say=say, link_mbit=args.link_mbit)
     finally:
         if args.workdir is None and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

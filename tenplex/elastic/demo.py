@@ -1,8 +1,10 @@
-"""``tenplex demo --elastic``: an elastic job on real torchrun agents, through joins, failures and leaves.
+"""``tenplex demo --elastic``: an elastic job on real torchrun agents, through joins, failures, leaves and partitions.
 
 May import: ``tenplex.elastic.nodes`` and ``.timeline``, ``tenplex.runtime`` (dataset, job
-launcher), ``tenplex.errors`` and the standard library. No torch in this process: the
-training runs in the workers (``examples/01-gpt-train/train.py`` through :class:`tenplex.elastic.Job`).
+launcher), ``tenplex.replication`` (is a save's copy complete?), ``tenplex.bench.cluster``
+(``link_mbit``: the emulated cluster), ``tenplex.errors`` and the standard library. No torch in
+this process: the training runs in the workers (``examples/01-gpt-train/train.py`` through
+:class:`tenplex.elastic.Job`).
 
 1. It packs the example dataset (exactly one epoch: ``steps`` global batches).
 2. The **reference**: the same script trains every step uninterrupted on one
@@ -22,7 +24,19 @@ training runs in the workers (``examples/01-gpt-train/train.py`` through :class:
      completely (from data-parallel copies or replicated ones), replaying the
      steps after it on the same global batches;
    * ``leave:HOST@STEP``: SIGTERM to the node's agent: the ranks agree at the
-     next step boundary, save, and the others continue without it.
+     next step boundary, save, and the others continue without it;
+   * ``partition:HOST@STEP`` (only with ``link_mbit``): the node's link is
+     cut while its agent, store and workers keep running. No connection is
+     reset, so every collective that waits on the node gives up after the
+     job's collective timeout (:data:`LINKED_TIMEOUT_S`); the survivors form a
+     new world without it and restore as after a failure. The cut-off node
+     cannot reach the others or the rendezvous: its workers time out as well,
+     and its agent gives up its rendezvous and exits (``nodes.LINKED_RDZV_CONF``).
+
+   With ``link_mbit`` every node runs in a network namespace of its own, with a
+   link of that many Mbit/s in each direction (:class:`tenplex.bench.cluster.EmulatedCluster`),
+   and the rendezvous store in the cluster's control namespace; the kernel's
+   counters give each host's bytes in and out.
 
 4. :mod:`.timeline` reads what every worker recorded and checks it.
 """
@@ -36,15 +50,27 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import ConfigError, TenplexError
 from .nodes import Nodes
 
+if TYPE_CHECKING:
+    from ..bench.cluster import EmulatedCluster
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-gpt-train" / "train.py"
 DEFAULT_SCHEDULE = "join:h2@4,fail:h1@8,leave:h2@12"
 GLOBAL_BATCH = 12    # dp 1, 2 and 3 (one to three nodes of tp=2) all divide it into whole micro-batches
-KINDS = ("join", "fail", "leave")
+KINDS = ("join", "fail", "leave", "partition")
+# How long a collective waits for a peer on links: a cut-off peer sends no reset, so this is how soon the others
+# notice a partition. Ample for this job's longest legitimate wait (a restore that transforms the tiny GPT).
+LINKED_TIMEOUT_S = 15.0
+# Point-to-point receives (the pipeline's) wait without a timeout in gloo: a rank blocked on a cut-off peer is
+# freed only when its host gives up retransmitting to that peer, after about 6 s with 4 retries (Linux: 15, about
+# 15 minutes). Its exit then breaks its connections to the others, who were waiting on it.
+LINKED_TCP_RETRIES = 4
+# A save's copies take a second or two here; a minute means the replication failed (its log says why).
+REPLICATION_WAIT_S = 60.0
 # Three nodes run a pipeline with one stage per node: losing one loses the only data-parallel copy of its
 # stage, which only the replicated copies (tenplex.replication) bring back.
 DEFAULT_PINS = {6: "tp=2,pp=3"}
@@ -61,10 +87,11 @@ class Event:
     at: int
 
 
-def parse_schedule(text: str, initial: tuple[str, ...], steps: int) -> list[Event]:
-    """``"join:h2@4,fail:h1@8,leave:h2@12"`` -> events, checked against the nodes that run at each point."""
+def parse_schedule(text: str, initial: tuple[str, ...], steps: int, links: bool = False) -> list[Event]:
+    """``"join:h2@4,fail:h1@8,leave:h2@12"`` -> events, checked against the nodes that run at each point
+    (``links``: the nodes have network links of their own, which a partition needs)."""
     events: list[Event] = []
-    running = list(initial)
+    running, cut = list(initial), set()
     for item in filter(None, (s.strip() for s in text.split(","))):
         m = re.fullmatch(r"(\w+):([A-Za-z0-9_-]+)@(\d+)", item)
         if not m or m.group(1) not in KINDS:
@@ -77,9 +104,15 @@ def parse_schedule(text: str, initial: tuple[str, ...], steps: int) -> list[Even
         if not 1 <= event.at < steps:
             raise ConfigError(f"schedule item {item!r}: the step must be within 1..{steps - 1} (the job trains "
                               f"{steps} steps)")
+        if event.kind == "partition" and not links:
+            raise ConfigError(f"schedule item {item!r}: a partition cuts a node's network link; give --link-mbit N "
+                              f"so that every node has one")
         if event.kind == "join":
             if event.host in running:
                 raise ConfigError(f"schedule item {item!r}: {event.host} is already running")
+            if event.host in cut:
+                raise ConfigError(f"schedule item {item!r}: {event.host} was cut off and its processes may still "
+                                  f"run; join a new host instead")
             running.append(event.host)
         else:
             if event.host not in running:
@@ -87,6 +120,8 @@ def parse_schedule(text: str, initial: tuple[str, ...], steps: int) -> list[Even
             if len(running) == 1:
                 raise ConfigError(f"schedule item {item!r}: {event.host} is the last node; the job would stop")
             running.remove(event.host)
+            if event.kind == "partition":
+                cut.add(event.host)
         events.append(event)
     return events
 
@@ -100,10 +135,12 @@ def expected_hosts(initial: tuple[str, ...], events: list[Event]) -> list[list[s
     return after
 
 
-def _script(data: Path, steps: int, record: Path, save_every: int, pins: dict[int, str]) -> list[str]:
+def _script(data: Path, steps: int, record: Path, save_every: int, pins: dict[int, str],
+            timeout: float | None = None) -> list[str]:
     return [str(EXAMPLE), "--data", str(data), "--steps", str(steps), "--record", str(record),
             "--global-batch", str(GLOBAL_BATCH), "--save-every", str(save_every), "--keep-versions", "1000",
-            *(f"--pin={world}:{spec}" for world, spec in sorted(pins.items()))]
+            *(f"--pin={world}:{spec}" for world, spec in sorted(pins.items())),
+            *(["--timeout", str(timeout)] if timeout is not None else [])]
 
 
 def run_reference(workdir: Path, data: Path, steps: int, say: Callable[[str], None]) -> Path:
@@ -129,8 +166,9 @@ def _records(folder: Path) -> list[dict]:
 
 def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], initial: tuple[str, ...],
                 save_every: int, pins: dict[int, str], say: Callable[[str], None],
-                timeout: float = 900.0) -> tuple[Path, list[dict]]:
-    """The elastic run; returns its record folder and when each event was set off (wall time)."""
+                timeout: float = 900.0, cluster: "EmulatedCluster | None" = None) -> tuple[Path, list[dict]]:
+    """The elastic run (with ``cluster``: each node in its own network namespace); returns its record folder
+    and when each event was set off (wall time)."""
     record = workdir / "elastic" / "record"
     record.mkdir(parents=True)
     for e in events:
@@ -140,7 +178,9 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
     deadline = time.monotonic() + timeout
     env = dict(os.environ, OMP_NUM_THREADS="1")
     max_nodes = len(set(initial) | {e.host for e in events})
-    with Nodes(workdir / "elastic", 2, max_nodes, _script(data, steps, record, save_every, pins), env) as nodes:
+    script = _script(data, steps, record, save_every, pins, LINKED_TIMEOUT_S if cluster is not None else None)
+    with Nodes(workdir / "elastic", 2, max_nodes, script, env, cluster) as nodes:
+        before = cluster.counters() if cluster is not None else None
         nodes.start_rendezvous()
         for host in initial:
             nodes.start(host)
@@ -153,12 +193,20 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
                   deadline, nodes,
                   f"the job to reach step {e.at} on {', '.join(wanted)}")
             at = progress.reached(e.at, wanted)  # e.at, unless a restart carried the job past its hold
+            if e.kind in ("fail", "partition"):
+                # The survivors resume from the newest save only once its copies exist: wait for the background
+                # replication, so that the checks know which save the next world must restore.
+                newest = max((d["version"] for d in progress.docs if d["event"] == "saved"), default=None)
+                _wait(lambda: newest is None or _replicated(nodes, newest),  # noqa: B023
+                      min(deadline, time.monotonic() + REPLICATION_WAIT_S), nodes, f"the copies of version {newest}")
             say(f"event {i + 1}: {e.kind} {e.host} at step {at}")
             fired.append({"time": time.time(), "step": at})
             if e.kind == "join":
                 nodes.start(e.host)
             elif e.kind == "fail":
                 nodes.fail(e.host)
+            elif e.kind == "partition":
+                nodes.partition(e.host)
             else:
                 nodes.leave(e.host)
             if e.kind != "join":
@@ -168,13 +216,33 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
                   deadline, nodes,
                   f"a world of {', '.join(after[i])} after the {e.kind}")
             (record / f"hold-{e.at}").unlink(missing_ok=True)
+        # A cut-off node is not waited for by anyone, but it must end by itself: its agent gives up its rendezvous.
         _wait(lambda: progress.update() and not nodes.running(), deadline, nodes, f"the job to reach step {steps}")
         codes = nodes.wait(0)
+        if cluster is not None and before is not None:
+            moved = cluster.counters() - before
+            links = {"mbit": cluster.mbit[cluster.hosts[0]],
+                     "hosts": {h: {"out": v.out, "in": v.in_} for h, v in sorted(moved.items())}}
+            (workdir / "elastic" / "links.json").write_text(json.dumps(links))
     (workdir / "elastic" / "fired.json").write_text(json.dumps(fired))
-    bad = {h: c for h, c in codes.items() if c not in (0, -9)}
+    (workdir / "elastic" / "agents.json").write_text(json.dumps({"exit_codes": codes,
+                                                                 "partitioned": sorted(nodes.partitioned)}))
+    bad = {h: c for h, c in codes.items() if c not in (0, -9) and h not in nodes.partitioned}
     if bad:
         raise DemoError(f"agents exited with {bad}; see {workdir / 'elastic'}/agent-*.log")
     return record, fired
+
+
+def _replicated(nodes: Nodes, version: int) -> bool:
+    """Whether every copy of ``version`` that the replication rule asks for (default replicas) is committed."""
+    from ..replication.copier import held_versions
+    from ..replication.plan import copies
+    from .timeline import saved_layout
+
+    roots = {h: nodes.root(h) for h in nodes.agents}
+    layout = saved_layout(list(roots.values()), version)
+    return layout is not None and all(version in held_versions(roots[c.holder]).get(c.origin, [])
+                                      for c in copies(layout, None) if c.holder in roots)
 
 
 class _Progress:
@@ -224,14 +292,30 @@ def _wait(ready: Callable[[], bool], deadline: float, nodes: Nodes, what: str) -
         time.sleep(0.2)
 
 
+def require_links() -> None:
+    """Raise :class:`~tenplex.bench.cluster.ClusterUnavailable` (one line) where network namespaces cannot be used."""
+    from ..bench.cluster import ClusterUnavailable, unavailable
+
+    reason = unavailable()
+    if reason:
+        raise ClusterUnavailable(f"--link-mbit: {reason}; the demo does not fall back to loopback")
+
+
 def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initial: tuple[str, ...] = ("h0", "h1"),
         save_every: int = 5, pins: dict[int, str] | None = None,
-        say: Callable[[str], None] = print) -> tuple[dict, dict]:
-    """Everything: dataset, reference, elastic run, summary. Returns the summary and the loss histories."""
+        say: Callable[[str], None] = print, link_mbit: float | None = None) -> tuple[dict, dict]:
+    """Everything: dataset, reference, elastic run, summary. Returns the summary and the loss histories.
+
+    ``link_mbit``: run every node in its own network namespace with a link of that rate; raises
+    :class:`~tenplex.bench.cluster.ClusterUnavailable` (one line) before anything starts where namespaces
+    cannot be used, never falls back to loopback."""
     from ..runtime.demo import make_dataset
     from .timeline import summarize
 
-    events = parse_schedule(schedule, initial, steps)
+    events = parse_schedule(schedule, initial, steps, links=link_mbit is not None)
+    hosts = sorted(set(initial) | {e.host for e in events})
+    if link_mbit is not None:
+        require_links()
     # One epoch is exactly the run's global batches: "every sample once" covers the whole dataset.
     make_dataset(workdir / "data", steps * GLOBAL_BATCH, GLOBAL_BATCH, seed=0)
     data = workdir / "data" / "dataset"
@@ -239,7 +323,19 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
         f"{', '.join(f'{e.kind} {e.host} at step {e.at}' for e in events)}")
     reference = run_reference(workdir, data, steps, say)
     pins = DEFAULT_PINS if pins is None else pins
-    record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say)
-    hosts = sorted(set(initial) | {e.host for e in events})
-    return summarize(reference, record, events, fired, [workdir / "elastic" / h for h in hosts],
-                     expected_hosts(initial, events))
+    if link_mbit is None:
+        record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say)
+    else:
+        from ..bench.cluster import EmulatedCluster
+
+        with EmulatedCluster(hosts, mbit=link_mbit, tcp_retries=LINKED_TCP_RETRIES) as cluster:
+            say(f"links: every node in its own network namespace, {link_mbit:g} Mbit/s each way "
+                f"({', '.join(f'{h} {cluster.address(h)}' for h in hosts)})")
+            record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say,
+                                        cluster=cluster)
+    summary, history = summarize(reference, record, events, fired, [workdir / "elastic" / h for h in hosts],
+                                 expected_hosts(initial, events))
+    links = workdir / "elastic" / "links.json"
+    if links.exists():
+        summary["links"] = json.loads(links.read_text())
+    return summary, history

@@ -97,6 +97,7 @@ class Restored:
     transformed: bool
     plan_stats: dict
     seconds: float
+    saved_version: int | None = None   # the version that was saved (``version`` may be a transformed copy of it)
 
 
 class Job:
@@ -113,7 +114,9 @@ class Job:
     (:func:`tenplex.elastic.policy.choose`). ``save_every``: steps between
     periodic saves (None: automatic, at most ``save_budget`` of the time; 0:
     only when stopping). ``timeout``: how long a collective may wait for a
-    peer before the rank gives up (a dead node that sent no reset).
+    peer before the rank gives up (a dead node that sent no reset; gloo's
+    point-to-point receives, as in pipelining, ignore it and wait until the
+    host's TCP gives up on the peer: see ``net.ipv4.tcp_retries2``).
     ``on_save(info)`` runs on every rank after each committed save (``info``:
     step, version, why, seconds), for example to log it; ``on_exit(code, why)``
     runs before the job exits at a step boundary (stopping, or a peer gone). ``replicas``: copies
@@ -225,7 +228,7 @@ class Job:
         if self.dataset is not None:
             self._open_data(extra.get(DATASET_KEY))
         self.restored = Restored(self.step, info.version, info.transformed, dict(info.plan_stats),
-                                 time.monotonic() - begin)
+                                 time.monotonic() - begin, info.saved_version)
         self._last_boundary = time.monotonic()
         if self.save_every:
             self._next_save = self.step + self.save_every

@@ -230,6 +230,7 @@ def worker_env(spec: RunSpec, address: str, token: str | None) -> dict[str, str]
 def run(argv: list[str]) -> int:
     """Start or reuse the store, set the environment, run the agent; 0 after a planned leave (SIGTERM)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.run import main as torchrun_main
 
     spec = parse(argv)
@@ -249,4 +250,9 @@ def run(argv: list[str]) -> int:
                   flush=True)
             return 0
         raise
+    except (RendezvousConnectionError, RendezvousTimeoutError) as e:
+        # A node cut off from the rendezvous store (a network partition) can join no later world: it leaves.
+        print(f"tenplex run: host {spec.host} cannot reach the rendezvous store ({type(e).__name__}: {e}); its "
+              f"workers stopped, leaving the job", file=sys.stderr, flush=True)
+        return 1
     return 0

@@ -1,7 +1,8 @@
 """Simulated nodes on this machine: a ``tenplex rendezvous serve`` process and one ``tenplex run`` per node.
 
-May import: ``tenplex.runtime.hosts``, ``tenplex.errors`` and the standard library (no torch: the
-demo's driver only starts, signals and kills processes).
+May import: ``tenplex.runtime.hosts``, ``tenplex.bench.cluster`` (the emulated cluster's type, for
+annotations), ``tenplex.errors`` and the standard library (no torch: the demo's driver only starts,
+signals and kills processes).
 
 Each node is a ``tenplex run`` agent in a process group of its own, with its
 own store root ``BASE/HOST``. What happens to a node:
@@ -10,43 +11,79 @@ own store root ``BASE/HOST``. What happens to a node:
   its workers save with the others at their next step boundary and exit;
 * ``fail``: SIGKILL to the node's whole process group (the agent; its workers
   die with it through ``PR_SET_PDEATHSIG``, see :mod:`tenplex.elastic.entry`)
-  and to its store process: everything on the host is gone at once.
+  and to its store process: everything on the host is gone at once;
+* ``partition`` (only with a ``cluster``): the node's link is cut, its
+  processes keep running (see :meth:`Nodes.partition`).
+
+With an :class:`~tenplex.bench.cluster.EmulatedCluster`, every node runs
+inside its host's network namespace, with a link of its own: its agent, its
+store (bound to the host's address, so with a token) and its workers
+(``GLOO_SOCKET_IFNAME`` and torchrun's ``--local-addr`` put their process
+group on that link). The rendezvous store runs in the cluster's control
+namespace, which every host reaches through the bridge.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..runtime.hosts import HostError, await_store
 from .launcher import alive
+
+if TYPE_CHECKING:
+    from ..bench.cluster import EmulatedCluster
+
+# A cut-off agent's rendezvous calls hang without a reset; torch's default read timeout (60 s) would keep it
+# waiting that long after each of them before it gives up and exits.
+LINKED_RDZV_CONF = "read_timeout=10"
 
 
 class Nodes:
     """The rendezvous store and the agents of one job under ``base``; a context manager that cleans up all."""
 
     def __init__(self, base: Path, nproc_per_node: int, max_nodes: int, script: Sequence[str],
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, cluster: "EmulatedCluster | None" = None):
         self.base, self.nproc, self.max_nodes, self.script = base, nproc_per_node, max_nodes, list(script)
         self.env = dict(os.environ if env is None else env)
+        self.cluster = cluster
         self.agents: dict[str, subprocess.Popen] = {}
+        self.partitioned: set[str] = set()
         self.rendezvous: subprocess.Popen | None = None
         self.endpoint = ""
+        self.token_file = self.base / "token"
+        if cluster is not None:  # the stores bind the hosts' addresses, not loopback: they need a token
+            self.token_file.touch(mode=0o600)
+            self.token_file.write_text(secrets.token_hex(16))
+
+    def _popen(self, host: str, argv: list[str], **kwargs) -> subprocess.Popen:
+        """``argv`` on ``host``: in its network namespace with a cluster, else right here."""
+        if self.cluster is None:
+            return subprocess.Popen(argv, **kwargs)
+        return self.cluster.popen(host, argv, **kwargs)
 
     def start_rendezvous(self, timeout: float = 120.0) -> str:
+        from ..bench.cluster import CONTROL
+
         port_file, log = self.base / "rendezvous.port", self.base / "rendezvous.log"
+        argv = [sys.executable, "-m", "tenplex.cli", "rendezvous", "serve", "--port", "0",
+                "--port-file", str(port_file)]
+        if self.cluster is not None:
+            # TCPStore has no authentication: only the hosts of this run's private network reach it.
+            argv += ["--bind", self.cluster.address(CONTROL), "--allow-unauthenticated"]
         with open(log, "ab") as out:
-            self.rendezvous = subprocess.Popen(
-                [sys.executable, "-m", "tenplex.cli", "rendezvous", "serve", "--port", "0",
-                 "--port-file", str(port_file)],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.rendezvous = self._popen(CONTROL, argv, stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
         # await_store waits for any port file: the rendezvous store reports its port the same way.
         self.endpoint = await_store(self.rendezvous, "rendezvous", port_file, time.monotonic() + timeout, log)
+        if self.cluster is not None:
+            self.endpoint = f"{self.cluster.address(CONTROL)}:{self.endpoint.rsplit(':', 1)[1]}"
         return self.endpoint
 
     def root(self, host: str) -> Path:
@@ -61,10 +98,16 @@ class Nodes:
             raise HostError(f"node {host} is already running")
         argv = [sys.executable, "-m", "tenplex.cli", "run", "--host", host, "--store-root", str(self.root(host)),
                 "--nnodes", f"1:{self.max_nodes}", "--nproc-per-node", str(self.nproc),
-                "--rdzv-endpoint", self.endpoint, "--rdzv-id", "demo", *self.script]
+                "--rdzv-endpoint", self.endpoint, "--rdzv-id", "demo"]
+        env = self.env
+        if self.cluster is not None:
+            address = self.cluster.address(host)
+            argv += ["--store-bind", address, "--token-file", str(self.token_file), "--local-addr", address,
+                     "--rdzv-conf", LINKED_RDZV_CONF]
+            env = dict(env, GLOO_SOCKET_IFNAME="eth0")  # the host's link, not loopback
         with open(self.log(host), "ab") as out:
-            self.agents[host] = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                                 env=self.env, start_new_session=True)
+            self.agents[host] = self._popen(host, [*argv, *self.script], stdout=out, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, env=env, start_new_session=True)
 
     def leave(self, host: str) -> None:
         """A planned leave: SIGTERM to the node's agent."""
@@ -81,6 +124,15 @@ class Nodes:
         if store is not None and alive(store):
             os.kill(store, signal.SIGKILL)
         agent.wait()
+
+    def partition(self, host: str) -> None:
+        """Cut the node's link: its agent, store and workers keep running, but no packet gets in or out and no
+        connection is reset. Its workers' collectives time out (the job's ``timeout``), its agent's
+        rendezvous calls time out (``LINKED_RDZV_CONF``), and it exits with an error."""
+        if self.cluster is None:
+            raise HostError(f"cannot partition {host}: the nodes run on loopback, without links of their own")
+        self.cluster.cut(host)
+        self.partitioned.add(host)
 
     def store_pid(self, host: str) -> int | None:
         pid_file = self.root(host) / ".tenplex-store.pid"

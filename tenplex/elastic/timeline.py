@@ -12,6 +12,12 @@ and after a restore (safetensors).
 
 The **final history** takes each step from the last world that trained it (a
 step trained again after a failure replaces the lost attempt).
+
+A **partition** (a node cut off while its processes run on) adds one more
+check: no world that started after the cut restored a version that the cut-off
+node committed after it (a store's ``versions/N/manifest.json`` is written at
+N's commit, so its time is the commit's) or that its ranks recorded as saved
+after it.
 """
 
 from __future__ import annotations
@@ -40,7 +46,9 @@ class World:
     start: float                      # earliest process start of its ranks
     ready: float                      # when its last rank had joined the process group and restored
     restore_s: float
+    saved_version: int | None = None  # the version its restore read (before any transformation)
     files: dict[str, dict] = field(default_factory=dict)   # record file -> coords
+    file_hosts: dict[str, str] = field(default_factory=dict)  # record file -> the host its rank ran on
     steps: dict[int, dict] = field(default_factory=dict)    # step -> {"loss": …, "ids": […]}
     saves: list[dict] = field(default_factory=list)
     exits: list[dict] = field(default_factory=list)
@@ -63,10 +71,11 @@ def read_worlds(folder: Path) -> list[World]:
         if w is None:
             w = worlds[d["world_id"]] = World(d["world_id"], d["hosts"], d["world"], d["parallel"], d["restored_step"],
                                               d["version"], d["transformed"], d["plan_stats"], d["position"],
-                                              d["time"], d["ready"], d["restore_s"])
+                                              d["time"], d["ready"], d["restore_s"], d.get("saved_version"))
         w.start, w.ready = min(w.start, d["time"]), max(w.ready, d["ready"])
         w.restore_s = max(w.restore_s, d["restore_s"])
         w.files[d["file"]] = d["coords"]
+        w.file_hosts[d["file"]] = d["host"]
         owner[d["file"]] = w
     for d in docs:
         w = owner.get(d["file"])
@@ -110,7 +119,8 @@ def _bit_exact(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
         a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes() for k in a)
 
 
-def _layout(roots: list[Path], version: int):
+def saved_layout(roots: list[Path], version: int):
+    """The layout of ``version`` from the first store under ``roots`` that holds it (None: none does)."""
     from ..layout import from_dict
     from ..store import LAYOUT_DOC, Store
 
@@ -128,7 +138,7 @@ def _bytes(world: World, roots: list[Path]) -> dict:
 
     stats = world.plan_stats
     if not stats and world.version is not None and world.saves:
-        old, new = _layout(roots, world.version), _layout(roots, world.saves[0]["version"])
+        old, new = saved_layout(roots, world.version), saved_layout(roots, world.saves[0]["version"])
         if old is not None and new is not None:
             stats = plan(old, new).to_dict()["stats"]
     return {"kept": stats.get("kept_bytes", 0), "intra_host": stats.get("intra_host_bytes", 0),
@@ -136,13 +146,29 @@ def _bytes(world: World, roots: list[Path]) -> dict:
             "inter_host_lower_bound": stats.get("inter_host_lower_bound", 0)}
 
 
+def commits_after(root: Path, t: float) -> list[int]:
+    """Versions the store at ``root`` committed after wall time ``t`` (a manifest is written at its commit)."""
+    return sorted(int(m.parent.name) for m in (root / "versions").glob("*/manifest.json")
+                  if m.parent.name.isdigit() and m.stat().st_mtime > t)
+
+
+def _cut_off(host: str, cut: float, worlds: list[World], roots: list[Path]) -> dict:
+    """What the node ``host``, cut off at ``cut``, committed afterwards, and what the others restored since."""
+    root = next((r for r in roots if r.name == host), None)
+    late = set(commits_after(root, cut)) if root is not None else set()
+    late |= {s["version"] for w in worlds for s in w.saves if w.file_hosts.get(s["file"]) == host and s["time"] > cut}
+    restored = {w.saved_version for w in worlds if w.start > cut and w.saved_version is not None}
+    return {"commits_after_cut": sorted(late), "restored_after_cut": sorted(restored),
+            "restored_from_cut_off": sorted(late & restored)}
+
+
 def summarize(reference: Path, elastic: Path, events: list, fired: list[dict], roots: list[Path],
               after: list[list[str]]) -> tuple[dict, dict]:
-    """The ``tenplex.demo.elastic/1`` summary (events with their times and bytes, the four checks), and the
+    """The ``tenplex.demo.elastic/1`` summary (events with their times and bytes, the checks), and the
     loss histories and worlds behind it (for the plot)."""
     worlds, ref_worlds = read_worlds(elastic), read_worlds(reference)
     history, ref_history = final_history(worlds), final_history(ref_worlds)
-    out_events, bit_exact, position_ok = [], True, True
+    out_events, bit_exact, position_ok, cut_off_restored = [], True, True, 0
     for e, f, hosts in zip(events, fired, after):
         before = [w for w in worlds if w.start < f["time"]]
         source = before[-1] if before else None
@@ -170,6 +196,9 @@ def summarize(reference: Path, elastic: Path, events: list, fired: list[dict], r
             "detect_s": round(detected - f["time"], 3),
             "restart_s": round(target.ready - target.restore_s - detected, 3),
             "restore_s": round(target.restore_s, 3), "bytes": _bytes(target, roots)})
+        if e.kind == "partition":
+            out_events[-1]["cut_off"] = _cut_off(e.host, f["time"], worlds, roots)
+            cut_off_restored += len(out_events[-1]["cut_off"]["restored_from_cut_off"])
     losses = [(s, h["loss"], ref_history[s]["loss"]) for s, h in history.items() if s in ref_history]
     rel = max((abs(a - b) / max(abs(b), 1e-12) for _, a, b in losses), default=float("inf"))
     seen = [i for h in history.values() for i in h["ids"]]
@@ -182,9 +211,11 @@ def summarize(reference: Path, elastic: Path, events: list, fired: list[dict], r
               "samples_skipped": len(expected - set(counts)),
               "state_bit_exact": bool(bit_exact and out_events),
               "position_restored": bool(position_ok and out_events)}
+    if any(e.kind == "partition" for e in events):
+        checks["cut_off_saves_restored"] = cut_off_restored
     ok = (checks["loss_max_rel_diff"] <= LOSS_TOLERANCE and checks["samples_read_twice"] == 0
           and checks["samples_skipped"] == 0 and checks["state_bit_exact"] and checks["position_restored"]
-          and all("error" not in e for e in out_events))
+          and checks.get("cut_off_saves_restored", 0) == 0 and all("error" not in e for e in out_events))
     summary = {"format": FORMAT, "ok": bool(ok), "events": out_events, "checks": checks}
     # Attempts that a failure threw away (their steps were trained again after the restore).
     lost = [(s, h["loss"]) for w in worlds for s, h in w.steps.items() if history[s] is not h]
@@ -205,10 +236,22 @@ def print_timeline(summary: dict, say) -> None:
             f"resumed from step {e['resumed_from_step']}, {e['lost_steps']} step(s) lost and replayed")
         say(f"   bytes: kept {b['kept']}, within hosts {b['intra_host']}, between hosts {b['inter_host']} "
             f"(lower bound {b['inter_host_lower_bound']})")
+        if "cut_off" in e:
+            cut = e["cut_off"]
+            say(f"   new world {e['detect_s'] + e['restart_s'] + e['restore_s']:.1f} s after the cut; {e['host']} "
+                f"committed {cut['commits_after_cut'] or 'nothing'} after it; restored since: versions "
+                f"{cut['restored_after_cut']}, of them from {e['host']} after the cut: "
+                f"{cut['restored_from_cut_off'] or 'none'}")
+    if "links" in summary:
+        links = summary["links"]
+        say(f"links ({links['mbit']:g} Mbit/s each way; kernel counters): " + ", ".join(
+            f"{h} out {v['out']} B, in {v['in']} B" for h, v in links["hosts"].items()))
     c = summary["checks"]
     say(f"checks: losses vs reference max rel diff {c['loss_max_rel_diff']:.2e} (<= {LOSS_TOLERANCE:g}); samples "
         f"read twice {c['samples_read_twice']}, skipped {c['samples_skipped']}; restored state bit-exact "
-        f"{c['state_bit_exact']}; step and position restored {c['position_restored']}")
+        f"{c['state_bit_exact']}; step and position restored {c['position_restored']}"
+        + (f"; saves of a cut-off node restored {c['cut_off_saves_restored']}" if "cut_off_saves_restored" in c
+           else ""))
     say("OK" if summary["ok"] else "FAILED")
 
 
@@ -230,7 +273,7 @@ def plot(summary: dict, history: dict, path: Path) -> None:
         ax.plot([s for s, _ in h["lost"]], [v for _, v in h["lost"]], "x", color="tab:red", ms=7,
                 label="lost with a failed node, then replayed")
     for e in summary["events"]:
-        color = {"join": "tab:green", "fail": "tab:red", "leave": "tab:orange"}[e["kind"]]
+        color = {"join": "tab:green", "fail": "tab:red", "leave": "tab:orange", "partition": "tab:purple"}[e["kind"]]
         ax.axvline(e["at_step"] + 0.5, color=color, ls="--")
         label = f"{e['kind']} {e['host']}"
         if "to" in e:
