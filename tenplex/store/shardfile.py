@@ -103,14 +103,15 @@ class ShardFile:
             view, offset = view[n:], offset + n
 
     def read_into(self, start: int, dest: memoryview | None, length: int | None = None, verified: set | None = None,
-                  digest=None) -> int:
+                  digest=None, consume: Callable[[int, memoryview], None] | None = None) -> int:
         """Read data bytes [start, start + length) (``length`` defaults to ``len(dest)``) into ``dest``,
         verifying every block they touch; return the file offset of ``start``.
 
         ``dest`` None: only verify. ``digest``: an
         ``xxhash.xxh3_64`` fed the bytes in order (a frame checksum at no extra pass). ``verified``: a set
         the caller keeps over consecutive reads of one request; blocks in it are not read outside the
-        range again, and the blocks verified here are added."""
+        range again, and the blocks verified here are added. ``consume(offset from start, bytes)``: called
+        with each piece's bytes of the range while they are in cache."""
         if dest is not None:
             dest = dest.cast("B") if dest.format != "B" else dest
             length = dest.nbytes
@@ -121,7 +122,7 @@ class ShardFile:
             raise ValueError(f"{self.where}: data bytes {start}-{end} outside 0-{self.entry.nbytes}")
         fd = self._open_file()
         try:
-            return self._scan(fd, start, end, dest, verified, digest)
+            return self._scan(fd, start, end, dest, verified, digest, consume)
         finally:
             os.close(fd)
 
@@ -151,17 +152,10 @@ class ShardFile:
                 if a < b:
                     out[r, a - r * stride:b - r * stride] = piece[a - lo:b - lo]
 
-        end = start + (rows - 1) * stride + run
-        if start < 0 or end > self.entry.nbytes:
-            raise ValueError(f"{self.where}: data bytes {start}-{end} outside 0-{self.entry.nbytes}")
-        fd = self._open_file()
-        try:
-            self._scan(fd, start, end, None, verified, None, consume=scatter)
-        finally:
-            os.close(fd)
+        self.read_into(start, None, (rows - 1) * stride + run, verified, consume=scatter)
 
     def _scan(self, fd: int, start: int, end: int, dest: memoryview | None, verified: set | None, digest,
-              consume: Callable[[int, memoryview], None] | None = None) -> int:
+              consume: Callable[[int, memoryview], None] | None) -> int:
         """Stream data bytes [start, end) through the piece buffer: verify, copy, digest (see read_into), and
         hand each piece's wanted bytes to ``consume(offset from start, bytes)`` while they are in cache."""
         verified = self._trusted if self.entry.blocks is None else (set() if verified is None else verified)
