@@ -160,6 +160,16 @@ def in_process_store(tmp_path):
     server.stop(grace=None)
 
 
+def _one_version(tmp_path) -> tuple[Store, np.ndarray]:
+    """A store on host h0 with version 1: device h0/0 holds all of tensor ``w`` (SHAPE float32, 0, 1, 2, ...)."""
+    w = np.arange(64 * 48, dtype=np.float32).reshape(SHAPE)
+    store = Store(tmp_path / "h0", "h0")
+    with store.begin(1) as writer:
+        writer.put("h0/0", "w", Box((0, 0), SHAPE), w, "float32", shape=SHAPE)
+        writer.commit()
+    return store, w
+
+
 def _data_client(address: str) -> StoreClient:
     return StoreClient(address, chunk_bytes=4096, data_plane_min_bytes=0, timeout=20)
 
@@ -194,11 +204,7 @@ def test_silent_data_connections_are_dropped_and_bounded(tmp_path):
     from tenplex.store.dataplane import DataPool, DataServer
     from tenplex.store.server import StoreService
 
-    w = np.arange(64 * 48, dtype=np.float32).reshape(SHAPE)
-    store = Store(tmp_path / "h0", "h0")
-    with store.begin(1) as writer:
-        writer.put("h0/0", "w", Box((0, 0), SHAPE), w, "float32", shape=SHAPE)
-        writer.commit()
+    store, w = _one_version(tmp_path)
     service = StoreService(store)
     data = DataServer("127.0.0.1", service._reader, lambda e: ("INTERNAL", str(e)), handshake_s=1.0,
                       max_connections=8)
@@ -233,11 +239,7 @@ def test_a_pooled_connection_the_server_dropped_is_replaced_transparently(tmp_pa
     from tenplex.store.dataplane import DataPool, DataServer
     from tenplex.store.server import StoreService
 
-    w = np.arange(64 * 48, dtype=np.float32).reshape(SHAPE)
-    store = Store(tmp_path / "h0", "h0")
-    with store.begin(1) as writer:
-        writer.put("h0/0", "w", Box((0, 0), SHAPE), w, "float32", shape=SHAPE)
-        writer.commit()
+    store, w = _one_version(tmp_path)
     data = DataServer("127.0.0.1", StoreService(store)._reader, lambda e: ("INTERNAL", str(e)), max_connections=1)
     pools = [DataPool("127.0.0.1", data.port, None, 10) for _ in range(2)]
     try:
