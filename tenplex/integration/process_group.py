@@ -48,12 +48,12 @@ def leave_process_group(group=None, *, together: bool = True) -> None:
     """Leave together (a barrier over ``group``, unless ``together`` is False), destroy every group, and free them.
 
     Call it as the last collective step of a rank, after dropping your own
-    references to subgroups: freeing a group joins its gloo threads.
+    references to subgroups: freeing a group joins its gloo threads (a
+    ``group`` passed here lives until the call returns, the caller's argument).
     """
     if together:
         dist.barrier(group=group)
     dist.destroy_process_group()
-    del group
     _wait_for_idle_gloo_threads()
     gc.collect()
 
