@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 
@@ -23,7 +24,10 @@ CASES = {
     "sharded dp": ((4, 1, 1, 2, 2, "optimizer", "float32"), (2, 2, 1, 2, 2, "optimizer", "float32")),
     "bf16 tp+pp": ((1, 2, 2, 2, 2, "none", "bfloat16"), (1, 4, 1, 2, 2, "none", "bfloat16")),
     "hosts renamed": ((2, 2, 1, 2, 2, "none", "float32"), (2, 2, 1, 2, 2, "none", "float32")),
+    # both replicas on one new host: every region crosses once, then the fan-out copies it to the other replica
+    "replicas onto one new host": ((2, 2, 1, 2, 2, "none", "float32"), (2, 2, 1, 1, 4, "none", "float32")),
 }
+NEW_HOSTS = {"hosts renamed": ["h2", "h0"], "replicas onto one new host": ["h2"]}
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +40,15 @@ def cluster(tmp_path_factory):
 def test_transformation_produces_exact_slices(cluster, case):
     (o_dp, o_tp, o_pp, o_hosts, o_per, o_sh, dtype), (n_dp, n_tp, n_pp, n_hosts, n_per, n_sh, _) = CASES[case]
     old = gpt_layout(o_dp, o_tp, o_pp, o_hosts, o_per, o_sh, dtype)
-    names = ["h2", "h0"] if case == "hosts renamed" else None  # new device order across hosts
-    new = gpt_layout(n_dp, n_tp, n_pp, n_hosts, n_per, n_sh, dtype, host_names=names)
+    new = gpt_layout(n_dp, n_tp, n_pp, n_hosts, n_per, n_sh, dtype, host_names=NEW_HOSTS.get(case))
     arrays = random_globals(old, seed=len(case))
     v = next(_versions)
     write_version(cluster.roots, old, v, arrays, docs={"step": {"step": v}, "rng": {"seed": 1234}})
     the_plan = plan(old, new)
+    if case == "replicas onto one new host":  # every element crosses once; its other copies are fan-out
+        assert sum(t.box.volume for t in the_plan.transfers if t.source == "old") == \
+            sum(math.prod(spec.shape) for spec in new.tensors.values())
+        assert sum(t.box.volume for t in the_plan.transfers if t.source == "new") > 0
     seen = {}
     report = transform(the_plan, old, new, cluster.addresses, v, v + 1, streams=3,
                        progress=lambda host, done, total: seen.__setitem__(host, (done, total)))

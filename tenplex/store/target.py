@@ -65,8 +65,12 @@ class ShardTarget:
         return self._map()
 
     def read(self, region: Box) -> np.ndarray:
-        """A read-only view of region ``region`` (global coordinates) as written so far."""
-        view = self._map()[region.local(self.box).slices()]
+        """A read-only view of region ``region`` (global coordinates) as written so far. Safe from any thread,
+        also after ``finish`` (the local fan-out reads regions of shards that are already finished)."""
+        array = self._array
+        if array is None:
+            array = st.map_array(self.path, self.data_offset, self.dtype, self.box.lengths, writable=False)
+        view = array[region.local(self.box).slices()]
         view.flags.writeable = False
         return view
 

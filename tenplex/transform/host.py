@@ -40,14 +40,13 @@ tell a silent host from a busy one in the same way.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
-
-import numpy as np
 
 from ..box import Box, split_by, subtract_all
 from ..devices import host_of
@@ -58,6 +57,7 @@ from ..store import (LAYOUT_DOC, CorruptShard, FileBackedReader, LinkingWriter, 
                      StoreWriter, TensorStore, wire)
 from ..store.client import StoreClient
 from ..store.transformer import TransformProgress, TransformRequest
+from .completion import Completion, FanOutCopy
 from .schedule import LOCAL, Pull, Schedule
 from ..store.manifest import TRANSFORM_PART
 
@@ -224,30 +224,6 @@ def _damaged_shard(error: Exception) -> bool:
     return isinstance(error, CorruptShard) or getattr(code, "name", None) == "DATA_LOSS"
 
 
-class _Completion:
-    """Counts the pieces still to land in each new shard; the thread that writes a shard's last piece finishes it."""
-
-    def __init__(self) -> None:
-        self._left: dict[ShardTarget, int] = {}
-        self._lock = threading.Lock()
-
-    def expect(self, target: ShardTarget) -> None:
-        self._left[target] = self._left.get(target, 0) + 1
-
-    def exclude(self, target: ShardTarget) -> None:
-        """A shard that more writes (the fan-out) reach after the pulls: ``prepare`` finishes it."""
-        self._left.pop(target, None)
-
-    def landed(self, target: ShardTarget) -> None:
-        with self._lock:
-            left = self._left.get(target)
-            if left is None:
-                return
-            self._left[target] = left - 1
-        if left == 1:
-            target.finish()
-
-
 def run_host_part(store: TensorStore, request: TransformRequest, progress: Callable[[TransformProgress], None],
                   cancelled: threading.Event | None = None, token: str | None = None,
                   root_certificates: bytes | None = None) -> TransformProgress:
@@ -307,13 +283,13 @@ class _Work:
     small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = field(default_factory=dict)  # source host -> regions
     fan_out: list[tuple[Transfer, ShardKey]] = field(default_factory=list)
     reserves: list[Callable[[], None]] = field(default_factory=list)
-    completion: _Completion = field(default_factory=_Completion)
+    completion: Completion = field(default_factory=Completion)
 
 
 def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer: StoreWriter,
            reader: StoreReader | None, sources: _Sources, counters: _Counters, cancelled: threading.Event,
            streams: int) -> None:
-    """Fill every new shard of this host: link whole kept shards, queue and run the pulls, then fan out."""
+    """Fill every new shard of this host: link whole kept shards, queue the pulls and the fan-out, run them."""
     fills_of = _fills_by_shard(host, transfers, uninitialised, new)
     counters.total = sum(key[2].volume * new.tensors[key[1]].itemsize for key in fills_of)
     work = _Work()
@@ -321,17 +297,15 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer: S
         _check_covered(key, fills)
         if not _link_whole(host, key, fills, new, writer, reader, work, counters):
             _queue_fills(host, key, fills, new, writer, sources, work, counters, cancelled)
-    for _, key in work.fan_out:
-        work.completion.exclude(work.targets[key])
+    _queue_fan_out(work, reader)
     _queue_batches(work, sources, counters, cancelled)
     # Destinations start their round of sources at different places (see schedule).
     schedule = Schedule(work.pulls, start=new.hosts().index(host) if host in new.hosts() else 0,
                         failed=lambda h: h in sources.failed)
-    _run(host, work.reserves, schedule, streams, cancelled)
+    _run(host, work, schedule, streams, cancelled, lambda nbytes: counters.add(nbytes, "local"))
     # A cancel makes every pending job return early: the shards are then incomplete and must never be prepared.
     if cancelled.is_set():
         raise TransformError(f"host {host}: transformation cancelled")
-    _fan_out(host, work, new, reader, counters, cancelled)
     counters.report()
 
 
@@ -410,50 +384,74 @@ def _queue_fills(host: str, key: ShardKey, fills: list[Transfer], new: Layout, w
 
 
 def _queue_batches(work: _Work, sources: _Sources, counters: _Counters, cancelled: threading.Event) -> None:
-    """Turn the small remote regions into pulls of many regions each (one ``ReadBoxes`` call)."""
+    """Turn the small remote regions into pulls of many regions each (one ``ReadBoxes`` call), queued before the
+    large pulls: a batch's many regions cost more per byte, and they often feed fan-out copies, which can then
+    run while the large pulls keep the links busy instead of after them."""
+    batches: list[Pull] = []
     for source_host, items in work.small.items():
         for batch in _batches(items):
             batch_holders = [sources.holders(tensor, piece) for _, tensor, piece, _ in batch]
             shared = frozenset.intersection(*(frozenset(h) for h in batch_holders)) - {source_host}
-            work.pulls.append(Pull(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
+            batches.append(Pull(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
                                    _batch_job(sources, batch, batch_holders, counters.add, cancelled,
                                               work.completion), shared))
+    work.pulls[:0] = batches
 
 
-def _fan_out(host: str, work: _Work, new: Layout, reader: StoreReader | None, counters: _Counters,
-             cancelled: threading.Event) -> None:
-    """Copy the ``"from": "new"`` regions, in plan order, from the new shards the pulls filled."""
+def _queue_fan_out(work: _Work, reader: StoreReader | None) -> None:
+    """Register each ``"from": "new"`` region with the completion tracker: it is copied, during the pulls, as soon
+    as its source region (in a new shard staged here, or in a hard-linked one) has landed."""
+    staged: dict[tuple[str, str], list[tuple[Box, ShardTarget]]] = {}
+    for (device, tensor, box), target in work.targets.items():
+        staged.setdefault((device, tensor), []).append((box, target))
     for t, key in work.fan_out:
-        if cancelled.is_set():
-            raise TransformError(f"host {host}: transformation cancelled")
-        work.targets[key].write(t.box, _new_region(work.targets, work.linked, reader, t.src, t.tensor, t.box))
-        counters.add(t.box.volume * new.tensors[t.tensor].itemsize, "local")
+        describe = f"{t.tensor!r} {t.box} from {t.src}'s new shard to {t.dst}"
+        source = next((target for box, target in staged.get((t.src, t.tensor), ()) if box.contains(t.box)), None)
+        if source is not None:
+            read = functools.partial(source.read, t.box)
+        else:
+            entry = next((e for (d, name, box), e in work.linked.items() if d == t.src and name == t.tensor
+                          and box.contains(t.box)), None)
+            if entry is None or reader is None:
+                raise TransformError(f"plan fans out {describe}, but this host stages no such shard; the plan "
+                                     f"does not match the new layout")
+            read = functools.partial(reader.region, entry, t.box)
+        work.completion.add_copy(FanOutCopy(t.box, work.targets[key], source, read, describe))
 
 
-def _run(host: str, reserves: list[Callable[[], None]], schedule: Schedule, streams: int,
-         cancelled: threading.Event) -> None:
+def _run(host: str, work: _Work, schedule: Schedule, streams: int, cancelled: threading.Event,
+         copied: Callable[[int], None]) -> None:
     """Run the schedule's pieces on ``streams`` threads while one more thread reserves the new files' space
-    (a full disk fails early, and the first pulls do not wait for it); the first failure cancels the rest and
-    is raised."""
-    def worker() -> None:
-        while not cancelled.is_set():
-            got = schedule.take()
-            if got is None:
-                return
-            piece, server = got
-            try:
-                piece.run(server)
-            finally:
-                schedule.done(server)
+    (a full disk fails early, and the first pulls do not wait for it) and then runs the fan-out copies as
+    their sources land; the first failure cancels the rest and is raised."""
+    threads = max(1, streams)
+    pulling = [threads]  # pull threads still running
+    lock = threading.Lock()
 
-    def reserve_all() -> None:
-        for reserve in reserves:
+    def worker() -> None:
+        try:
+            while not cancelled.is_set():
+                got = schedule.take()
+                if got is None:
+                    return
+                piece, server = got
+                try:
+                    piece.run(server)
+                finally:
+                    schedule.done(server)
+        finally:
+            with lock:
+                pulling[0] -= 1
+
+    def reserve_then_fan_out() -> None:
+        for reserve in work.reserves:
             if cancelled.is_set():
                 return
             reserve()
+        work.completion.run_copies(lambda: pulling[0] == 0, cancelled, copied)
 
-    with ThreadPoolExecutor(max_workers=max(1, streams) + 1, thread_name_prefix=f"pull-{host}") as pool:
-        running = [pool.submit(reserve_all)] + [pool.submit(worker) for _ in range(max(1, streams))]
+    with ThreadPoolExecutor(max_workers=threads + 1, thread_name_prefix=f"pull-{host}") as pool:
+        running = [pool.submit(reserve_then_fan_out)] + [pool.submit(worker) for _ in range(threads)]
         done, _ = wait(running, return_when=FIRST_EXCEPTION)
         for future in done:
             error = future.exception()
@@ -463,7 +461,7 @@ def _run(host: str, reserves: list[Callable[[], None]], schedule: Schedule, stre
 
 
 def _job(sources: _Sources, device: str, holders: dict[str, str], tensor: str, piece: Box, target: ShardTarget,
-         kind: str, advance, cancelled, completion: _Completion):
+         kind: str, advance, cancelled, completion: Completion):
     """Read ``piece`` from ``device``, or from the device of ``holders[server]`` when the schedule gives the
     piece to a replica's host."""
     def run(server: str) -> None:
@@ -476,7 +474,7 @@ def _job(sources: _Sources, device: str, holders: dict[str, str], tensor: str, p
             advance(refetched, "refetched")
         if nbytes > refetched:
             advance(nbytes - refetched, kind)
-        completion.landed(target)
+        completion.landed(target, piece)
     return run
 
 
@@ -494,7 +492,7 @@ def _batches(items: list) -> Iterator[list]:
 
 
 def _batch_job(sources: _Sources, batch: list, holders: list[dict[str, str]], advance, cancelled,
-               completion: _Completion):
+               completion: Completion):
     """Read a batch of small regions from their planned host, or from ``server``'s devices (``holders``)."""
     def run(server: str) -> None:
         if cancelled.is_set():
@@ -507,7 +505,7 @@ def _batch_job(sources: _Sources, batch: list, holders: list[dict[str, str]], ad
                 advance(refetched, "refetched")
             if nbytes > refetched:
                 advance(nbytes - refetched, "remote")
-            completion.landed(target)
+            completion.landed(target, piece)
     return run
 
 
@@ -524,20 +522,6 @@ def _linkable(host: str, fills: list[Transfer], box: Box, reader: StoreReader | 
     except StoreError:
         return None
     return entry if entry.box == box else None
-
-
-def _new_region(targets: dict, linked: dict, reader: StoreReader | None, device: str, tensor: str,
-                box: Box) -> np.ndarray:
-    """Region ``box`` of ``device``'s new shard of ``tensor`` (staged here, or hard-linked and read verified)."""
-    for key, target in targets.items():
-        if key[0] == device and key[1] == tensor and key[2].contains(box):
-            return target.read(box)
-    for key, entry in linked.items():
-        if key[0] == device and key[1] == tensor and key[2].contains(box):
-            assert reader is not None  # a shard is hard-linked only from this host's old version
-            return reader.region(entry, box)
-    raise TransformError(f"plan fans out {tensor!r} {box} from {device}'s new shards, but this host stages no such "
-                         f"shard; the plan does not match the new layout")
 
 
 def _carry_json(host: str, request: TransformRequest, old: Layout, writer, reader: StoreReader | None,
