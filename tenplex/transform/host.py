@@ -116,6 +116,7 @@ class _Sources:
                  peers: dict[str, str], token: str | None, root_certificates: bytes | None, streams: int,
                  chunk_bytes: int, stall: float):
         self.host, self.old, self.version, self.reader = host, old, version, reader
+        self._files = reader if isinstance(reader, FileBackedReader) else None  # checked once: isinstance is slow
         self.failed: dict[str, str] = {}  # host -> first failure, not asked again
         self._lock = threading.Lock()
         self._clients: dict[str, list[StoreClient]] = {}
@@ -196,7 +197,8 @@ class _Sources:
         if source_host == self.host:
             if self.reader is None:
                 raise StoreError(f"host {self.host} has no committed version {self.version}")
-            target.write(box, self.reader.read(device, tensor, box))
+            if self._files is None or not _copy_run(self._files, device, tensor, box, target):
+                target.write(box, self.reader.read(device, tensor, box))
             return
         self.client(source_host).read_box_to(self.version, device, tensor, box, target.itemsize, target.write)
 
@@ -216,6 +218,19 @@ class _Sources:
             if host != self.host and host not in found and held.contains(box):
                 found[host] = device
         return found
+
+
+def _copy_run(reader: FileBackedReader, device: str, tensor: str, box: Box, target: ShardTarget) -> bool:
+    """Copy a local region that is one contiguous run of both the old and the new shard file: each verified piece
+    goes from the reader's reused piece buffer straight into the new file, with no array allocated (and
+    page-faulted) per region. False, with nothing copied, when the region is not such a run."""
+    entry = reader.find(device, tensor, box)
+    start, span, _ = reader.byte_span(entry, box)
+    into = target.run_offset(box)
+    if into is None or span != box.volume * target.itemsize:
+        return False
+    reader.shard_file(entry).read_into(start, None, span, consume=lambda at, data: target.write_at(into + at, data))
+    return True
 
 
 def _damaged_shard(error: Exception) -> bool:
@@ -293,9 +308,12 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer: S
     fills_of = _fills_by_shard(host, transfers, uninitialised, new)
     counters.total = sum(key[2].volume * new.tensors[key[1]].itemsize for key in fills_of)
     work = _Work()
+    # A store without the capability gets whole kept shards copied like any local region (checked once here:
+    # a runtime protocol check costs tens of microseconds, and hosts stage thousands of shards).
+    linking = (writer, reader) if isinstance(writer, LinkingWriter) and isinstance(reader, FileBackedReader) else None
     for key, fills in fills_of.items():
         _check_covered(key, fills)
-        if not _link_whole(host, key, fills, new, writer, reader, work, counters):
+        if linking is None or not _link_whole(host, key, fills, new, *linking, work, counters):
             _queue_fills(host, key, fills, new, writer, sources, work, counters, cancelled)
     _queue_fan_out(work, reader)
     _queue_batches(work, sources, counters, cancelled)
@@ -339,11 +357,9 @@ def _check_covered(key: ShardKey, fills: list[Transfer]) -> None:
                              f"every new box must be covered exactly once")
 
 
-def _link_whole(host: str, key: ShardKey, fills: list[Transfer], new: Layout, writer: StoreWriter,
-                reader: StoreReader | None, work: _Work, counters: _Counters) -> bool:
-    """Hard-link the shard when a whole old shard of this host fills it and the store can link; True if done."""
-    if not isinstance(writer, LinkingWriter) or not isinstance(reader, FileBackedReader):
-        return False  # a store without the capability: the shard is copied like any local region
+def _link_whole(host: str, key: ShardKey, fills: list[Transfer], new: Layout, writer: LinkingWriter,
+                reader: FileBackedReader, work: _Work, counters: _Counters) -> bool:
+    """Hard-link the shard when a whole old shard of this host fills it; True if done."""
     entry = _linkable(host, fills, key[2], reader)
     if entry is None:
         return False
