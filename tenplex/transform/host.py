@@ -20,12 +20,16 @@ Order of work, per new shard of this host's devices:
    reserved by a thread of its own while the pulls run, so a full disk
    fails early. The order of the pulls keeps every source link busy at once
    and lets replicas take over a slow source's pieces (``schedule``).
-3. ``"from": "new"`` regions (the local fan-out) are copied in plan order
-   from new shards that step 2 filled.
+3. ``"from": "new"`` regions (the local fan-out) are copied from the new
+   shards that step 2 fills, by one more thread, each as soon as every byte
+   of its source region has landed (``completion``): during the pulls, not
+   after them.
 
-A shard that no fan-out writes into is finished (fsynced, its block
-checksums collected) by the pull thread that wrote its last region, so that
-work overlaps the other pulls instead of running serially in ``prepare``.
+A local region that is one contiguous run of both the old and the new shard
+file goes from the verified read buffer straight into the new file. Every new
+shard is finished (fsynced, its block checksums collected) by the thread
+that wrote its last region, so that work overlaps the other pulls instead of
+running serially in ``prepare``.
 
 A region whose source fails (host down, cut off, corrupted data after
 retries, missing version) is fetched again from the other replicas the old
@@ -409,8 +413,8 @@ def _queue_batches(work: _Work, sources: _Sources, counters: _Counters, cancelle
             batch_holders = [sources.holders(tensor, piece) for _, tensor, piece, _ in batch]
             shared = frozenset.intersection(*(frozenset(h) for h in batch_holders)) - {source_host}
             batches.append(Pull(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
-                                   _batch_job(sources, batch, batch_holders, counters.add, cancelled,
-                                              work.completion), shared))
+                                _batch_job(sources, batch, batch_holders, counters.add, cancelled,
+                                           work.completion), shared))
     work.pulls[:0] = batches
 
 
