@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 DEFAULT_STREAMS = 4
 PIECE_BYTES = 16 << 20          # one pull call; several chunks each; small enough for replicas to share the tail
 SMALL_BYTES = 1 << 20           # remote regions below this travel in batches (ReadBoxes): one call for many
-BATCH_BYTES = 16 << 20
+BATCH_BYTES = 2 << 20           # small: they go first, and a slow source must not hold a big one
 BATCH_REGIONS = 512
 PROGRESS_EVERY_BYTES = 64 << 20  # progress messages are throttled to this granularity
 PROGRESS_EVERY_S = 0.25
@@ -406,7 +406,9 @@ def _queue_fills(host: str, key: ShardKey, fills: list[Transfer], new: Layout, w
 def _queue_batches(work: _Work, sources: _Sources, counters: _Counters, cancelled: threading.Event) -> None:
     """Turn the small remote regions into pulls of many regions each (one ``ReadBoxes`` call), queued before the
     large pulls: a batch's many regions cost more per byte, and they often feed fan-out copies, which can then
-    run while the large pulls keep the links busy instead of after them."""
+    run while the large pulls keep the links busy instead of after them. Batches stay small (``BATCH_BYTES``):
+    the first pull from each source is one, and a slow source must not be handed a large one (replicas take
+    over only what is still queued)."""
     batches: list[Pull] = []
     for source_host, items in work.small.items():
         for batch in _batches(items):
