@@ -3,8 +3,10 @@ backend that lacks the optional capabilities (as an object store would)."""
 
 from __future__ import annotations
 
+import errno
 from typing import Protocol
 
+import pytest
 import torch
 
 from tenplex.box import Box
@@ -12,8 +14,9 @@ from tenplex.integration.annotate import Annotation
 from tenplex.integration.pieces import tensor_pieces
 from tenplex.integration.shardio import read_piece, write_piece
 from tenplex.planner import plan
-from tenplex.store import (FileBackedReader, LinkingWriter, Store, StoreReader, StoreWriter, TensorStore,
-                           VersionWriter)
+from tenplex.store import (FileBackedReader, LinkingWriter, SpaceReportingStore, Store, StoreReader, StoreWriter,
+                           TensorStore, VersionWriter)
+from tenplex.store.server import _check_free_space
 from tenplex.transform import TransformRequest
 from tenplex.transform.host import run_host_part
 
@@ -99,7 +102,7 @@ def test_the_local_store_keeps_the_contract_with_both_capabilities(tmp_path):
     store = Store(tmp_path, "h0")
     writer = store.begin(1)
     try:
-        assert isinstance(store, TensorStore)
+        assert isinstance(store, TensorStore) and isinstance(store, SpaceReportingStore)
         assert isinstance(writer, StoreWriter) and isinstance(writer, LinkingWriter)
     finally:
         writer.abort()
@@ -150,3 +153,15 @@ def test_a_store_without_links_gets_kept_shards_copied_not_linked(tmp_path):
     assert_version_matches({"h0": tmp_path}, new, 4, arrays)
     old_inodes = {(tmp_path / "versions" / "3" / e.file).stat().st_ino for e in store.open(3).entries}
     assert not old_inodes & {(tmp_path / "versions" / "4" / e.file).stat().st_ino for e in store.open(4).entries}
+
+
+def test_the_server_checks_free_space_through_the_store_and_only_where_it_can_tell(tmp_path):
+    store = Store(tmp_path, "h0")
+    _check_free_space(store, 1, "shard 'w'")  # a byte fits
+    with pytest.raises(OSError) as full:
+        _check_free_space(store, 1 << 62, "shard 'w' [0:4]")
+    assert full.value.errno == errno.ENOSPC
+    assert "shard 'w' [0:4] needs 4611686018427387904 bytes" in str(full.value) and str(tmp_path) in str(full.value)
+    unbounded = _Hiding(store, "free_bytes")  # as an object store: no capacity to report
+    assert not isinstance(unbounded, SpaceReportingStore)
+    _check_free_space(unbounded, 1 << 62, "shard 'w'")  # not checked: its writes fail on their own

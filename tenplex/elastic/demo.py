@@ -241,7 +241,7 @@ def _replicated(nodes: Nodes, version: int) -> bool:
 
     roots = {h: nodes.root(h) for h in nodes.agents}
     layout = saved_layout(list(roots.values()), version)
-    return layout is not None and all(version in held_versions(roots[c.holder]).get(c.origin, [])
+    return layout is not None and all(version in held_versions(roots[c.holder], c.holder).get(c.origin, [])
                                       for c in copies(layout, None) if c.holder in roots)
 
 

@@ -304,7 +304,7 @@ class Checkpointer:
             init_optimizer_state(optimizer)
         pieces = [p for p in _pieces(model, optimizer, annotations) if not p.box.is_empty()]
         mine = {"device": self.device, "host": self.host, "versions": self.store.versions(),
-                "copies": held_versions(self.store.root), "store": self.store_address,
+                "copies": held_versions(self.store.root, self.host), "store": self.store_address,
                 "tensors": _specs(pieces), "boxes": [[p.name, list(p.box.offsets), list(p.box.lengths)]
                                                     for p in pieces]}
         docs = all_gather_json(mine, self.group)

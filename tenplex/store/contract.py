@@ -3,10 +3,13 @@
 May import: numpy, ``tenplex.box``, ``tenplex.layout``, this package's ``manifest`` and ``target`` (for
 types) and the standard library.
 
-Everything above the store (the transform host, the server's handlers, the
-integration, replication) needs only these protocols; ``local.Store``, one
-directory of safetensors files per host, is the one implementation today. The
-order of calls follows DCP's ``StorageWriter``/``StorageReader``:
+The transform host and the integration's shard I/O need only these protocols;
+``local.Store``, one directory of safetensors files per host, is the one
+implementation today. The store server and replication rely on it being POSIX
+on purpose (the server serves its host's files; replication hard-links copies
+kept in nested store directories): their module docstrings say what they use
+beyond the contract. The order of calls follows DCP's
+``StorageWriter``/``StorageReader``:
 
 Writing one version (several writers, e.g. one per worker, may stage parts of it)::
 
@@ -51,6 +54,10 @@ Optional capabilities (check with ``isinstance``; all are ``runtime_checkable``)
   shard of the new version without copying a byte (POSIX hard links).
 - :class:`FileBackedReader`: shards are local files, so a region's byte span
   can be sent without copying (``sendfile``) and a file can be hard-linked.
+- :class:`SpaceReportingStore`: ``free_bytes()``, the room left for new shards
+  (a file system's free space), so that the server can refuse a shard that
+  cannot fit before any of its data arrives. A store without a fixed capacity
+  (an object store) does not offer it; its writes fail on their own.
 """
 
 from __future__ import annotations
@@ -210,3 +217,11 @@ class TensorStore(Protocol):
 
     def gc(self, keep: int) -> list[int]:
         """Delete all but the newest ``keep`` versions and every leftover of interrupted writes."""
+
+
+@runtime_checkable
+class SpaceReportingStore(TensorStore, Protocol):
+    """A store of bounded capacity that can say how many bytes new shards may still take."""
+
+    def free_bytes(self) -> int:
+        """Bytes that new shards may still take (for the POSIX store: free space on its file system)."""

@@ -20,6 +20,23 @@ large boxes there (plain TCP, checksummed frames, same token) instead of
 through ``ReadBox``. With TLS the data plane stays off, since it is not
 encrypted, and every box travels over gRPC.
 
+POSIX. The service serves a local ``Store`` (``tenplex.store.local``), not any
+``contract.TensorStore``, and this is by design: it serves files of the host it
+runs on. Beyond the contract it uses
+- the store's root, which ``Health`` reports (``tenplex run`` checks by it
+  that a running server serves the root it was given);
+- ``Store.datasets_dir``, a local directory whose files ``ReadFile`` and
+  ``StatFile`` serve;
+- ``VersionReader.current`` (a cached reader notices that its version
+  directory was deleted or replaced) and ``VersionReader.manifest``
+  (``GetManifest`` sends the stored manifest document);
+- file-backed reads (``FileBackedReader``: ``_chunks`` sends runs of a shard
+  file, and the data plane ``sendfile``s them).
+The free-space check before ``WriteShard`` goes through the contract
+(``SpaceReportingStore.free_bytes``). A server for an object-storage backend
+would keep these handlers and replace those uses, or keep a POSIX store as a
+cache beside the objects.
+
 Test hooks (fault injection, used by the test suite only) are described in
 ``_hooks``: ``TENPLEX_STORE_TEST_HOOKS`` with ``exit_after_chunks=N`` and
 ``corrupt_chunks=N`` act on gRPC chunks and data-plane frames alike.
@@ -52,6 +69,7 @@ from ._proto import store_pb2 as pb
 from .datasets import resolve_dataset_path
 from .manifest import RPC_PART, AlreadyCommitted, Conflict, CorruptShard, NotFound, OutOfRange
 from .auth import TokenCheck
+from .contract import SpaceReportingStore, TensorStore
 from .dataplane import DataServer
 from .local import Store
 from .reader import VersionReader
@@ -290,7 +308,7 @@ class StoreService:
         try:
             # No space is reserved up front: a header alone (a stalled or lying client) holds none. The
             # file's blocks are allocated as data arrives; a header larger than the free space fails here.
-            _check_free_space(self.store.root, box.volume * itemsize(h.dtype), f"shard {h.tensor!r} {box}")
+            _check_free_space(self.store, box.volume * itemsize(h.dtype), f"shard {h.tensor!r} {box}")
             target = writer.create(h.device, h.tensor, box, h.dtype, tuple(h.shape) or None, reserve=False)
             received = self._fill(target, request_iterator, h)
         except BaseException:
@@ -432,7 +450,7 @@ class StoreService:
     # -- dataset files
     @_guard
     def StatFile(self, request, context):
-        st = resolve_dataset_path(self.store.root / "datasets", request.path, self.store.host).stat()
+        st = resolve_dataset_path(self.store.datasets_dir, request.path, self.store.host).stat()
         return pb.StatFileReply(size=st.st_size, mtime=st.st_mtime)
 
     @_guard
@@ -440,7 +458,7 @@ class StoreService:
         if request.offset < 0 or request.length < -1:
             raise ValueError(f"ReadFile {request.path!r}: offset {request.offset} and length {request.length} "
                              f"must be >= 0 (length -1 = to the end)")
-        path = resolve_dataset_path(self.store.root / "datasets", request.path, self.store.host)
+        path = resolve_dataset_path(self.store.datasets_dir, request.path, self.store.host)
         chunk_bytes = _chunk_bytes(request.chunk_bytes)
         with open(path, "rb") as f, self.limits.slot(context, f"ReadFile({request.path!r})") as progress:
             size = os.fstat(f.fileno()).st_size
@@ -464,11 +482,13 @@ def _progressing(messages, progress):
         yield message
 
 
-def _check_free_space(root, nbytes: int, what: str) -> None:
-    st = os.statvfs(root)
-    free = st.f_bavail * st.f_frsize
+def _check_free_space(store: TensorStore, nbytes: int, what: str) -> None:
+    """ENOSPC when ``store`` reports less free space than ``nbytes``; a store that cannot tell is not checked."""
+    if not isinstance(store, SpaceReportingStore):
+        return
+    free = store.free_bytes()
     if nbytes > free:
-        raise OSError(errno.ENOSPC, f"{what} needs {nbytes} bytes, but only {free} are free in {root}")
+        raise OSError(errno.ENOSPC, f"{what} needs {nbytes} bytes, but only {free} are free in {store!r}")
 
 
 def _chunk_bytes(requested: int) -> int:
