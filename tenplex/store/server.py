@@ -548,18 +548,8 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
     At most ``max_streams`` bulk streams (default: all but 16 of the ``max_workers`` threads) run at once,
     and one that makes no progress for ``stream_idle_s`` seconds is cancelled (see ``streams``). A remote
     part (WriteShard/PutJson) unused for ``part_idle_s`` seconds without Prepare or Abort is aborted."""
-    if bind not in LOOPBACK and not token:
-        raise StoreError(f"refusing to serve store {store.root} on {bind} without a token: anything that reaches "
-                         f"the port could read and overwrite state. Pass a token (--token-file) or bind 127.0.0.1")
-    if (tls_cert is None) != (tls_key is None):
-        raise StoreError("TLS needs both a certificate and its private key")
-    if not 0 <= int(port) <= 65535:
-        raise StoreError(f"port {port} is not a TCP port: use 0-65535 (0: any free port)")
+    max_streams = _check_options(store, bind, port, token, tls_cert, tls_key, max_workers, max_streams)
     wire.keep_freed_chunk_memory()
-    if max_streams is None:
-        max_streams = max(1, max_workers - CONTROL_THREADS)
-    if max_streams > max_workers - 1:
-        raise StoreError(f"max_streams ({max_streams}) must leave threads of the {max_workers} for control calls")
     service = StoreService(store, transformer=transformer, token=token,
                            peer_root_certificates=peer_root_certificates,
                            limits=StreamLimits(max_streams, stream_idle_s), part_idle_s=part_idle_s)
@@ -568,17 +558,7 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
                          # never share a port with another server (clients would be split between them)
                          options=[*wire.channel_options(), ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((_handlers(service),))
-    address = f"[{bind.strip('[]')}]:{port}" if ":" in bind.strip("[]") else f"{bind}:{port}"
-    try:
-        if tls_cert is not None:
-            bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
-        else:
-            bound = server.add_insecure_port(address)
-    except RuntimeError:  # grpc's "Failed to bind to address"
-        bound = 0
-    if not bound:
-        raise StoreError(f"could not bind the store server to {address}: port {port} is in use, or {bind} is not "
-                         f"an address of this machine; choose another port (0: any free port)")
+    bound = _bind(server, bind, port, tls_cert, tls_key)
     if data_plane and tls_cert is None:
         data = DataServer(bind, service._reader, lambda e: (_status_of(e).name, _message(e)), token=token)
         service.data_port = data.port
@@ -591,3 +571,36 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
     log.info("store %s (host %s) serving on %s:%d (data plane port %d)", store.root, store.host, bind, bound,
              service.data_port)
     return server, bound
+
+
+def _check_options(store: Store, bind: str, port: int, token: str | None, tls_cert: bytes | None,
+                   tls_key: bytes | None, max_workers: int, max_streams: int | None) -> int:
+    """Refuse what :func:`serve` must not run with; return the number of bulk streams allowed at once."""
+    if bind not in LOOPBACK and not token:
+        raise StoreError(f"refusing to serve store {store.root} on {bind} without a token: anything that reaches "
+                         f"the port could read and overwrite state. Pass a token (--token-file) or bind 127.0.0.1")
+    if (tls_cert is None) != (tls_key is None):
+        raise StoreError("TLS needs both a certificate and its private key")
+    if not 0 <= int(port) <= 65535:
+        raise StoreError(f"port {port} is not a TCP port: use 0-65535 (0: any free port)")
+    if max_streams is None:
+        max_streams = max(1, max_workers - CONTROL_THREADS)
+    if max_streams > max_workers - 1:
+        raise StoreError(f"max_streams ({max_streams}) must leave threads of the {max_workers} for control calls")
+    return max_streams
+
+
+def _bind(server: grpc.Server, bind: str, port: int, tls_cert: bytes | None, tls_key: bytes | None) -> int:
+    """Add the server's port (TLS when a certificate is given); return the port bound, or raise a StoreError."""
+    address = f"[{bind.strip('[]')}]:{port}" if ":" in bind.strip("[]") else f"{bind}:{port}"
+    try:
+        if tls_cert is not None:
+            bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind to address"
+        bound = 0
+    if not bound:
+        raise StoreError(f"could not bind the store server to {address}: port {port} is in use, or {bind} is not "
+                         f"an address of this machine; choose another port (0: any free port)")
+    return bound
