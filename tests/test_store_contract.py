@@ -16,6 +16,7 @@ from tenplex.integration.shardio import read_piece, write_piece
 from tenplex.planner import plan
 from tenplex.store import (FileBackedReader, LinkingWriter, SpaceReportingStore, Store, StoreReader, StoreWriter,
                            TensorStore, VersionWriter)
+from tenplex.store.manifest import TRANSFORM_PART
 from tenplex.store.server import _check_free_space
 from tenplex.transform import TransformRequest
 from tenplex.transform.host import run_host_part
@@ -148,7 +149,7 @@ def test_a_store_without_links_gets_kept_shards_copied_not_linked(tmp_path):
 
     store = Store(tmp_path, "h0")
     for version in (2, 4):  # prepared by the transformer; the coordinator commits
-        store.commit(version, ["transform"])
+        store.commit(version, [TRANSFORM_PART])
     assert_version_matches({"h0": tmp_path}, new, 2, arrays)
     assert_version_matches({"h0": tmp_path}, new, 4, arrays)
     old_inodes = {(tmp_path / "versions" / "3" / e.file).stat().st_ino for e in store.open(3).entries}

@@ -52,8 +52,10 @@ Optional capabilities (check with ``isinstance``; all are ``runtime_checkable``)
 
 - :class:`LinkingWriter`: ``link`` makes a committed shard of the same store a
   shard of the new version without copying a byte (POSIX hard links).
-- :class:`FileBackedReader`: shards are local files, so a region's byte span
-  can be sent without copying (``sendfile``) and a file can be hard-linked.
+- :class:`FileBackedReader`: shards are local files, so a region is read as
+  runs of bytes of its file (the data plane and the server's ``ReadBox``
+  verify each run and send it without an intermediate array) and a file can
+  be hard-linked.
 - :class:`SpaceReportingStore`: ``free_bytes()``, the room left for new shards
   (a file system's free space), so that the server can refuse a shard that
   cannot fit before any of its data arrives. A store without a fixed capacity
@@ -167,7 +169,7 @@ class StoreWriter(Protocol):
 
 @runtime_checkable
 class FileBackedReader(StoreReader, Protocol):
-    """A reader whose shards are local files: byte spans to send without copying, files to hard-link."""
+    """A reader whose shards are local files: byte spans to read as runs of a file, files to hard-link."""
 
     @staticmethod
     def byte_span(entry: ShardEntry, box: Box) -> tuple[int, int, tuple[int, ...]]:

@@ -30,8 +30,8 @@ runs on. Beyond the contract it uses
 - ``VersionReader.current`` (a cached reader notices that its version
   directory was deleted or replaced) and ``VersionReader.manifest``
   (``GetManifest`` sends the stored manifest document);
-- file-backed reads (``FileBackedReader``: ``_chunks`` sends runs of a shard
-  file, and the data plane ``sendfile``s them).
+- file-backed reads (``FileBackedReader``: ``_chunks`` and the data plane
+  send verified runs of a shard file).
 The free-space check before ``WriteShard`` goes through the contract
 (``SpaceReportingStore.free_bytes``). A server for an object-storage backend
 would keep these handlers and replace those uses, or keep a POSIX store as a
