@@ -407,14 +407,7 @@ class StoreService:
         if self.transformer is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this store server was started without a transformer")
         version = request.new_version
-        with self._lock:
-            if version in self._transforming:
-                raise Conflict(f"another transformation to version {version} is running on host {self.store.host} "
-                               f"right now (a second coordinator?); this one changed nothing here")
-            if version in self.store.versions():
-                raise AlreadyCommitted(f"version {version} is already committed on host {self.store.host} (by "
-                                       f"another transformation or writer); this one changed nothing here")
-            self._transforming.add(version)
+        self._claim(version)
         updates: queue.Queue = queue.Queue()
         cancelled = threading.Event()
         context.add_callback(cancelled.set)  # the coordinator went away: stop pulling
@@ -446,6 +439,17 @@ class StoreService:
                 return
             else:
                 raise value
+
+    def _claim(self, version: int) -> None:
+        """Mark ``version`` as being made here by a transformation; refuse a second one, or a committed version."""
+        with self._lock:
+            if version in self._transforming:
+                raise Conflict(f"another transformation to version {version} is running on host {self.store.host} "
+                               f"right now (a second coordinator?); this one changed nothing here")
+            if version in self.store.versions():
+                raise AlreadyCommitted(f"version {version} is already committed on host {self.store.host} (by "
+                                       f"another transformation or writer); this one changed nothing here")
+            self._transforming.add(version)
 
     # -- dataset files
     @_guard
