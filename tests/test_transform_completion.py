@@ -11,7 +11,9 @@ import pytest
 from tenplex.box import Box
 from tenplex.errors import StoreError, TransformError
 from tenplex.store import Store
+from tenplex.transfer_plan import Transfer
 from tenplex.transform.completion import Completion, FanOutCopy
+from tenplex.transform.host import _Work, _queue_fan_out
 
 VALUES = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
 TOP, BOTTOM, WHOLE = Box((0, 0), (4, 4)), Box((4, 0), (4, 4)), Box((0, 0), (8, 4))
@@ -104,3 +106,12 @@ def test_cancel_stops_a_waiting_fan_out_thread(tmp_path):
     cancelled.set()
     fan_out.join(5)
     assert not fan_out.is_alive() and b._blocks is None  # nothing copied, nothing finished
+
+
+def test_a_fan_out_from_a_shard_this_host_does_not_stage_fails_before_any_pull(tmp_path):
+    _, _, (a,) = _targets(tmp_path, 1)
+    work = _Work()
+    work.targets[("h0/0", "x", WHOLE)] = a
+    work.fan_out.append((Transfer("x", "h0/1", "h0/0", "new", WHOLE), ("h0/0", "x", WHOLE)))  # h0/1 stages nothing
+    with pytest.raises(TransformError, match="h0/1's new shard to h0/0, but this host stages no such shard"):
+        _queue_fan_out(work, None)
