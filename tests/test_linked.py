@@ -182,6 +182,18 @@ def test_speedup_the_links_allow_is_central_host_bytes_over_tenplex_busiest_link
     assert rows[1]["link_speedup_allowed"] == 3.0 and rows[1]["speedup_vs_allowed"] == 0.8
 
 
+def test_partition_bench_link_bound_is_what_the_surviving_link_must_still_carry():
+    from types import SimpleNamespace
+
+    from tenplex.bench.partition import _link_bound
+
+    the_plan = SimpleNamespace(stats=SimpleNamespace(inter_host_bytes=1_600_000_000, max_host_send_bytes=800_000_000))
+    assert _link_bound(the_plan, 800, None, None, None) == 8.0  # 0.8 GB over 100 MB/s
+    # cut 1.5 s in, after the two sources had sent 0.3 GB: the other 1.3 GB leave through h1 alone
+    assert _link_bound(the_plan, 800, "h0", 1.5, 300_000_000) == 1.5 + 13.0
+    assert _link_bound(the_plan, 800, "h3", 1.5, 300_000_000) is None  # a cut destination must fail
+
+
 def test_benches_refuse_without_iproute2():
     proc, rows = _bench("transfer", "--bytes", "1000000", "--link-mbit", "100", env={"PATH": "/nonexistent"})
     assert proc.returncode == 2 and rows == []

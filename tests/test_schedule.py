@@ -65,3 +65,9 @@ def test_a_destination_queues_its_small_region_batches_before_its_large_pulls():
     _queue_batches(work, _NoReplicas(), _Counters(lambda message: None), None)
     assert [p.nbytes for p in work.pulls] == [12, 16 << 20, 16 << 20]
     assert Schedule(work.pulls).take()[0] is work.pulls[0]  # so the batch is the first pull from h1
+
+
+def test_local_copies_take_one_stream_while_pulls_wait():
+    schedule = Schedule(_pieces(LOCAL, 3) + _pieces("h0", 2))
+    assert sorted(schedule.take()[1] for _ in range(3)) == sorted([LOCAL, "h0", "h0"])  # h0's queue is now empty
+    assert schedule.take()[1] == LOCAL  # nothing waits for a link any more: local copies may use every stream

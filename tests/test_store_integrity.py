@@ -332,7 +332,7 @@ def test_local_gc_frees_the_space_the_server_read(small_tmpfs):
 
 
 # ---- block checksums computed while a shard is written ------------------------------------------------------
-@pytest.mark.parametrize("order", ["whole", "rows", "columns", "shuffled", "allocate"])
+@pytest.mark.parametrize("order", ["whole", "rows", "runs", "reversed", "columns", "shuffled", "allocate"])
 def test_shard_target_block_checksums_match_the_data_in_any_write_order(tmp_path, order):
     import random
     from concurrent.futures import ThreadPoolExecutor
@@ -344,13 +344,18 @@ def test_shard_target_block_checksums_match_the_data_in_any_write_order(tmp_path
     target = writer.create("h0/0", "w", whole, "float32", shape=(ROWS, COLS))
     reads = []
     original = target._read_block
-    target._read_block = lambda index, view: (reads.append(index), original(index, view))
+    target._tally._read = lambda index, view: (reads.append(index), original(index, view))  # what the tally reads back
     if order == "whole":
         target.write(whole, data)
     elif order == "rows":  # 100-row slabs: long runs (pwrite), block edges inside writes
         for r in range(0, ROWS, 100):
             box = Box((r, 0), (min(100, ROWS - r), COLS))
             target.write(box, data[box.slices()])
+    elif order in ("runs", "reversed"):  # raw bytes piece by piece, off the block grid (a local copy's pieces)
+        raw = memoryview(data.tobytes())
+        pieces = [(0, 1000)] + [(a, min(a + BLOCK_BYTES, len(raw))) for a in range(1000, len(raw), BLOCK_BYTES)]
+        for a, b in (pieces if order == "runs" else reversed(pieces)):
+            target.write_at(a, raw[a:b])
     elif order == "columns":  # 16-column strips: short runs through the map
         for c in range(0, COLS, 16):
             box = Box((0, c), (ROWS, 16))
@@ -370,5 +375,22 @@ def test_shard_target_block_checksums_match_the_data_in_any_write_order(tmp_path
     assert store.open(1).verify() == []
     if order == "whole":
         assert reads == [], "blocks inside one write must be hashed from the written bytes"
-    if order == "rows":
-        assert sorted(reads) == sorted(set(reads)), "a block is read back at most once, when it completes"
+    if order in ("rows", "runs"):
+        assert reads == [], "blocks written in order from their first byte are hashed as the bytes arrive"
+    if order == "reversed":
+        assert reads and sorted(reads) == sorted(set(reads)), "out of order: read back once, when complete"
+
+
+def test_shard_target_run_offset_is_the_data_offset_of_a_contiguous_region(tmp_path):
+    writer = Store(tmp_path / "s", "h0").begin(1)
+    matrix = writer.create("h0/0", "w", Box((10, 0), (4, 6)), "float32", shape=(20, 6))
+    cube = writer.create("h0/1", "c", Box((0, 0, 0), (3, 4, 5)), "float32", shape=(3, 4, 5))
+    assert matrix.run_offset(Box((11, 0), (2, 6))) == 1 * 6 * 4   # whole rows
+    assert matrix.run_offset(Box((12, 2), (1, 3))) == (2 * 6 + 2) * 4   # part of one row
+    assert matrix.run_offset(Box((11, 2), (2, 3))) is None   # parts of two rows
+    assert cube.run_offset(Box((1, 0, 0), (2, 4, 5))) == 1 * 20 * 4
+    assert cube.run_offset(Box((2, 1, 0), (1, 2, 5))) == (2 * 20 + 1 * 5) * 4
+    assert cube.run_offset(Box((1, 1, 0), (2, 2, 5))) is None
+    assert cube.run_offset(Box((1, 2, 3), (1, 1, 2))) == (20 + 2 * 5 + 3) * 4
+    with pytest.raises(StoreError, match="outside shard"):
+        matrix.write_at(4 * 6 * 4 - 4, memoryview(bytes(8)))

@@ -46,9 +46,11 @@ def root_digest(blocks: list[str]) -> str:
 
 class BlockTally:
     """Block digests of a shard being written in any order and from several threads, each computed once the
-    block is complete: from the written bytes when one write covers the whole block, else by reading the
-    block back (``read_block(index, view)``, from the page cache). Blocks written more than once (overlapping
-    writes) or through a map the tally cannot see (:meth:`forget`) are hashed again by :meth:`digests`."""
+    block is complete: from the written bytes when one write covers the whole block; from a running hash when
+    the block's writes came in order from its first byte (a region copied piece by piece to an offset that is
+    not block-aligned); else by reading the block back (``read_block(index, view)``, from the page cache).
+    Blocks written more than once (overlapping writes) or through a map the tally cannot see (:meth:`forget`)
+    are hashed again by :meth:`digests`."""
 
     def __init__(self, nbytes: int, read_block: Callable[[int, memoryview], None], block_bytes: int = BLOCK_BYTES):
         self.nbytes, self.block_bytes, self._read = nbytes, block_bytes, read_block
@@ -59,6 +61,7 @@ class BlockTally:
         self._filled = np.zeros(count, np.int64)
         self._digests: list[str | None] = [None] * count
         self._stale: set[int] = set()
+        self._running: dict[int, list] = {}  # block -> [bytes hashed so far, xxh3_64 state]: in-order writes
         self._lock = threading.Lock()
         self._scratch = threading.local()
 
@@ -73,14 +76,33 @@ class BlockTally:
         with self._lock:
             for index in range(first, last + 1):
                 lo, hi = max(start, index * size), min(start + length, index * size + int(self._full[index]))
+                part = data[lo - start:hi - start]
+                whole = lo == index * size and hi - lo == self._full[index]
+                running = None if whole else self._follow(index, lo - index * size, part)
                 self._filled[index] += hi - lo
                 if self._filled[index] == self._full[index]:
-                    whole = lo == index * size and hi - lo == self._full[index]
-                    done.append((index, data[lo - start:hi - start] if whole else None))
+                    done.append((index, part if whole else None, running))
                 elif self._filled[index] > self._full[index]:
                     self._stale.add(index)
-        for index, block in done:
-            self._digests[index] = self._hash(index, block)
+        for index, block, running in done:
+            self._digests[index] = f"{running:016x}" if running is not None else self._hash(index, block)
+
+    def _follow(self, index: int, at: int, part: memoryview) -> int | None:
+        """Feed ``part`` (written at byte ``at`` of block ``index``) to the block's running hash when the block's
+        writes so far came in order from its first byte; the block's digest once that makes it whole, else
+        None. Called with the lock held, so the order of updates is the order of the writes."""
+        running = self._running.get(index)
+        if at == 0 and not self._filled[index]:
+            running = self._running[index] = [0, xxhash.xxh3_64()]
+        elif running is None or running[0] != at:
+            self._running.pop(index, None)  # out of order: read back once complete
+            return None
+        running[1].update(part)
+        running[0] += part.nbytes
+        if running[0] < self._full[index]:
+            return None
+        del self._running[index]
+        return running[1].intdigest()
 
     def wrote_runs(self, starts: np.ndarray, run: int) -> None:
         """Many runs of ``run`` bytes (each shorter than a block) were written at data offsets ``starts``."""

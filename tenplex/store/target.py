@@ -119,6 +119,27 @@ class ShardTarget:
             self._pwrite(piece, self.data_offset + offset)
             self._tally.wrote(offset, piece)
 
+    def run_offset(self, region: Box) -> int | None:
+        """The data offset of ``region`` (global coordinates) when its bytes are one contiguous run of this shard
+        (C order: leading dimensions of length 1, then one partial dimension, then whole ones), else None."""
+        local = region.local(self.box)
+        inner = self.box.ndim - 1
+        while inner > 0 and local.lengths[inner] == self.box.lengths[inner]:
+            inner -= 1
+        if any(n != 1 for n in local.lengths[:max(inner, 0)]):
+            return None
+        return sum(o * s for o, s in zip(local.offsets, self._strides))
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        """Store raw bytes at data offset ``offset`` (part of a run that :meth:`run_offset` found); feeds the
+        block checksums like :meth:`write`."""
+        if self._blocks is not None:
+            raise StoreError(f"shard {self.path.name} was already finished; bytes at {offset} cannot be written")
+        if offset < 0 or offset + data.nbytes > self.box.volume * self.itemsize:
+            raise StoreError(f"bytes {offset}-{offset + data.nbytes} lie outside shard {self.path.name}")
+        self._pwrite(data, self.data_offset + offset)
+        self._tally.wrote(offset, data)
+
     def reserve(self) -> None:
         """Allocate the file's space now (fails early on a full disk); safe while others write."""
         st.reserve_space(self._descriptor(), self.data_offset + self.box.volume * self.itemsize)

@@ -20,12 +20,16 @@ Order of work, per new shard of this host's devices:
    reserved by a thread of its own while the pulls run, so a full disk
    fails early. The order of the pulls keeps every source link busy at once
    and lets replicas take over a slow source's pieces (``schedule``).
-3. ``"from": "new"`` regions (the local fan-out) are copied in plan order
-   from new shards that step 2 filled.
+3. ``"from": "new"`` regions (the local fan-out) are copied from the new
+   shards that step 2 fills, by one more thread, each as soon as every byte
+   of its source region has landed (``completion``): during the pulls, not
+   after them.
 
-A shard that no fan-out writes into is finished (fsynced, its block
-checksums collected) by the pull thread that wrote its last region, so that
-work overlaps the other pulls instead of running serially in ``prepare``.
+A local region that is one contiguous run of both the old and the new shard
+file goes from the verified read buffer straight into the new file. Every new
+shard is finished (fsynced, its block checksums collected) by the thread
+that wrote its last region, so that work overlaps the other pulls instead of
+running serially in ``prepare``.
 
 A region whose source fails (host down, cut off, corrupted data after
 retries, missing version) is fetched again from the other replicas the old
@@ -65,7 +69,7 @@ log = logging.getLogger(__name__)
 DEFAULT_STREAMS = 4
 PIECE_BYTES = 16 << 20          # one pull call; several chunks each; small enough for replicas to share the tail
 SMALL_BYTES = 1 << 20           # remote regions below this travel in batches (ReadBoxes): one call for many
-BATCH_BYTES = 16 << 20
+BATCH_BYTES = 2 << 20           # small: they go first, and a slow source must not hold a big one
 BATCH_REGIONS = 512
 PROGRESS_EVERY_BYTES = 64 << 20  # progress messages are throttled to this granularity
 PROGRESS_EVERY_S = 0.25
@@ -116,6 +120,7 @@ class _Sources:
                  peers: dict[str, str], token: str | None, root_certificates: bytes | None, streams: int,
                  chunk_bytes: int, stall: float):
         self.host, self.old, self.version, self.reader = host, old, version, reader
+        self._files = reader if isinstance(reader, FileBackedReader) else None  # checked once: isinstance is slow
         self.failed: dict[str, str] = {}  # host -> first failure, not asked again
         self._lock = threading.Lock()
         self._clients: dict[str, list[StoreClient]] = {}
@@ -196,7 +201,8 @@ class _Sources:
         if source_host == self.host:
             if self.reader is None:
                 raise StoreError(f"host {self.host} has no committed version {self.version}")
-            target.write(box, self.reader.read(device, tensor, box))
+            if self._files is None or not _copy_run(self._files, device, tensor, box, target):
+                target.write(box, self.reader.read(device, tensor, box))
             return
         self.client(source_host).read_box_to(self.version, device, tensor, box, target.itemsize, target.write)
 
@@ -216,6 +222,19 @@ class _Sources:
             if host != self.host and host not in found and held.contains(box):
                 found[host] = device
         return found
+
+
+def _copy_run(reader: FileBackedReader, device: str, tensor: str, box: Box, target: ShardTarget) -> bool:
+    """Copy a local region that is one contiguous run of both the old and the new shard file: each verified piece
+    goes from the reader's reused piece buffer straight into the new file, with no array allocated (and
+    page-faulted) per region. False, with nothing copied, when the region is not such a run."""
+    entry = reader.find(device, tensor, box)
+    start, span, _ = reader.byte_span(entry, box)
+    into = target.run_offset(box)
+    if into is None or span != box.volume * target.itemsize:
+        return False
+    reader.shard_file(entry).read_into(start, None, span, consume=lambda at, data: target.write_at(into + at, data))
+    return True
 
 
 def _damaged_shard(error: Exception) -> bool:
@@ -293,9 +312,12 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer: S
     fills_of = _fills_by_shard(host, transfers, uninitialised, new)
     counters.total = sum(key[2].volume * new.tensors[key[1]].itemsize for key in fills_of)
     work = _Work()
+    # A store without the capability gets whole kept shards copied like any local region (checked once here:
+    # a runtime protocol check costs tens of microseconds, and hosts stage thousands of shards).
+    linking = (writer, reader) if isinstance(writer, LinkingWriter) and isinstance(reader, FileBackedReader) else None
     for key, fills in fills_of.items():
         _check_covered(key, fills)
-        if not _link_whole(host, key, fills, new, writer, reader, work, counters):
+        if linking is None or not _link_whole(host, key, fills, new, *linking, work, counters):
             _queue_fills(host, key, fills, new, writer, sources, work, counters, cancelled)
     _queue_fan_out(work, reader)
     _queue_batches(work, sources, counters, cancelled)
@@ -339,11 +361,9 @@ def _check_covered(key: ShardKey, fills: list[Transfer]) -> None:
                              f"every new box must be covered exactly once")
 
 
-def _link_whole(host: str, key: ShardKey, fills: list[Transfer], new: Layout, writer: StoreWriter,
-                reader: StoreReader | None, work: _Work, counters: _Counters) -> bool:
-    """Hard-link the shard when a whole old shard of this host fills it and the store can link; True if done."""
-    if not isinstance(writer, LinkingWriter) or not isinstance(reader, FileBackedReader):
-        return False  # a store without the capability: the shard is copied like any local region
+def _link_whole(host: str, key: ShardKey, fills: list[Transfer], new: Layout, writer: LinkingWriter,
+                reader: FileBackedReader, work: _Work, counters: _Counters) -> bool:
+    """Hard-link the shard when a whole old shard of this host fills it; True if done."""
     entry = _linkable(host, fills, key[2], reader)
     if entry is None:
         return False
@@ -386,15 +406,17 @@ def _queue_fills(host: str, key: ShardKey, fills: list[Transfer], new: Layout, w
 def _queue_batches(work: _Work, sources: _Sources, counters: _Counters, cancelled: threading.Event) -> None:
     """Turn the small remote regions into pulls of many regions each (one ``ReadBoxes`` call), queued before the
     large pulls: a batch's many regions cost more per byte, and they often feed fan-out copies, which can then
-    run while the large pulls keep the links busy instead of after them."""
+    run while the large pulls keep the links busy instead of after them. Batches stay small (``BATCH_BYTES``):
+    the first pull from each source is one, and a slow source must not be handed a large one (replicas take
+    over only what is still queued)."""
     batches: list[Pull] = []
     for source_host, items in work.small.items():
         for batch in _batches(items):
             batch_holders = [sources.holders(tensor, piece) for _, tensor, piece, _ in batch]
             shared = frozenset.intersection(*(frozenset(h) for h in batch_holders)) - {source_host}
             batches.append(Pull(source_host, sum(i[2].volume * i[3].itemsize for i in batch),
-                                   _batch_job(sources, batch, batch_holders, counters.add, cancelled,
-                                              work.completion), shared))
+                                _batch_job(sources, batch, batch_holders, counters.add, cancelled,
+                                           work.completion), shared))
     work.pulls[:0] = batches
 
 

@@ -20,6 +20,11 @@ queue of their own, under ``LOCAL``), and a free pull thread takes:
 A source that failed (``failed(host)``) is given no more pieces; replicas take
 over its queue, and pieces no replica holds still run as planned, where the
 reader falls back or names what was lost.
+
+Local copies take at most one stream while pieces from other hosts are still
+queued: the links are the scarce resource, and one thread copies at memory
+speed, well ahead of any link, while more threads would only take the CPU that
+receiving needs.
 """
 
 from __future__ import annotations
@@ -62,7 +67,10 @@ class Schedule:
         """The next piece and the host to read it from, or None when every piece has been handed out."""
         with self._lock:
             usable = [h for h in self._rank if not self._failed(h)]
+            remote_queued = any(queue for source, queue in self._queues.items() if source != LOCAL)
             for host in sorted(usable, key=lambda h: (self._in_flight[h], self._rank[h])):
+                if host == LOCAL and self._in_flight[LOCAL] and remote_queued:
+                    continue  # one stream copies locally while pulls wait (see the module docstring)
                 piece = self._pop(host) or self._steal(host)
                 if piece is not None:
                     self._in_flight[host] += 1
