@@ -99,7 +99,7 @@ def test_pieces_go_to_and_from_a_store_through_the_contract_alone(tmp_path):
     assert scalar.item() == 2.5
 
 
-def test_the_local_store_keeps_the_contract_with_both_capabilities(tmp_path):
+def test_the_local_store_keeps_the_contract_with_every_capability(tmp_path):
     store = Store(tmp_path, "h0")
     writer = store.begin(1)
     try:
