@@ -288,23 +288,37 @@ def _fill_general(out: _Builder, name: str, itemsize: int, tensor: _TensorIndex,
 
 def _lower_bound(tensor: _TensorIndex, new: Iterable[tuple[str, Box]], host: dict[str, str]) -> int:
     """Sum over hosts h of |union of new boxes on h - union of old boxes on h| (elements)."""
-    regions, holders_on, targets = tensor.regions, tensor.holders_on, tensor.targets
-    number = {r: j for j, r in enumerate(targets)}
-    wanted: dict[str, set[int]] = {}
+    number = {r: j for j, r in enumerate(tensor.targets)}
+    wanted: dict[str, set[int]] = {}  # host -> the distinct new boxes on it
     for device, box in new:
         wanted.setdefault(host[device], set()).add(number[(box.offsets, box.ends)])
+    missing = _missing_tiled if tensor.tiled else _missing_general
+    return missing(tensor, wanted)
+
+
+def _missing_tiled(tensor: _TensorIndex, wanted: dict[str, set[int]]) -> int:
+    """The lower bound when both layouts are tiled: disjoint boxes make each union a plain sum, so a host lacks
+    each of its new boxes less the parts that old boxes on the host hold."""
+    regions, holders_on, targets = tensor.regions, tensor.holders_on, tensor.targets
+    overlaps: dict[int, list[tuple[int, int]]] = {}  # new box -> (old box, elements in common), once per new box
     total = 0
-    overlaps: dict[int, list[tuple[int, int]]] = {}  # target -> (old box, elements in common), when tiled
     for h, on_host in wanted.items():
         for j in sorted(on_host):
-            if tensor.tiled:  # disjoint boxes: the union is a plain sum
-                if j not in overlaps:
-                    overlaps[j] = [(i, _volume(common)) for i in tensor.index.overlapping(targets[j])
-                                   if (common := _intersect(targets[j], regions[i])) is not None]
-                total += _volume(targets[j]) - sum(n for i, n in overlaps[j] if h in holders_on[i])
-                continue
+            if j not in overlaps:
+                overlaps[j] = [(i, _volume(common)) for i in tensor.index.overlapping(targets[j])
+                               if (common := _intersect(targets[j], regions[i])) is not None]
+            total += _volume(targets[j]) - sum(n for i, n in overlaps[j] if h in holders_on[i])
+    return total
+
+
+def _missing_general(tensor: _TensorIndex, wanted: dict[str, set[int]]) -> int:
+    """The lower bound for any boxes, by subtraction: what is left of each new box on a host once the earlier new
+    boxes on that host (counted already) and the old boxes the host holds are taken away."""
+    regions, holders_on, targets = tensor.regions, tensor.holders_on, tensor.targets
+    total = 0
+    for h, on_host in wanted.items():
+        for j in sorted(on_host):
             pieces = [targets[j]]
-            # Count each element once: drop what earlier new boxes on h already counted, then what h has.
             for k in tensor.target_index.overlapping(targets[j]):
                 if k < j and k in on_host:
                     pieces = _cover(pieces, targets[k], _ignore)

@@ -68,7 +68,7 @@ def test_the_state_of_the_cut_off_stage_came_from_its_copies(run):
     (restored,) = e["cut_off"]["restored_after_cut"]
     # h0 holds committed copies of h1's regions of the restored version: the only source of h1's stage once h1 was
     # cut off (the restored full state equals the saved one bit for bit: state_bit_exact above).
-    assert restored in held_versions(h0)["h1"]
+    assert restored in held_versions(h0, "h0")["h1"]
     copied = sum(shard["nbytes"] for m in (h0 / REPLICAS_DIR / "h1").glob("versions/*/manifest.json")
                  for shard in json.loads(m.read_text())["shards"])
     # What crossed the links, from the kernel's counters: at least the copies' bytes that h1 sent to h0.

@@ -153,7 +153,7 @@ def test_copies_are_pulled_verified_and_committed_as_their_own_version(tmp_path,
     replicator = Replicator(Store(roots["h1"], "h1"), 3, layout, 1, {"h0": h0.address}).start()
     assert replicator.wait(60), replicator.status()
     assert replicator.status()["bytes"] == 32 * 256 * 4  # only h0's rows: b is on both hosts
-    assert held_versions(roots["h1"]) == {"h0": [3]}
+    assert held_versions(roots["h1"], "h1") == {"h0": [3]}
     assert held_layout(roots["h1"], "h1", "h0", 3).devices == {"h0/0": (Shard("w", rows(0, 32, 256)),)}
     reader = replica_store(roots["h1"], "h0", "h1").open(3)
     assert np.array_equal(reader.read("h0/0", "w", rows(0, 32, 256)).view(np.uint32), arrays["w"][:32].view(np.uint32))
@@ -169,7 +169,7 @@ def test_an_origin_dying_mid_copy_leaves_no_committed_copy(tmp_path, stores, mon
     h0 = stores("h0", env={"TENPLEX_STORE_TEST_HOOKS": "exit_after_chunks=2"})
     replicator = Replicator(Store(roots["h1"], "h1"), 1, layout, 1, {"h0": h0.address}, timeout=10).start()
     assert not replicator.wait(60)
-    assert replicator.status()["state"] == "failed" and "h0" not in held_versions(roots["h1"])
+    assert replicator.status()["state"] == "failed" and "h0" not in held_versions(roots["h1"], "h1")
     assert not any((roots["h1"] / "replicas" / "h0" / "staging").iterdir())  # the partial copy was dropped
     assert h0.proc.wait(10) == 137
 
@@ -190,7 +190,7 @@ def test_a_cancelled_copy_is_dropped(tmp_path, stores, monkeypatch):
     monkeypatch.setattr(ShardTarget, "write", write_then_cancel)
     replicator.start()
     assert not replicator.wait(60)
-    assert replicator.status()["state"] == "cancelled" and held_versions(roots["h1"]) == {}
+    assert replicator.status()["state"] == "cancelled" and held_versions(roots["h1"], "h1") == {}
     assert not any((roots["h1"] / "replicas" / "h0" / "staging").iterdir())
 
 
@@ -265,7 +265,7 @@ def recovery(tmp_path_factory):
         second = run(base, "second", ["h0/0", "h1/0"], hosts("h0", "h1"),
                      [{"op": "restore"}, {"op": "train", "steps": 1}, *saves], keep=10)
         died = procs["h1"].proc.wait(30)
-        copies_after_second = held_versions(procs["h0"].root)
+        copies_after_second = held_versions(procs["h0"].root, "h0")
         procs["h1"].stop()
         shutil.rmtree(procs["h1"].root)  # h1 was lost with its disk, and comes back with an empty store
         procs["h1"] = StoreProcess(base / "stores" / "h1", "h1")

@@ -56,7 +56,7 @@ from ..errors import ConfigError, TenplexError
 from .nodes import Nodes
 
 if TYPE_CHECKING:
-    from ..bench.cluster import EmulatedCluster
+    from ..bench.cluster import Counters, EmulatedCluster
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-gpt-train" / "train.py"
 DEFAULT_SCHEDULE = "join:h2@4,fail:h1@8,leave:h2@12"
@@ -187,31 +187,10 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
         say(f"elastic run: nodes {', '.join(initial)} (2 workers each) join the rendezvous at {nodes.endpoint}")
         progress = _Progress(record, say)
         for i, e in enumerate(events):
-            wanted = sorted(initial) if i == 0 else after[i - 1]
-            # Each _wait calls its condition only within this iteration, so the loop variables are current.
-            _wait(lambda: progress.update() and progress.reached(e.at, wanted) is not None,  # noqa: B023
-                  deadline, nodes,
-                  f"the job to reach step {e.at} on {', '.join(wanted)}")
-            at = progress.reached(e.at, wanted)  # e.at, unless a restart carried the job past its hold
-            if e.kind in ("fail", "partition"):
-                # The survivors resume from the newest save only once its copies exist: wait for the background
-                # replication, so that the checks know which save the next world must restore.
-                newest = max((d["version"] for d in progress.docs if d["event"] == "saved"), default=None)
-                _wait(lambda: newest is None or _replicated(nodes, newest),  # noqa: B023
-                      min(deadline, time.monotonic() + REPLICATION_WAIT_S), nodes, f"the copies of version {newest}")
+            at = _await_event(progress, nodes, e, sorted(initial) if i == 0 else after[i - 1], deadline)
             say(f"event {i + 1}: {e.kind} {e.host} at step {at}")
             fired.append({"time": time.time(), "step": at})
-            if e.kind == "join":
-                nodes.start(e.host)
-            elif e.kind == "fail":
-                nodes.fail(e.host)
-            elif e.kind == "partition":
-                nodes.partition(e.host)
-            else:
-                nodes.leave(e.host)
-            if e.kind != "join":
-                # The survivors go on (and find out), the leaving node's ranks save with them.
-                (record / f"hold-{e.at}").unlink()
+            _set_off(nodes, e, record)
             _wait(lambda: progress.update() and progress.world_after(fired[-1]["time"], after[i]),  # noqa: B023
                   deadline, nodes,
                   f"a world of {', '.join(after[i])} after the {e.kind}")
@@ -220,17 +199,56 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
         _wait(lambda: progress.update() and not nodes.running(), deadline, nodes, f"the job to reach step {steps}")
         codes = nodes.wait(0)
         if cluster is not None and before is not None:
-            moved = cluster.counters() - before
-            links = {"mbit": cluster.mbit[cluster.hosts[0]],
-                     "hosts": {h: {"out": v.out, "in": v.in_} for h, v in sorted(moved.items())}}
-            (workdir / "elastic" / "links.json").write_text(json.dumps(links))
-    (workdir / "elastic" / "fired.json").write_text(json.dumps(fired))
-    (workdir / "elastic" / "agents.json").write_text(json.dumps({"exit_codes": codes,
-                                                                 "partitioned": sorted(nodes.partitioned)}))
-    bad = {h: c for h, c in codes.items() if c not in (0, -9) and h not in nodes.partitioned}
-    if bad:
-        raise DemoError(f"agents exited with {bad}; see {workdir / 'elastic'}/agent-*.log")
+            _write_links(workdir / "elastic" / "links.json", cluster, cluster.counters() - before)
+    _write_outcome(workdir / "elastic", fired, codes, nodes.partitioned)
     return record, fired
+
+
+def _await_event(progress: "_Progress", nodes: Nodes, e: Event, wanted: list[str], deadline: float) -> int | None:
+    """Wait until the job reaches event ``e``'s step on the nodes ``wanted`` (before a failure or a partition,
+    also until the newest save's copies exist); return the step it reached."""
+    _wait(lambda: progress.update() and progress.reached(e.at, wanted) is not None, deadline, nodes,
+          f"the job to reach step {e.at} on {', '.join(wanted)}")
+    at = progress.reached(e.at, wanted)  # e.at, unless a restart carried the job past its hold
+    if e.kind in ("fail", "partition"):
+        # The survivors resume from the newest save only once its copies exist: wait for the background
+        # replication, so that the checks know which save the next world must restore.
+        newest = max((d["version"] for d in progress.docs if d["event"] == "saved"), default=None)
+        _wait(lambda: newest is None or _replicated(nodes, newest),
+              min(deadline, time.monotonic() + REPLICATION_WAIT_S), nodes, f"the copies of version {newest}")
+    return at
+
+
+def _set_off(nodes: Nodes, e: Event, record: Path) -> None:
+    """Make event ``e`` happen to its node."""
+    if e.kind == "join":
+        nodes.start(e.host)
+    elif e.kind == "fail":
+        nodes.fail(e.host)
+    elif e.kind == "partition":
+        nodes.partition(e.host)
+    else:
+        nodes.leave(e.host)
+    if e.kind != "join":
+        # The survivors go on (and find out), the leaving node's ranks save with them.
+        (record / f"hold-{e.at}").unlink()
+
+
+def _write_links(path: Path, cluster: "EmulatedCluster", moved: "Counters") -> None:
+    """Each node's bytes out and in over its link during the run (``moved``: the kernel's counters' growth)."""
+    links = {"mbit": cluster.mbit[cluster.hosts[0]],
+             "hosts": {h: {"out": v.out, "in": v.in_} for h, v in sorted(moved.items())}}
+    path.write_text(json.dumps(links))
+
+
+def _write_outcome(base: Path, fired: list[dict], codes: dict[str, int | None], partitioned: set[str]) -> None:
+    """Record when the events fired and how the agents ended; an agent that failed (not killed, not cut off)
+    fails the run."""
+    (base / "fired.json").write_text(json.dumps(fired))
+    (base / "agents.json").write_text(json.dumps({"exit_codes": codes, "partitioned": sorted(partitioned)}))
+    bad = {h: c for h, c in codes.items() if c not in (0, -9) and h not in partitioned}
+    if bad:
+        raise DemoError(f"agents exited with {bad}; see {base}/agent-*.log")
 
 
 def _replicated(nodes: Nodes, version: int) -> bool:
@@ -241,7 +259,7 @@ def _replicated(nodes: Nodes, version: int) -> bool:
 
     roots = {h: nodes.root(h) for h in nodes.agents}
     layout = saved_layout(list(roots.values()), version)
-    return layout is not None and all(version in held_versions(roots[c.holder]).get(c.origin, [])
+    return layout is not None and all(version in held_versions(roots[c.holder], c.holder).get(c.origin, [])
                                       for c in copies(layout, None) if c.holder in roots)
 
 

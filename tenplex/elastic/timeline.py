@@ -168,37 +168,61 @@ def summarize(reference: Path, elastic: Path, events: list, fired: list[dict], r
     loss histories and worlds behind it (for the plot)."""
     worlds, ref_worlds = read_worlds(elastic), read_worlds(reference)
     history, ref_history = final_history(worlds), final_history(ref_worlds)
-    out_events, bit_exact, position_ok, cut_off_restored = [], True, True, 0
+    out_events, bit_exact, position_ok = [], True, True
     for e, f, hosts in zip(events, fired, after):
-        before = [w for w in worlds if w.start < f["time"]]
-        source = before[-1] if before else None
-        target = next((w for w in worlds if w.start > f["time"] and sorted(w.hosts) == hosts), None)
-        if source is None or target is None:
-            position_ok = bit_exact = False
-            out_events.append({"kind": e.kind, "host": e.host, "at_step": f["step"], "error": "no world found"})
-            continue
-        between = [w for w in worlds if source.start <= w.start < target.start]
-        reached = max((s for w in between for s in w.steps), default=0)
-        resumed = target.restored_step or 0
-        exits = [x["time"] for w in between for x in w.exits if x["time"] >= f["time"]]
-        detected = min(exits) if exits else target.start
-        # Newest save committed before the new world started: what it must resume from.
-        saves = [s for w in worlds if w.start < target.start for s in w.saves if s["time"] < target.start]
-        newest = max(saves, key=lambda s: (s["step"], s["time"]), default=None)
-        position_ok &= newest is not None and resumed == newest["step"] and target.position == newest["position"]
-        if newest is not None:
-            saver = next(w for w in worlds if newest in w.saves)
-            bit_exact &= _bit_exact(_dump(elastic, "saved", newest["step"], saver),
-                                    _dump(elastic, "restored", resumed, target))
-        out_events.append({
-            "kind": e.kind, "host": e.host, "at_step": f["step"], "resumed_from_step": resumed,
-            "lost_steps": max(0, reached - resumed), "from": source.describe(), "to": target.describe(),
-            "detect_s": round(detected - f["time"], 3),
-            "restart_s": round(target.ready - target.restore_s - detected, 3),
-            "restore_s": round(target.restore_s, 3), "bytes": _bytes(target, roots)})
-        if e.kind == "partition":
-            out_events[-1]["cut_off"] = _cut_off(e.host, f["time"], worlds, roots)
-            cut_off_restored += len(out_events[-1]["cut_off"]["restored_from_cut_off"])
+        row, exact, resumed_right = _event_row(e, f, hosts, worlds, elastic, roots)
+        out_events.append(row)
+        bit_exact &= exact
+        position_ok &= resumed_right
+    checks = _checks(history, ref_history, out_events, bit_exact, position_ok,
+                     any(e.kind == "partition" for e in events))
+    ok = (checks["loss_max_rel_diff"] <= LOSS_TOLERANCE and checks["samples_read_twice"] == 0
+          and checks["samples_skipped"] == 0 and checks["state_bit_exact"] and checks["position_restored"]
+          and checks.get("cut_off_saves_restored", 0) == 0 and all("error" not in e for e in out_events))
+    summary = {"format": FORMAT, "ok": bool(ok), "events": out_events, "checks": checks}
+    # Attempts that a failure threw away (their steps were trained again after the restore).
+    lost = [(s, h["loss"]) for w in worlds for s, h in w.steps.items() if history[s] is not h]
+    return summary, {"elastic": {s: h["loss"] for s, h in history.items()},
+                     "reference": {s: h["loss"] for s, h in ref_history.items()}, "lost": lost}
+
+
+def _event_row(e, f: dict, hosts: list[str], worlds: list[World], elastic: Path,
+               roots: list[Path]) -> tuple[dict, bool, bool]:
+    """One event's summary row (``f``: when it fired; ``hosts``: the world expected after it), whether the
+    state the next world restored equals the saved one bit for bit, and whether it resumed at the newest
+    save's step and dataset position."""
+    before = [w for w in worlds if w.start < f["time"]]
+    source = before[-1] if before else None
+    target = next((w for w in worlds if w.start > f["time"] and sorted(w.hosts) == hosts), None)
+    if source is None or target is None:
+        return {"kind": e.kind, "host": e.host, "at_step": f["step"], "error": "no world found"}, False, False
+    between = [w for w in worlds if source.start <= w.start < target.start]
+    reached = max((s for w in between for s in w.steps), default=0)
+    resumed = target.restored_step or 0
+    exits = [x["time"] for w in between for x in w.exits if x["time"] >= f["time"]]
+    detected = min(exits) if exits else target.start
+    # Newest save committed before the new world started: what it must resume from.
+    saves = [s for w in worlds if w.start < target.start for s in w.saves if s["time"] < target.start]
+    newest = max(saves, key=lambda s: (s["step"], s["time"]), default=None)
+    resumed_right = newest is not None and resumed == newest["step"] and target.position == newest["position"]
+    exact = True
+    if newest is not None:
+        saver = next(w for w in worlds if newest in w.saves)
+        exact = _bit_exact(_dump(elastic, "saved", newest["step"], saver), _dump(elastic, "restored", resumed, target))
+    row = {"kind": e.kind, "host": e.host, "at_step": f["step"], "resumed_from_step": resumed,
+           "lost_steps": max(0, reached - resumed), "from": source.describe(), "to": target.describe(),
+           "detect_s": round(detected - f["time"], 3),
+           "restart_s": round(target.ready - target.restore_s - detected, 3),
+           "restore_s": round(target.restore_s, 3), "bytes": _bytes(target, roots)}
+    if e.kind == "partition":
+        row["cut_off"] = _cut_off(e.host, f["time"], worlds, roots)
+    return row, exact, resumed_right
+
+
+def _checks(history: dict, ref_history: dict, out_events: list[dict], bit_exact: bool, position_ok: bool,
+            partitioned: bool) -> dict:
+    """The run's checks: losses against the reference, every sample read exactly once, the restored state and
+    position, and (after a partition) that no save of the cut-off side was restored."""
     losses = [(s, h["loss"], ref_history[s]["loss"]) for s, h in history.items() if s in ref_history]
     rel = max((abs(a - b) / max(abs(b), 1e-12) for _, a, b in losses), default=float("inf"))
     seen = [i for h in history.values() for i in h["ids"]]
@@ -211,16 +235,10 @@ def summarize(reference: Path, elastic: Path, events: list, fired: list[dict], r
               "samples_skipped": len(expected - set(counts)),
               "state_bit_exact": bool(bit_exact and out_events),
               "position_restored": bool(position_ok and out_events)}
-    if any(e.kind == "partition" for e in events):
-        checks["cut_off_saves_restored"] = cut_off_restored
-    ok = (checks["loss_max_rel_diff"] <= LOSS_TOLERANCE and checks["samples_read_twice"] == 0
-          and checks["samples_skipped"] == 0 and checks["state_bit_exact"] and checks["position_restored"]
-          and checks.get("cut_off_saves_restored", 0) == 0 and all("error" not in e for e in out_events))
-    summary = {"format": FORMAT, "ok": bool(ok), "events": out_events, "checks": checks}
-    # Attempts that a failure threw away (their steps were trained again after the restore).
-    lost = [(s, h["loss"]) for w in worlds for s, h in w.steps.items() if history[s] is not h]
-    return summary, {"elastic": {s: h["loss"] for s, h in history.items()},
-                     "reference": {s: h["loss"] for s, h in ref_history.items()}, "lost": lost}
+    if partitioned:
+        checks["cut_off_saves_restored"] = sum(len(row["cut_off"]["restored_from_cut_off"])
+                                               for row in out_events if "cut_off" in row)
+    return checks
 
 
 def print_timeline(summary: dict, say) -> None:

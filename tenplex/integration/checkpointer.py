@@ -49,7 +49,7 @@ import logging
 import os
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -193,19 +193,9 @@ class Checkpointer:
                                                            ring))
                 writer.prepare()
 
-        try:
-            agree(f"save of step {step} (staging version {version})", stage, self.group)
-            # Name the parts: a crashed earlier attempt may have left other ranks' parts of this version staged.
-            parts = [f"rank{r}" for r, d in enumerate(docs) if d["host"] == self.host]
-            agree(f"save of step {step} (committing version {version})",
-                  lambda: self.store.commit(version, parts=parts) if rank == leader else None, self.group)
-        except Exception:
-            if rank == leader:
-                self.store.abort(version)
-                # Committed here but not on every host: take it back, so that no later restore can pick a
-                # version that some host lacks (the version number is new, so nothing older is touched).
-                self.store.delete(version)
-            raise
+        # Name the parts: a crashed earlier attempt may have left other ranks' parts of this version staged.
+        parts = [f"rank{r}" for r, d in enumerate(docs) if d["host"] == self.host]
+        self._stage_and_commit(f"save of step {step}", version, stage, parts, rank == leader)
         if rank == leader:
             self.store.gc(self.keep)
             if replicas:
@@ -213,6 +203,22 @@ class Checkpointer:
                                               keep=self.keep).start()
         self._replicated_version = version
         return version
+
+    def _stage_and_commit(self, what: str, version: int, stage: Callable[[], None], parts: list[str],
+                          leader: bool) -> None:
+        """Every rank runs ``stage``, then the ranks with ``leader`` set (one per host) commit their host's
+        ``parts``; a failure anywhere takes the version back on every host and raises on every rank. Collective."""
+        try:
+            agree(f"{what} (staging version {version})", stage, self.group)
+            agree(f"{what} (committing version {version})",
+                  lambda: self.store.commit(version, parts=parts) if leader else None, self.group)
+        except Exception:
+            if leader:
+                self.store.abort(version)
+                # Committed here but not on every host: take it back, so that no later restore can pick a
+                # version that some host lacks (the version number is new, so nothing older is touched).
+                self.store.delete(version)
+            raise
 
     # ----------------------------------------------------------- replication
     def wait_replicated(self, timeout: float | None = None) -> bool:
@@ -304,7 +310,7 @@ class Checkpointer:
             init_optimizer_state(optimizer)
         pieces = [p for p in _pieces(model, optimizer, annotations) if not p.box.is_empty()]
         mine = {"device": self.device, "host": self.host, "versions": self.store.versions(),
-                "copies": held_versions(self.store.root), "store": self.store_address,
+                "copies": held_versions(self.store.root, self.host), "store": self.store_address,
                 "tensors": _specs(pieces), "boxes": [[p.name, list(p.box.offsets), list(p.box.lengths)]
                                                     for p in pieces]}
         docs = all_gather_json(mine, self.group)
@@ -422,18 +428,13 @@ class Checkpointer:
 
         rank = dist.get_rank(self.group)
         leader = min(r for r, d in enumerate(docs) if d["host"] == self.host)
-        holds = self.host in found.layout.hosts()
-        what = f"restore: putting version {found.version} together from surviving shards and copies as {target}"
-        try:
-            agree(what, lambda: promote.stage(self.store, found.version, target, found.layout, found.replica_devices)
-                  if rank == leader and holds else None, self.group)
-            agree(what, lambda: self.store.commit(target, parts=[PROMOTE_PART]) if rank == leader and holds else None,
-                  self.group)
-        except Exception:
-            if rank == leader and holds:
-                self.store.abort(target)
-                self.store.delete(target)
-            raise
+        stages = rank == leader and self.host in found.layout.hosts()  # a host of the found version stages its part
+
+        def stage():
+            if stages:
+                promote.stage(self.store, found.version, target, found.layout, found.replica_devices)
+        self._stage_and_commit(f"restore: putting version {found.version} together from surviving shards and copies",
+                               target, stage, [PROMOTE_PART], stages)
         return target
 
     def _transform(self, old: Layout, new: Layout, old_version: int, target: int,

@@ -3,12 +3,15 @@
 May import: ``tenplex.store``, ``tenplex.dtypes``, ``tenplex.box``,
 ``tenplex.integration.pieces``, torch, numpy and the standard library.
 
-Saving hands each piece's CPU values to ``VersionWriter.put``, which writes
-them with plain file writes (no intermediate copy for a contiguous CPU tensor).
-Restoring reads each region with ``VersionReader.readinto``, which verifies
-the block checksums of the bytes it reads, straight into the local CPU tensor
-(a contiguous run with ``pread``, rows such as a column block copied into
-place piece by piece); a GPU tensor gets a host buffer and then one copy. bfloat16 and float8 travel as
+Both functions need only the store's contract (``StoreWriter.put`` and
+``StoreReader.read``/``readinto``, ``tenplex.store.contract``), so any backend
+fits. Saving hands each piece's CPU values to ``StoreWriter.put`` (the POSIX
+store writes them with plain file writes, no intermediate copy for a
+contiguous CPU tensor). Restoring reads each region with
+``StoreReader.readinto``, which verifies the bytes it reads, straight into the
+local CPU tensor (the POSIX store: a contiguous run with ``pread``, rows such
+as a column block copied into place piece by piece); a GPU tensor gets a host
+buffer and then one copy. bfloat16 and float8 travel as
 their raw bits (uint16/uint8) because numpy has no such types.
 """
 
@@ -21,7 +24,7 @@ import torch
 
 from ..box import Box
 from ..dtypes import numpy_storage
-from ..store import VersionReader, VersionWriter
+from ..store import StoreReader, StoreWriter
 from .pieces import Piece
 
 _BITS = {"uint16": torch.uint16, "uint8": torch.uint8}
@@ -33,15 +36,15 @@ def _as_storage(values: torch.Tensor, dtype: str) -> torch.Tensor:
     return values.view(_BITS[storage]) if storage != dtype else values
 
 
-def write_piece(writer: VersionWriter, device: str, piece: Piece) -> None:
+def write_piece(writer: StoreWriter, device: str, piece: Piece) -> None:
     values = _as_storage(piece.read(), piece.spec.dtype)
     writer.put(device, piece.name, piece.box, values.numpy(), piece.spec.dtype, piece.spec.shape)
 
 
 @torch.no_grad()
-def read_piece(reader: VersionReader, sources: list[tuple[str, Box]], piece: Piece) -> None:
+def read_piece(reader: StoreReader, sources: list[tuple[str, Box]], piece: Piece) -> None:
     """Fill ``piece`` from stored shards: ``sources`` are (device, region) pairs that tile the piece's box.
-    Every byte read is verified against the shard's block checksums (``VersionReader.readinto``)."""
+    Every byte read is verified against the shard's checksums (``StoreReader.readinto``)."""
     own = piece.local[piece.local_box.slices()]
     for device, region in sources:
         dest = own[region.local(piece.box).slices()]

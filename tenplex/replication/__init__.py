@@ -10,6 +10,9 @@ format of copies and the background :class:`~.copier.Replicator`),
 :mod:`.promote` (a version made of surviving shards and copies, by hard
 links), :mod:`.stores` (the store addresses recorded with every save).
 Importing this package loads neither grpc nor the store client.
+
+POSIX: the copies are stores nested in the host's store directory, and
+``promote`` hard-links them; ``copier`` and ``promote`` say where.
 """
 
 from .plan import Assembly, Copy, Lost, LostStateError, assemble, copies, effective_replicas

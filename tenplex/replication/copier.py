@@ -5,8 +5,9 @@ May import: ``tenplex.store`` (the local store and its client), ``tenplex.layout
 Never torch: the copies are plain store data.
 
 Format. The copies a host keeps of origin host ``X``'s regions live in their
-own store directory, ``<root>/replicas/X/``, with the layout of a store
-(``versions/<N>/manifest.json`` and shard files, ``staging/``, ``trash/``). A
+own store, nested in the host's store directory: ``<root>/replicas/X/``, with
+the layout of a store (``versions/<N>/manifest.json`` and shard files,
+``staging/``, ``trash/``). A
 copy of version ``N`` is committed there like any store version: staged, made
 durable, and renamed into ``versions/<N>`` (atomic), so it exists whole or not
 at all; the committed directory is the marker that says so. Its manifest lists
@@ -20,6 +21,14 @@ server (``StoreClient.read_box_to``: verified gRPC chunks or data-plane
 frames) and writes each chunk straight into the copy's shard file, so its
 memory stays at about one chunk (``CHUNK_BYTES``) whatever the state's size.
 ``cancel()`` stops it between chunks and drops the staged copy.
+
+POSIX. :func:`replica_store` and :func:`held_versions` are the only code that
+knows where the copies live (a directory per origin under the host's store
+root); everything else reads and writes them through the store's contract
+(``versions``, ``open``, ``begin``, ``commit``, ``abort``, ``gc``). The copies
+sit on the host store's file system by design: ``promote`` hard-links them
+into a version of the host's store. Another backend would give those two
+functions a nested store of its own kind (for example a key prefix).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from pathlib import Path
 
 from ..errors import TenplexError
 from ..layout import Layout, from_dict as layout_from_dict
-from ..store import LAYOUT_DOC, Store, wire
+from ..store import LAYOUT_DOC, Store, TensorStore, wire
 from ..store.manifest import REPLICA_PART
 from .plan import Copy, copies, copy_layout
 
@@ -52,15 +61,14 @@ def replica_store(root: str | os.PathLike, origin: str, host: str) -> Store:
     return Store(Path(root) / REPLICAS_DIR / origin, host)
 
 
-def held_versions(root: str | os.PathLike) -> dict[str, list[int]]:
-    """origin host -> versions of which this store holds committed copies."""
+def held_versions(root: str | os.PathLike, host: str) -> dict[str, list[int]]:
+    """origin host -> versions of which the store of ``host`` (rooted at ``root``) holds committed copies."""
     base = Path(root) / REPLICAS_DIR
     if not base.is_dir():
         return {}
     found = {}
-    for entry in sorted(base.iterdir()):
-        versions = sorted(int(v.name) for v in (entry / "versions").glob("*")
-                          if v.name.isdigit() and (v / "manifest.json").is_file())
+    for entry in sorted(e for e in base.iterdir() if e.is_dir()):
+        versions = replica_store(root, entry.name, host).versions()
         if versions:
             found[entry.name] = versions
     return found
@@ -144,7 +152,7 @@ class Replicator:
             raise
         target_store.gc(self.keep)
 
-    def _fill(self, target_store: Store, address: str, mine: list[Copy]) -> None:
+    def _fill(self, target_store: TensorStore, address: str, mine: list[Copy]) -> None:
         from ..store.client import StoreClient  # grpc: loaded only where copies are pulled
 
         with StoreClient(address, token=self.token, timeout=self.timeout, chunk_bytes=CHUNK_BYTES) as client, \

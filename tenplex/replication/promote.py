@@ -11,6 +11,13 @@ regions of N under the copy devices of the source layout
 the source layout, and is committed on every surviving host or on none, like a
 save. No byte is copied and N and the copies stay as they were; M is then read
 or transformed like any version, so a restore never mixes versions.
+
+POSIX: this needs the local ``Store``. Its writers link (the contract's
+``LinkingWriter``, reading through a ``FileBackedReader``), and the copies
+are a store nested in the host's store directory (``copier.replica_store``),
+on the same file system, so that they can be linked. A backend without links
+would copy each shard here instead (``StoreReader.region`` into
+``StoreWriter.put``), as the transform host does for kept shards.
 """
 
 from __future__ import annotations

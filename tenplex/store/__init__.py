@@ -6,7 +6,7 @@ May import: numpy, xxhash, grpc, protobuf, ``tenplex.box``, ``tenplex.layout``,
 its generated code lives in ``_proto`` (``make proto`` regenerates it).
 
 The contract every store backend keeps, its order of calls and its optional
-capabilities (hard links, file-backed zero-copy reads) are the protocols in
+capabilities (hard links, file-backed zero-copy reads, free space) are the protocols in
 ``contract`` (``TensorStore``, ``StoreWriter``, ``StoreReader``); code above the
 store should need no more. ``Store`` is the POSIX implementation.
 
@@ -55,7 +55,7 @@ straight into the destination; same token (HMAC of a nonce), off with TLS.
 """
 
 from ..errors import StoreError
-from .contract import FileBackedReader, LinkingWriter, StoreReader, StoreWriter, TensorStore
+from .contract import FileBackedReader, LinkingWriter, SpaceReportingStore, StoreReader, StoreWriter, TensorStore
 from .local import Store
 from .manifest import (LAYOUT_DOC, MANIFEST_FORMAT, AlreadyCommitted, Conflict, CorruptShard, NotFound, OutOfRange,
                        ShardEntry)
@@ -63,7 +63,7 @@ from .reader import VersionReader, layout_from_manifests
 from .target import ShardTarget, checksum
 from .writer import VersionWriter
 
-__all__ = ["TensorStore", "StoreReader", "StoreWriter", "LinkingWriter", "FileBackedReader",
+__all__ = ["TensorStore", "StoreReader", "StoreWriter", "LinkingWriter", "FileBackedReader", "SpaceReportingStore",
            "Store", "VersionWriter", "VersionReader", "ShardEntry", "ShardTarget", "StoreError", "NotFound",
            "OutOfRange", "CorruptShard", "AlreadyCommitted", "Conflict", "checksum",
            "layout_from_manifests", "MANIFEST_FORMAT", "LAYOUT_DOC"]

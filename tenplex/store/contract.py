@@ -3,10 +3,13 @@
 May import: numpy, ``tenplex.box``, ``tenplex.layout``, this package's ``manifest`` and ``target`` (for
 types) and the standard library.
 
-Everything above the store (the transform host, the server's handlers, the
-integration, replication) needs only these protocols; ``local.Store``, one
-directory of safetensors files per host, is the one implementation today. The
-order of calls follows DCP's ``StorageWriter``/``StorageReader``:
+The transform host and the integration's shard I/O need only these protocols;
+``local.Store``, one directory of safetensors files per host, is the one
+implementation today. The store server and replication rely on it being POSIX
+on purpose (the server serves its host's files; replication hard-links copies
+kept in nested store directories): their module docstrings say what they use
+beyond the contract. The order of calls follows DCP's
+``StorageWriter``/``StorageReader``:
 
 Writing one version (several writers, e.g. one per worker, may stage parts of it)::
 
@@ -49,8 +52,14 @@ Optional capabilities (check with ``isinstance``; all are ``runtime_checkable``)
 
 - :class:`LinkingWriter`: ``link`` makes a committed shard of the same store a
   shard of the new version without copying a byte (POSIX hard links).
-- :class:`FileBackedReader`: shards are local files, so a region's byte span
-  can be sent without copying (``sendfile``) and a file can be hard-linked.
+- :class:`FileBackedReader`: shards are local files, so a region is read as
+  runs of bytes of its file (the data plane and the server's ``ReadBox``
+  verify each run and send it without an intermediate array) and a file can
+  be hard-linked.
+- :class:`SpaceReportingStore`: ``free_bytes()``, the room left for new shards
+  (a file system's free space), so that the server can refuse a shard that
+  cannot fit before any of its data arrives. A store without a fixed capacity
+  (an object store) does not offer it; its writes fail on their own.
 """
 
 from __future__ import annotations
@@ -160,7 +169,7 @@ class StoreWriter(Protocol):
 
 @runtime_checkable
 class FileBackedReader(StoreReader, Protocol):
-    """A reader whose shards are local files: byte spans to send without copying, files to hard-link."""
+    """A reader whose shards are local files: byte spans to read as runs of a file, files to hard-link."""
 
     @staticmethod
     def byte_span(entry: ShardEntry, box: Box) -> tuple[int, int, tuple[int, ...]]:
@@ -210,3 +219,11 @@ class TensorStore(Protocol):
 
     def gc(self, keep: int) -> list[int]:
         """Delete all but the newest ``keep`` versions and every leftover of interrupted writes."""
+
+
+@runtime_checkable
+class SpaceReportingStore(TensorStore, Protocol):
+    """A store of bounded capacity that can say how many bytes new shards may still take."""
+
+    def free_bytes(self) -> int:
+        """Bytes that new shards may still take (for the POSIX store: free space on its file system)."""

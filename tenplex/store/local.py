@@ -4,8 +4,9 @@ May import: this package's ``contract``, ``manifest``, ``reader`` and ``writer``
 ``tenplex.errors`` and the standard library. No network: workers on the host use this module
 directly (writing: ``writer``; reading: ``reader``).
 
-The POSIX implementation of the store's contract (``contract.TensorStore``, with both optional
-capabilities: its writers link, its readers are file-backed); mypy checks that it keeps it.
+The POSIX implementation of the store's contract (``contract.TensorStore``, with every optional
+capability: its writers link, its readers are file-backed, it reports its free space); mypy checks
+that it keeps it. The store server and replication rely on it being POSIX (see their docstrings).
 
 Directory layout under ``root``::
 
@@ -14,7 +15,9 @@ Directory layout under ``root``::
     versions/<N>/<part>/json/*.json   version-level JSON documents
     staging/<N>/<part>/...            a version being written (invisible to readers)
     staging/<N>/<part>.part.json      a prepared (durable) part of a staged version
-    datasets/...                      read-only files served by ReadFile/StatFile
+    datasets/...                      read-only files served by ReadFile/StatFile (``datasets_dir``)
+    replicas/<origin>/...             a nested store: this host's copies of ``origin``'s regions
+                                      (``tenplex.replication.copier``)
     .lock                             serialises commit, delete and gc between processes
 
 A version becomes visible only when ``staging/<N>`` (with its merged
@@ -51,6 +54,9 @@ class Store:
         for sub in ("versions", "staging", "trash", "datasets"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
+    def __repr__(self) -> str:
+        return f"Store({str(self.root)!r}, host={self.host!r})"
+
     # ---- queries -------------------------------------------------------
     def versions(self) -> list[int]:
         """Committed versions, ascending."""
@@ -63,6 +69,16 @@ class Store:
     def latest(self) -> int | None:
         versions = self.versions()
         return versions[-1] if versions else None
+
+    def free_bytes(self) -> int:
+        """Free space, for an unprivileged writer, on the file system that holds the store's root."""
+        st = os.statvfs(self.root)
+        return st.f_bavail * st.f_frsize
+
+    @property
+    def datasets_dir(self) -> Path:
+        """The local directory whose files the store server serves read-only (``ReadFile``, ``StatFile``)."""
+        return self.root / "datasets"
 
     def open(self, version: int) -> "VersionReader":
         path = self.root / "versions" / str(int(version))
@@ -200,9 +216,9 @@ class Store:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
-if TYPE_CHECKING:  # mypy proves that the local store keeps the contract, with both capabilities
-    from .contract import FileBackedReader, LinkingWriter, TensorStore
+if TYPE_CHECKING:  # mypy proves that the local store keeps the contract, with every capability
+    from .contract import FileBackedReader, LinkingWriter, SpaceReportingStore
 
     def _keeps_the_contract(store: Store, writer: VersionWriter,
-                            reader: VersionReader) -> tuple[TensorStore, LinkingWriter, FileBackedReader]:
+                            reader: VersionReader) -> tuple[SpaceReportingStore, LinkingWriter, FileBackedReader]:
         return store, writer, reader

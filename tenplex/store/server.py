@@ -20,6 +20,23 @@ large boxes there (plain TCP, checksummed frames, same token) instead of
 through ``ReadBox``. With TLS the data plane stays off, since it is not
 encrypted, and every box travels over gRPC.
 
+POSIX. The service serves a local ``Store`` (``tenplex.store.local``), not any
+``contract.TensorStore``, and this is by design: it serves files of the host it
+runs on. Beyond the contract it uses
+- the store's root, which ``Health`` reports (``tenplex run`` checks by it
+  that a running server serves the root it was given);
+- ``Store.datasets_dir``, a local directory whose files ``ReadFile`` and
+  ``StatFile`` serve;
+- ``VersionReader.current`` (a cached reader notices that its version
+  directory was deleted or replaced) and ``VersionReader.manifest``
+  (``GetManifest`` sends the stored manifest document);
+- file-backed reads (``FileBackedReader``: ``_chunks`` and the data plane
+  send verified runs of a shard file).
+The free-space check before ``WriteShard`` goes through the contract
+(``SpaceReportingStore.free_bytes``). A server for an object-storage backend
+would keep these handlers and replace those uses, or keep a POSIX store as a
+cache beside the objects.
+
 Test hooks (fault injection, used by the test suite only) are described in
 ``_hooks``: ``TENPLEX_STORE_TEST_HOOKS`` with ``exit_after_chunks=N`` and
 ``corrupt_chunks=N`` act on gRPC chunks and data-plane frames alike.
@@ -52,6 +69,7 @@ from ._proto import store_pb2 as pb
 from .datasets import resolve_dataset_path
 from .manifest import RPC_PART, AlreadyCommitted, Conflict, CorruptShard, NotFound, OutOfRange
 from .auth import TokenCheck
+from .contract import SpaceReportingStore, TensorStore
 from .dataplane import DataServer
 from .local import Store
 from .reader import VersionReader
@@ -290,7 +308,7 @@ class StoreService:
         try:
             # No space is reserved up front: a header alone (a stalled or lying client) holds none. The
             # file's blocks are allocated as data arrives; a header larger than the free space fails here.
-            _check_free_space(self.store.root, box.volume * itemsize(h.dtype), f"shard {h.tensor!r} {box}")
+            _check_free_space(self.store, box.volume * itemsize(h.dtype), f"shard {h.tensor!r} {box}")
             target = writer.create(h.device, h.tensor, box, h.dtype, tuple(h.shape) or None, reserve=False)
             received = self._fill(target, request_iterator, h)
         except BaseException:
@@ -389,14 +407,7 @@ class StoreService:
         if self.transformer is None:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this store server was started without a transformer")
         version = request.new_version
-        with self._lock:
-            if version in self._transforming:
-                raise Conflict(f"another transformation to version {version} is running on host {self.store.host} "
-                               f"right now (a second coordinator?); this one changed nothing here")
-            if version in self.store.versions():
-                raise AlreadyCommitted(f"version {version} is already committed on host {self.store.host} (by "
-                                       f"another transformation or writer); this one changed nothing here")
-            self._transforming.add(version)
+        self._claim(version)
         updates: queue.Queue = queue.Queue()
         cancelled = threading.Event()
         context.add_callback(cancelled.set)  # the coordinator went away: stop pulling
@@ -429,10 +440,21 @@ class StoreService:
             else:
                 raise value
 
+    def _claim(self, version: int) -> None:
+        """Mark ``version`` as being made here by a transformation; refuse a second one, or a committed version."""
+        with self._lock:
+            if version in self._transforming:
+                raise Conflict(f"another transformation to version {version} is running on host {self.store.host} "
+                               f"right now (a second coordinator?); this one changed nothing here")
+            if version in self.store.versions():
+                raise AlreadyCommitted(f"version {version} is already committed on host {self.store.host} (by "
+                                       f"another transformation or writer); this one changed nothing here")
+            self._transforming.add(version)
+
     # -- dataset files
     @_guard
     def StatFile(self, request, context):
-        st = resolve_dataset_path(self.store.root / "datasets", request.path, self.store.host).stat()
+        st = resolve_dataset_path(self.store.datasets_dir, request.path, self.store.host).stat()
         return pb.StatFileReply(size=st.st_size, mtime=st.st_mtime)
 
     @_guard
@@ -440,7 +462,7 @@ class StoreService:
         if request.offset < 0 or request.length < -1:
             raise ValueError(f"ReadFile {request.path!r}: offset {request.offset} and length {request.length} "
                              f"must be >= 0 (length -1 = to the end)")
-        path = resolve_dataset_path(self.store.root / "datasets", request.path, self.store.host)
+        path = resolve_dataset_path(self.store.datasets_dir, request.path, self.store.host)
         chunk_bytes = _chunk_bytes(request.chunk_bytes)
         with open(path, "rb") as f, self.limits.slot(context, f"ReadFile({request.path!r})") as progress:
             size = os.fstat(f.fileno()).st_size
@@ -464,11 +486,13 @@ def _progressing(messages, progress):
         yield message
 
 
-def _check_free_space(root, nbytes: int, what: str) -> None:
-    st = os.statvfs(root)
-    free = st.f_bavail * st.f_frsize
+def _check_free_space(store: TensorStore, nbytes: int, what: str) -> None:
+    """ENOSPC when ``store`` reports less free space than ``nbytes``; a store that cannot tell is not checked."""
+    if not isinstance(store, SpaceReportingStore):
+        return
+    free = store.free_bytes()
     if nbytes > free:
-        raise OSError(errno.ENOSPC, f"{what} needs {nbytes} bytes, but only {free} are free in {root}")
+        raise OSError(errno.ENOSPC, f"{what} needs {nbytes} bytes, but only {free} are free in {store!r}")
 
 
 def _chunk_bytes(requested: int) -> int:
@@ -528,18 +552,8 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
     At most ``max_streams`` bulk streams (default: all but 16 of the ``max_workers`` threads) run at once,
     and one that makes no progress for ``stream_idle_s`` seconds is cancelled (see ``streams``). A remote
     part (WriteShard/PutJson) unused for ``part_idle_s`` seconds without Prepare or Abort is aborted."""
-    if bind not in LOOPBACK and not token:
-        raise StoreError(f"refusing to serve store {store.root} on {bind} without a token: anything that reaches "
-                         f"the port could read and overwrite state. Pass a token (--token-file) or bind 127.0.0.1")
-    if (tls_cert is None) != (tls_key is None):
-        raise StoreError("TLS needs both a certificate and its private key")
-    if not 0 <= int(port) <= 65535:
-        raise StoreError(f"port {port} is not a TCP port: use 0-65535 (0: any free port)")
+    max_streams = _check_options(store, bind, port, token, tls_cert, tls_key, max_workers, max_streams)
     wire.keep_freed_chunk_memory()
-    if max_streams is None:
-        max_streams = max(1, max_workers - CONTROL_THREADS)
-    if max_streams > max_workers - 1:
-        raise StoreError(f"max_streams ({max_streams}) must leave threads of the {max_workers} for control calls")
     service = StoreService(store, transformer=transformer, token=token,
                            peer_root_certificates=peer_root_certificates,
                            limits=StreamLimits(max_streams, stream_idle_s), part_idle_s=part_idle_s)
@@ -548,17 +562,7 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
                          # never share a port with another server (clients would be split between them)
                          options=[*wire.channel_options(), ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((_handlers(service),))
-    address = f"[{bind.strip('[]')}]:{port}" if ":" in bind.strip("[]") else f"{bind}:{port}"
-    try:
-        if tls_cert is not None:
-            bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
-        else:
-            bound = server.add_insecure_port(address)
-    except RuntimeError:  # grpc's "Failed to bind to address"
-        bound = 0
-    if not bound:
-        raise StoreError(f"could not bind the store server to {address}: port {port} is in use, or {bind} is not "
-                         f"an address of this machine; choose another port (0: any free port)")
+    bound = _bind(server, bind, port, tls_cert, tls_key)
     if data_plane and tls_cert is None:
         data = DataServer(bind, service._reader, lambda e: (_status_of(e).name, _message(e)), token=token)
         service.data_port = data.port
@@ -571,3 +575,36 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
     log.info("store %s (host %s) serving on %s:%d (data plane port %d)", store.root, store.host, bind, bound,
              service.data_port)
     return server, bound
+
+
+def _check_options(store: Store, bind: str, port: int, token: str | None, tls_cert: bytes | None,
+                   tls_key: bytes | None, max_workers: int, max_streams: int | None) -> int:
+    """Refuse what :func:`serve` must not run with; return the number of bulk streams allowed at once."""
+    if bind not in LOOPBACK and not token:
+        raise StoreError(f"refusing to serve store {store.root} on {bind} without a token: anything that reaches "
+                         f"the port could read and overwrite state. Pass a token (--token-file) or bind 127.0.0.1")
+    if (tls_cert is None) != (tls_key is None):
+        raise StoreError("TLS needs both a certificate and its private key")
+    if not 0 <= int(port) <= 65535:
+        raise StoreError(f"port {port} is not a TCP port: use 0-65535 (0: any free port)")
+    if max_streams is None:
+        max_streams = max(1, max_workers - CONTROL_THREADS)
+    if max_streams > max_workers - 1:
+        raise StoreError(f"max_streams ({max_streams}) must leave threads of the {max_workers} for control calls")
+    return max_streams
+
+
+def _bind(server: grpc.Server, bind: str, port: int, tls_cert: bytes | None, tls_key: bytes | None) -> int:
+    """Add the server's port (TLS when a certificate is given); return the port bound, or raise a StoreError."""
+    address = f"[{bind.strip('[]')}]:{port}" if ":" in bind.strip("[]") else f"{bind}:{port}"
+    try:
+        if tls_cert is not None:
+            bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind to address"
+        bound = 0
+    if not bound:
+        raise StoreError(f"could not bind the store server to {address}: port {port} is in use, or {bind} is not "
+                         f"an address of this machine; choose another port (0: any free port)")
+    return bound
