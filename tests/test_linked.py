@@ -182,6 +182,20 @@ def test_speedup_the_links_allow_is_central_host_bytes_over_tenplex_busiest_link
     assert rows[1]["link_speedup_allowed"] == 3.0 and rows[1]["speedup_vs_allowed"] == 0.8
 
 
+def test_bench_partition_survives_a_cut_source_and_aborts_a_cut_destination():
+    proc, rows = _bench("partition", "--layers", "1", "--hidden", "256", "--vocab", "4096", "--link-mbit", "100",
+                        "--cut-after", "0.2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    none, source, destination = rows
+    assert [r["fault"] for r in rows] == ["none", "source h0 cut", "destination h3 cut"]
+    assert none["succeeded"] and source["succeeded"] and not destination["succeeded"]
+    assert none["committed_on"] == source["committed_on"] == ["h2", "h3"] and destination["committed_on"] == []
+    assert all(r["old_version_intact"] for r in rows)
+    assert source["refetched_bytes"] > 0 and none["refetched_bytes"] == 0  # h1's replica took over
+    assert source["link_bound_seconds"] > none["link_bound_seconds"] > 0 and destination["link_bound_seconds"] is None
+    assert source["extra_link_bound_seconds"] == round(source["link_bound_seconds"] - none["link_bound_seconds"], 3)
+
+
 def test_partition_bench_link_bound_is_what_the_surviving_link_must_still_carry():
     from types import SimpleNamespace
 

@@ -89,40 +89,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from ..errors import ConfigError
-    from ..gpt import gpt
-    from ..parallel import ParallelConfig
-    from ..planner import plan
-    from ..ptc import layout
-    from .compare_linked import link_speedups, run_store_method
-    from .transfer import _fresh_file_seconds, socket_file_seconds
+    from .compare_linked import link_speedups
 
-    methods = [m for m in args.methods.split(",") if m]
+    methods = _methods(args.methods)
+    base, changes = _changes(args)
+    shape = QUICK_MODEL if args.quick else {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab")}
+    old, news = _layouts(shape, base, changes)
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    rows, baselines = _measure(args, methods, old, news, verify=args.verify or args.quick)
+    results = _rows(rows, methods, shape, base, old, news, baselines,
+                    {"load_average_start": load_start, "load_average": [round(x, 2) for x in os.getloadavg()]})
+    link_speedups(results)
+    if args.plot:
+        plot(results, args.plot)
+    return results
+
+
+def _methods(text: str) -> list[str]:
+    methods = [m for m in text.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    return methods
+
+
+def _changes(args: argparse.Namespace) -> tuple[tuple, list[tuple]]:
+    """The starting configuration and the changes picked by ``--changes`` (all by default; ``--quick``: tiny)."""
+    from ..errors import ConfigError
+
     base, changes = (QUICK_BASE, QUICK_CHANGES) if args.quick else (BASE, CHANGES)
     if args.changes:
         picked = [i.strip() for i in args.changes.split(",") if i.strip()]
         if not all(i.isdigit() and 1 <= int(i) <= len(changes) for i in picked):
             raise ConfigError(f"--changes {args.changes!r} should be comma-separated numbers from 1 to {len(changes)}")
         changes = [changes[int(i) - 1] for i in picked]
-    shape = QUICK_MODEL if args.quick else {k: getattr(args, k) for k in ("layers", "hidden", "heads", "vocab")}
-    verify = args.verify or args.quick
+    return base, changes
+
+
+def _layouts(shape: dict, base: tuple, changes: list[tuple]):
+    """(the old layout, {change name: new layout}) of the GPT+Adam model ``shape``."""
+    from ..gpt import gpt
+    from ..parallel import ParallelConfig
+    from ..ptc import layout
+
     model = gpt(**shape, optimizer="adam")
 
     def make(dp, tp, pp, hosts, per_host, sharding):
         return layout(model, ParallelConfig.on_hosts(dp, tp, pp, hosts, per_host, sharding=sharding))
 
-    old = make(*base[1:])
-    news = {name: make(*config) for name, *config in changes}
+    return make(*base[1:]), {name: make(*config) for name, *config in changes}
+
+
+def _measure(args: argparse.Namespace, methods: list[str], old, news: dict, verify: bool):
+    """Run every (change, method); returns ({(change, method): raw row}, the socket-to-file and fresh-file write
+    rates in GB/s, each measured at the start and at the end: on a shared machine the load drifts)."""
+    from .compare_linked import run_store_method
+    from .transfer import _fresh_file_seconds, socket_file_seconds
+
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
     rows: dict[tuple[str, str], dict] = {}
-    load_start = [round(x, 2) for x in os.getloadavg()]
     with tempfile.TemporaryDirectory(prefix="tenplex-compare-", dir=base_dir) as tmp_name:
         tmp = Path(tmp_name)
         baseline = min(BASELINE_BYTES, max(1 << 20, old.total_bytes()))
-        # the baselines at the start and at the end: on a shared machine the load drifts during the run
         file_gbps = [baseline / socket_file_seconds(tmp, baseline) / 1e9]
         write_gbps = [baseline / _fresh_file_seconds(tmp, baseline) / 1e9]
         # Method by method, so that tmpfs holds one method's copies of the state at a time.
@@ -144,8 +172,16 @@ def run(args: argparse.Namespace) -> list[dict]:
                 rows.update(_run_dcp_method(method, where, tmp, old, news, verify))
         file_gbps.append(baseline / socket_file_seconds(tmp, baseline) / 1e9)
         write_gbps.append(baseline / _fresh_file_seconds(tmp, baseline) / 1e9)
+    return rows, {"file": file_gbps, "write": write_gbps}
+
+
+def _rows(rows: dict, methods: list[str], shape: dict, base: tuple, old, news: dict, baselines: dict,
+          loads: dict) -> list[dict]:
+    """One output row per (change, method), with the plan's statistics, the baselines and ``seconds_over_tenplex``."""
+    from ..planner import plan
+
+    file_gbps, write_gbps = baselines["file"], baselines["write"]
     results = []
-    load = [round(x, 2) for x in os.getloadavg()]
     for name, new in news.items():
         stats = plan(old, new).stats
         for method in methods:
@@ -157,15 +193,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                             "from": base[0], "state_bytes": old.total_bytes(), "target_bytes": stats.target_bytes,
                             "raw_socket_file_gbps": round(sum(file_gbps) / 2, 3),
                             "raw_socket_file_gbps_start_end": [round(x, 3) for x in file_gbps],
-                            "fresh_file_write_gbps": round(sum(write_gbps) / 2, 3), "cpus": os.cpu_count(),
-                            "load_average_start": load_start, "load_average": load})
+                            "fresh_file_write_gbps": round(sum(write_gbps) / 2, 3), "cpus": os.cpu_count(), **loads})
     for row in results:
         tenplex = next((r for r in results if r["change"] == row["change"] and r["method"] == "tenplex"), None)
         if tenplex is not None:
             row["seconds_over_tenplex"] = round(row["seconds"] / max(tenplex["seconds"], 1e-9), 2)
-    link_speedups(results)
-    if args.plot:
-        plot(results, args.plot)
     return results
 
 

@@ -49,12 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from ..errors import TransformError
     from ..gpt import gpt
     from ..parallel import ParallelConfig
     from ..planner import plan
     from ..ptc import layout
-    from ..store import Store
     from .cluster import EmulatedCluster
     from .linked import LinkedStores
     from .reconfig import _write_base
@@ -65,47 +63,13 @@ def run(args: argparse.Namespace) -> list[dict]:
     the_plan = plan(old, new)
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
     hosts = ["h0", "h1", "h2", "h3"]
-    results = []
     with tempfile.TemporaryDirectory(prefix="tenplex-partition-", dir=base_dir) as tmp_name, \
             EmulatedCluster(hosts, mbit=args.link_mbit) as cluster:
         tmp = Path(tmp_name)
         _write_base(tmp, old)
         stores = LinkedStores(cluster, {h: tmp / h for h in hosts}, tmp / "work")
-        for fault, cut in (("none", None), ("source h0 cut", "h0"), ("destination h3 cut", "h3")):
-            outcome: dict = {}
-
-            def transform(outcome: dict = outcome) -> None:
-                try:
-                    outcome["report"] = stores.transform(the_plan, old, new, 1, 2)
-                except TransformError as e:
-                    outcome["error"] = e
-
-            thread = threading.Thread(target=transform)
-            before = cluster.counters()
-            start = time.monotonic()
-            thread.start()
-            cut_at = sent_at_cut = None
-            if cut is not None:
-                cut_at, sent_at_cut = _cut_into_transfer(cluster, cut, before, start, args.cut_after, thread)
-            thread.join()
-            seconds = time.monotonic() - start
-            if cut is not None:
-                cluster.heal(cut)
-            committed = [h for h in hosts if 2 in Store(tmp / h, h).versions()]
-            report = outcome.get("report")
-            results.append({
-                "fault": fault, "seconds": round(seconds, 3), "succeeded": report is not None,
-                "committed_on": committed,
-                "old_version_intact": all(1 in Store(tmp / h, h).versions() for h in old.hosts()),
-                "refetched_bytes": sum(h["refetched_bytes"] for h in report["hosts"].values()) if report else 0,
-                "error": str(outcome["error"]).splitlines()[0] if "error" in outcome else None,
-                "link_mbit": args.link_mbit, "inter_host_bytes": the_plan.stats.inter_host_bytes,
-                "cut_after_seconds": args.cut_after if cut else None,
-                "cut_into_transfer_seconds": None if cut_at is None else round(cut_at, 3),
-                "link_bound_seconds": _round(_link_bound(the_plan, args.link_mbit, cut, cut_at, sent_at_cut)),
-                "load_average": [round(x, 2) for x in os.getloadavg()]})
-            for h in new.hosts():
-                Store(tmp / h, h).delete(2)
+        results = [_run_fault(args, stores, tmp, the_plan, old, new, fault, cut)
+                   for fault, cut in (("none", None), ("source h0 cut", "h0"), ("destination h3 cut", "h3"))]
     for row in results:
         row["extra_seconds"] = round(row["seconds"] - results[0]["seconds"], 3)
         bound = row["link_bound_seconds"]
@@ -113,8 +77,47 @@ def run(args: argparse.Namespace) -> list[dict]:
     return results
 
 
-def _round(seconds: float | None) -> float | None:
-    return None if seconds is None else round(seconds, 3)
+def _run_fault(args: argparse.Namespace, stores, tmp: Path, the_plan, old, new, fault: str, cut: str | None) -> dict:
+    """One transformation, with host ``cut``'s link cut ``args.cut_after`` seconds into it (and healed after);
+    its row, version 2 deleted again."""
+    from ..errors import TransformError
+    from ..store import Store
+
+    cluster = stores.cluster
+    outcome: dict = {}
+
+    def transform() -> None:
+        try:
+            outcome["report"] = stores.transform(the_plan, old, new, 1, 2)
+        except TransformError as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=transform)
+    before = cluster.counters()
+    start = time.monotonic()
+    thread.start()
+    cut_at = sent_at_cut = None
+    if cut is not None:
+        cut_at, sent_at_cut = _cut_into_transfer(cluster, cut, before, start, args.cut_after, thread)
+    thread.join()
+    seconds = time.monotonic() - start
+    if cut is not None:
+        cluster.heal(cut)
+    hosts = sorted(stores.roots)
+    report = outcome.get("report")
+    row = {"fault": fault, "seconds": round(seconds, 3), "succeeded": report is not None,
+           "committed_on": [h for h in hosts if 2 in Store(tmp / h, h).versions()],
+           "old_version_intact": all(1 in Store(tmp / h, h).versions() for h in old.hosts()),
+           "refetched_bytes": sum(h["refetched_bytes"] for h in report["hosts"].values()) if report else 0,
+           "error": str(outcome["error"]).splitlines()[0] if "error" in outcome else None,
+           "link_mbit": args.link_mbit, "inter_host_bytes": the_plan.stats.inter_host_bytes,
+           "cut_after_seconds": args.cut_after if cut else None,
+           "cut_into_transfer_seconds": None if cut_at is None else round(cut_at, 3),
+           "link_bound_seconds": _round(_link_bound(the_plan, args.link_mbit, cut, cut_at, sent_at_cut)),
+           "load_average": [round(x, 2) for x in os.getloadavg()]}
+    for h in new.hosts():
+        Store(tmp / h, h).delete(2)
+    return row
 
 
 def _cut_into_transfer(cluster, host: str, before, start: float, after: float, thread: threading.Thread):
@@ -139,3 +142,7 @@ def _link_bound(the_plan, mbit: float, cut: str | None, cut_at: float | None, se
         return None
     assert cut_at is not None and sent is not None
     return cut_at + max(0, the_plan.stats.inter_host_bytes - sent) / rate
+
+
+def _round(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
