@@ -62,6 +62,23 @@ def create(path: Path, key: str, dtype: str, shape: tuple[int, ...], metadata: d
     return len(head), nbytes
 
 
+def c_strides(shape: tuple[int, ...], item: int) -> tuple[int, ...]:
+    """Byte stride of each dimension of a C-order array of ``shape`` with ``item``-byte elements."""
+    strides, step = [], item
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def c_span(strides: tuple[int, ...], offsets: tuple[int, ...], lengths: tuple[int, ...],
+              item: int) -> tuple[int, int]:
+    """(first byte, bytes up to and including the last element) of the non-empty block at ``offsets`` with
+    ``lengths`` in an array of byte ``strides``; the block is one contiguous run iff the span equals its bytes."""
+    start = sum(o * s for o, s in zip(offsets, strides))
+    return start, sum((n - 1) * s for n, s in zip(lengths, strides)) + item
+
+
 def reserve_space(fd: int, size: int, offset: int = 0) -> None:
     """Allocate bytes [offset, offset + size) of the file now: a full disk fails here, before any data moved,
     and the pages are allocated in one call rather than one page fault at a time. Existing data is untouched."""

@@ -1,7 +1,7 @@
 """Reading a committed version: manifest, verified shard regions, JSON documents, layouts.
 
 May import: numpy, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``, ``tenplex.layout``, this
-package's ``manifest`` and ``shardfile``, and the standard library.
+package's ``manifest``, ``shardfile`` and ``_safetensors`` (C-order byte spans), and the standard library.
 
 A reader holds its version directory open (a directory descriptor) and opens
 every file relative to it, so it reads exactly the version it opened: after a
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ._safetensors import c_span, c_strides
 from .shardfile import ShardFile
 from .manifest import LAYOUT_DOC, MANIFEST_FORMAT, NotFound, OutOfRange, ShardEntry
 from ..box import Box
@@ -114,15 +115,10 @@ class VersionReader:
     @staticmethod
     def byte_span(entry: ShardEntry, box: Box) -> tuple[int, int, tuple[int, ...]]:
         """(first data byte, bytes up to the last element, byte strides) of region ``box`` in ``entry``'s file."""
-        strides, step = [], itemsize(entry.dtype)
-        for n in reversed(entry.box.lengths):
-            strides.append(step)
-            step *= n
-        strides.reverse()
+        item = itemsize(entry.dtype)
+        strides = c_strides(entry.box.lengths, item)
         local = box.local(entry.box)
-        start = sum(o * s for o, s in zip(local.offsets, strides))
-        span = sum((n - 1) * s for n, s in zip(local.lengths, strides)) + itemsize(entry.dtype)
-        return start, span, tuple(strides)
+        return (*c_span(strides, local.offsets, local.lengths, item), strides)
 
     def link_file(self, entry: ShardEntry, dest: Path) -> None:
         """Hard-link ``entry``'s file of exactly this version (opened through the version's directory) to ``dest``."""

@@ -44,12 +44,7 @@ class ShardTarget:
         self._fd = os.open(path, os.O_RDWR)
         self._array: np.ndarray | None = None
         self._blocks: list[str] | None = None  # set by finish()
-        # byte stride of each dimension within the shard (C order)
-        strides, step = [], self.itemsize
-        for n in reversed(box.lengths):
-            strides.append(step)
-            step *= n
-        self._strides = tuple(reversed(strides))
+        self._strides = st.c_strides(box.lengths, self.itemsize)  # byte stride of each dimension (C order)
         self._tally = BlockTally(box.volume * self.itemsize, self._read_block)
 
     def _map(self) -> np.ndarray:
@@ -101,9 +96,8 @@ class ShardTarget:
         if run < self._MIN_RUN:
             # Allocate the span first: a store of a sparse file through a memory map on a full disk
             # would kill the process with SIGBUS; posix_fallocate fails with ENOSPC instead.
-            first = sum(o * s for o, s in zip(local.offsets, self._strides))
-            last = sum((o + n - 1) * s for o, n, s in zip(local.offsets, local.lengths, self._strides))
-            st.reserve_space(self._descriptor(), last + self.itemsize - first, self.data_offset + first)
+            first, span = st.c_span(self._strides, local.offsets, local.lengths, self.itemsize)
+            st.reserve_space(self._descriptor(), span, self.data_offset + first)
             array = self._map()
             array[local.slices()] = np.frombuffer(buffer, dtype=array.dtype).reshape(region.lengths)
             starts = np.array([first], np.int64)  # data offset of every run: the outer dims' index grid
@@ -122,13 +116,11 @@ class ShardTarget:
     def run_offset(self, region: Box) -> int | None:
         """The data offset of ``region`` (global coordinates) when its bytes are one contiguous run of this shard
         (C order: leading dimensions of length 1, then one partial dimension, then whole ones), else None."""
-        local = region.local(self.box)
-        inner = self.box.ndim - 1
-        while inner > 0 and local.lengths[inner] == self.box.lengths[inner]:
-            inner -= 1
-        if any(n != 1 for n in local.lengths[:max(inner, 0)]):
+        if region.is_empty():
             return None
-        return sum(o * s for o, s in zip(local.offsets, self._strides))
+        local = region.local(self.box)
+        start, span = st.c_span(self._strides, local.offsets, local.lengths, self.itemsize)
+        return start if span == region.volume * self.itemsize else None
 
     def write_at(self, offset: int, data: memoryview) -> None:
         """Store raw bytes at data offset ``offset`` (part of a run that :meth:`run_offset` found); feeds the
