@@ -531,10 +531,10 @@ def _batch_job(sources: _Sources, batch: list, holders: list[dict[str, str]], ad
     return run
 
 
-def _linkable(host: str, fills: list[Transfer], box: Box, reader: StoreReader | None):
+def _linkable(host: str, fills: list[Transfer], box: Box, reader: FileBackedReader) -> ShardEntry | None:
     """The old shard entry to hard-link when one old-version transfer from this host fills the whole box
     with a whole old shard of the same box; else None."""
-    if reader is None or len(fills) != 1:
+    if len(fills) != 1:
         return None
     t = fills[0]
     if t.source != "old" or host_of(t.src) != host or t.box != box:
