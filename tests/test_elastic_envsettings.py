@@ -65,6 +65,10 @@ out["env"] = [job.choice.degrees(), job.choice.reason, job.save_every, job.check
               str(job.dataset)]
 explicit = tenplex.elastic.Job(global_batch=4, max_tp=1, save_every=3, replicas=2, dataset="mine/")
 out["explicit"] = [explicit.save_every, explicit.checkpointer_options["replicas"], str(explicit.dataset)]
+try:
+    tenplex.elastic.Job(global_batch=4, max_tp=0)  # explicit, so it wins over TENPLEX_MAX_TP, and is refused
+except Exception as e:
+    out["max_tp=0"] = f"{type(e).__name__}: {e}"
 print(json.dumps(out))
 job.finish()
 """
@@ -82,3 +86,4 @@ def test_a_job_takes_the_launchers_settings_unless_the_script_passes_its_own(tmp
     assert degrees == "dp=1,tp=1,pp=1" and "pinned for world size 1" in reason, reason
     assert rest == [7, 0, "/data/view"]
     assert doc["explicit"] == [3, 2, "mine/"]
+    assert doc["max_tp=0"].startswith("ConfigError") and "max_tp" in doc["max_tp=0"], doc["max_tp=0"]

@@ -1,7 +1,7 @@
 """The training-loop API of an elastic job: configuration, one-call restore, data share, step boundaries.
 
 May import: ``tenplex`` (save, restore, Checkpointer), ``tenplex.elastic``
-(policy, launcher), ``tenplex.integration``, ``tenplex.dataset``, ``tenplex.parallel``,
+(policy, launcher, envsettings), ``tenplex.integration``, ``tenplex.dataset``, ``tenplex.parallel``,
 ``tenplex.errors``, torch, torch.distributed and the standard library.
 
 A script started by ``tenplex run`` (torchrun) is the same in every world::
@@ -139,7 +139,7 @@ class Job:
         given: dict[str, Any] = {"max_tp": max_tp, "pp": pp, "pinned": pinned, "replicas": replicas,
                                  "save_every": save_every, "dataset": dataset}
         given.update({k: v for k, v in settings_from_env(os.environ).items() if given[k] is None})
-        tp_cap: int = given["max_tp"] or 8
+        caps = {} if given["max_tp"] is None else {"max_tp": given["max_tp"]}  # else choose()'s default
         pp, pinned = given["pp"], given["pinned"]
         replicas, save_every, dataset = given["replicas"], given["save_every"], given["dataset"]
         if save_every is not None and save_every < 0:
@@ -159,7 +159,7 @@ class Job:
         peers = all_gather_json({"host": self.host, "token": f"{time.time_ns():x}-{os.getpid()}"})
         self.hosts = list(dict.fromkeys(p["host"] for p in peers))
         self.world_id = peers[0]["token"]  # names this world (rank 0's token) in logs; the same on every rank
-        self.choice: Choice = choose(self.world_size, per_node, max_tp=tp_cap, pp=pp, pinned=pinned, policy=policy,
+        self.choice: Choice = choose(self.world_size, per_node, **caps, pp=pp, pinned=pinned, policy=policy,
                                      hosts=self.hosts if len(self.hosts) * per_node == self.world_size else None)
         # Ranks left idle by the policy train nothing: the others save, restore and agree within their own group.
         self.group = dist.new_group(list(range(self.choice.used))) if self.choice.idle else None
