@@ -107,7 +107,9 @@ class StoreReader(Protocol):
         """Region ``box`` of ``device``'s shard of ``tensor``, verified."""
 
     def readinto(self, device: str, tensor: str, box: Box, dest: Any) -> None:
-        """The same region written into ``dest``, a writable buffer of its C-order bytes."""
+        """The same region written into ``dest``: a writable buffer of its C-order bytes, or a writable numpy
+        array of ``box``'s shape and the stored item size with any strides (say a column block of a larger
+        tensor: ``shardio`` restores into parameters in place this way)."""
 
     def verify(self) -> list[str]:
         """Check every stored byte; describe each shard that does not match (empty: all good)."""
