@@ -44,15 +44,15 @@ def init_process_group(backend: str = "gloo", *, timeout: float | None = None, *
     dist.init_process_group(backend, **kwargs)
 
 
-def leave_process_group(group=None, *, together: bool = True) -> None:
-    """Leave together (a barrier over ``group``, unless ``together`` is False), destroy every group, and free them.
+def leave_process_group(*, together: bool = True) -> None:
+    """Leave together (a barrier over the default group, unless ``together`` is False: a caller whose ranks
+    leave in a subgroup barriers there itself), destroy every group, and free them.
 
     Call it as the last collective step of a rank, after dropping your own
-    references to subgroups: freeing a group joins its gloo threads (a
-    ``group`` passed here lives until the call returns, the caller's argument).
+    references to subgroups: freeing a group joins its gloo threads.
     """
     if together:
-        dist.barrier(group=group)
+        dist.barrier()
     dist.destroy_process_group()
     _wait_for_idle_gloo_threads()
     gc.collect()
