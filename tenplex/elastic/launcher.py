@@ -1,7 +1,8 @@
 """``tenplex run``: one per node. Start (or reuse) the node's store, then run torchrun's elastic agent.
 
 May import: ``tenplex.runtime.hosts`` (the store process), ``tenplex.store.client`` (is a store already
-serving?), ``tenplex.errors``, torch's ``torch.distributed.run`` (the agent) and the standard library.
+serving?), ``tenplex.errors``, torch's ``torch.distributed.run`` (the agent) and ``torch.distributed.elastic`` (its
+signal and rendezvous errors), and the standard library.
 
     tenplex run --host NAME --store-root DIR [--store-bind ADDR] [--store-advertise HOST] [--token-file F]
                 [torchrun options] script.py [args]

@@ -23,7 +23,7 @@ after it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -121,12 +121,11 @@ def _bit_exact(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 
 def saved_layout(roots: list[Path], version: int):
     """The layout of ``version`` from the first store under ``roots`` that holds it (None: none does)."""
-    from ..layout import from_dict
-    from ..store import LAYOUT_DOC, Store
+    from ..store import Store
 
     for root in roots:
         try:
-            return from_dict(Store(root, root.name).open(version).get_json(LAYOUT_DOC), source=f"version {version}")
+            return Store(root, root.name).open(version).layout()
         except Exception:  # noqa: BLE001 -- not on this host (or promoted elsewhere): try the next
             continue
     return None
@@ -140,16 +139,19 @@ def _bytes(world: World, roots: list[Path]) -> dict:
     if not stats and world.version is not None and world.saves:
         old, new = saved_layout(roots, world.version), saved_layout(roots, world.saves[0]["version"])
         if old is not None and new is not None:
-            stats = plan(old, new).to_dict()["stats"]
+            stats = asdict(plan(old, new).stats)
     return {"kept": stats.get("kept_bytes", 0), "intra_host": stats.get("intra_host_bytes", 0),
             "inter_host": stats.get("inter_host_bytes", 0),
             "inter_host_lower_bound": stats.get("inter_host_lower_bound", 0)}
 
 
 def commits_after(root: Path, t: float) -> list[int]:
-    """Versions the store at ``root`` committed after wall time ``t`` (a manifest is written at its commit)."""
-    return sorted(int(m.parent.name) for m in (root / "versions").glob("*/manifest.json")
-                  if m.parent.name.isdigit() and m.stat().st_mtime > t)
+    """Versions the store at ``root`` committed after wall time ``t`` (a manifest is written at its commit; its
+    mtime is the one thing read here past the store's interface)."""
+    from ..store import Store
+
+    return [v for v in Store(root, root.name).versions()
+            if (root / "versions" / str(v) / "manifest.json").stat().st_mtime > t]
 
 
 def _cut_off(host: str, cut: float, worlds: list[World], roots: list[Path]) -> dict:

@@ -48,7 +48,7 @@ import atexit
 import logging
 import os
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
 import torch
@@ -456,7 +456,7 @@ class Checkpointer:
             # The transformer carries the JSON documents (the state doc included) into the new version.
             transform(plan, old, new, stores=addresses, old_version=old_version, new_version=target,
                       token=self.token)
-            return {"version": target, "stats": plan.to_dict()["stats"]}
+            return {"version": target, "stats": asdict(plan.stats)}
 
         result = broadcast_json(agree("restore: transforming the stored state", run, self.group),
                                 src=_global_rank(0, self.group), group=self.group)
