@@ -56,6 +56,7 @@ PREFIX = "tpx"
 _NAME = re.compile(rf"^{PREFIX}-(\d+)-[0-9a-f]{{4}}-")
 _HOST = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 CONTROL = "ctl"
+HOST_DEVICE = "eth0"  # each host's end of its veth: its one link
 MTU = 65000  # large frames: few headers on the wire and little CPU per byte
 _STOP_GRACE_S = 5.0
 
@@ -192,7 +193,7 @@ class EmulatedCluster:
     def set_rate(self, host: str, mbit: float | None) -> None:
         """Change ``host``'s link rate in both directions (None: unlimited)."""
         host = self._host(host)
-        for namespace, device in ((self.namespace(host), "eth0"), (self._bridge, self._port[host])):
+        for namespace, device in ((self.namespace(host), HOST_DEVICE), (self._bridge, self._port[host])):
             self._shape(namespace, device, mbit, replace=True)
         self.mbit[host] = mbit
 
@@ -261,16 +262,16 @@ class EmulatedCluster:
             namespace = self.prefix + host
             self._ip(["netns", "add", namespace])
             # Both ends are created inside our namespaces: nothing appears in the caller's namespace.
-            self._ip(["link", "add", "eth0", "netns", namespace, "mtu", str(MTU), "type", "veth",
+            self._ip(["link", "add", HOST_DEVICE, "netns", namespace, "mtu", str(MTU), "type", "veth",
                       "peer", "name", port, "netns", bridge, "mtu", str(MTU)])
             self._ip(["-n", bridge, "link", "set", port, "master", "br0", "up"])
             self._ip(["-n", namespace, "link", "set", "lo", "up"])
-            self._ip(["-n", namespace, "addr", "add", f"{self._address[host]}/24", "dev", "eth0"])
-            self._ip(["-n", namespace, "link", "set", "eth0", "up"])
+            self._ip(["-n", namespace, "addr", "add", f"{self._address[host]}/24", "dev", HOST_DEVICE])
+            self._ip(["-n", namespace, "link", "set", HOST_DEVICE, "up"])
             if self._tcp_retries is not None:  # a per-namespace setting: the caller's own is untouched
                 self._ip(["netns", "exec", namespace, "sysctl", "-qw", f"net.ipv4.tcp_retries2={self._tcp_retries}"])
             if host != CONTROL:
-                self._shape(namespace, "eth0", self.mbit[host])  # what the host sends
+                self._shape(namespace, HOST_DEVICE, self.mbit[host])  # what the host sends
                 self._shape(bridge, port, self.mbit[host])       # what it receives
 
 

@@ -259,8 +259,11 @@ def _replicated(nodes: Nodes, version: int) -> bool:
 
     roots = {h: nodes.root(h) for h in nodes.agents}
     layout = saved_layout(list(roots.values()), version)
-    return layout is not None and all(version in held_versions(roots[c.holder], c.holder).get(c.origin, [])
-                                      for c in copies(layout, None) if c.holder in roots)
+    if layout is None:
+        return False
+    needed = {(c.holder, c.origin) for c in copies(layout, None) if c.holder in roots}  # one per region: dedupe
+    held = {h: held_versions(roots[h], h) for h in {h for h, _ in needed}}  # each holder's store read once
+    return all(version in held[h].get(origin, []) for h, origin in needed)
 
 
 class _Progress:

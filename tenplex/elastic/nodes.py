@@ -1,8 +1,8 @@
 """Simulated nodes on this machine: a ``tenplex rendezvous serve`` process and one ``tenplex run`` per node.
 
-May import: ``tenplex.runtime.hosts``, ``tenplex.bench.cluster`` (the emulated cluster's type, for
-annotations), ``tenplex.errors`` and the standard library (no torch: the demo's driver only starts,
-signals and kills processes).
+May import: ``tenplex.runtime.hosts``, ``tenplex.bench.cluster`` (the emulated cluster: its type, its
+control host and its hosts' link device), ``tenplex.errors`` and the standard library (no torch: the
+demo's driver only starts, signals and kills processes).
 
 Each node is a ``tenplex run`` agent in a process group of its own, with its
 own store root ``BASE/HOST``. What happens to a node:
@@ -101,10 +101,12 @@ class Nodes:
                 "--rdzv-endpoint", self.endpoint, "--rdzv-id", "demo"]
         env = self.env
         if self.cluster is not None:
+            from ..bench.cluster import HOST_DEVICE
+
             address = self.cluster.address(host)
             argv += ["--store-bind", address, "--token-file", str(self.token_file), "--local-addr", address,
                      "--rdzv-conf", LINKED_RDZV_CONF]
-            env = dict(env, GLOO_SOCKET_IFNAME="eth0")  # the host's link, not loopback
+            env = dict(env, GLOO_SOCKET_IFNAME=HOST_DEVICE)  # the host's link, not loopback
         with open(self.log(host), "ab") as out:
             self.agents[host] = self._popen(host, [*argv, *self.script], stdout=out, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env=env, start_new_session=True)
