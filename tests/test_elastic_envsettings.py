@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tenplex.elastic.envsettings import settings_from_env
+from tenplex.elastic.envsettings import env_from_settings, settings_from_env
 from tenplex.errors import ConfigError
 from tenplex.runtime.launch import free_port
 
@@ -25,6 +25,16 @@ def test_settings_from_env_golden():
     assert settings_from_env(env) == {"max_tp": 4, "pp": 2, "replicas": 0, "save_every": 50,
                                       "pinned": {24: "tp=8,pp=3", 4: "dp=4"}, "dataset": "/var/lib/tenplex/data/ex"}
     assert settings_from_env({}) == {} and settings_from_env({"TENPLEX_PP": " ", "TENPLEX_PINNED": ""}) == {}
+
+
+def test_env_from_settings_is_what_settings_from_env_reads_back():
+    settings = {"max_tp": 4, "pp": 2, "pinned": {24: "tp=8,pp=3", 4: "dp=4"}, "replicas": 0, "save_every": 50,
+                "dataset": "/var/lib/tenplex/data/ex"}
+    env = env_from_settings(**settings)
+    assert env == {"TENPLEX_MAX_TP": "4", "TENPLEX_PP": "2", "TENPLEX_REPLICAS": "0", "TENPLEX_SAVE_INTERVAL": "50",
+                   "TENPLEX_PINNED": '{"4": "dp=4", "24": "tp=8,pp=3"}', "TENPLEX_DATASET": "/var/lib/tenplex/data/ex"}
+    assert settings_from_env(env) == settings
+    assert env_from_settings() == {} and env_from_settings(pinned={}) == {}
 
 
 def test_the_operators_worker_pod_settings_reach_the_job():

@@ -9,7 +9,8 @@ May import: ``tenplex.errors`` and the standard library.
 ``max_tp``, ``pp``, ``pinned``, ``replicas``, ``save_every`` and ``dataset``
 wherever the script leaves that argument out. An unset or empty variable
 means "not set"; a malformed one is a :class:`~tenplex.errors.ConfigError`
-naming it.
+naming it. :func:`env_from_settings` writes them (the operator's pods), so the
+names and the format live here only.
 """
 
 from __future__ import annotations
@@ -21,6 +22,19 @@ from ..errors import ConfigError
 
 _COUNTS = {"TENPLEX_MAX_TP": ("max_tp", 1), "TENPLEX_PP": ("pp", 1), "TENPLEX_REPLICAS": ("replicas", 0),
            "TENPLEX_SAVE_INTERVAL": ("save_every", 0)}
+
+
+def env_from_settings(max_tp: int | None = None, pp: int | None = None, pinned: Mapping[int, str] | None = None,
+                      replicas: int | None = None, save_every: int | None = None,
+                      dataset: str | None = None) -> dict[str, str]:
+    """The environment that :func:`settings_from_env` reads back as these settings (None: left out)."""
+    counts = {"max_tp": max_tp, "pp": pp, "replicas": replicas, "save_every": save_every}
+    env = {var: str(counts[argument]) for var, (argument, _) in _COUNTS.items() if counts[argument] is not None}
+    if pinned:
+        env["TENPLEX_PINNED"] = json.dumps({str(k): v for k, v in sorted(pinned.items())})
+    if dataset:
+        env["TENPLEX_DATASET"] = dataset
+    return env
 
 
 def settings_from_env(environ: Mapping[str, str]) -> dict[str, Any]:

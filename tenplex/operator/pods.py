@@ -1,7 +1,8 @@
 """The worker pod of a TenplexJob on one node: ``tenplex run`` with the job's limits.
 
-May import: the package's pure modules, ``kubernetes`` (its typed models) and
-the standard library. No API calls: this only builds the object.
+May import: the package's pure modules, ``tenplex.elastic.envsettings`` (the
+job settings' environment), ``kubernetes`` (its typed models) and the
+standard library. No API calls: this only builds the object.
 
 Each worker runs one torchrun elastic agent through ``tenplex run``. It reuses
 the node's store (the DaemonSet serves the same ``--store-root``, a hostPath),
@@ -12,12 +13,12 @@ reads its data through the FUSE mount the DaemonSet propagates to the host.
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from typing import Any, Mapping
 
 from kubernetes import client as k8s
 
+from ..elastic.envsettings import env_from_settings
 from . import JOB_LABEL, NODE_ANNOTATION, ROLE_LABEL, WORKER_ROLE
 from .settings import WorkerSettings
 from .spec import JobSpec
@@ -50,12 +51,11 @@ def _env(spec: JobSpec, settings: WorkerSettings) -> list[k8s.V1EnvVar]:
     env = [k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path=path)))
            for name, path in (("NODE_NAME", "spec.nodeName"), ("NODE_IP", "status.hostIP"))]
     # What the training-loop API needs from the spec (issue 8): the policy's inputs, replication and saving.
-    pinned = json.dumps({str(k): v for k, v in sorted(spec.pinned.items())})
-    values = {"TENPLEX_MAX_TP": spec.max_tp, "TENPLEX_PP": spec.pp, "TENPLEX_REPLICAS": spec.replicas,
-              "TENPLEX_SAVE_INTERVAL": spec.save_interval, "TENPLEX_PINNED": pinned if spec.pinned else None,
-              # the DaemonSet's FUSE view of the dataset, as this pod sees it
-              "TENPLEX_DATASET": f"{settings.data_root}/{spec.dataset}" if spec.dataset else None}
-    env += [k8s.V1EnvVar(name=k, value=str(v)) for k, v in values.items() if v is not None]
+    values = env_from_settings(max_tp=spec.max_tp, pp=spec.pp, pinned=spec.pinned, replicas=spec.replicas,
+                               save_every=spec.save_interval,
+                               # the DaemonSet's FUSE view of the dataset, as this pod sees it
+                               dataset=f"{settings.data_root}/{spec.dataset}" if spec.dataset else None)
+    env += [k8s.V1EnvVar(name=k, value=v) for k, v in values.items()]
     env += [k8s.V1EnvVar(name=k, value=v) for k, v in spec.env]
     return env
 
