@@ -49,3 +49,34 @@ def test_progress_survives_the_round_trip_field_by_field():
     assert wire.from_pb_transform_progress(message) == progress
     assert progress.counts() == {"bytes_total": 2, "kept_bytes": 3, "linked_bytes": 4, "local_bytes": 5,
                                  "remote_bytes": 6, "refetched_bytes": 7}
+
+
+def test_each_layout_is_encoded_once_for_the_requests_of_every_host(monkeypatch):
+    """The coordinator's per-host threads encode their requests at once; each layout's JSON is made once."""
+    import dataclasses
+    import threading
+    import time
+
+    request = _request()
+    encoded = []
+    real_dumps = json.dumps
+
+    def counting_dumps(obj, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("format") == "tenplex.layout/1":
+            encoded.append(id(obj))
+            time.sleep(0.05)  # as a large layout takes a while: the other threads ask meanwhile
+        return real_dumps(obj, *args, **kwargs)
+
+    monkeypatch.setattr(wire.json, "dumps", counting_dumps)
+    start = threading.Barrier(8)
+
+    def encode(host):
+        start.wait()
+        wire.to_pb_transform_request(dataclasses.replace(request, host=host))
+
+    threads = [threading.Thread(target=encode, args=(f"h{i}",)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(encoded) == 2  # the old and the new layout

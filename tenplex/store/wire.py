@@ -186,16 +186,17 @@ _recent_lock = threading.Lock()
 
 def _layout_json(layout: Layout) -> str:
     """The JSON of ``layout``, encoded once for all the requests that carry it: a coordinator sends the same two
-    layouts to every host, and a large layout takes a good part of a second to encode."""
+    layouts to every host, and a large layout takes a good part of a second to encode. The look-up and the
+    encoding share one hold of the lock: the per-host requests are encoded by threads that start together,
+    and each would otherwise miss and encode the same layout again."""
     with _recent_lock:
         for known, text in _recent_layouts:
             if known is layout:
                 return text
-    text = json.dumps(layout.to_dict())
-    with _recent_lock:
+        text = json.dumps(layout.to_dict())
         _recent_layouts.append((layout, text))
         del _recent_layouts[:-4]
-    return text
+        return text
 
 
 def from_pb_transform_request(msg: pb.TransformRequest, host: str) -> TransformRequest:
