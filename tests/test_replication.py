@@ -6,7 +6,7 @@ origin mid-copy, cancel); and whole jobs of real gloo ranks with real store proc
 in which a host's store is killed and its directory deleted:
 
 * the survivors restore the newest version they can assemble completely, from the
-  copies, bit for bit, and the planner and transformer read the copies as sources;
+  copies, bit for bit, and the planner and the restore read the copies as sources;
 * a host lost while a version was still being copied leaves that version not counted
   as replicated, and the restore falls back to the previous one (the step lost is reported);
 * a host that left but whose store still answers is reached through the recorded address;
@@ -320,16 +320,18 @@ def test_a_host_back_with_an_empty_store_gets_its_part_from_the_copies_bit_for_b
     assert step == 2 and info["saved_version"] == 2 and info["step"] == 2 and info["lost_hosts"] == ["h1"]
     # Version 3 is skipped (not counted as replicated, so it cannot be assembled): step 3 is lost.
     assert [(s["version"], s["step"]) for s in info["skipped"]] == [(3, 3)]
-    assert info["promoted_version"] == 4 and info["transformed"] and info["version"] == 5
+    # h1/0 reads its rows from the version put together on h0 (read-through: no transformed version).
+    assert info["promoted_version"] == 4 and info["read_through"] and not info["transformed"] and info["version"] == 4
     assert info["replica_devices"] == {"h0/1": ["h0", "h1/0"]}
     saved = full_state(recovery["base"] / "first", "saved_step2", recovery["first"], "save")
     assert_bit_equal(full_state(recovery["base"] / "rejoin", "restored", recovery["rejoin"], "restore"), saved)
 
 
-def test_the_transformer_reads_the_lost_hosts_rows_from_the_copy(recovery):
+def test_the_restore_reads_the_lost_hosts_rows_from_the_copy(recovery):
     h0 = Store(recovery["roots"]["h0"], "h0")
-    for promoted, transformed, target in ((4, 5, "h1/0"), (7, 8, "h2/0")):
-        old, new = h0.open(promoted).layout(), h0.open(transformed).layout()
+    # The restore's new layout is the layout the same job saved next (version 5 by rejoin, 7 by smaller).
+    for promoted, saved_next, target in ((4, 5, "h1/0"), (6, 7, "h2/0")):
+        old, new = h0.open(promoted).layout(), h0.open(saved_next).layout()
         # The copy is device h0/1 of the promoted version, linked from h0's committed copy of h1's rows.
         assert {s.tensor: s.box for s in old.devices["h0/1"]} == {
             "w": rows(4, 8), "optim.exp_avg.w": rows(4, 8), "optim.exp_avg_sq.w": rows(4, 8)}
@@ -337,13 +339,13 @@ def test_the_transformer_reads_the_lost_hosts_rows_from_the_copy(recovery):
         moves = [t for t in plan(old, new).transfers if t.dst == target and t.tensor.endswith("w")]
         assert moves and {(t.src, t.box) for t in moves} == {("h0/1", rows(4, 8))}
     # Versions a restore made carry the saved version's record: they are not copied themselves.
-    assert [replicas_of(h0.open(v).get_json("tenplex.stores"), v) for v in (2, 4, 5, 6)] == [1, None, None, 1]
+    assert [replicas_of(h0.open(v).get_json("tenplex.stores"), v) for v in (2, 4, 5, 6)] == [1, None, 1, None]
 
 
 def test_survivors_in_a_smaller_world_resume_from_the_copies_bit_for_bit(recovery):
     step, info = restored(recovery, "smaller")
-    assert step == 4 and info["saved_version"] == 6 and info["lost_hosts"] == ["h1"] and info["skipped"] == []
-    assert info["promoted_version"] == 7 and info["transformed"] and info["version"] == 8
+    assert step == 4 and info["saved_version"] == 5 and info["lost_hosts"] == ["h1"] and info["skipped"] == []
+    assert info["promoted_version"] == 6 and info["read_through"] and not info["transformed"] and info["version"] == 6
     saved = full_state(recovery["base"] / "rejoin", "saved_step4", recovery["rejoin"], "save")
     assert_bit_equal(full_state(recovery["base"] / "smaller", "restored", recovery["smaller"], "restore"), saved)
 
@@ -352,7 +354,7 @@ def test_a_departed_host_is_reached_through_its_recorded_store(recovery):
     step, info = restored(recovery, "alone")
     # Step 5 was saved by h0 and h2; h2 left the job but its store answers at the recorded address.
     assert step == 5 and info["lost_hosts"] == [] and info["promoted_version"] is None
-    assert info["transformed"] and info["plan_stats"]["inter_host_bytes"] > 0
+    assert info["read_through"] and not info["transformed"] and info["plan_stats"]["inter_host_bytes"] > 0
     saved = full_state(recovery["base"] / "smaller", "saved_step5", recovery["smaller"], "save")
     assert_bit_equal(full_state(recovery["base"] / "alone", "restored", recovery["alone"], "restore"), saved)
 

@@ -27,7 +27,8 @@ class Record:
                    parallel=job.choice.degrees(), rank=job.rank, host=job.host, coords=trainer.coords,
                    restored_step=r.step if r.version is not None else None, version=r.version,
                    saved_version=r.saved_version,
-                   transformed=r.transformed, plan_stats=r.plan_stats, restore_s=r.seconds,
+                   transformed=r.transformed, read_through=r.read_through, plan_stats=r.plan_stats,
+                   restore_s=r.seconds,
                    position=job.data_state.position)
         if r.version is not None:
             self.dump(f"restored-{r.step}-{self.tag}")

@@ -19,8 +19,10 @@ restart, so each one also creates the optimizer's state. In this order:
 * ``dcp_disk_save_s`` / ``dcp_disk_load_s``: the same on disk.
 
 With ``--new-hosts 2`` the new configuration's second rank runs on another
-(simulated) host whose store is empty, so the restore includes a
-transformation through the two store processes. Each store or DCP directory
+(simulated) host whose store is empty, so the restore moves state between
+hosts: that rank reads its regions from h0's store over the data plane
+(``tenplex_read_through``), or, when the plan fans a region out, the stores
+transform it (``tenplex_transformed``). Each store or DCP directory
 is deleted once measured, so that tmpfs holds one
 copy of the state at a time.
 
@@ -152,6 +154,7 @@ def _time_tenplex(timed: _Timed, old, spec: dict) -> None:
     timed.restore("tenplex_restore_s", lambda new: tenplex.restore(new.model, new.optimizer,
                                                                    scheduler=new.scheduler, checkpointer=new_ckpt))
     timed.result["tenplex_transformed"] = new_ckpt.last_restore.transformed
+    timed.result["tenplex_read_through"] = new_ckpt.last_restore.read_through
     dist.barrier()
     if rank < len(roots):  # free the tmpfs before DCP writes there (the machine's memory is the limit)
         for version in new_ckpt.store.versions():

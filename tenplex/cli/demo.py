@@ -117,8 +117,10 @@ def report(s: dict, say) -> None:
         diff = f"{r['diff']:.2e}" if r["diff"] is not None else "-"
         say(f"{r['step']:>5} {r['phase']:>5} {loss:>15} {r['reference']:>17.6f} {diff:>10}")
     restore, plan = s["restore"], s["restore"]["plan"]
-    if restore["transformed"]:
-        say(f"restore at step {restore['step']}: the stores transformed the state: "
+    if restore["transformed"] or restore["read_through"]:
+        how = ("every rank read its part of the plan from the stores (no new version written)"
+               if restore["read_through"] else "the stores transformed the state")
+        say(f"restore at step {restore['step']}: {how}: "
             f"{human_bytes(plan.get('target_bytes', 0))} needed; kept in place "
             f"{human_bytes(plan.get('kept_bytes', 0))}, copied within hosts "
             f"{human_bytes(plan.get('intra_host_bytes', 0))}, sent between hosts "

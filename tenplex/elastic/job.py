@@ -98,6 +98,7 @@ class Restored:
     plan_stats: dict
     seconds: float
     saved_version: int | None = None   # the version that was saved (``version`` may be a transformed copy of it)
+    read_through: bool = False         # the ranks read the plan's regions from other hosts' stores (no new version)
 
 
 class Job:
@@ -228,7 +229,7 @@ class Job:
         if self.dataset is not None:
             self._open_data(extra.get(DATASET_KEY))
         self.restored = Restored(self.step, info.version, info.transformed, dict(info.plan_stats),
-                                 time.monotonic() - begin, info.saved_version)
+                                 time.monotonic() - begin, info.saved_version, info.read_through)
         self._last_boundary = time.monotonic()
         if self.save_every:
             self._next_save = self.step + self.save_every

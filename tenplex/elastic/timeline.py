@@ -47,6 +47,7 @@ class World:
     ready: float                      # when its last rank had joined the process group and restored
     restore_s: float
     saved_version: int | None = None  # the version its restore read (before any transformation)
+    read_through: bool = False        # its ranks read the plan's regions from the stores (no new version)
     files: dict[str, dict] = field(default_factory=dict)   # record file -> coords
     file_hosts: dict[str, str] = field(default_factory=dict)  # record file -> the host its rank ran on
     steps: dict[int, dict] = field(default_factory=dict)    # step -> {"loss": …, "ids": […]}
@@ -71,7 +72,8 @@ def read_worlds(folder: Path) -> list[World]:
         if w is None:
             w = worlds[d["world_id"]] = World(d["world_id"], d["hosts"], d["world"], d["parallel"], d["restored_step"],
                                               d["version"], d["transformed"], d["plan_stats"], d["position"],
-                                              d["time"], d["ready"], d["restore_s"], d.get("saved_version"))
+                                              d["time"], d["ready"], d["restore_s"], d.get("saved_version"),
+                                              d.get("read_through", False))
         w.start, w.ready = min(w.start, d["time"]), max(w.ready, d["ready"])
         w.restore_s = max(w.restore_s, d["restore_s"])
         w.files[d["file"]] = d["coords"]

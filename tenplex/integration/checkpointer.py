@@ -36,9 +36,12 @@ Restore (every rank, collectively):
 3. mismatches (a tensor missing on either side, a shape or dtype change, an
    optimizer of another kind) raise StateMismatchError on every rank;
 4. if every box a rank needs can be assembled from shards stored on its own
-   host, the rank reads them straight from the store files; otherwise rank 0 plans the change
-   (``tenplex.planner``) and runs it across the store processes
-   (``tenplex.transform``), and every rank reads from the new version;
+   host, the rank reads them straight from the store files; otherwise every
+   rank plans the change (``tenplex.planner``, deterministic). When no region is
+   fanned out, every rank reads its own transfers of the plan into its tensors,
+   locally or from other hosts' stores (:mod:`.readthrough`), and no version is
+   made; otherwise, or when such a read fails, the stores run the plan
+   (``tenplex.transform``) into a new version, and every rank reads from it;
 5. non-tensor state is applied (see :data:`SEMANTICS` and the README).
 """
 
@@ -55,14 +58,16 @@ import torch
 import torch.distributed as dist
 
 from ..devices import host_of, parse_device, parse_host_addresses
-from ..errors import ConfigError
+from ..errors import ConfigError, StoreError
 from ..layout import Layout, Shard, TensorSpec, from_dict as layout_from_dict
 from ..box import Box, tile
 from ..replication import LostStateError, assemble, effective_replicas
 from ..replication.copier import Replicator, held_layout, held_versions
 from ..replication.plan import Lost
 from ..replication.stores import STORES_DOC, answering, replicas_of, stores_doc
+from ..planner import plan as make_plan
 from ..store import LAYOUT_DOC, Store
+from ..store.client import StoreClient
 from ..store.manifest import PROMOTE_PART
 from .annotate import Annotations
 from .exchange import agree, all_gather_json, broadcast_json
@@ -71,12 +76,14 @@ from .nontensor import (StateMismatchError, apply_optimizer_doc, apply_rng, capt
                         optimizer_doc, seed_rng, to_json)
 from .pieces import (OPTIMIZER_PREFIX, Piece, init_optimizer_state, model_pieces, optimizer_pieces, optimizer_scalars,
                      set_optimizer_scalars)
-from .shardio import read_piece, write_piece
+from .readthrough import RemoteVersion, fans_out, read_through, source_hosts
+from .shardio import RegionReader, read_piece, write_piece
 
 STATE_DOC = "tenplex.torch_state"
 STATE_FORMAT = "tenplex.torch_state/1"
 
 log = logging.getLogger(__name__)
+READ_STALL_S = 5.0  # a store that sends nothing for this long while a restore reads from it is dead
 _LIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()  # their background copies are cancelled at exit
 
 
@@ -87,7 +94,8 @@ class RestoreInfo:
     version: int | None = None        # the version restored from (after a transformation: the new one)
     saved_version: int | None = None  # the version that was saved
     step: int | None = None           # the step that version saved
-    transformed: bool = False
+    transformed: bool = False         # the stores ran the plan and committed a new version (``version``)
+    read_through: bool = False        # every rank read its regions of the plan straight from the saved version
     plan_stats: dict = field(default_factory=dict)
     lost_hosts: list[str] = field(default_factory=list)  # hosts of the saved version that were gone
     promoted_version: int | None = None  # the version put together from survivors' shards and copies
@@ -333,16 +341,22 @@ class Checkpointer:
             newest = source_version
         sources = _local_sources(old, new)
         if sources is None:
-            info.version, info.plan_stats = self._transform(old, new, source_version, newest + 1,
-                                                            {**found.addresses, **self._addresses(docs)})
-            info.transformed = True
-            sources = {d: {(s.tensor, s.box): [(d, s.box)] for s in shards} for d, shards in new.devices.items()}
+            addresses = {**found.addresses, **self._addresses(docs)}
+            the_plan = agree("restore: planning the change", lambda: make_plan(old, new), self.group)
+            info.plan_stats = asdict(the_plan.stats)
+            if not fans_out(the_plan) and self._read_through(the_plan, old, source_version, pieces, addresses):
+                info.read_through = True
+            else:
+                info.version = self._transform(the_plan, old, new, source_version, newest + 1, addresses)
+                info.transformed = True
+                sources = {d: {(s.tensor, s.box): [(d, s.box)] for s in shards} for d, shards in new.devices.items()}
 
         def load():
             reader = self.store.open(info.version)
             for piece in pieces:
                 read_piece(reader, sources[self.device][(piece.name, piece.box)], piece)
-        agree(f"restore: reading version {info.version}", load, self.group)
+        if not info.read_through:
+            agree(f"restore: reading version {info.version}", load, self.group)
         self._apply_state(state, model, optimizer, scheduler, scaler, extra, rng, rank)
         self.last_restore = info
         return state["step"]
@@ -437,30 +451,58 @@ class Checkpointer:
                                target, stage, [PROMOTE_PART], stages)
         return target
 
-    def _transform(self, old: Layout, new: Layout, old_version: int, target: int,
-                   addresses: dict[str, str]) -> tuple[int, dict]:
-        from ..planner import plan as make_plan
+    def _read_through(self, the_plan, old: Layout, version: int, pieces: list[Piece],
+                      addresses: dict[str, str]) -> bool:
+        """Every rank reads its device's transfers of ``the_plan`` from ``version`` into its pieces. Collective.
+
+        True when every rank did; False when a store or the network failed on some rank (logged): the caller
+        then lets the stores run the plan, which retries failed sources from other replicas."""
+        hosts = source_hosts(the_plan, self.device)
+        agree("restore: finding the stores to read from",
+              lambda: _require_addresses(hosts - {self.host}, addresses), self.group)
+        dtypes = {name: spec.dtype for name, spec in old.tensors.items()}
+
+        def run() -> str | None:
+            clients: list[StoreClient] = []
+            try:
+                readers: dict[str, RegionReader] = {}
+                for host in sorted(hosts):
+                    if host == self.host:
+                        readers[host] = self.store.open(version)
+                    else:
+                        clients.append(StoreClient(addresses[host], token=self.token, stall_timeout=READ_STALL_S))
+                        readers[host] = RemoteVersion(clients[-1], version, dtypes)
+                read_through(the_plan, self.device, pieces, readers)
+                return None
+            except (StoreError, OSError) as e:
+                return f"{type(e).__name__}: {e}"
+            finally:
+                for client in clients:
+                    client.close()
+
+        failures = [(r, f) for r, f in enumerate(all_gather_json(agree("restore: reading the plan's regions", run,
+                                                                       self.group), self.group)) if f]
+        for r, failure in failures[:3]:
+            if dist.get_rank(self.group) == 0:
+                log.warning("restore: rank %d could not read its regions directly (%s); the stores run the plan "
+                            "instead", r, failure)
+        return not failures
+
+    def _transform(self, the_plan, old: Layout, new: Layout, old_version: int, target: int,
+                   addresses: dict[str, str]) -> int:
         from ..transform import transform
 
         def run():
             if dist.get_rank(self.group) != 0:
                 return None
-            missing = sorted((set(old.hosts()) | set(new.hosts())) - set(addresses))
-            if missing:
-                raise StateMismatchError(
-                    f"restoring into this configuration moves state between devices, which needs the store "
-                    f"process of every host; no address for host(s) {', '.join(missing)}: set "
-                    f"TENPLEX_STORE_ADDRESS on every host (tenplex run does), or pass stores= / "
-                    f"TENPLEX_STORES=h0=HOST:PORT,…")
-            plan = make_plan(old, new)
+            _require_addresses(set(old.hosts()) | set(new.hosts()), addresses)
             # The transformer carries the JSON documents (the state doc included) into the new version.
-            transform(plan, old, new, stores=addresses, old_version=old_version, new_version=target,
+            transform(the_plan, old, new, stores=addresses, old_version=old_version, new_version=target,
                       token=self.token)
-            return {"version": target, "stats": asdict(plan.stats)}
+            return target
 
-        result = broadcast_json(agree("restore: transforming the stored state", run, self.group),
-                                src=_global_rank(0, self.group), group=self.group)
-        return result["version"], result["stats"]
+        agree("restore: transforming the stored state", run, self.group)
+        return target
 
     def _apply_state(self, state, model, optimizer, scheduler, scaler, extra, rng, rank) -> None:
         if optimizer is not None:
@@ -518,6 +560,16 @@ def _lost_message(losses) -> str:
             f"with tenplex.Checkpointer(replicas=1) (the default with two or more hosts whose store addresses are "
             f"known) and let the copies finish (Checkpointer.wait_replicated), or restart the lost host's store "
             f"with its directory")
+
+
+def _require_addresses(hosts: set[str], addresses: Mapping[str, str]) -> None:
+    missing = sorted(hosts - set(addresses))
+    if missing:
+        raise StateMismatchError(
+            f"restoring into this configuration moves state between devices, which needs the store "
+            f"process of every host; no address for host(s) {', '.join(missing)}: set "
+            f"TENPLEX_STORE_ADDRESS on every host (tenplex run does), or pass stores= / "
+            f"TENPLEX_STORES=h0=HOST:PORT,…")
 
 
 def _global_rank(group_rank: int, group) -> int:

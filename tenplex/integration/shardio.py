@@ -18,13 +18,14 @@ their raw bits (uint16/uint8) because numpy has no such types.
 from __future__ import annotations
 
 import warnings
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from ..box import Box
 from ..dtypes import numpy_storage
-from ..store import StoreReader, StoreWriter
+from ..store import StoreWriter
 from .pieces import Piece
 
 _BITS = {"uint16": torch.uint16, "uint8": torch.uint8}
@@ -36,13 +37,22 @@ def _as_storage(values: torch.Tensor, dtype: str) -> torch.Tensor:
     return values.view(_BITS[storage]) if storage != dtype else values
 
 
+class RegionReader(Protocol):
+    """What ``read_piece`` needs of a reader: ``StoreReader``'s two region reads (a local version, or a
+    version on another host's store: ``readthrough.RemoteVersion``)."""
+
+    def read(self, device: str, tensor: str, box: Box) -> np.ndarray: ...
+
+    def readinto(self, device: str, tensor: str, box: Box, dest: Any) -> None: ...
+
+
 def write_piece(writer: StoreWriter, device: str, piece: Piece) -> None:
     values = _as_storage(piece.read(), piece.spec.dtype)
     writer.put(device, piece.name, piece.box, values.numpy(), piece.spec.dtype, piece.spec.shape)
 
 
 @torch.no_grad()
-def read_piece(reader: StoreReader, sources: list[tuple[str, Box]], piece: Piece) -> None:
+def read_piece(reader: RegionReader, sources: list[tuple[str, Box]], piece: Piece) -> None:
     """Fill ``piece`` from stored shards: ``sources`` are (device, region) pairs that tile the piece's box.
     Every byte read is verified against the shard's checksums (``StoreReader.readinto``)."""
     own = piece.local[piece.local_box.slices()]

@@ -246,7 +246,8 @@ def summarize(cfg: DemoConfig, workdir: Path, num_samples: int) -> dict:
 
     b0 = b[0]
     saved_state = next(r["saved_state"] for r in a if "saved_state" in r)
-    restore = {"step": b0["restored_step"], "transformed": b0["transformed"], "plan": b0["plan_stats"],
+    restore = {"step": b0["restored_step"], "transformed": b0["transformed"], "read_through": b0["read_through"],
+               "plan": b0["plan_stats"],
                "dataset_state": b0["start_state"],
                "state_ok": b0["restored_step"] == cfg.steps and b0["start_state"] == saved_state}
     checks = {"losses_match": losses_ok, "exactly_once": samples["exactly_once"],

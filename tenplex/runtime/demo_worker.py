@@ -70,8 +70,8 @@ def _restore(trainer: Trainer, ckpt: tenplex.Checkpointer, spec: dict,
     state = DatasetState.from_dict(extra["dataset"] if step is not None else spec["dataset_state"])
     info = ckpt.last_restore
     record = {"rank": rank, "coords": trainer.coords, "restored_step": (step or 0) if info.version else None,
-              "transformed": info.transformed, "plan_stats": info.plan_stats, "start_state": state.to_dict(),
-              "steps": []}
+              "transformed": info.transformed, "read_through": info.read_through, "plan_stats": info.plan_stats,
+              "start_state": state.to_dict(), "steps": []}
     return step or 0, state, record
 
 

@@ -129,7 +129,8 @@ def run_restore(phase: dict, rank: int) -> dict:
     reference_losses = [reference.train_step(s) for s in range(step, step + phase["more"])]
     info = ckpt.last_restore
     return {"step": step, "extra": extra, "coords": trainer.coords, "rand_after_restore": rand_after,
-            "transformed": info.transformed, "version": info.version, "saved_version": info.saved_version,
+            "transformed": info.transformed, "read_through": info.read_through, "version": info.version,
+            "saved_version": info.saved_version, "versions_here": ckpt.store.versions(),
             "plan_stats": info.plan_stats, "losses": losses, "reference_losses": reference_losses,
             "lr": lr, "scheduler": scheduler}
 

@@ -14,7 +14,8 @@ under every world size. Ops (``spec["ops"]``, run in order):
 * ``save``: save at the current step; dump the rank's local state (``saved_step{S}_r{R}``);
 * ``wait_replicated``: record ``Checkpointer.wait_replicated`` and this rank's copier status;
 * ``restore``: restore; record the returned step and ``last_restore``, or the error's type and
-  message; dump the local state afterwards (``restored_r{R}``) and the store's versions.
+  message; dump the local state afterwards (``restored_r{R}``) and the store's versions. With
+  ``break_read_through_on_rank: R``, rank R's reads from other hosts' stores fail first.
 
 Results: ``result_r{R}.json`` and safetensors files under ``spec["out"]``. Nothing is pickled.
 """
@@ -68,6 +69,16 @@ def local_state(model: RowSharded, optimizer) -> dict[str, torch.Tensor]:
     return state
 
 
+def break_read_through() -> None:
+    """Make this rank's reads from other hosts' stores fail (the rest of the job stays real)."""
+    from tenplex.integration.readthrough import RemoteVersion
+    from tenplex.store.client import RemoteStoreError
+
+    def fail(self, device, tensor, box, dest):
+        raise RemoteStoreError(f"store {self.client.address}: injected read failure ({tensor!r} {box})")
+    RemoteVersion.readinto = fail  # type: ignore[method-assign]
+
+
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     init_process_group("gloo")
@@ -97,6 +108,8 @@ def main() -> None:
                             "hosts": ckpt.last_replication})
         elif kind == "restore":
             record = {"op": kind, "rows": [model.start, model.stop]}
+            if op.get("break_read_through_on_rank") == rank:
+                break_read_through()
             try:
                 restored = ckpt.restore(model, optimizer, annotations=model.annotations())
                 step = restored or 0

@@ -1,0 +1,91 @@
+"""Restore by reading the plan's transfers straight into the model: no new version in the stores.
+
+May import: ``tenplex.store``, ``tenplex.transfer_plan``, ``tenplex.box``,
+``tenplex.devices``, ``tenplex.dtypes``, this package's ``pieces`` and
+``shardio``, numpy and the standard library.
+
+A restore whose new layout needs state from other hosts has two ways to get
+it. The stores can run the plan (``tenplex.transform``) and commit a new
+version, from which every rank then reads; that writes every new shard into
+the stores and reads it back. Or every rank runs its own device's transfers of
+the same plan into its tensors: regions on its host from the store files
+(``pread``, verified), regions on other hosts from their store over the data
+plane (verified per frame). The second moves exactly the plan's bytes and
+writes nothing, so it is the one taken when it crosses hosts no more than the
+plan does: when no transfer reads a new shard (``"from": "new"``, the local
+fan-out of a region that crosses once per host and is then copied to the
+host's other devices). With fan-out, reading per device would send such a
+region once per device, so the stores run the plan.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..box import Box
+from ..devices import host_of
+from ..dtypes import numpy_storage
+from ..store.client import StoreClient
+from ..transfer_plan import Plan, Transfer
+from .pieces import Piece
+from .shardio import RegionReader, read_piece
+
+THREADS = 4  # regions read at once per rank: waits on the network overlap with local reads and checksums
+
+
+def fans_out(plan: Plan) -> bool:
+    """Whether some transfer reads a region that an earlier transfer wrote (the local fan-out)."""
+    return any(t.source == "new" for t in plan.transfers)
+
+
+def source_hosts(plan: Plan, device: str) -> set[str]:
+    """The hosts whose stores ``device``'s transfers read from (its own among them when it reads locally)."""
+    return {host_of(t.src) for t in plan.transfers if t.dst == device}
+
+
+class RemoteVersion:
+    """A version on another host's store, read region by region with the reader calls ``read_piece`` makes."""
+
+    def __init__(self, client: StoreClient, version: int, dtypes: dict[str, str]):
+        self.client, self.version, self.dtypes = client, version, dtypes
+
+    def read(self, device: str, tensor: str, box: Box) -> np.ndarray:
+        return self.client.read_box(self.version, device, tensor, box, self.dtypes[tensor])
+
+    def readinto(self, device: str, tensor: str, box: Box, dest: Any) -> None:
+        if not isinstance(dest, np.ndarray):  # C-order bytes (read_piece's buffer for a GPU tensor)
+            dest = np.frombuffer(dest, numpy_storage(self.dtypes[tensor])).reshape(box.lengths)
+        self.client.read_box_into(self.version, device, tensor, box, dest)
+
+
+def read_through(plan: Plan, device: str, pieces: list[Piece], readers: Mapping[str, RegionReader],
+                 threads: int = THREADS) -> int:
+    """Run ``device``'s transfers of ``plan`` (none reading new shards) into ``pieces``; return the bytes read.
+
+    ``readers[host]`` reads the source version on ``host`` (this device's own
+    host: its store files; others: a :class:`RemoteVersion`). Larger regions
+    start first; up to ``threads`` run at once."""
+    by_tensor: dict[str, list[Piece]] = {}
+    for piece in pieces:
+        by_tensor.setdefault(piece.name, []).append(piece)
+    mine = sorted((t for t in plan.transfers if t.dst == device), key=lambda t: -t.box.volume)
+    jobs = [(t, _containing(t, by_tensor.get(t.tensor, []), device)) for t in mine]
+
+    def run(job: tuple[Transfer, Piece]) -> int:
+        transfer, piece = job
+        read_piece(readers[host_of(transfer.src)], [(transfer.src, transfer.box)], piece)
+        return transfer.box.volume * piece.local.element_size()
+
+    with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="read-through") as pool:
+        return sum(pool.map(run, jobs))
+
+
+def _containing(transfer: Transfer, pieces: list[Piece], device: str) -> Piece:
+    for piece in pieces:
+        if piece.box.ndim == transfer.box.ndim and piece.box.contains(transfer.box):
+            return piece
+    raise ValueError(f"the plan sends {transfer.tensor!r} {transfer.box} to {device}, which holds no piece of it "
+                     f"containing that region")
