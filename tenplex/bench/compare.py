@@ -49,6 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .warm import warm
+
 DESCRIPTION = "tenplex vs a centralised transformer vs DCP (tmpfs, disk) on dp, tp, pp, host and ZeRO changes"
 METHODS = ("tenplex", "centralised", "dcp_tmpfs", "dcp_disk")
 BASE = ("dp=2,tp=2,pp=2 on 2 hosts x 4 devices", 2, 2, 2, 2, 4, "none")
@@ -83,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a tiny model (checks that the command works; implies --verify)")
     parser.add_argument("--plot", type=Path, metavar="FILE", help="write a PNG bar chart of seconds per method")
+    parser.add_argument("--warm-gb", type=float, default=0.0,
+                        help="write and free this many GiB right before each timed step (on a VM that backs memory "
+                             "on first touch, every method then starts with backed memory; 0: off)")
     parser.add_argument("--link-mbit", type=float,
                         help="run the store methods' hosts behind links of this many Mbit/s each way (emulated "
                              "cluster; needs root and iproute2): wire bytes, link efficiency, speedup the links allow")
@@ -165,11 +170,11 @@ def _measure(args: argparse.Namespace, methods: list[str], old, news: dict, veri
                                                                 verify, args.link_mbit)
                     elif method in methods:
                         rows[(name, method)] = _run_store_method(method, tmp / "stores", old, new, args.streams,
-                                                                 verify)
+                                                                 verify, args.warm_gb)
             shutil.rmtree(tmp / "stores")
         for method, where in (("dcp_tmpfs", tmp), ("dcp_disk", args.disk)):
             if method in methods:
-                rows.update(_run_dcp_method(method, where, tmp, old, news, verify))
+                rows.update(_run_dcp_method(method, where, tmp, old, news, verify, args.warm_gb))
         file_gbps.append(baseline / socket_file_seconds(tmp, baseline) / 1e9)
         write_gbps.append(baseline / _fresh_file_seconds(tmp, baseline) / 1e9)
     return rows, {"file": file_gbps, "write": write_gbps}
@@ -201,7 +206,7 @@ def _rows(rows: dict, methods: list[str], shape: dict, base: tuple, old, news: d
     return results
 
 
-def _run_store_method(method: str, root: Path, old, new, streams: int, verify: bool) -> dict:
+def _run_store_method(method: str, root: Path, old, new, streams: int, verify: bool, warm_gib: float = 0.0) -> dict:
     """Run one change with ``tenplex`` or ``centralised`` through fresh store servers (so their peak RSS is
     this change's); version 2 is checked (``verify``) and deleted again."""
     from ..planner import plan
@@ -214,6 +219,7 @@ def _run_store_method(method: str, root: Path, old, new, streams: int, verify: b
     servers = _start_servers(root, hosts)
     stores = {h: address for h, (_, address) in servers.items()}
     try:
+        warm(warm_gib)
         if method == "tenplex":
             start = time.perf_counter()
             the_plan = plan(old, new)
@@ -244,7 +250,8 @@ def _run_store_method(method: str, root: Path, old, new, streams: int, verify: b
     return row
 
 
-def _run_dcp_method(method: str, where: Path, tmp: Path, old, news: dict, verify: bool) -> dict:
+def _run_dcp_method(method: str, where: Path, tmp: Path, old, news: dict, verify: bool,
+                    warm_gib: float = 0.0) -> dict:
     """DCP save once under ``old`` into ``where``, then a load per change; rows keyed (change, method)."""
     from ..files import save_layout
     from .compare_dcp import run_dcp
@@ -254,9 +261,11 @@ def _run_dcp_method(method: str, where: Path, tmp: Path, old, news: dict, verify
     rows = {}
     try:
         save_layout(old, work / "old.json")
+        warm(warm_gib)
         saved = run_dcp(work / "old.json", "save", checkpoint, work / "save")
         for i, (name, new) in enumerate(news.items()):
             save_layout(new, work / f"new-{i}.json")
+            warm(warm_gib)
             loaded = run_dcp(work / f"new-{i}.json", "load", checkpoint, work / f"load-{i}", verify=verify,
                              drop_cache=method == "dcp_disk")
             traffic = {}

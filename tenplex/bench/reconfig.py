@@ -59,12 +59,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--streams", type=int, default=4, help="concurrent pulls per destination host")
     parser.add_argument("--dir", type=Path, help="directory for the stores (default: tmpfs if it has room)")
+    parser.add_argument("--warm-gb", type=float, default=0.0,
+                        help="write and free this many GiB right before each timed step (on a VM that backs memory "
+                             "on first touch, every method then starts with backed memory; 0: off)")
     parser.add_argument("--link-mbit", type=float,
                         help="run each host's store behind its own link of this many Mbit/s each way (emulated "
                              "cluster; needs root and iproute2) and report wire bytes and link efficiency")
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    from .warm import warm
+
     from ..gpt import gpt
     from ..parallel import ParallelConfig
     from ..planner import plan
@@ -93,6 +98,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             for name, *config in CHANGES:
                 new = make(*config)
                 the_plan = plan(old, new)
+                warm(args.warm_gb)
                 report, links = run_change(the_plan, new)
                 results.append({**_row(str(name), old, the_plan, report, baselines), "streams": args.streams,
                                 "store_dir": str(base_dir), "cpus": os.cpu_count(),

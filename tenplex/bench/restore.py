@@ -48,6 +48,7 @@ from typing import Any
 from ..errors import UsageError
 from ..runtime.hosts import Hosts
 from ..runtime.launch import run_spec_job
+from .warm import warm
 
 DESCRIPTION = "save + restore of the reference GPT's state (>= 1 GB) across a config change, vs torch DCP"
 
@@ -61,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new", default="dp=2,fsdp=1", help="configuration that restores (default dp=2,fsdp=1)")
     parser.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"), help="tmpfs directory (tenplex store, DCP)")
     parser.add_argument("--disk", type=Path, default=Path("/var/tmp"), help="disk directory for DCP")
+    parser.add_argument("--warm-gb", type=float, default=0.0,
+                        help="write and free this many GiB right before each timed step (on a VM that backs memory "
+                             "on first touch, every method then starts with backed memory; 0: off)")
     parser.add_argument("--new-hosts", type=int, default=1,
                         help="1: both ranks on host h0 throughout (default); 2: the new configuration's rank 1 runs "
                              "on a second host h1, whose empty store must receive its state through a transformation")
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> dict:
                               "heads": 16, "seq": 8},
                     "old": args.old, "new": args.new, "roots": {h: str(stores.root(h)) for h in hosts},
                     "stores": dict(stores.addresses), "dcp_tmpfs": str(work / "dcp"), "dcp_disk": str(disk / "dcp"),
-                    "result": str(work / "result.json")}
+                    "result": str(work / "result.json"), "warm_gb": args.warm_gb}
             # Both ranks launch on h0; each worker takes its store root and host from the spec.
             run_spec_job([sys.executable, "-m", "tenplex.bench.restore"], spec, work / "spec.json", ["h0/0", "h0/1"],
                          {"h0": stores.root("h0")}, dict(stores.addresses), work / "logs")
@@ -99,6 +103,8 @@ class _Timed:
     def __call__(self, key: str, fn) -> None:
         import torch.distributed as dist
 
+        if dist.get_rank() == 0:
+            warm(self.spec.get("warm_gb", 0.0))
         dist.barrier()
         start = time.perf_counter()
         fn()

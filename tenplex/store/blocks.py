@@ -44,6 +44,9 @@ def root_digest(blocks: list[str]) -> str:
     return f"{xxhash.xxh3_64_intdigest(bytes.fromhex(''.join(blocks))):016x}"
 
 
+_SCRATCH = threading.local()  # each thread's buffer for blocks read back
+
+
 class BlockTally:
     """Block digests of a shard being written in any order and from several threads, each computed once the
     block is complete: from the written bytes when one write covers the whole block; from a running hash when
@@ -63,7 +66,6 @@ class BlockTally:
         self._stale: set[int] = set()
         self._running: dict[int, list] = {}  # block -> [bytes hashed so far, xxh3_64 state]: in-order writes
         self._lock = threading.Lock()
-        self._scratch = threading.local()
 
     def wrote(self, start: int, data: memoryview) -> None:
         """Data bytes [start, start + len(data)) were written with the contents ``data``."""
@@ -127,10 +129,12 @@ class BlockTally:
 
     def _hash(self, index: int, block: memoryview | None) -> str:
         if block is None:
-            scratch = getattr(self._scratch, "buffer", None)
-            if scratch is None or len(scratch) < self._full[index]:
-                scratch = self._scratch.buffer = bytearray(self.block_bytes)
-            block = memoryview(scratch)[:int(self._full[index])]
+            # One buffer per thread for every tally: a fresh (zeroed, page-faulted) block per shard file cost
+            # about a tenth of a transformation that reads blocks back.
+            scratch = getattr(_SCRATCH, "buffer", None)
+            if scratch is None or scratch.nbytes < self._full[index]:
+                scratch = _SCRATCH.buffer = memoryview(np.empty(max(self.block_bytes, BLOCK_BYTES), np.uint8))
+            block = scratch[:int(self._full[index])]
             self._read(index, block)
         return f"{xxhash.xxh3_64_intdigest(block):016x}"
 

@@ -52,6 +52,8 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import numpy as np
+
 from ..box import Box, split_by, subtract_all
 from ..devices import host_of
 from ..errors import StoreError, TransformError
@@ -66,6 +68,8 @@ from .schedule import LOCAL, Pull, Schedule
 from ..store.manifest import TRANSFORM_PART
 
 log = logging.getLogger(__name__)
+_COPY_BUFFER = threading.local()  # each thread's slab buffer for local copies
+
 DEFAULT_STREAMS = 4
 PIECE_BYTES = 16 << 20          # one pull call; several chunks each; small enough for replicas to share the tail
 SMALL_BYTES = 1 << 20           # remote regions below this travel in batches (ReadBoxes): one call for many
@@ -75,6 +79,7 @@ PROGRESS_EVERY_BYTES = 64 << 20  # progress messages are throttled to this granu
 PROGRESS_EVERY_S = 0.25
 HEARTBEAT_S = 1.0               # a progress message at least this often, even when no bytes arrive
 STALL_S = 5.0                   # default stall limit of pulls (request.stall_timeout_s)
+COPY_PIECE_BYTES = 4 << 20      # a local region that is not one run of both files is copied in slabs of this size
 CALL_TIMEOUT_S = 60.0           # overall deadline base of calls to peers; stalls are caught much earlier
 
 
@@ -202,7 +207,7 @@ class _Sources:
             if self.reader is None:
                 raise StoreError(f"host {self.host} has no committed version {self.version}")
             if self._files is None or not _copy_run(self._files, device, tensor, box, target):
-                target.write(box, self.reader.read(device, tensor, box))
+                _copy_pieces(self.reader, device, tensor, box, target)
             return
         self.client(source_host).read_box_to(self.version, device, tensor, box, target.itemsize, target.write)
 
@@ -235,6 +240,19 @@ def _copy_run(reader: FileBackedReader, device: str, tensor: str, box: Box, targ
         return False
     reader.shard_file(entry).read_into(start, None, span, consume=lambda at, data: target.write_at(into + at, data))
     return True
+
+
+def _copy_pieces(reader: StoreReader, device: str, tensor: str, box: Box, target: ShardTarget) -> None:
+    """Copy a local region in slabs of at most ``COPY_PIECE_BYTES`` through this thread's reused buffer: no
+    array of the region's size is allocated and page-faulted per region (a 100 MB column block of a
+    tensor-parallel split, say), and each slab is still in cache when it is written."""
+    for sub in wire.split_box(box, target.itemsize, COPY_PIECE_BYTES):
+        nbytes = sub.volume * target.itemsize
+        buffer = getattr(_COPY_BUFFER, "buffer", None)
+        if buffer is None or buffer.nbytes < nbytes:
+            buffer = _COPY_BUFFER.buffer = memoryview(np.empty(max(nbytes, COPY_PIECE_BYTES), np.uint8))
+        reader.readinto(device, tensor, sub, buffer[:nbytes])
+        target.write(sub, buffer[:nbytes])
 
 
 def _damaged_shard(error: Exception) -> bool:
