@@ -156,6 +156,7 @@ def _measure(args: argparse.Namespace, methods: list[str], old, news: dict, veri
     with tempfile.TemporaryDirectory(prefix="tenplex-compare-", dir=base_dir) as tmp_name:
         tmp = Path(tmp_name)
         baseline = min(BASELINE_BYTES, max(1 << 20, old.total_bytes()))
+        warm(args.warm_gb)  # the baselines write fresh files too: the same memory conditions as each method
         file_gbps = [baseline / socket_file_seconds(tmp, baseline) / 1e9]
         write_gbps = [baseline / _fresh_file_seconds(tmp, baseline) / 1e9]
         # Method by method, so that tmpfs holds one method's copies of the state at a time.
@@ -175,6 +176,7 @@ def _measure(args: argparse.Namespace, methods: list[str], old, news: dict, veri
         for method, where in (("dcp_tmpfs", tmp), ("dcp_disk", args.disk)):
             if method in methods:
                 rows.update(_run_dcp_method(method, where, tmp, old, news, verify, args.warm_gb))
+        warm(args.warm_gb)
         file_gbps.append(baseline / socket_file_seconds(tmp, baseline) / 1e9)
         write_gbps.append(baseline / _fresh_file_seconds(tmp, baseline) / 1e9)
     return rows, {"file": file_gbps, "write": write_gbps}

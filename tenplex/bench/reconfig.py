@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory(prefix="tenplex-reconfig-", dir=base_dir) as tmp_name:
         tmp = Path(tmp_name)
+        warm(args.warm_gb)  # the baseline writes a fresh file too: the same memory conditions as each change
         baselines["file_gbps"] = (512 << 20) / socket_file_seconds(tmp, 512 << 20) / 1e9
         _write_base(tmp, old)
         with contextlib.ExitStack() as stack:
