@@ -68,14 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> list[dict]:
-    from .warm import warm
-
     from ..gpt import gpt
     from ..parallel import ParallelConfig
     from ..planner import plan
     from ..ptc import layout
     from ..store import Store
     from .transfer import _memcpy_seconds, _socket_seconds, socket_file_seconds
+    from .warm import warm
 
     model = gpt(args.layers, args.hidden, args.heads, args.vocab, optimizer="adam")
 

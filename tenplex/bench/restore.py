@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on first touch, every method then starts with backed memory; 0: off)")
     parser.add_argument("--new-hosts", type=int, default=1,
                         help="1: both ranks on host h0 throughout (default); 2: the new configuration's rank 1 runs "
-                             "on a second host h1, whose empty store must receive its state through a transformation")
+                             "on a second host h1 with an empty store: its state comes from h0's store (read through "
+                             "over the data plane, or transformed by the stores when a region fans out)")
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -10,10 +10,11 @@ took 3.8 s into fresh memory, 1.6-2.3 s rewritten right after a delete, and
 10.7 s for a second 4 GiB kept next to the first (2026-12-03; the README's
 performance section has the details). Every benchmark here writes gigabytes
 of new tmpfs pages, so without care it times the hypervisor, by an amount
-that depends on what ran in the half minute before. :func:`warm` allocates and writes
-``gib`` GiB and frees them again: the next step writes into memory the host
-backs, as on a machine whose memory is its own. The benchmarks call it before
-each timed step of every method alike (``--warm-gb``; 0: off).
+that depends on what ran in the half minute before. :func:`warm` allocates
+and writes ``gib`` GiB and frees them again: the next step writes into memory
+the host backs, as on a machine whose memory is its own. The benchmarks call
+it before each timed step of every method alike, and before their baselines
+(``--warm-gb``; 0: off).
 """
 
 from __future__ import annotations
