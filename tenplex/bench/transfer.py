@@ -50,6 +50,7 @@ import numpy as np
 
 from ..runtime.hosts import await_store, spawn_store
 from ..store.wire import DEFAULT_CHUNK_BYTES
+from .warm import warm
 
 DESCRIPTION = "throughput of moving one large region between two store processes vs raw TCP and memcpy"
 ROW = 1 << 20  # bytes per row of the benchmark tensor
@@ -61,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-bytes", type=int, default=0, help="gRPC chunk payload (default: the store's)")
     parser.add_argument("--repeat", type=int, default=3, help="tenplex and socket runs; the median is reported")
     parser.add_argument("--dir", type=Path, help="directory for the two stores (default: a tmpfs directory)")
+    parser.add_argument("--warm-gb", type=float, default=0.0,
+                        help="write and free this many GiB right before each timed step (on a VM that backs memory "
+                             "on first touch, every method then starts with backed memory; 0: off)")
     parser.add_argument("--link-mbit", type=float,
                         help="put each store behind its own link of this many Mbit/s each way (emulated cluster; "
                              "needs root and iproute2) and report wire bytes and link efficiency")
@@ -82,6 +86,7 @@ def run(args: argparse.Namespace) -> dict:
             w.commit()
         del data
         path, times = _measure(tmp, move, args)
+        warm(args.warm_gb)
         fresh_write = _fresh_file_seconds(tmp, move.nbytes)
     return _summary(move.nbytes, times, fresh_write, path, args, base_dir)
 
@@ -123,15 +128,20 @@ def _measure(tmp: Path, move: _OneTensorMove, args: argparse.Namespace) -> tuple
         version = 2
         for _ in range(args.repeat):
             for key, source in (("tenplex", "h0"), ("grpc", "h0-grpc")):
+                warm(args.warm_gb)
                 report = transform(move.plan, move.old, move.new, {"h0": addresses[source], "h1": addresses["h1"]},
                                    1, version, streams=args.streams, chunk_bytes=args.chunk_bytes)
                 times[key].append(report["seconds"])
                 Store(tmp / "h1", "h1").delete(version)
                 version += 1
+            warm(args.warm_gb)
             times["pull"].append(_pull_seconds(addresses["h0"], move.shape, args.streams, args.chunk_bytes))
+            warm(args.warm_gb)
             times["grpc_pull"].append(_pull_seconds(addresses["h0-grpc"], move.shape, args.streams,
                                                     args.chunk_bytes))
+            warm(args.warm_gb)
             times["raw"].append(_socket_seconds(move.nbytes))
+            warm(args.warm_gb)
             times["file"].append(socket_file_seconds(tmp, move.nbytes))
     finally:
         for proc, _ in servers.values():
