@@ -1,8 +1,9 @@
 """Read-through restore: a rank runs its device's transfers of the plan into its tensors (no new version).
 
 Real stores: the saved version lies in host h0's store directory and a real
-``tenplex store serve`` process serves it; a device on h1 reads over the data
-plane, a device on h0 from the files.
+``tenplex store serve`` process serves it; a device on h1 reads from it (over
+gRPC for these small regions, over the data plane when told to use it for
+every size), a device on h0 from the files.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from safetensors.torch import load_file
 from tenplex.box import Box
 from tenplex.integration import Annotation
 from tenplex.integration.pieces import tensor_pieces
+from tenplex.integration import readthrough
 from tenplex.integration.readthrough import RemoteVersion, fans_out, read_through, source_hosts
 from tenplex.integration.shardio import write_piece
 from tenplex.layout import Layout, Shard, TensorSpec
 from tenplex.planner import plan
 from tenplex.runtime import launch
 from tenplex.store import Store
-from tenplex.store.client import StoreClient
+from tenplex.store.client import RemoteStoreError, StoreClient
 
 from store_helpers import StoreProcess
 
@@ -101,6 +103,43 @@ def test_a_device_reads_its_transfers_from_the_source_hosts_store_and_its_own(h0
     assert {d for d, _, _ in local.calls} == {"h0/0", "h0/1"}
 
 
+def test_large_regions_go_over_the_data_plane_in_slabs_and_unneeded_transfers_are_skipped(h0, monkeypatch):
+    # A layout given in advance may give a device more than its model holds (here b): those transfers are skipped.
+    # Slabs of at most 8 bytes: h0/0's 2x1 float32 block is one slab, h0/1's 2x2 block two row slabs.
+    monkeypatch.setattr(readthrough, "SLAB_BYTES", 8)
+    new = Layout.build(SPECS, {"h1/0": [Shard("w", Box((1, 2), (2, 3))), Shard("b", Box.whole((COLS,)))]})
+    the_plan = plan(OLD, new)
+    w = torch.full((2, 3), -1.0)
+    pieces = tensor_pieces("w", w, Annotation((ROWS, COLS), (1, 2)))
+    with StoreClient(h0.address, data_plane_min_bytes=0) as client:
+        assert client.data_pool() is not None  # the server runs a data plane, and every read takes it
+        remote = Recorded(RemoteVersion(client, 1, {"w": "float32", "b": "float64"}))
+        got = read_through(the_plan, "h1/0", pieces, {"h0": remote})
+    assert torch.equal(w, FULL_W[1:3, 2:5]) and got == w.numel() * 4
+    assert all(t == "w" for _, t, _ in remote.calls)
+    assert sorted((d, b.offsets, b.lengths) for d, _, b in remote.calls) == [
+        ("h0/0", (1, 2), (2, 1)), ("h0/1", (1, 3), (1, 2)), ("h0/1", (2, 3), (1, 2))]
+
+
+def test_after_a_failed_read_the_regions_not_started_are_not_read(h0):
+    new = Layout.build({"w": SPECS["w"]}, {"h1/0": [Shard("w", Box((0, 0), (ROWS, COLS)))]})
+    the_plan = plan(OLD, new)
+    calls = []
+
+    class Failing:
+        def read(self, device, tensor, box):
+            raise AssertionError("not used")
+
+        def readinto(self, device, tensor, box, dest):
+            calls.append(box)
+            raise RemoteStoreError("store h0: injected")
+
+    pieces = tensor_pieces("w", torch.zeros(ROWS, COLS), Annotation((ROWS, COLS), (0, 0)))
+    with pytest.raises(RemoteStoreError, match="injected"):
+        read_through(the_plan, "h1/0", pieces, {"h0": Failing()}, threads=1)
+    assert len(calls) == 1  # one thread: the second region was dropped once the first failed
+
+
 def test_a_region_that_two_devices_of_a_new_host_need_fans_out():
     # h1/0 and h1/1 both need b: it crosses to h1 once and is copied there, so per-device reads would send it twice.
     new = Layout.build({"b": SPECS["b"]}, {"h1/0": [Shard("b", Box.whole((COLS,)))],
@@ -133,27 +172,26 @@ def run_job(base: Path, name: str, devices: list[str], stores: dict[str, StorePr
     return [json.loads((out / f"result_r{r}.json").read_text()) for r in range(len(devices))]
 
 
-@pytest.mark.parametrize("fault", ["corrupted_frames", "failed_read"])
-def test_a_job_moving_to_a_new_host_reads_through_and_falls_back_to_the_stores(tmp_path, fault):
-    """Saved by [h0/0, h1/0] (rows of w split, b on both); restored by [h0/0, h2/0]: h2/0's rows are on h1.
+@pytest.mark.parametrize("fault", ["corrupted_chunks", "failed_read"])
+def test_a_job_swapping_hosts_reads_through_and_falls_back_to_the_stores(tmp_path, fault):
+    """Saved by [h0/0, h1/0] (rows 0:4 and 4:8 of w, b on both); restored by [h1/0, h0/0], so each rank's rows are
+    on the other host (both hosts stay in the job, nothing fans out: read-through).
 
-    corrupted_frames: h1's store damages its first frames in flight; the reads fetch them again and the
+    corrupted_chunks: h1's store damages its first chunks in flight; the reads fetch them again and the
     restore reads through. failed_read: rank 1's reads from other stores fail; every rank falls back to the
-    stores' transformation, which commits a new version."""
-    stores = {h: StoreProcess(tmp_path / "stores" / h, h) for h in ("h0", "h1", "h2")}
+    stores' transformation, which commits a new version on both hosts."""
+    stores = {h: StoreProcess(tmp_path / "stores" / h, h) for h in ("h0", "h1")}
     try:
-        run_job(tmp_path, "save", ["h0/0", "h1/0"], {h: stores[h] for h in ("h0", "h1")},
-                [{"op": "train", "steps": 2}, {"op": "save"}])
+        run_job(tmp_path, "save", ["h0/0", "h1/0"], stores, [{"op": "train", "steps": 2}, {"op": "save"}])
         restore: dict = {"op": "restore"}
-        if fault == "corrupted_frames":
+        if fault == "corrupted_chunks":
             port = stores["h1"].port  # the saved version recorded this address: h1 comes back on it
             stores["h1"].stop()
             stores["h1"] = StoreProcess(tmp_path / "stores" / "h1", "h1", extra_args=("--port", str(port)),
                                         env={"TENPLEX_STORE_TEST_HOOKS": "corrupt_chunks=2"})
         else:
             restore["break_read_through_on_rank"] = 1
-        results = run_job(tmp_path, "restore", ["h0/0", "h2/0"], {h: stores[h] for h in ("h0", "h1", "h2")},
-                          [restore])
+        results = run_job(tmp_path, "restore", ["h1/0", "h0/0"], stores, [restore])
     finally:
         for p in stores.values():
             p.stop()
@@ -162,12 +200,12 @@ def test_a_job_moving_to_a_new_host_reads_through_and_falls_back_to_the_stores(t
         assert "error" not in record, record.get("trace")
     info = records[0]["info"]
     assert info["saved_version"] == 1 and info["plan_stats"]["inter_host_bytes"] > 0
-    if fault == "corrupted_frames":
+    if fault == "corrupted_chunks":
         assert info["read_through"] and not info["transformed"] and info["version"] == 1
-        assert records[1]["versions"] == []  # nothing was written into h2's store
+        assert [r["versions"] for r in records] == [[1], [1]]  # nothing was written into either store
     else:
         assert info["transformed"] and not info["read_through"] and info["version"] == 2
-        assert records[1]["versions"] == [2]
+        assert [r["versions"] for r in records] == [[1, 2], [1, 2]]
     for rank in (0, 1):  # the same rows as the saving rank of that index: bit for bit
         saved = load_file(str(tmp_path / "save" / f"saved_step2_r{rank}.safetensors"))
         restored = load_file(str(tmp_path / "restore" / f"restored_r{rank}.safetensors"))

@@ -38,10 +38,11 @@ Restore (every rank, collectively):
 4. if every box a rank needs can be assembled from shards stored on its own
    host, the rank reads them straight from the store files; otherwise every
    rank plans the change (``tenplex.planner``, deterministic). When no region is
-   fanned out, every rank reads its own transfers of the plan into its tensors,
-   locally or from other hosts' stores (:mod:`.readthrough`), and no version is
-   made; otherwise, or when such a read fails, the stores run the plan
-   (``tenplex.transform``) into a new version, and every rank reads from it;
+   fanned out and every host the plan reads from is in the job, every rank
+   reads its own transfers of the plan into its tensors, locally or from other
+   hosts' stores (:mod:`.readthrough`), and no version is made; otherwise, or
+   when such a read fails, the stores run the plan (``tenplex.transform``) into
+   a new version on the job's hosts, and every rank reads from it;
 5. non-tensor state is applied (see :data:`SEMANTICS` and the README).
 """
 
@@ -76,7 +77,7 @@ from .nontensor import (StateMismatchError, apply_optimizer_doc, apply_rng, capt
                         optimizer_doc, seed_rng, to_json)
 from .pieces import (OPTIMIZER_PREFIX, Piece, init_optimizer_state, model_pieces, optimizer_pieces, optimizer_scalars,
                      set_optimizer_scalars)
-from .readthrough import RemoteVersion, fans_out, read_through, source_hosts
+from .readthrough import RemoteVersion, fans_out, read_hosts, read_through, source_hosts
 from .shardio import RegionReader, read_piece, write_piece
 
 STATE_DOC = "tenplex.torch_state"
@@ -95,7 +96,8 @@ class RestoreInfo:
     saved_version: int | None = None  # the version that was saved
     step: int | None = None           # the step that version saved
     transformed: bool = False         # the stores ran the plan and committed a new version (``version``)
-    read_through: bool = False        # every rank read its regions of the plan straight from the saved version
+    read_through: bool = False        # every rank read its regions of the plan straight from ``version`` (the
+                                      # saved one, or the one put together from copies); no version was made
     plan_stats: dict = field(default_factory=dict)
     lost_hosts: list[str] = field(default_factory=list)  # hosts of the saved version that were gone
     promoted_version: int | None = None  # the version put together from survivors' shards and copies
@@ -344,7 +346,11 @@ class Checkpointer:
             addresses = {**found.addresses, **self._addresses(docs)}
             the_plan = agree("restore: planning the change", lambda: make_plan(old, new), self.group)
             info.plan_stats = asdict(the_plan.stats)
-            if not fans_out(the_plan) and self._read_through(the_plan, old, source_version, pieces, addresses):
+            # Read through only when that crosses hosts no more than the plan and leaves the job depending on no
+            # store outside it (a departed host's store may go away before the job's next save).
+            inside = read_hosts(the_plan) <= {d["host"] for d in docs}
+            if inside and not fans_out(the_plan) and self._read_through(the_plan, old, source_version, pieces,
+                                                                         addresses):
                 info.read_through = True
             else:
                 info.version = self._transform(the_plan, old, new, source_version, newest + 1, addresses)
@@ -464,11 +470,12 @@ class Checkpointer:
 
         def run() -> str | None:
             clients: list[StoreClient] = []
+            local = None
             try:
                 readers: dict[str, RegionReader] = {}
                 for host in sorted(hosts):
                     if host == self.host:
-                        readers[host] = self.store.open(version)
+                        readers[host] = local = self.store.open(version)
                     else:
                         clients.append(StoreClient(addresses[host], token=self.token, stall_timeout=READ_STALL_S))
                         readers[host] = RemoteVersion(clients[-1], version, dtypes)
@@ -479,6 +486,8 @@ class Checkpointer:
             finally:
                 for client in clients:
                     client.close()
+                if local is not None:
+                    local.close()
 
         failures = [(r, f) for r, f in enumerate(all_gather_json(agree("restore: reading the plan's regions", run,
                                                                        self.group), self.group)) if f]

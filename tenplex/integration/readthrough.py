@@ -9,17 +9,20 @@ it. The stores can run the plan (``tenplex.transform``) and commit a new
 version, from which every rank then reads; that writes every new shard into
 the stores and reads it back. Or every rank runs its own device's transfers of
 the same plan into its tensors: regions on its host from the store files
-(``pread``, verified), regions on other hosts from their store over the data
-plane (verified per frame). The second moves exactly the plan's bytes and
-writes nothing, so it is the one taken when it crosses hosts no more than the
-plan does: when no transfer reads a new shard (``"from": "new"``, the local
-fan-out of a region that crosses once per host and is then copied to the
-host's other devices). With fan-out, reading per device would send such a
-region once per device, so the stores run the plan.
+(``pread``, verified), regions on other hosts from their store (the data
+plane for regions of ``DATA_PLANE_MIN_BYTES`` or more, gRPC ``ReadBox`` below;
+verified per frame or chunk). The second moves exactly the plan's bytes and
+writes nothing. The checkpointer takes it when it crosses hosts no more than
+the plan does: when no transfer reads a new shard (``"from": "new"``, the
+local fan-out of a region that crosses once per host and is then copied to
+the host's other devices; reading per device would send such a region once per
+device), and when every host it reads from belongs to the job (else the job
+would depend on a departed host's store until its next save).
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
@@ -29,16 +32,23 @@ from ..box import Box
 from ..devices import host_of
 from ..dtypes import numpy_storage
 from ..store.client import StoreClient
+from ..store.wire import split_box
 from ..transfer_plan import Plan, Transfer
 from .pieces import Piece
 from .shardio import RegionReader, read_piece
 
 THREADS = 4  # regions read at once per rank: waits on the network overlap with local reads and checksums
+SLAB_BYTES = 64 << 20  # regions are read in slabs of at most this (a GPU piece stages a slab in host memory)
 
 
 def fans_out(plan: Plan) -> bool:
     """Whether some transfer reads a region that an earlier transfer wrote (the local fan-out)."""
     return any(t.source == "new" for t in plan.transfers)
+
+
+def read_hosts(plan: Plan) -> set[str]:
+    """The hosts whose old shards some transfer of ``plan`` reads."""
+    return {host_of(t.src) for t in plan.transfers if t.source == "old"}
 
 
 def source_hosts(plan: Plan, device: str) -> set[str]:
@@ -66,26 +76,39 @@ def read_through(plan: Plan, device: str, pieces: list[Piece], readers: Mapping[
     """Run ``device``'s transfers of ``plan`` (none reading new shards) into ``pieces``; return the bytes read.
 
     ``readers[host]`` reads the source version on ``host`` (this device's own
-    host: its store files; others: a :class:`RemoteVersion`). Larger regions
-    start first; up to ``threads`` run at once."""
+    host: its store files; others: a :class:`RemoteVersion`). Transfers into
+    no piece are skipped (a layout given in advance may hold more than the
+    model needs). Regions are read in slabs of at most ``SLAB_BYTES``, larger
+    regions first, up to ``threads`` at once; after the first failure the
+    slabs not started yet are dropped and the failure is raised."""
     by_tensor: dict[str, list[Piece]] = {}
-    for piece in pieces:
-        by_tensor.setdefault(piece.name, []).append(piece)
-    mine = sorted((t for t in plan.transfers if t.dst == device), key=lambda t: -t.box.volume)
-    jobs = [(t, _containing(t, by_tensor.get(t.tensor, []), device)) for t in mine]
+    for p in pieces:
+        by_tensor.setdefault(p.name, []).append(p)
+    jobs: list[tuple[str, Box, Piece]] = []
+    for transfer in sorted((t for t in plan.transfers if t.dst == device), key=lambda t: -t.box.volume):
+        into = _containing(transfer, by_tensor.get(transfer.tensor, []))
+        if into is not None:
+            slabs = split_box(transfer.box, into.local.element_size(), SLAB_BYTES)
+            jobs += [(transfer.src, slab, into) for slab in slabs]
+    failed = threading.Event()
 
-    def run(job: tuple[Transfer, Piece]) -> int:
-        transfer, piece = job
-        read_piece(readers[host_of(transfer.src)], [(transfer.src, transfer.box)], piece)
-        return transfer.box.volume * piece.local.element_size()
+    def run(job: tuple[str, Box, Piece]) -> int:
+        src, slab, piece = job
+        if failed.is_set():
+            return 0
+        try:
+            read_piece(readers[host_of(src)], [(src, slab)], piece)
+        except BaseException:
+            failed.set()
+            raise
+        return slab.volume * piece.local.element_size()
 
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="read-through") as pool:
         return sum(pool.map(run, jobs))
 
 
-def _containing(transfer: Transfer, pieces: list[Piece], device: str) -> Piece:
+def _containing(transfer: Transfer, pieces: list[Piece]) -> Piece | None:
     for piece in pieces:
         if piece.box.ndim == transfer.box.ndim and piece.box.contains(transfer.box):
             return piece
-    raise ValueError(f"the plan sends {transfer.tensor!r} {transfer.box} to {device}, which holds no piece of it "
-                     f"containing that region")
+    return None
