@@ -172,23 +172,26 @@ def run_job(base: Path, name: str, devices: list[str], stores: dict[str, StorePr
     return [json.loads((out / f"result_r{r}.json").read_text()) for r in range(len(devices))]
 
 
-@pytest.mark.parametrize("fault", ["corrupted_chunks", "failed_read"])
+@pytest.mark.parametrize("fault", ["corrupted_chunks", "always_corrupted", "failed_read"])
 def test_a_job_swapping_hosts_reads_through_and_falls_back_to_the_stores(tmp_path, fault):
     """Saved by [h0/0, h1/0] (rows 0:4 and 4:8 of w, b on both); restored by [h1/0, h0/0], so each rank's rows are
     on the other host (both hosts stay in the job, nothing fans out: read-through).
 
     corrupted_chunks: h1's store damages its first chunks in flight; the reads fetch them again and the
-    restore reads through. failed_read: rank 1's reads from other stores fail; every rank falls back to the
-    stores' transformation, which commits a new version on both hosts."""
+    restore reads through. always_corrupted: it damages every chunk; the reads give up, the stores'
+    transformation fails the same way, and the restore raises on every rank. failed_read: rank 1's reads
+    from other stores fail; every rank falls back to the stores' transformation, which commits a new version
+    on both hosts."""
     stores = {h: StoreProcess(tmp_path / "stores" / h, h) for h in ("h0", "h1")}
     try:
         run_job(tmp_path, "save", ["h0/0", "h1/0"], stores, [{"op": "train", "steps": 2}, {"op": "save"}])
         restore: dict = {"op": "restore"}
-        if fault == "corrupted_chunks":
+        if fault in ("corrupted_chunks", "always_corrupted"):
             port = stores["h1"].port  # the saved version recorded this address: h1 comes back on it
             stores["h1"].stop()
+            count = 2 if fault == "corrupted_chunks" else 1_000_000
             stores["h1"] = StoreProcess(tmp_path / "stores" / "h1", "h1", extra_args=("--port", str(port)),
-                                        env={"TENPLEX_STORE_TEST_HOOKS": "corrupt_chunks=2"})
+                                        env={"TENPLEX_STORE_TEST_HOOKS": f"corrupt_chunks={count}"})
         else:
             restore["break_read_through_on_rank"] = 1
         results = run_job(tmp_path, "restore", ["h1/0", "h0/0"], stores, [restore])
@@ -196,6 +199,11 @@ def test_a_job_swapping_hosts_reads_through_and_falls_back_to_the_stores(tmp_pat
         for p in stores.values():
             p.stop()
     records = [ops[0] for ops in results]
+    if fault == "always_corrupted":  # the same hook, firing on every chunk: the restore fails on every rank
+        for record in records:
+            assert record.get("error") and "corrupted" in record["message"], record
+            assert record["versions"] == [1]  # the fallback transformation committed nothing
+        return
     for record in records:
         assert "error" not in record, record.get("trace")
     info = records[0]["info"]
