@@ -6,6 +6,7 @@ process on a free loopback port (port 0, reported through --port-file).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,11 +15,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from tenplex.box import Box
 from tenplex.devices import device_id, host_of, make_devices
 from tenplex.dtypes import numpy_storage
 from tenplex.layout import Layout
+from tenplex.runtime import launch
 from tenplex.runtime.hosts import STORE_COMMAND, await_store, spawn_store
 from tenplex.store import Store, fill
 from tenplex.store.client import StoreClient
@@ -163,3 +166,28 @@ def flip_data_byte(path: Path, data_byte: int, mask: int = 0x10) -> None:
         byte = f.read(1)
         f.seek(offset + data_byte)
         f.write(bytes([byte[0] ^ mask]))
+
+
+# ------------------------------------------------------------ replica_worker jobs (gloo)
+REPLICA_WORKER = Path(__file__).parent / "mp" / "replica_worker.py"
+
+
+def run_replica_job(base: Path, name: str, devices: list[str], stores: dict[str, StoreProcess], ops: list[dict],
+                    replicas: int | None = None, keep: int = 2) -> list[list[dict]]:
+    """Run ``ops`` (see ``mp/replica_worker.py``) on ``devices``, each host's rank on its store; every rank's
+    results, in rank order."""
+    out = base / name
+    out.mkdir(parents=True)
+    spec = {"out": str(out), "ops": ops, "replicas": replicas, "keep": keep,
+            "stores": {h: p.address for h, p in stores.items()}}
+    (out / "spec.json").write_text(json.dumps(spec))
+    roots = {h: p.root for h, p in stores.items()}
+    launch.run_job([sys.executable, str(REPLICA_WORKER), str(out / "spec.json")], devices, roots, {}, out / "logs",
+                   timeout=240)
+    return [json.loads((out / f"result_r{r}.json").read_text()) for r in range(len(devices))]
+
+
+def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].shape == b[key].shape and torch.equal(a[key].view(torch.int32), b[key].view(torch.int32)), key

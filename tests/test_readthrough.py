@@ -8,9 +8,6 @@ every size), a device on h0 from the files.
 
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,11 +22,10 @@ from tenplex.integration.readthrough import RemoteVersion, fans_out, read_throug
 from tenplex.integration.shardio import write_piece
 from tenplex.layout import Layout, Shard, TensorSpec
 from tenplex.planner import plan
-from tenplex.runtime import launch
 from tenplex.store import Store
 from tenplex.store.client import RemoteStoreError, StoreClient
 
-from store_helpers import StoreProcess
+from store_helpers import StoreProcess, assert_bit_equal, run_replica_job
 
 ROWS, COLS = 4, 6
 FULL_W = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
@@ -158,20 +154,6 @@ def test_a_gpu_style_byte_buffer_is_read_as_the_regions_c_order_values(h0):
 
 
 # ------------------------------------------------------------ whole jobs (gloo)
-WORKER = Path(__file__).with_name("mp") / "replica_worker.py"
-
-
-def run_job(base: Path, name: str, devices: list[str], stores: dict[str, StoreProcess], ops: list[dict]) -> list:
-    out = base / name
-    out.mkdir(parents=True)
-    spec = {"out": str(out), "ops": ops, "replicas": 0, "keep": 10,
-            "stores": {h: p.address for h, p in stores.items()}}
-    (out / "spec.json").write_text(json.dumps(spec))
-    launch.run_job([sys.executable, str(WORKER), str(out / "spec.json")], devices,
-                   {h: p.root for h, p in stores.items()}, {}, out / "logs", timeout=240)
-    return [json.loads((out / f"result_r{r}.json").read_text()) for r in range(len(devices))]
-
-
 @pytest.mark.parametrize("fault", ["corrupted_chunks", "always_corrupted", "failed_read"])
 def test_a_job_swapping_hosts_reads_through_and_falls_back_to_the_stores(tmp_path, fault):
     """Saved by [h0/0, h1/0] (rows 0:4 and 4:8 of w, b on both); restored by [h1/0, h0/0], so each rank's rows are
@@ -184,7 +166,8 @@ def test_a_job_swapping_hosts_reads_through_and_falls_back_to_the_stores(tmp_pat
     on both hosts."""
     stores = {h: StoreProcess(tmp_path / "stores" / h, h) for h in ("h0", "h1")}
     try:
-        run_job(tmp_path, "save", ["h0/0", "h1/0"], stores, [{"op": "train", "steps": 2}, {"op": "save"}])
+        run_replica_job(tmp_path, "save", ["h0/0", "h1/0"], stores, [{"op": "train", "steps": 2}, {"op": "save"}],
+                        replicas=0, keep=10)
         restore: dict = {"op": "restore"}
         if fault in ("corrupted_chunks", "always_corrupted"):
             port = stores["h1"].port  # the saved version recorded this address: h1 comes back on it
@@ -194,7 +177,7 @@ def test_a_job_swapping_hosts_reads_through_and_falls_back_to_the_stores(tmp_pat
                                         env={"TENPLEX_STORE_TEST_HOOKS": f"corrupt_chunks={count}"})
         else:
             restore["break_read_through_on_rank"] = 1
-        results = run_job(tmp_path, "restore", ["h1/0", "h0/0"], stores, [restore])
+        results = run_replica_job(tmp_path, "restore", ["h1/0", "h0/0"], stores, [restore], replicas=0, keep=10)
     finally:
         for p in stores.values():
             p.stop()
@@ -216,7 +199,4 @@ def test_a_job_swapping_hosts_reads_through_and_falls_back_to_the_stores(tmp_pat
         assert [r["versions"] for r in records] == [[1, 2], [1, 2]]
     for rank in (0, 1):  # the same rows as the saving rank of that index: bit for bit
         saved = load_file(str(tmp_path / "save" / f"saved_step2_r{rank}.safetensors"))
-        restored = load_file(str(tmp_path / "restore" / f"restored_r{rank}.safetensors"))
-        assert sorted(saved) == sorted(restored)
-        for key in saved:
-            assert torch.equal(saved[key].view(torch.int32), restored[key].view(torch.int32)), (rank, key)
+        assert_bit_equal(load_file(str(tmp_path / "restore" / f"restored_r{rank}.safetensors")), saved)

@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from store_helpers import StoreProcess, random_globals, write_version
+from store_helpers import StoreProcess, assert_bit_equal, random_globals, run_replica_job, write_version
 from tenplex.box import Box
 from tenplex.layout import Layout, Shard, TensorSpec
 from tenplex.planner import plan
@@ -35,10 +35,8 @@ from tenplex.replication import Copy, Lost, assemble, copies, effective_replicas
 from tenplex.replication.copier import Replicator, held_layout, held_versions, replica_store
 from tenplex.replication.plan import copy_layout
 from tenplex.replication.stores import replicas_of
-from tenplex.runtime import launch
 from tenplex.store import Store
 
-WORKER = Path(__file__).parent / "mp" / "replica_worker.py"
 ROWS, COLS = 8, 6
 F32 = "float32"
 
@@ -208,19 +206,6 @@ def test_bench_replicate_copies_without_holding_the_version(tmp_path):
 
 
 # ------------------------------------------------------------ whole jobs (gloo)
-def run(base: Path, name: str, devices: list[str], stores: dict[str, StoreProcess], ops: list[dict],
-        replicas: int | None = None, keep: int = 2) -> list[list[dict]]:
-    out = base / name
-    out.mkdir(parents=True)
-    spec = {"out": str(out), "ops": ops, "replicas": replicas, "keep": keep,
-            "stores": {h: p.address for h, p in stores.items()}}
-    (out / "spec.json").write_text(json.dumps(spec))
-    roots = {h: p.root for h, p in stores.items()}
-    launch.run_job([sys.executable, str(WORKER), str(out / "spec.json")], devices, roots, {}, out / "logs",
-                   timeout=240)
-    return [json.loads((out / f"result_r{r}.json").read_text()) for r in range(len(devices))]
-
-
 def full_state(out: Path, stem: str, results: list[list[dict]], op: str) -> dict[str, torch.Tensor]:
     """Each rank's dumped local state, put together: rows of w and its moments; b from rank 0."""
     parts = []
@@ -231,12 +216,6 @@ def full_state(out: Path, stem: str, results: list[list[dict]], op: str) -> dict
     for key in [k for k in parts[0][1] if not k.endswith("b")]:
         state[key] = torch.cat([p[key] for _, p in sorted(parts, key=lambda x: x[0])])
     return state
-
-
-def assert_bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert sorted(a) == sorted(b)
-    for key in a:
-        assert a[key].shape == b[key].shape and torch.equal(a[key].view(torch.int32), b[key].view(torch.int32)), key
 
 
 @pytest.fixture(scope="module")
@@ -256,26 +235,26 @@ def recovery(tmp_path_factory):
             return {h: procs[h] for h in names}
 
         saves = [{"op": "save"}, {"op": "wait_replicated"}]
-        first = run(base, "first", ["h0/0", "h1/0"], hosts("h0", "h1"),
+        first = run_replica_job(base, "first", ["h0/0", "h1/0"], hosts("h0", "h1"),
                     [{"op": "train", "steps": 1}, *saves, {"op": "train", "steps": 1}, *saves], keep=10)
         # h1's store dies on the second chunk it sends: in the middle of h0's copy of step 3.
         procs["h1"].stop()
         procs["h1"] = StoreProcess(base / "stores" / "h1", "h1",
                                    env={"TENPLEX_STORE_TEST_HOOKS": "exit_after_chunks=1"})
-        second = run(base, "second", ["h0/0", "h1/0"], hosts("h0", "h1"),
+        second = run_replica_job(base, "second", ["h0/0", "h1/0"], hosts("h0", "h1"),
                      [{"op": "restore"}, {"op": "train", "steps": 1}, *saves], keep=10)
         died = procs["h1"].proc.wait(30)
         copies_after_second = held_versions(procs["h0"].root, "h0")
         procs["h1"].stop()
         shutil.rmtree(procs["h1"].root)  # h1 was lost with its disk, and comes back with an empty store
         procs["h1"] = StoreProcess(base / "stores" / "h1", "h1")
-        rejoin = run(base, "rejoin", ["h0/0", "h1/0"], hosts("h0", "h1"),
+        rejoin = run_replica_job(base, "rejoin", ["h0/0", "h1/0"], hosts("h0", "h1"),
                      [{"op": "restore"}, {"op": "train", "steps": 2}, *saves], keep=10)
         procs["h1"].kill()
         shutil.rmtree(procs["h1"].root)  # lost for good
-        smaller = run(base, "smaller", ["h0/0", "h2/0"], hosts("h0", "h2"),
+        smaller = run_replica_job(base, "smaller", ["h0/0", "h2/0"], hosts("h0", "h2"),
                       [{"op": "restore"}, {"op": "train", "steps": 1}, *saves], keep=10)
-        alone = run(base, "alone", ["h0/0"], hosts("h0"), [{"op": "restore"}], keep=10)
+        alone = run_replica_job(base, "alone", ["h0/0"], hosts("h0"), [{"op": "restore"}], keep=10)
         yield {"base": base, "first": first, "second": second, "rejoin": rejoin, "smaller": smaller, "alone": alone,
                "died": died, "copies_after_second": copies_after_second, "roots": {h: p.root for h, p in procs.items()}}
     finally:
@@ -364,10 +343,12 @@ def test_a_departed_host_is_reached_through_its_recorded_store(recovery):
 def test_without_replication_a_lost_only_copy_is_an_error_and_nothing_is_restored(tmp_path):
     procs = {h: StoreProcess(tmp_path / "stores" / h, h) for h in ("h0", "h1")}
     try:
-        run(tmp_path, "save", ["h0/0", "h1/0"], procs, [{"op": "train", "steps": 1}, {"op": "save"}], replicas=0)
+        run_replica_job(tmp_path, "save", ["h0/0", "h1/0"], procs, [{"op": "train", "steps": 1}, {"op": "save"}],
+                        replicas=0)
         procs["h1"].kill()
         shutil.rmtree(procs["h1"].root)
-        alone = run(tmp_path, "restore", ["h0/0"], {"h0": procs["h0"]}, [{"op": "restore"}], replicas=0)
+        alone = run_replica_job(tmp_path, "restore", ["h0/0"], {"h0": procs["h0"]}, [{"op": "restore"}],
+                                replicas=0)
     finally:
         for p in procs.values():
             p.stop()

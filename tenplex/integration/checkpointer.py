@@ -70,6 +70,7 @@ from ..planner import plan as make_plan
 from ..store import LAYOUT_DOC, Store
 from ..store.client import StoreClient
 from ..store.manifest import PROMOTE_PART
+from ..transfer_plan import Plan
 from .annotate import Annotations
 from .exchange import agree, all_gather_json, broadcast_json
 from .names import likely_cause, parameter_names
@@ -457,18 +458,18 @@ class Checkpointer:
                                target, stage, [PROMOTE_PART], stages)
         return target
 
-    def _read_through(self, the_plan, old: Layout, version: int, pieces: list[Piece],
+    def _read_through(self, the_plan: Plan, old: Layout, version: int, pieces: list[Piece],
                       addresses: dict[str, str]) -> bool:
         """Every rank reads its device's transfers of ``the_plan`` from ``version`` into its pieces. Collective.
 
         True when every rank did; False when a store or the network failed on some rank (logged): the caller
         then lets the stores run the plan, which retries failed sources from other replicas."""
         hosts = source_hosts(the_plan, self.device)
-        agree("restore: finding the stores to read from",
-              lambda: _require_addresses(hosts - {self.host}, addresses), self.group)
         dtypes = {name: spec.dtype for name, spec in old.tensors.items()}
 
         def run() -> str | None:
+            """None when done; the failure when a store or the network failed (other errors raise everywhere)."""
+            _require_addresses(hosts - {self.host}, addresses)
             clients: list[StoreClient] = []
             local = None
             try:
@@ -489,15 +490,15 @@ class Checkpointer:
                 if local is not None:
                     local.close()
 
-        failures = [(r, f) for r, f in enumerate(all_gather_json(agree("restore: reading the plan's regions", run,
-                                                                       self.group), self.group)) if f]
-        for r, failure in failures[:3]:
-            if dist.get_rank(self.group) == 0:
+        mine = agree("restore: reading the plan's regions", run, self.group)
+        failures = [(r, f) for r, f in enumerate(all_gather_json(mine, self.group)) if f]
+        if dist.get_rank(self.group) == 0:
+            for r, failure in failures[:3]:
                 log.warning("restore: rank %d could not read its regions directly (%s); the stores run the plan "
                             "instead", r, failure)
         return not failures
 
-    def _transform(self, the_plan, old: Layout, new: Layout, old_version: int, target: int,
+    def _transform(self, the_plan: Plan, old: Layout, new: Layout, old_version: int, target: int,
                    addresses: dict[str, str]) -> int:
         from ..transform import transform
 

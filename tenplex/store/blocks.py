@@ -1,6 +1,6 @@
 """Per-block checksums of shard data: the format, and computing them while a shard is written.
 
-May import: numpy, xxhash and the standard library.
+May import: numpy, xxhash, this package's ``_buffers`` and the standard library.
 
 Format (a manifest row's optional ``block_bytes`` and ``blocks``): the shard's
 data (the safetensors payload, C order) is cut into blocks of ``block_bytes``
@@ -29,6 +29,8 @@ from typing import Callable
 
 import numpy as np
 import xxhash
+
+from ._buffers import thread_buffer
 
 BLOCK_BYTES = 1 << 20
 
@@ -131,10 +133,7 @@ class BlockTally:
         if block is None:
             # One buffer per thread for every tally: a fresh (zeroed, page-faulted) block per shard file cost
             # about a tenth of a transformation that reads blocks back.
-            scratch = getattr(_SCRATCH, "buffer", None)
-            if scratch is None or scratch.nbytes < self._full[index]:
-                scratch = _SCRATCH.buffer = memoryview(np.empty(max(self.block_bytes, BLOCK_BYTES), np.uint8))
-            block = scratch[:int(self._full[index])]
+            block = thread_buffer(_SCRATCH, int(self._full[index]), self.block_bytes)
             self._read(index, block)
         return f"{xxhash.xxh3_64_intdigest(block):016x}"
 

@@ -1,7 +1,7 @@
 """The bulk data plane: large box reads between hosts over plain TCP, beside gRPC.
 
 May import: numpy, xxhash, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``, this package's
-``_hooks``, ``manifest`` and ``wire``, and the standard library. No grpc: the
+``_buffers``, ``_hooks``, ``manifest`` and ``wire``, and the standard library. No grpc: the
 store server hands in what it needs (a reader lookup and an error describer).
 
 Why: Python gRPC copies every byte about three times per side, which caps a
@@ -59,6 +59,7 @@ import xxhash
 
 from ..box import Box
 from ..errors import RETRYABLE_STATUS, StoreError
+from ._buffers import thread_buffer
 from ..dtypes import itemsize
 from . import _hooks, wire
 from .blocks import BLOCK_BYTES
@@ -338,10 +339,7 @@ _buffers = threading.local()
 
 def _frame_buffer(nbytes: int) -> memoryview:
     """A reused buffer of this thread for one frame (frames are at most one block)."""
-    buffer = getattr(_buffers, "buffer", None)
-    if buffer is None or len(buffer) < nbytes:
-        buffer = _buffers.buffer = memoryview(bytearray(max(nbytes, BLOCK_BYTES)))
-    return buffer[:nbytes]
+    return thread_buffer(_buffers, nbytes, BLOCK_BYTES)
 
 
 # ---------------------------------------------------------------- client --

@@ -1,6 +1,6 @@
 """Verified reads of one committed shard file with ``pread``.
 
-May import: numpy, xxhash, this package's ``manifest`` and the standard library.
+May import: numpy, xxhash, this package's ``_buffers`` and ``manifest``, and the standard library.
 
 Reads never memory-map a committed file: a file truncated under a map kills the
 process with SIGBUS on the next access. :class:`ShardFile` opens the file for
@@ -20,13 +20,12 @@ from typing import Callable
 import numpy as np
 import xxhash
 
+from ._buffers import thread_buffer
 from .manifest import CorruptShard, ShardEntry
 
 _MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 _PIECE = 1 << 20  # reads go piece by piece: small enough to stay in the CPU cache between pread and hash
-# One piece buffer per thread, shared by every shard file: a fresh bytearray is zero-filled, which cost more than
-# the hashing when each of a restore's hundreds of shards made its own.
-_scratch = threading.local()
+_scratch = threading.local()  # one piece buffer per thread, shared by every shard file (see ``_buffers``)
 
 
 class ShardFile:
@@ -90,10 +89,7 @@ class ShardFile:
 
     @staticmethod
     def _piece_buffer() -> memoryview:
-        buffer = getattr(_scratch, "buffer", None)
-        if buffer is None:
-            buffer = _scratch.buffer = memoryview(bytearray(_PIECE))
-        return buffer
+        return thread_buffer(_scratch, _PIECE)
 
     def _pread(self, fd: int, view: memoryview, offset: int) -> None:
         while view.nbytes:

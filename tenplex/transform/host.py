@@ -52,8 +52,6 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-import numpy as np
-
 from ..box import Box, split_by, subtract_all
 from ..devices import host_of
 from ..errors import StoreError, TransformError
@@ -61,6 +59,7 @@ from ..layout import Layout
 from ..transfer_plan import Transfer
 from ..store import (LAYOUT_DOC, CorruptShard, FileBackedReader, LinkingWriter, ShardEntry, ShardTarget, StoreReader,
                      StoreWriter, TensorStore, wire)
+from ..store._buffers import thread_buffer
 from ..store.client import StoreClient
 from ..store.transformer import TransformProgress, TransformRequest
 from .completion import Completion, FanOutCopy
@@ -247,12 +246,9 @@ def _copy_pieces(reader: StoreReader, device: str, tensor: str, box: Box, target
     array of the region's size is allocated and page-faulted per region (a 100 MB column block of a
     tensor-parallel split, say), and each slab is still in cache when it is written."""
     for sub in wire.split_box(box, target.itemsize, COPY_PIECE_BYTES):
-        nbytes = sub.volume * target.itemsize
-        buffer = getattr(_COPY_BUFFER, "buffer", None)
-        if buffer is None or buffer.nbytes < nbytes:
-            buffer = _COPY_BUFFER.buffer = memoryview(np.empty(max(nbytes, COPY_PIECE_BYTES), np.uint8))
-        reader.readinto(device, tensor, sub, buffer[:nbytes])
-        target.write(sub, buffer[:nbytes])
+        buffer = thread_buffer(_COPY_BUFFER, sub.volume * target.itemsize, COPY_PIECE_BYTES)
+        reader.readinto(device, tensor, sub, buffer)
+        target.write(sub, buffer)
 
 
 def _damaged_shard(error: Exception) -> bool:
