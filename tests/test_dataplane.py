@@ -84,6 +84,36 @@ def test_reads_are_exact_and_errors_clear(served):
         np.testing.assert_array_equal(client.read_box(1, "h0/0", "w", Box((1, 1), (2, 2)), "float32"), w[1:3, 1:3])
 
 
+def test_frames_of_one_stored_block_carry_the_committed_digest(tmp_path):
+    """Frame checksums are xxh3_64 of the frame's bytes; a frame that is one whole stored block carries the block's
+    digest from the manifest (the client checks the bytes against what was committed)."""
+    import xxhash
+
+    from tenplex.store.blocks import BLOCK_BYTES
+
+    data = np.random.default_rng(3).random((640, 1024), dtype=np.float32)  # 2.5 MiB: blocks of 1, 1, 0.5 MiB
+    store = Store(tmp_path / "h0", "h0")
+    with store.begin(1) as writer:
+        writer.put("h0/0", "x", Box((0, 0), data.shape), data, "float32", shape=data.shape)
+        writer.commit()
+    blocks = [int(b, 16) for b in store.open(1).manifest["shards"][0]["blocks"]]
+    proc = StoreProcess(tmp_path / "h0", "h0")
+    try:
+        port = StoreClient(proc.address).health()["data_port"]
+        conn = DataConnection("127.0.0.1", port, None, timeout=30)
+        for frame_bytes, expected in ((BLOCK_BYTES, blocks), (BLOCK_BYTES // 2, None)):
+            frames = []
+            got, bad = conn.read(1, "h0/0", "x", Box((0, 0), data.shape), 4, frame_bytes,
+                                 sink=lambda sub, view, digest: frames.append((sub, bytes(view), digest)))
+            assert got == data.nbytes and bad == []
+            assert b"".join(view for _, view, _ in frames) == data.tobytes()
+            assert [digest for *_, digest in frames] == (expected or [xxhash.xxh3_64_intdigest(v) for _, v, _ in frames])
+        assert len(frames) == 5
+        conn.close()
+    finally:
+        proc.stop()
+
+
 def _raw_exchange(port: int, body: bytes, closes: bool) -> dict:
     """Send one raw request body; return the server's reply, checking whether the server then closes."""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:

@@ -182,8 +182,8 @@ def test_a_cancelled_copy_is_dropped(tmp_path, stores, monkeypatch):
     from tenplex.store.target import ShardTarget
     original = ShardTarget.write
 
-    def write_then_cancel(self, region, data):  # the first chunk lands, then the next save cancels the copy
-        original(self, region, data)
+    def write_then_cancel(self, region, data, *digest):  # the first chunk lands, then the next save cancels the copy
+        original(self, region, data, *digest)
         replicator._cancel.set()
     monkeypatch.setattr(ShardTarget, "write", write_then_cancel)
     replicator.start()

@@ -381,6 +381,46 @@ def test_shard_target_block_checksums_match_the_data_in_any_write_order(tmp_path
         assert reads and sorted(reads) == sorted(set(reads)), "out of order: read back once, when complete"
 
 
+def test_a_known_digest_stands_for_exactly_one_whole_block(tmp_path):
+    """A chunk's digest (checked on arrival, or a stored block's after verifying it) is taken as the new block's
+    digest when the write is exactly one whole block, so those bytes are not hashed again; any other write ignores
+    it. Made-up digests show which were taken."""
+    data = _matrix(6)
+    raw = memoryview(data.tobytes())
+    whole = Box((0, 0), (ROWS, COLS))
+    first, third = 0x0123456789ABCDEF, 0xFEDCBA9876543210
+    writer = Store(tmp_path / "s", "h0").begin(1)
+    target = writer.create("h0/0", "w", whole, "float32", shape=(ROWS, COLS))
+    reads = []
+    original = target._read_block
+    target._tally._read = lambda index, view: (reads.append(index), original(index, view))
+    target.write(Box((0, 0), (BLOCK_ROWS, COLS)), data[:BLOCK_ROWS], first)  # block 0, whole
+    half = BLOCK_BYTES // 2
+    target.write_at(BLOCK_BYTES, raw[BLOCK_BYTES:BLOCK_BYTES + half], third)  # block 1 in two halves: hashed
+    target.write_at(BLOCK_BYTES + half, raw[BLOCK_BYTES + half:2 * BLOCK_BYTES], third)
+    target.write_at(2 * BLOCK_BYTES, raw[2 * BLOCK_BYTES:], third)  # block 2, whole
+    assert target.finish() == [f"{first:016x}", checksum(raw[BLOCK_BYTES:2 * BLOCK_BYTES]), f"{third:016x}"]
+    assert reads == []
+    spanning = writer.create("h0/1", "w", whole, "float32", shape=(ROWS, COLS))
+    spanning.write(whole, data, first)  # three blocks in one write: the digest is not theirs
+    assert spanning.finish() == [checksum(raw[i:i + BLOCK_BYTES]) for i in range(0, len(raw), BLOCK_BYTES)]
+
+
+def test_shard_file_block_digest_is_the_stored_one_for_exactly_one_block(tmp_path):
+    store = Store(tmp_path / "s", "h0")
+    data = _matrix()[:640]  # 2.5 MiB: blocks of 1, 1 and 0.5 MiB
+    _write(store, 1, data)
+    reader = store.open(1)
+    shard = reader.shard_file(reader.find("h0/0", "w", Box((0, 0), (1, 1))))
+    blocks = reader.manifest["shards"][0]["blocks"]
+    assert [shard.block_digest(start, length) for start, length in
+            ((0, BLOCK_BYTES), (BLOCK_BYTES, BLOCK_BYTES), (2 * BLOCK_BYTES, BLOCK_BYTES // 2))] == \
+        [int(b, 16) for b in blocks]
+    for start, length in ((0, BLOCK_BYTES // 2), (4096, BLOCK_BYTES), (0, 2 * BLOCK_BYTES),
+                          (2 * BLOCK_BYTES, BLOCK_BYTES // 4)):
+        assert shard.block_digest(start, length) is None, (start, length)
+
+
 def test_shard_target_run_offset_is_the_data_offset_of_a_contiguous_region(tmp_path):
     writer = Store(tmp_path / "s", "h0").begin(1)
     matrix = writer.create("h0/0", "w", Box((10, 0), (4, 6)), "float32", shape=(20, 6))

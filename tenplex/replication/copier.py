@@ -161,13 +161,14 @@ class Replicator:
                 spec = self.saved.tensors[c.tensor]
                 target = writer.create(c.device, c.tensor, c.box, spec.dtype, spec.shape)
 
-                def sink(sub, data, target=target):
+                def sink(sub, data, digest, target=target):
                     if self._cancel.is_set():
                         raise ReplicationCancelled(f"replication of version {self.version} was cancelled")
-                    target.write(sub, data)
+                    target.write(sub, data, digest)
 
                 for piece in wire.split_box(c.box, spec.itemsize, PIECE_BYTES):
-                    self.bytes += client.read_box_to(self.version, c.device, c.tensor, piece, spec.itemsize, sink)
+                    self.bytes += client.read_box_to(self.version, c.device, c.tensor, piece, spec.itemsize, sink,
+                                                     digests=True)
             if self._cancel.is_set():
                 raise ReplicationCancelled(f"replication of version {self.version} was cancelled")
             writer.put_layout(copy_layout(self.saved, mine))

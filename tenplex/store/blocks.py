@@ -69,13 +69,16 @@ class BlockTally:
         self._running: dict[int, list] = {}  # block -> [bytes hashed so far, xxh3_64 state]: in-order writes
         self._lock = threading.Lock()
 
-    def wrote(self, start: int, data: memoryview) -> None:
-        """Data bytes [start, start + len(data)) were written with the contents ``data``."""
+    def wrote(self, start: int, data: memoryview, digest: int | None = None) -> None:
+        """Data bytes [start, start + len(data)) were written with the contents ``data``. ``digest``: the
+        xxh3_64 of ``data`` when the caller has it already (a chunk checked on arrival); it stands for the
+        block's digest when ``data`` is exactly one whole block, which then is not hashed again."""
         length = data.nbytes
         if not length:
             return
         size = self.block_bytes
         first, last = start // size, (start + length - 1) // size
+        known = digest if first == last and start == first * size and length == self._full[first] else None
         done = []
         with self._lock:
             for index in range(first, last + 1):
@@ -89,6 +92,8 @@ class BlockTally:
                 elif self._filled[index] > self._full[index]:
                     self._stale.add(index)
         for index, block, running in done:
+            if known is not None:
+                running = known  # data was this whole block, its digest known
             self._digests[index] = f"{running:016x}" if running is not None else self._hash(index, block)
 
     def _follow(self, index: int, at: int, part: memoryview) -> int | None:

@@ -211,11 +211,13 @@ class StoreClient:
     def _read_deadline(self, nbytes: int) -> float:
         return self.timeout + nbytes / (self.min_read_gbps * 1e9)
 
-    def read_box_to(self, version: int, device: str, tensor: str, box: Box, itemsize: int,
-                    sink: Callable[[Box, memoryview], None]) -> int:
+    def read_box_to(self, version: int, device: str, tensor: str, box: Box, itemsize: int, sink: Callable,
+                    *, digests: bool = False) -> int:
         """Stream the region ``box`` of ``device``'s shard: ``sink(sub_box, c_order_bytes)`` receives every
-        verified chunk (global coordinates). Corrupted chunks are fetched again. Returns the bytes delivered."""
-        return self._read_region(version, device, tensor, box, itemsize, sink, None, box)
+        verified chunk (global coordinates). Corrupted chunks are fetched again. Returns the bytes delivered.
+        With ``digests``, the sink takes a third argument, the chunk's xxh3_64 (an int) checked on arrival: a
+        writer whose checksum blocks coincide with chunks need not hash those bytes again."""
+        return self._read_region(version, device, tensor, box, itemsize, _digest_sink(sink, digests), None, box)
 
     def _read_region(self, version, device, tensor, box: Box, itemsize: int, sink, out: np.ndarray | None,
                      out_box: Box) -> int:
@@ -245,7 +247,7 @@ class StoreClient:
         if tuple(out.shape) != tuple(box.lengths):
             raise StoreError(f"output shape {list(out.shape)} differs from box lengths {list(box.lengths)}")
 
-        def sink(sub: Box, data: memoryview) -> None:
+        def sink(sub: Box, data: memoryview, _digest: int) -> None:
             out[sub.local(box).slices()] = np.frombuffer(data, out.dtype).reshape(sub.lengths)
 
         return self._read_region(version, device, tensor, box, out.itemsize, sink, out, box)
@@ -280,20 +282,21 @@ class StoreClient:
                 if xxhash.xxh3_64_intdigest(data) != digest:
                     bad.append(sub)
                     continue
-                sink(sub, data)
+                sink(sub, data, digest)
                 got += len(data)
         except grpc.RpcError as e:
             raise self._error(e, f"ReadBox({version}, {device}, {tensor!r}, {region})") from None
         return got
 
-    def read_boxes_to(self, version: int, regions: list[tuple[str, str, Box, int, Callable[[Box, memoryview], None]]]
-                      ) -> int:
+    def read_boxes_to(self, version: int, regions: list[tuple[str, str, Box, int, Callable]], *,
+                      digests: bool = False) -> int:
         """Read many (usually small) regions in one call: ``regions`` holds (device, tensor, box, itemsize,
-        sink) and each sink receives its region's verified chunks. Corrupted chunks are fetched again one
-        by one. Returns the bytes delivered."""
+        sink) and each sink receives its region's verified chunks (with their digests when ``digests``: see
+        :meth:`read_box_to`). Corrupted chunks are fetched again one by one. Returns the bytes delivered."""
         request = pb.ReadBoxesRequest(version=version, chunk_bytes=self.chunk_bytes, boxes=[
             pb.BoxRef(device=device, tensor=tensor, box=wire.to_pb_box(box)) for device, tensor, box, _, _ in regions])
         nbytes = sum(box.volume * itemsize for _, _, box, itemsize, _ in regions)
+        sinks = [_digest_sink(sink, digests) for *_, sink in regions]
         got = 0
         bad: list[tuple[int, Box]] = []
         try:
@@ -301,20 +304,20 @@ class StoreClient:
             for sub, digest, data, index in self._watched(call, f"ReadBoxes({version}, {len(regions)} regions)"):
                 if not 0 <= index < len(regions):
                     raise StoreError(f"store {self.address} sent a chunk for region #{index} of {len(regions)}")
-                device, tensor, box, itemsize, sink = regions[index]
+                _, tensor, box, itemsize, _ = regions[index]
                 if not box.contains(sub) or sub.volume * itemsize != len(data):
                     raise StoreError(f"store {self.address} sent chunk {sub} ({len(data)} bytes) that does not "
                                      f"fit the requested region {box} of {tensor!r}")
                 if xxhash.xxh3_64_intdigest(data) != digest:
                     bad.append((index, sub))
                     continue
-                sink(sub, data)
+                sinks[index](sub, data, digest)
                 got += len(data)
         except grpc.RpcError as e:
             raise self._error(e, f"ReadBoxes({version}, {len(regions)} regions)") from None
         for index, sub in bad:
-            device, tensor, _, itemsize, sink = regions[index]
-            got += self.read_box_to(version, device, tensor, sub, itemsize, sink)
+            device, tensor, _, itemsize, _ = regions[index]
+            got += self.read_box_to(version, device, tensor, sub, itemsize, sinks[index], digests=True)
         return got
 
     def read_box(self, version: int, device: str, tensor: str, box: Box, dtype: str) -> np.ndarray:
@@ -408,3 +411,9 @@ class StoreClient:
             if not corrupted:
                 return b"".join(parts)
         raise ChecksumError(f"store {self.address}: ReadFile({path!r}) data arrived corrupted {self.retries + 1} times")
+
+
+def _digest_sink(sink: Callable, digests: bool) -> Callable[[Box, memoryview, int], None]:
+    """The reading paths hand every sink (sub box, bytes, verified xxh3_64); a caller's two-argument sink
+    does without the digest."""
+    return sink if digests else (lambda sub, data, _digest: sink(sub, data))

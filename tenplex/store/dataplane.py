@@ -10,8 +10,13 @@ server reads each frame (at most one 1 MiB checksum block) into a reused
 buffer, verifies the stored block checksums and computes the frame checksum in
 the same pass while the bytes are in the CPU cache (``tenplex.store.shardfile``),
 and sends it; the client ``recv_into``s straight into the destination memory
-(or a reused buffer). It does not ``sendfile`` from the shard: the bytes that
-leave must be the bytes that were verified.
+(or a reused buffer). A frame that is exactly one stored block carries that
+block's digest from the manifest instead of a new one, and a store writing the
+frame as one whole block of its new shard takes the (checked) digest as that
+block's: neither end hashes those bytes a second time. It does not
+``sendfile`` from the shard: the bytes that leave must be the bytes that were
+verified (and measured, ``sendfile`` was slower here: the receiver then copies
+from pages that are not in the cache).
 
 Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
 
@@ -316,11 +321,13 @@ class DataServer:
     @staticmethod
     def _send_run(conn: socket.socket, shard, start: int, length: int, verified: set) -> None:
         """A frame that is one run of the shard file: read, verified and checksummed in one pass through a
-        per-thread buffer, then sent from it."""
+        per-thread buffer, then sent from it. A frame that is one whole stored block carries the block's stored
+        digest: nothing more to hash, and the client checks the bytes against what was committed."""
         buffer = _frame_buffer(length)
-        digest = xxhash.xxh3_64()
+        stored = shard.block_digest(start, length)
+        digest = xxhash.xxh3_64() if stored is None else None
         shard.read_into(start, buffer, verified=verified, digest=digest)
-        conn.sendall(_FRAME.pack(length, digest.intdigest()))
+        conn.sendall(_FRAME.pack(length, stored if digest is None else digest.intdigest()))
         conn.sendall(buffer)
 
     def _send_frame(self, conn: socket.socket, data: np.ndarray) -> None:
@@ -375,10 +382,10 @@ class DataConnection:
         self._sock.close()
 
     def read(self, version: int, device: str, tensor: str, region: Box, itemsize: int, frame_bytes: int,
-             sink: Callable[[Box, memoryview], None] | None = None, out: np.ndarray | None = None,
+             sink: Callable[[Box, memoryview, int], None] | None = None, out: np.ndarray | None = None,
              out_box: Box | None = None) -> tuple[int, list[Box]]:
         """Read ``region``; each verified frame goes into ``out`` (an array of ``out_box``, which contains
-        the region) or to ``sink(sub_box, bytes)``. Returns (bytes delivered, corrupted sub-boxes)."""
+        the region) or to ``sink(sub_box, bytes, xxh3_64)``. Returns (bytes delivered, corrupted sub-boxes)."""
         _send_json(self._sock, {"v": PROTOCOL, "auth": self._auth, "version": version, "device": device,
                                 "tensor": tensor, "box": {"offsets": list(region.offsets),
                                                           "lengths": list(region.lengths)},
@@ -419,7 +426,7 @@ class DataConnection:
                 if dest is not None:
                     dest[...] = np.frombuffer(view, dest.dtype).reshape(sub.lengths)
                 elif sink is not None:
-                    sink(sub, view)
+                    sink(sub, view, digest)
                 else:
                     raise ValueError("a data-plane read needs out and out_box, or sink")
             got += nbytes

@@ -122,6 +122,14 @@ class ShardFile:
         finally:
             os.close(fd)
 
+    def block_digest(self, start: int, length: int) -> int | None:
+        """The stored xxh3_64 of data bytes [start, start + length) when they are exactly one checksum block of
+        this shard (a row with block checksums), else None: a frame that is one block needs no checksum of
+        its own, and the reader checks the bytes against the digest from the time they were committed."""
+        if self.entry.blocks is None or start % self._size or length != min(self._size, self.entry.nbytes - start):
+            return None
+        return int(self._blocks[start // self._size], 16)
+
     def read_rows(self, start: int, stride: int, out: np.ndarray, verified: set | None = None) -> None:
         """Read ``len(out)`` rows of ``out.shape[1]`` data bytes, the first at ``start`` and each ``stride`` bytes after
         the one before, into the rows of ``out`` (a writable uint8 array, any row stride), verifying every

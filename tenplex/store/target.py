@@ -77,8 +77,10 @@ class ShardTarget:
                 raise StoreError(f"{self.path}: short read of block {index} while checksumming it")
             view, offset = view[n:], offset + n
 
-    def write(self, region: Box, data) -> None:
-        """Store ``data`` (C-order bytes or an array of region.lengths) as ``region`` (global coordinates)."""
+    def write(self, region: Box, data, digest: int | None = None) -> None:
+        """Store ``data`` (C-order bytes or an array of region.lengths) as ``region`` (global coordinates).
+        ``digest``: the xxh3_64 of ``data`` when known (a chunk checked on arrival); spares hashing it again
+        when the region is one whole checksum block of this shard."""
         local = region.local(self.box)
         buffer = memoryview(np.ascontiguousarray(data).reshape(-1)).cast("B") if isinstance(data, np.ndarray) \
             else memoryview(data).cast("B")
@@ -107,6 +109,10 @@ class ShardTarget:
             return
         base = sum(o * s for o, s in zip(local.offsets, self._strides))
         outer = [range(n) for n in local.lengths[:inner]]
+        if run == buffer.nbytes:  # one run: the whole of data
+            self._pwrite(buffer, self.data_offset + base)
+            self._tally.wrote(base, buffer, digest)
+            return
         for i, index in enumerate(itertools.product(*outer)):
             offset = base + sum(j * s for j, s in zip(index, self._strides))
             piece = buffer[i * run:(i + 1) * run]
@@ -122,15 +128,15 @@ class ShardTarget:
         start, span = st.c_span(self._strides, local.offsets, local.lengths, self.itemsize)
         return start if span == region.volume * self.itemsize else None
 
-    def write_at(self, offset: int, data: memoryview) -> None:
+    def write_at(self, offset: int, data: memoryview, digest: int | None = None) -> None:
         """Store raw bytes at data offset ``offset`` (part of a run that :meth:`run_offset` found); feeds the
-        block checksums like :meth:`write`."""
+        block checksums like :meth:`write` (``digest`` likewise)."""
         if self._blocks is not None:
             raise StoreError(f"shard {self.path.name} was already finished; bytes at {offset} cannot be written")
         if offset < 0 or offset + data.nbytes > self.box.volume * self.itemsize:
             raise StoreError(f"bytes {offset}-{offset + data.nbytes} lie outside shard {self.path.name}")
         self._pwrite(data, self.data_offset + offset)
-        self._tally.wrote(offset, data)
+        self._tally.wrote(offset, data, digest)
 
     def reserve(self) -> None:
         """Allocate the file's space now (fails early on a full disk); safe while others write."""

@@ -192,7 +192,7 @@ class _Sources:
             try:
                 self.client(source_host).read_boxes_to(
                     self.version, [(device, tensor, box, target.itemsize, target.write)
-                                   for device, tensor, box, target in items])
+                                   for device, tensor, box, target in items], digests=True)
                 return [0] * len(items)
             except Exception as e:  # noqa: BLE001 - each region then goes its own way, replicas included
                 self._mark_failed(source_host, e)
@@ -208,7 +208,8 @@ class _Sources:
             if self._files is None or not _copy_run(self._files, device, tensor, box, target):
                 _copy_pieces(self.reader, device, tensor, box, target)
             return
-        self.client(source_host).read_box_to(self.version, device, tensor, box, target.itemsize, target.write)
+        self.client(source_host).read_box_to(self.version, device, tensor, box, target.itemsize, target.write,
+                                             digests=True)
 
     def _mark_failed(self, host: str, error: Exception) -> None:
         if _damaged_shard(error):
@@ -237,7 +238,11 @@ def _copy_run(reader: FileBackedReader, device: str, tensor: str, box: Box, targ
     into = target.run_offset(box)
     if into is None or span != box.volume * target.itemsize:
         return False
-    reader.shard_file(entry).read_into(start, None, span, consume=lambda at, data: target.write_at(into + at, data))
+    shard = reader.shard_file(entry)
+    # a piece that is one whole stored block was just verified against its stored digest: the new file's block
+    # there (when the two line up) takes that digest instead of hashing the bytes again
+    shard.read_into(start, None, span, consume=lambda at, data: target.write_at(
+        into + at, data, shard.block_digest(start + at, data.nbytes)))
     return True
 
 
