@@ -102,12 +102,13 @@ def test_frames_of_one_stored_block_carry_the_committed_digest(tmp_path):
         port = StoreClient(proc.address).health()["data_port"]
         conn = DataConnection("127.0.0.1", port, None, timeout=30)
         for frame_bytes, expected in ((BLOCK_BYTES, blocks), (BLOCK_BYTES // 2, None)):
-            frames = []
+            frames: list = []
             got, bad = conn.read(1, "h0/0", "x", Box((0, 0), data.shape), 4, frame_bytes,
-                                 sink=lambda sub, view, digest: frames.append((sub, bytes(view), digest)))
+                                 sink=lambda sub, view, digest, into=frames: into.append((sub, bytes(view), digest)))
             assert got == data.nbytes and bad == []
             assert b"".join(view for _, view, _ in frames) == data.tobytes()
-            assert [digest for *_, digest in frames] == (expected or [xxhash.xxh3_64_intdigest(v) for _, v, _ in frames])
+            computed = [xxhash.xxh3_64_intdigest(view) for _, view, _ in frames]
+            assert [digest for *_, digest in frames] == (expected or computed)
         assert len(frames) == 5
         conn.close()
     finally:
