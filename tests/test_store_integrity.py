@@ -417,7 +417,7 @@ def test_shard_file_block_digest_is_the_stored_one_for_exactly_one_block(tmp_pat
             ((0, BLOCK_BYTES), (BLOCK_BYTES, BLOCK_BYTES), (2 * BLOCK_BYTES, BLOCK_BYTES // 2))] == \
         [int(b, 16) for b in blocks]
     for start, length in ((0, BLOCK_BYTES // 2), (4096, BLOCK_BYTES), (0, 2 * BLOCK_BYTES),
-                          (2 * BLOCK_BYTES, BLOCK_BYTES // 4)):
+                          (2 * BLOCK_BYTES, BLOCK_BYTES // 4), (len(data.tobytes()), 0)):
         assert shard.block_digest(start, length) is None, (start, length)
 
 

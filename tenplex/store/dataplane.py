@@ -15,8 +15,8 @@ block's digest from the manifest instead of a new one, and a store writing the
 frame as one whole block of its new shard takes the (checked) digest as that
 block's: neither end hashes those bytes a second time. It does not
 ``sendfile`` from the shard: the bytes that leave must be the bytes that were
-verified (and measured, ``sendfile`` was slower here: the receiver then copies
-from pages that are not in the cache).
+verified (and, measured on loopback, ``sendfile`` was slower: the receiver then
+copies from pages that are not in the CPU cache).
 
 Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
 

@@ -126,7 +126,8 @@ class ShardFile:
         """The stored xxh3_64 of data bytes [start, start + length) when they are exactly one checksum block of
         this shard (a row with block checksums), else None: a frame that is one block needs no checksum of
         its own, and the reader checks the bytes against the digest from the time they were committed."""
-        if self.entry.blocks is None or start % self._size or length != min(self._size, self.entry.nbytes - start):
+        if self.entry.blocks is None or length <= 0 or start % self._size or \
+                length != min(self._size, self.entry.nbytes - start):
             return None
         return int(self._blocks[start // self._size], 16)
 
