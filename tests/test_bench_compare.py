@@ -13,7 +13,7 @@ from tenplex.bench.gpt_state import PRIME, values
 from tenplex.box import Box
 
 KEYS = {"change", "method", "seconds", "inter_host_bytes", "inter_host_lower_bound", "peak_rss_bytes", "hosts",
-        "peak_rss", "raw_socket_file_gbps", "mismatches"}
+        "peak_rss", "raw_socket_file_gbps", "fresh_file_write_gbps", "file_copy_gbps", "mismatches"}
 
 
 def test_values_follow_the_documented_formula():
@@ -39,6 +39,7 @@ def test_bench_compare_quick_runs_every_method_and_checks_the_new_state(tmp_path
         assert KEYS <= set(r), sorted(KEYS - set(r))
         assert r["mismatches"] == [], (r["method"], r["mismatches"][:3])  # bit for bit, every method
         assert r["seconds"] > 0 and r["peak_rss_bytes"] > 0 and r["raw_socket_file_gbps"] > 0
+        assert r["fresh_file_write_gbps"] > 0 and r["file_copy_gbps"] > 0
     by = {r["method"]: r for r in rows}
     # tenplex moves exactly the lower bound between hosts; the centralised transformer gathers on h0 first
     assert by["tenplex"]["inter_host_bytes"] == by["tenplex"]["inter_host_lower_bound"]

@@ -61,3 +61,21 @@ def test_validate_models_the_rows_of_bench_compare(tmp_path):
     assert result["method"] == "centralised" and result["measured_s"] == 0.5
     assert result["modelled_s"] > 0 and result["measured_over_modelled"] == pytest.approx(0.5 / result["modelled_s"],
                                                                                          rel=0.05)
+    assert result["local_fabric_gbps"] == 1.0  # a run with no local baselines: the socket-to-file rate
+
+
+def test_validate_copies_within_a_host_at_the_file_copy_rate(tmp_path):
+    """A local-only change (FSDP on: every byte copied within its host) is modelled at the run's file_copy_gbps,
+    falling back to fresh_file_write_gbps for runs that did not measure it."""
+    from tenplex.bench import compare
+
+    change = next(name for name, *config in compare.CHANGES if config[5] == "full")
+    row = {"change": change, "method": "tenplex", "seconds": 0.5, "from": compare.BASE[0],
+           "raw_socket_file_gbps": 0.001, "fresh_file_write_gbps": 0.004, "file_copy_gbps": 0.002,  # seconds, not ms
+           "model": {"layers": 2, "hidden": 64, "heads": 4, "vocab": 512}}
+    path = tmp_path / "compare.jsonl"
+    older = {k: v for k, v in row.items() if k != "file_copy_gbps"}
+    path.write_text(json.dumps(row) + "\n" + json.dumps(older) + "\n")
+    copy, write = validate(path)
+    assert (copy["local_fabric_gbps"], write["local_fabric_gbps"]) == (0.002, 0.004)
+    assert copy["modelled_s"] > 0.1 and copy["modelled_s"] == pytest.approx(2 * write["modelled_s"], rel=1e-3)

@@ -31,8 +31,10 @@ storage), the plan's ``inter_host_lower_bound``, per host the bytes ``sent`` /
 the peak RSS (``VmHWM``) of every process: the store servers, or DCP's ranks,
 which hold the training state. Baselines measured at the start and the end of
 the same run (the mean is reported): ``raw_socket_file_gbps``, one TCP socket
-from a file into a fresh file on the stores' filesystem, and
-``fresh_file_write_gbps``, writing such a file in one process.
+from a file into a fresh file on the stores' filesystem,
+``fresh_file_write_gbps``, writing such a file in one process, and
+``file_copy_gbps``, copying such a file into a new one (``copy_file_range``,
+as ``cp`` does: the limit of a copy within a host).
 ``--verify`` checks every new shard bit for bit; ``--quick`` is a tiny model
 that checks the command works. With ``--link-mbit N`` the store methods run on
 hosts with links of their own and report what the links carried
@@ -149,7 +151,7 @@ def _measure(args: argparse.Namespace, methods: list[str], old, news: dict, veri
     """Run every (change, method); returns ({(change, method): raw row}, the socket-to-file and fresh-file write
     rates in GB/s, each measured at the start and at the end: on a shared machine the load drifts)."""
     from .compare_linked import run_store_method
-    from .transfer import _fresh_file_seconds, socket_file_seconds
+    from .transfer import _fresh_file_seconds, file_copy_seconds, socket_file_seconds
 
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
     rows: dict[tuple[str, str], dict] = {}
@@ -159,6 +161,7 @@ def _measure(args: argparse.Namespace, methods: list[str], old, news: dict, veri
         warm(args.warm_gb)  # the baselines write fresh files too: the same memory conditions as each method
         file_gbps = [baseline / socket_file_seconds(tmp, baseline) / 1e9]
         write_gbps = [baseline / _fresh_file_seconds(tmp, baseline) / 1e9]
+        copy_gbps = [baseline / file_copy_seconds(tmp, baseline) / 1e9]
         # Method by method, so that tmpfs holds one method's copies of the state at a time.
         if {"tenplex", "centralised"} & set(methods):
             from .gpt_state import write_version
@@ -179,7 +182,8 @@ def _measure(args: argparse.Namespace, methods: list[str], old, news: dict, veri
         warm(args.warm_gb)
         file_gbps.append(baseline / socket_file_seconds(tmp, baseline) / 1e9)
         write_gbps.append(baseline / _fresh_file_seconds(tmp, baseline) / 1e9)
-    return rows, {"file": file_gbps, "write": write_gbps}
+        copy_gbps.append(baseline / file_copy_seconds(tmp, baseline) / 1e9)
+    return rows, {"file": file_gbps, "write": write_gbps, "copy": copy_gbps}
 
 
 def _rows(rows: dict, methods: list[str], shape: dict, base: tuple, old, news: dict, baselines: dict,
@@ -187,7 +191,7 @@ def _rows(rows: dict, methods: list[str], shape: dict, base: tuple, old, news: d
     """One output row per (change, method), with the plan's statistics, the baselines and ``seconds_over_tenplex``."""
     from ..planner import plan
 
-    file_gbps, write_gbps = baselines["file"], baselines["write"]
+    file_gbps, write_gbps, copy_gbps = baselines["file"], baselines["write"], baselines["copy"]
     results = []
     for name, new in news.items():
         stats = plan(old, new).stats
@@ -200,7 +204,8 @@ def _rows(rows: dict, methods: list[str], shape: dict, base: tuple, old, news: d
                             "from": base[0], "state_bytes": old.total_bytes(), "target_bytes": stats.target_bytes,
                             "raw_socket_file_gbps": round(sum(file_gbps) / 2, 3),
                             "raw_socket_file_gbps_start_end": [round(x, 3) for x in file_gbps],
-                            "fresh_file_write_gbps": round(sum(write_gbps) / 2, 3), "cpus": os.cpu_count(), **loads})
+                            "fresh_file_write_gbps": round(sum(write_gbps) / 2, 3),
+                            "file_copy_gbps": round(sum(copy_gbps) / 2, 3), "cpus": os.cpu_count(), **loads})
     for row in results:
         tenplex = next((r for r in results if r["change"] == row["change"] and r["method"] == "tenplex"), None)
         if tenplex is not None:

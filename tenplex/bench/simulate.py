@@ -29,7 +29,9 @@ CPU and start-up costs are not modelled: on a cluster the links dominate.
 centralised rows of ``tenplex bench compare --json``. There all "hosts" are
 one machine whose cores do every copy in turn: copies between hosts at that
 run's ``raw_socket_file_gbps`` (the link and the fabric), copies within a
-host at its ``fresh_file_write_gbps``.
+host at its ``file_copy_gbps`` (a file copied into a new one; runs that did
+not measure it: ``fresh_file_write_gbps``, which reads nothing and so
+flatters a copy).
 """
 
 from __future__ import annotations
@@ -236,9 +238,9 @@ def validate(path: Path) -> list[dict]:
         old = _layout(model, base[1], base[2], base[3], base[4], base[6])
         new = _layout(model, config[0], config[1], config[2], config[3], config[5])
         rate = measured["raw_socket_file_gbps"]
-        local = measured.get("fresh_file_write_gbps", rate)
+        local = measured.get("file_copy_gbps") or measured.get("fresh_file_write_gbps", rate)
         # one machine: its cores do every copy in turn, between "hosts" at the socket-to-file rate, within
-        # one at the rate of writing a fresh file
+        # one at the rate of copying a file into a new one
         modelled = seconds(old, new, Cluster(rate, math.inf, rate, math.inf, local))[f"{measured['method']}_s"]
         rows.append({"model": f"compare: {old.total_bytes() / 1e9:.2f} GB GPT+Adam", "change": measured["change"],
                      "method": measured["method"], "measured_s": measured["seconds"], "modelled_s": round(modelled, 4),

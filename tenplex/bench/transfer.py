@@ -226,6 +226,30 @@ def _fresh_file_seconds(tmp: Path, nbytes: int) -> float:
     return seconds
 
 
+def file_copy_seconds(directory: Path, nbytes: int) -> float:
+    """Time to copy a file of nbytes into a new file in ``directory`` with ``copy_file_range`` (the kernel copies
+    page to page, no user-space buffer; fsync included), as ``cp`` does: the limit of a copy within a host."""
+    source, dest = directory / "copy-src.bin", directory / "copy-dst.bin"
+    block = np.full(8 << 20, 3, dtype=np.uint8)
+    with open(source, "wb") as f:
+        for offset in range(0, nbytes, block.nbytes):
+            f.write(memoryview(block)[:min(block.nbytes, nbytes - offset)])
+    try:
+        with open(source, "rb") as src, open(dest, "wb") as dst:
+            start = time.perf_counter()
+            offset = 0
+            while offset < nbytes:
+                copied = os.copy_file_range(src.fileno(), dst.fileno(), nbytes - offset, offset, offset)
+                if copied <= 0:
+                    raise RuntimeError(f"copy_file_range stopped after {offset} of {nbytes} bytes")
+                offset += copied
+            os.fsync(dst.fileno())
+            return time.perf_counter() - start
+    finally:
+        source.unlink(missing_ok=True)
+        dest.unlink(missing_ok=True)
+
+
 def _start_server(tmp: Path, host: str, *extra: str) -> tuple[subprocess.Popen, str]:
     port_file = tmp / f"{host}{''.join(extra)}.port"
     proc = spawn_store(tmp / host, host, port_file, *extra)
