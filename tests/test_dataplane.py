@@ -84,35 +84,99 @@ def test_reads_are_exact_and_errors_clear(served):
         np.testing.assert_array_equal(client.read_box(1, "h0/0", "w", Box((1, 1), (2, 2)), "float32"), w[1:3, 1:3])
 
 
-def test_frames_of_one_stored_block_carry_the_committed_digest(tmp_path):
-    """Frame checksums are xxh3_64 of the frame's bytes; a frame that is one whole stored block carries the block's
-    digest from the manifest (the client checks the bytes against what was committed)."""
-    import xxhash
-
-    from tenplex.store.blocks import BLOCK_BYTES
-
-    data = np.random.default_rng(3).random((640, 1024), dtype=np.float32)  # 2.5 MiB: blocks of 1, 1, 0.5 MiB
-    store = Store(tmp_path / "h0", "h0")
+def _store_of_three_blocks(root: Path) -> tuple[Store, np.ndarray]:
+    """Version 1 with x (640 x 1024 float32: 2.5 MiB, checksum blocks of 1, 1 and 0.5 MiB) on h0/0."""
+    data = np.random.default_rng(3).random((640, 1024), dtype=np.float32)
+    store = Store(root, "h0")
     with store.begin(1) as writer:
         writer.put("h0/0", "x", Box((0, 0), data.shape), data, "float32", shape=data.shape)
         writer.commit()
+    return store, data
+
+
+def _frames(conn: DataConnection, data: np.ndarray, frame_bytes: int) -> tuple[list, list]:
+    """(frames as (sub box, bytes, digest), corrupted sub-boxes) of one read of all of x."""
+    frames: list = []
+    got, bad = conn.read(1, "h0/0", "x", Box((0, 0), data.shape), 4, frame_bytes,
+                         sink=lambda sub, view, digest, into=frames: into.append((sub, bytes(view), digest)))
+    assert got + sum(b.volume * 4 for b in bad) == data.nbytes
+    return frames, bad
+
+
+def test_frames_of_one_stored_block_carry_the_committed_digest(tmp_path, monkeypatch):
+    """Frame checksums are xxh3_64 of the frame's bytes; a frame that is one whole stored block carries the block's
+    digest from the manifest, so the client checks the bytes against what was committed."""
+    import xxhash
+
+    from tenplex.store.blocks import BLOCK_BYTES
+    from tenplex.store.dataplane import DataServer
+    from tenplex.store.shardfile import ShardFile
+
+    store, data = _store_of_three_blocks(tmp_path / "h0")
     blocks = [int(b, 16) for b in store.open(1).manifest["shards"][0]["blocks"]]
     proc = StoreProcess(tmp_path / "h0", "h0")
-    try:
-        port = StoreClient(proc.address).health()["data_port"]
-        conn = DataConnection("127.0.0.1", port, None, timeout=30)
-        for frame_bytes, expected in ((BLOCK_BYTES, blocks), (BLOCK_BYTES // 2, None)):
-            frames: list = []
-            got, bad = conn.read(1, "h0/0", "x", Box((0, 0), data.shape), 4, frame_bytes,
-                                 sink=lambda sub, view, digest, into=frames: into.append((sub, bytes(view), digest)))
-            assert got == data.nbytes and bad == []
-            assert b"".join(view for _, view, _ in frames) == data.tobytes()
-            computed = [xxhash.xxh3_64_intdigest(view) for _, view, _ in frames]
-            assert [digest for *_, digest in frames] == (expected or computed)
-        assert len(frames) == 5
-        conn.close()
+    try:  # a real store server: the digests on the wire
+        conn = DataConnection("127.0.0.1", StoreClient(proc.address).health()["data_port"], None, timeout=30)
+        try:
+            whole, bad = _frames(conn, data, BLOCK_BYTES)
+            assert bad == [] and [digest for *_, digest in whole] == blocks
+            assert b"".join(view for _, view, _ in whole) == data.tobytes()
+            halves, bad = _frames(conn, data, BLOCK_BYTES // 2)
+            assert bad == [] and len(halves) == 5
+            assert [digest for *_, digest in halves] == [xxhash.xxh3_64_intdigest(v) for _, v, _ in halves]
+        finally:
+            conn.close()
     finally:
         proc.stop()
+    # In process, with the stored digests the server sends made wrong: whole-block frames arrive "corrupted" (so
+    # their digest is the stored one, not computed from the bytes), frames of part of a block do not.
+    stored = ShardFile.block_digest
+    monkeypatch.setattr(ShardFile, "block_digest", lambda self, start, length: None if stored(self, start, length)
+                        is None else stored(self, start, length) ^ 1)
+    server = DataServer("127.0.0.1", lambda version: store.open(version), lambda e: ("INTERNAL", str(e)))
+    conn = DataConnection("127.0.0.1", server.port, None, timeout=30)
+    try:
+        whole, bad = _frames(conn, data, BLOCK_BYTES)
+        assert whole == [] and [b.lengths[0] for b in bad] == [256, 256, 128]
+        halves, bad = _frames(conn, data, BLOCK_BYTES // 2)  # the fifth half is the whole (short) last block
+        assert len(halves) == 4 and bad == [Box((512, 0), (128, 1024))]
+    finally:
+        conn.close()
+        server.close()
+
+
+def test_a_transform_hashes_whole_blocks_once_per_end(tmp_path, monkeypatch):
+    """Blocks of a new shard that arrive whole from another host, or are copied whole from a verified local block,
+    take the digest checked on the way: the destination hashes none of them again, and the version verifies."""
+    from tenplex.layout import Layout, Shard, TensorSpec
+    from tenplex.store.blocks import BlockTally
+    from tenplex.store.manifest import TRANSFORM_PART
+    from tenplex.transform import TransformRequest
+    from tenplex.transform.host import run_host_part
+
+    h0, data = _store_of_three_blocks(tmp_path / "h0")
+    spec = {"x": TensorSpec(data.shape, "float32")}
+    whole = Box((0, 0), data.shape)
+    old = Layout.build(spec, {"h0/0": [Shard("x", whole)]})
+    # h1/0 pulls all of x (three whole blocks); h0/1 copies rows 256-511, the second stored block, on its host
+    new = Layout.build(spec, {"h1/0": [Shard("x", whole)], "h0/1": [Shard("x", Box((256, 0), (256, 1024)))]})
+    hashed = []
+    original = BlockTally._hash
+    monkeypatch.setattr(BlockTally, "_hash", lambda self, index, block: (hashed.append(index),
+                                                                          original(self, index, block))[1])
+    proc = StoreProcess(tmp_path / "h0", "h0")
+    try:
+        peers = {"h0": proc.address, "h1": "127.0.0.1:1"}
+        for host, store in (("h1", Store(tmp_path / "h1", "h1")), ("h0", h0)):
+            request = TransformRequest(host=host, old_version=1, new_version=2, plan=plan(old, new), old_layout=old,
+                                       new_layout=new, peers=peers)
+            report = run_host_part(store, request, lambda progress: None)
+            assert report.bytes_total > 0
+            store.commit(2, [TRANSFORM_PART])
+    finally:
+        proc.stop()
+    assert hashed == []
+    assert_version_matches({"h0": tmp_path / "h0", "h1": tmp_path / "h1"}, new, 2, {"x": data})
 
 
 def _raw_exchange(port: int, body: bytes, closes: bool) -> dict:

@@ -404,6 +404,11 @@ def test_a_known_digest_stands_for_exactly_one_whole_block(tmp_path):
     spanning = writer.create("h0/1", "w", whole, "float32", shape=(ROWS, COLS))
     spanning.write(whole, data, first)  # three blocks in one write: the digest is not theirs
     assert spanning.finish() == [checksum(raw[i:i + BLOCK_BYTES]) for i in range(0, len(raw), BLOCK_BYTES)]
+    again = writer.create("h0/2", "w", whole, "float32", shape=(ROWS, COLS))
+    again.write_at(0, raw[:1000])
+    again.write_at(0, raw[:BLOCK_BYTES], first)  # a whole block written over part of it: hashed from the file
+    again.write_at(BLOCK_BYTES, raw[BLOCK_BYTES:])
+    assert again.finish()[0] == checksum(raw[:BLOCK_BYTES])
 
 
 def test_shard_file_block_digest_is_the_stored_one_for_exactly_one_block(tmp_path):

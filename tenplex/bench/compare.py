@@ -33,8 +33,8 @@ which hold the training state. Baselines measured at the start and the end of
 the same run (the mean is reported): ``raw_socket_file_gbps``, one TCP socket
 from a file into a fresh file on the stores' filesystem,
 ``fresh_file_write_gbps``, writing such a file in one process, and
-``file_copy_gbps``, copying such a file into a new one (``copy_file_range``,
-as ``cp`` does: the limit of a copy within a host).
+``file_copy_gbps``, copying such a file into a new one in the kernel (the
+limit of a copy within a host).
 ``--verify`` checks every new shard bit for bit; ``--quick`` is a tiny model
 that checks the command works. With ``--link-mbit N`` the store methods run on
 hosts with links of their own and report what the links carried
@@ -148,10 +148,10 @@ def _layouts(shape: dict, base: tuple, changes: list[tuple]):
 
 
 def _measure(args: argparse.Namespace, methods: list[str], old, news: dict, verify: bool):
-    """Run every (change, method); returns ({(change, method): raw row}, the socket-to-file and fresh-file write
-    rates in GB/s, each measured at the start and at the end: on a shared machine the load drifts)."""
+    """Run every (change, method); returns ({(change, method): raw row}, the socket-to-file, fresh-file write and
+    file copy rates in GB/s, each measured at the start and at the end: on a shared machine the load drifts)."""
     from .compare_linked import run_store_method
-    from .transfer import _fresh_file_seconds, file_copy_seconds, socket_file_seconds
+    from .transfer import fresh_file_seconds, file_copy_seconds, socket_file_seconds
 
     base_dir = args.dir or (Path("/dev/shm") if Path("/dev/shm").is_dir() else None)
     rows: dict[tuple[str, str], dict] = {}
@@ -160,7 +160,7 @@ def _measure(args: argparse.Namespace, methods: list[str], old, news: dict, veri
         baseline = min(BASELINE_BYTES, max(1 << 20, old.total_bytes()))
         warm(args.warm_gb)  # the baselines write fresh files too: the same memory conditions as each method
         file_gbps = [baseline / socket_file_seconds(tmp, baseline) / 1e9]
-        write_gbps = [baseline / _fresh_file_seconds(tmp, baseline) / 1e9]
+        write_gbps = [baseline / fresh_file_seconds(tmp, baseline) / 1e9]
         copy_gbps = [baseline / file_copy_seconds(tmp, baseline) / 1e9]
         # Method by method, so that tmpfs holds one method's copies of the state at a time.
         if {"tenplex", "centralised"} & set(methods):
@@ -181,7 +181,7 @@ def _measure(args: argparse.Namespace, methods: list[str], old, news: dict, veri
                 rows.update(_run_dcp_method(method, where, tmp, old, news, verify, args.warm_gb))
         warm(args.warm_gb)
         file_gbps.append(baseline / socket_file_seconds(tmp, baseline) / 1e9)
-        write_gbps.append(baseline / _fresh_file_seconds(tmp, baseline) / 1e9)
+        write_gbps.append(baseline / fresh_file_seconds(tmp, baseline) / 1e9)
         copy_gbps.append(baseline / file_copy_seconds(tmp, baseline) / 1e9)
     return rows, {"file": file_gbps, "write": write_gbps, "copy": copy_gbps}
 

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict:
         del data
         path, times = _measure(tmp, move, args)
         warm(args.warm_gb)
-        fresh_write = _fresh_file_seconds(tmp, move.nbytes)
+        fresh_write = fresh_file_seconds(tmp, move.nbytes)
     return _summary(move.nbytes, times, fresh_write, path, args, base_dir)
 
 
@@ -210,10 +210,10 @@ def _pull_seconds(address: str, shape: tuple[int, int], streams: int, chunk_byte
             client.close()
 
 
-def _fresh_file_seconds(tmp: Path, nbytes: int) -> float:
-    """Time to write nbytes into a new file in ``tmp`` (allocating its pages), fsync included."""
+def fresh_file_seconds(directory: Path, nbytes: int) -> float:
+    """Time to write nbytes into a new file in ``directory`` (allocating its pages), fsync included."""
     block = np.ones(8 << 20, dtype=np.uint8)
-    path = tmp / "fresh.bin"
+    path = directory / "fresh.bin"
     start = time.perf_counter()
     with open(path, "wb") as f:
         left = nbytes
@@ -227,8 +227,9 @@ def _fresh_file_seconds(tmp: Path, nbytes: int) -> float:
 
 
 def file_copy_seconds(directory: Path, nbytes: int) -> float:
-    """Time to copy a file of nbytes into a new file in ``directory`` with ``copy_file_range`` (the kernel copies
-    page to page, no user-space buffer; fsync included), as ``cp`` does: the limit of a copy within a host."""
+    """Time to copy a file of nbytes into a new file in ``directory`` by the kernel, page to page with no
+    user-space buffer (``sendfile`` between the files; fsync included): the limit of a copy within a host.
+    Not ``copy_file_range``, which clones extents instead of copying on filesystems with reflinks."""
     source, dest = directory / "copy-src.bin", directory / "copy-dst.bin"
     block = np.full(8 << 20, 3, dtype=np.uint8)
     with open(source, "wb") as f:
@@ -239,9 +240,9 @@ def file_copy_seconds(directory: Path, nbytes: int) -> float:
             start = time.perf_counter()
             offset = 0
             while offset < nbytes:
-                copied = os.copy_file_range(src.fileno(), dst.fileno(), nbytes - offset, offset, offset)
+                copied = os.sendfile(dst.fileno(), src.fileno(), offset, nbytes - offset)
                 if copied <= 0:
-                    raise RuntimeError(f"copy_file_range stopped after {offset} of {nbytes} bytes")
+                    raise RuntimeError(f"the file copy stopped after {offset} of {nbytes} bytes")
                 offset += copied
             os.fsync(dst.fileno())
             return time.perf_counter() - start

@@ -33,7 +33,8 @@ def spawn_store(root: str | os.PathLike, host: str, port_file: Path, *args: str,
     :func:`await_store` waits until it serves. Start several, then wait for them:
     they come up in parallel. ``detached`` starts it in a session of its own, so
     that it outlives its starter's process group (``tenplex run``: a node's
-    store keeps serving its shards after the node's agent left).
+    store keeps serving its shards after the node's agent left). The store gets
+    ``OPENBLAS_NUM_THREADS=1`` unless ``env`` (or, without it, this environment) sets it.
     """
     port_file.unlink(missing_ok=True)
     env = dict(os.environ if env is None else env)

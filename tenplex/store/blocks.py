@@ -92,7 +92,7 @@ class BlockTally:
                 elif self._filled[index] > self._full[index]:
                     self._stale.add(index)
         for index, block, running in done:
-            if known is not None:
+            if known is not None and index == first:
                 running = known  # data was this whole block, its digest known
             self._digests[index] = f"{running:016x}" if running is not None else self._hash(index, block)
 

@@ -7,10 +7,10 @@ store server hands in what it needs (a reader lookup and an error describer).
 Why: Python gRPC copies every byte about three times per side, which caps a
 pull near 0.4-0.6 GB/s where one TCP socket moves about 2 GB/s. Here the
 server reads each frame (at most one 1 MiB checksum block) into a reused
-buffer, verifies the stored block checksums and computes the frame checksum in
-the same pass while the bytes are in the CPU cache (``tenplex.store.shardfile``),
-and sends it; the client ``recv_into``s straight into the destination memory
-(or a reused buffer). A frame that is exactly one stored block carries that
+buffer, verifies the stored block checksums and (for a frame that is not one
+whole block) computes the frame checksum in the same pass while the bytes are
+in the CPU cache (``tenplex.store.shardfile``), and sends it; the client
+``recv_into``s straight into the destination memory (or a reused buffer). A frame that is exactly one stored block carries that
 block's digest from the manifest instead of a new one, and a store writing the
 frame as one whole block of its new shard takes the (checked) digest as that
 block's: neither end hashes those bytes a second time. It does not
@@ -289,7 +289,7 @@ class DataServer:
             reader = self._reader_of(int(request["version"]))
             entry = reader.find(str(request["device"]), str(request["tensor"]), box)
             size = itemsize(entry.dtype)
-            # Frames of at most one checksum block: each is read, verified, checksummed and sent while it is
+            # Frames of at most one checksum block: each is read, verified, given its checksum and sent while it is
             # in the CPU cache, and the client receives the first bytes while the rest is still being read.
             frame_bytes = max(4096, min(int(request.get("frame_bytes") or wire.DEFAULT_CHUNK_BYTES), BLOCK_BYTES))
             verified: set = set()  # blocks checked by this reply: consecutive frames do not check them again

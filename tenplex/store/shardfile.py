@@ -162,7 +162,9 @@ class ShardFile:
     def _scan(self, fd: int, start: int, end: int, dest: memoryview | None, verified: set | None, digest,
               consume: Callable[[int, memoryview], None] | None) -> int:
         """Stream data bytes [start, end) through the piece buffer: verify, copy, digest (see read_into), and
-        hand each piece's wanted bytes to ``consume(offset from start, bytes)`` while they are in cache."""
+        hand each piece's wanted bytes to ``consume(offset from start, bytes)`` while they are in cache. A
+        block of one piece (blocks of up to ``_PIECE``: 1 MiB, the default) is checked before its bytes are
+        copied, digested or consumed; a larger one (a legacy row is one block) only after its last piece."""
         verified = self._trusted if self.entry.blocks is None else (set() if verified is None else verified)
         offset = self._check_size(fd)
         scratch = self._piece_buffer()
@@ -182,6 +184,11 @@ class ShardFile:
                 self._pread(fd, view, offset + piece)
                 if hasher is not None:
                     hasher.update(view)
+                    if piece_end == hi:  # the block's last piece: check it before its bytes go anywhere else
+                        actual = f"{hasher.intdigest():016x}"
+                        if actual != self._blocks[index]:
+                            raise self._fail(self._mismatch(index, actual))
+                        verified.add(index)
                 a, b = max(piece, start), min(piece_end, end)
                 if a < b:
                     if dest is not None and not inside:
@@ -190,11 +197,6 @@ class ShardFile:
                         digest.update(view[a - piece:b - piece])
                     if consume is not None:
                         consume(a - start, view[a - piece:b - piece])
-            if hasher is not None:
-                actual = f"{hasher.intdigest():016x}"
-                if actual != self._blocks[index]:
-                    raise self._fail(self._mismatch(index, actual))
-                verified.add(index)
         return offset + start
 
     def _mismatch(self, index: int, actual: str) -> str:

@@ -109,15 +109,12 @@ class ShardTarget:
             return
         base = sum(o * s for o, s in zip(local.offsets, self._strides))
         outer = [range(n) for n in local.lengths[:inner]]
-        if run == buffer.nbytes:  # one run: the whole of data
-            self._pwrite(buffer, self.data_offset + base)
-            self._tally.wrote(base, buffer, digest)
-            return
+        whole = digest if run == buffer.nbytes else None  # the digest is of all of data: of one run only
         for i, index in enumerate(itertools.product(*outer)):
             offset = base + sum(j * s for j, s in zip(index, self._strides))
             piece = buffer[i * run:(i + 1) * run]
             self._pwrite(piece, self.data_offset + offset)
-            self._tally.wrote(offset, piece)
+            self._tally.wrote(offset, piece, whole)
 
     def run_offset(self, region: Box) -> int | None:
         """The data offset of ``region`` (global coordinates) when its bytes are one contiguous run of this shard

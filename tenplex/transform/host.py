@@ -239,8 +239,8 @@ def _copy_run(reader: FileBackedReader, device: str, tensor: str, box: Box, targ
     if into is None or span != box.volume * target.itemsize:
         return False
     shard = reader.shard_file(entry)
-    # a piece that is one whole stored block was just verified against its stored digest: the new file's block
-    # there (when the two line up) takes that digest instead of hashing the bytes again
+    # a piece that is one whole stored block was verified against its stored digest before it is consumed: the
+    # new file's block there (when the two line up) takes that digest instead of hashing the bytes again
     shard.read_into(start, None, span, consume=lambda at, data: target.write_at(
         into + at, data, shard.block_digest(start + at, data.nbytes)))
     return True
