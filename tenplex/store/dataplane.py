@@ -10,13 +10,14 @@ server reads each frame (at most one 1 MiB checksum block) into a reused
 buffer, verifies the stored block checksums and (for a frame that is not one
 whole block) computes the frame checksum in the same pass while the bytes are
 in the CPU cache (``tenplex.store.shardfile``), and sends it; the client
-``recv_into``s straight into the destination memory (or a reused buffer). A frame that is exactly one stored block carries that
-block's digest from the manifest instead of a new one, and a store writing the
-frame as one whole block of its new shard takes the (checked) digest as that
-block's: neither end hashes those bytes a second time. It does not
-``sendfile`` from the shard: the bytes that leave must be the bytes that were
-verified (and, measured on loopback, ``sendfile`` was slower: the receiver then
-copies from pages that are not in the CPU cache).
+``recv_into``s straight into the destination memory (or a reused buffer). A
+frame that is exactly one stored block carries that block's digest from the
+manifest instead of a new one, and a store writing the frame as one whole
+block of its new shard takes the (checked) digest as that block's: neither
+end hashes those bytes a second time. It does not ``sendfile`` from the
+shard: the bytes that leave must be the bytes that were verified (and,
+measured on loopback, ``sendfile`` was slower: the receiver then copies from
+pages that are not in the CPU cache).
 
 Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
 
