@@ -133,11 +133,16 @@ def test_frames_of_one_stored_block_carry_the_committed_digest(tmp_path, monkeyp
     stored = ShardFile.block_digest
     monkeypatch.setattr(ShardFile, "block_digest", lambda self, start, length: None if stored(self, start, length)
                         is None else stored(self, start, length) ^ 1)
+    read = []  # bytes the server reads from the shard file: each once (the first frame is checked before "ok"
+    pread = ShardFile._pread  # and then sent from memory, not read again)
+    monkeypatch.setattr(ShardFile, "_pread", lambda self, fd, view, offset: (read.append(view.nbytes),
+                                                                              pread(self, fd, view, offset))[1])
     server = DataServer("127.0.0.1", lambda version: store.open(version), lambda e: ("INTERNAL", str(e)))
     conn = DataConnection("127.0.0.1", server.port, None, timeout=30)
     try:
         whole, bad = _frames(conn, data, BLOCK_BYTES)
         assert whole == [] and [b.lengths[0] for b in bad] == [256, 256, 128]
+        assert sum(read) == data.nbytes
         halves, bad = _frames(conn, data, BLOCK_BYTES // 2)  # the fifth half is the whole (short) last block
         assert len(halves) == 4 and bad == [Box((512, 0), (128, 1024))]
     finally:

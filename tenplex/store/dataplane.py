@@ -295,10 +295,10 @@ class DataServer:
             frame_bytes = max(4096, min(int(request.get("frame_bytes") or wire.DEFAULT_CHUNK_BYTES), BLOCK_BYTES))
             verified: set = set()  # blocks checked by this reply: consecutive frames do not check them again
             frames = [(sub, *reader.byte_span(entry, sub)[:2]) for sub in wire.split_box(box, size, frame_bytes)]
-            # the first frame's blocks are checked before answering "ok": most damage gets a plain error reply
+            # the first frame is read, verified and given its checksum before answering "ok": most damage gets a
+            # plain error reply, and the frame then goes out from memory without being read a second time
             first, start, span = frames[0]
-            if first.volume:
-                reader.shard_file(entry).read_into(start, None, span, verified=verified)
+            ready = self._frame(reader, entry, first, start, span, size, verified)
         except Exception as e:  # noqa: BLE001 - reported to the client, the connection stays usable
             if isinstance(e, (KeyError, TypeError)):
                 e = ValueError(f"malformed data-plane request ({type(e).__name__}: {e}); expected version, "
@@ -307,37 +307,36 @@ class DataServer:
             _send_json(conn, {"ok": False, "code": code, "message": message})
             return
         _send_json(conn, {"ok": True, "itemsize": size, "frame_bytes": frame_bytes})
-        for sub, start, span in frames:
+        for index, (sub, start, span) in enumerate(frames):
             try:
-                if span == sub.volume * size and sub.volume and self._hooks is None:
-                    self._send_run(conn, reader.shard_file(entry), start, span, verified)
-                else:
-                    self._send_frame(conn, np.ascontiguousarray(reader.region(entry, sub, verified)))
+                header, payload = ready if index == 0 else self._frame(reader, entry, sub, start, span, size,
+                                                                       verified)
             except CorruptShard as e:  # e.g. a damaged block further on: an error frame
                 code, message = self._describe(e)
                 conn.sendall(_FRAME.pack(_ERROR_FRAME, 0))
                 _send_json(conn, {"ok": False, "code": code, "message": message})
                 return
-
-    @staticmethod
-    def _send_run(conn: socket.socket, shard, start: int, length: int, verified: set) -> None:
-        """A frame that is one run of the shard file: read, verified and checksummed in one pass through a
-        per-thread buffer, then sent from it. A frame that is one whole stored block carries the block's stored
-        digest: nothing more to hash, and the client checks the bytes against what was committed."""
-        buffer = _frame_buffer(length)
-        stored = shard.block_digest(start, length)
-        digest = xxhash.xxh3_64() if stored is None else None
-        shard.read_into(start, buffer, verified=verified, digest=digest)
-        _send_parts(conn, _FRAME.pack(length, stored if digest is None else digest.intdigest()), buffer)
-
-    def _send_frame(self, conn: socket.socket, data: np.ndarray) -> None:
-        payload = memoryview(data.reshape(-1)).cast("B") if data.size else memoryview(b"")
-        digest = xxhash.xxh3_64_intdigest(payload)
-        header = _FRAME.pack(payload.nbytes, digest)
-        if self._hooks is not None and self._hooks.next_chunk():
-            conn.sendall(header + _hooks.damaged(payload))
-        else:
             _send_parts(conn, header, payload)
+
+    def _frame(self, reader, entry, sub: Box, start: int, span: int, size: int,
+               verified: set) -> tuple[bytes, memoryview]:
+        """A frame's header and payload, read and verified. A run of the shard file is read, verified and
+        checksummed in one pass through this thread's buffer (sent before the next frame is read); a frame that
+        is one whole stored block carries the block's stored digest (nothing more to hash, and the client checks
+        the bytes against what was committed). Anything else is gathered into an array and hashed."""
+        if span == sub.volume * size and sub.volume and self._hooks is None:
+            shard = reader.shard_file(entry)
+            buffer = _frame_buffer(span)
+            stored = shard.block_digest(start, span)
+            digest = xxhash.xxh3_64() if stored is None else None
+            shard.read_into(start, buffer, verified=verified, digest=digest)
+            return _FRAME.pack(span, stored if digest is None else digest.intdigest()), buffer
+        data = np.ascontiguousarray(reader.region(entry, sub, verified))
+        payload = memoryview(data.reshape(-1)).cast("B") if data.size else memoryview(b"")
+        header = _FRAME.pack(payload.nbytes, xxhash.xxh3_64_intdigest(payload))
+        if self._hooks is not None and self._hooks.next_chunk():
+            payload = memoryview(_hooks.damaged(payload))
+        return header, payload
 
 
 def _send_parts(conn: socket.socket, header: bytes, payload: memoryview) -> None:
