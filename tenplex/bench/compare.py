@@ -51,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .warm import warm
+from .warm import add_warm_argument, warm
 
 DESCRIPTION = "tenplex vs a centralised transformer vs DCP (tmpfs, disk) on dp, tp, pp, host and ZeRO changes"
 METHODS = ("tenplex", "centralised", "dcp_tmpfs", "dcp_disk")
@@ -87,9 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a tiny model (checks that the command works; implies --verify)")
     parser.add_argument("--plot", type=Path, metavar="FILE", help="write a PNG bar chart of seconds per method")
-    parser.add_argument("--warm-gb", type=float, default=0.0,
-                        help="write and free this many GiB right before each timed step (on a VM that backs memory "
-                             "on first touch, every method then starts with backed memory; 0: off)")
+    add_warm_argument(parser)
     parser.add_argument("--link-mbit", type=float,
                         help="run the store methods' hosts behind links of this many Mbit/s each way (emulated "
                              "cluster; needs root and iproute2): wire bytes, link efficiency, speedup the links allow")

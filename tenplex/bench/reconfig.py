@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .warm import add_warm_argument, warm
+
 DESCRIPTION = "full state transformations of a >= 2 GB GPT+Adam model across store processes (dp, tp, pp, hosts)"
 
 BASE = ("dp=2,tp=2,pp=2 on 2 hosts x 4 devices", 2, 2, 2, 2, 4)
@@ -59,9 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--streams", type=int, default=4, help="concurrent pulls per destination host")
     parser.add_argument("--dir", type=Path, help="directory for the stores (default: tmpfs if it has room)")
-    parser.add_argument("--warm-gb", type=float, default=0.0,
-                        help="write and free this many GiB right before each timed step (on a VM that backs memory "
-                             "on first touch, every method then starts with backed memory; 0: off)")
+    add_warm_argument(parser)
     parser.add_argument("--link-mbit", type=float,
                         help="run each host's store behind its own link of this many Mbit/s each way (emulated "
                              "cluster; needs root and iproute2) and report wire bytes and link efficiency")
@@ -74,7 +74,6 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..ptc import layout
     from ..store import Store
     from .transfer import _memcpy_seconds, _socket_seconds, socket_file_seconds
-    from .warm import warm
 
     model = gpt(args.layers, args.hidden, args.heads, args.vocab, optimizer="adam")
 

@@ -48,7 +48,7 @@ from typing import Any
 from ..errors import UsageError
 from ..runtime.hosts import Hosts
 from ..runtime.launch import run_spec_job
-from .warm import warm
+from .warm import add_warm_argument, warm
 
 DESCRIPTION = "save + restore of the reference GPT's state (>= 1 GB) across a config change, vs torch DCP"
 
@@ -62,9 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new", default="dp=2,fsdp=1", help="configuration that restores (default dp=2,fsdp=1)")
     parser.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"), help="tmpfs directory (tenplex store, DCP)")
     parser.add_argument("--disk", type=Path, default=Path("/var/tmp"), help="disk directory for DCP")
-    parser.add_argument("--warm-gb", type=float, default=0.0,
-                        help="write and free this many GiB right before each timed step (on a VM that backs memory "
-                             "on first touch, every method then starts with backed memory; 0: off)")
+    add_warm_argument(parser)
     parser.add_argument("--new-hosts", type=int, default=1,
                         help="1: both ranks on host h0 throughout (default); 2: the new configuration's rank 1 runs "
                              "on a second host h1 with an empty store: its state comes from h0's store (read through "

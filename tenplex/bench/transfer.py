@@ -50,7 +50,7 @@ import numpy as np
 
 from ..runtime.hosts import await_store, spawn_store
 from ..store.wire import DEFAULT_CHUNK_BYTES
-from .warm import warm
+from .warm import add_warm_argument, warm
 
 DESCRIPTION = "throughput of moving one large region between two store processes vs raw TCP and memcpy"
 ROW = 1 << 20  # bytes per row of the benchmark tensor
@@ -62,9 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-bytes", type=int, default=0, help="gRPC chunk payload (default: the store's)")
     parser.add_argument("--repeat", type=int, default=3, help="tenplex and socket runs; the median is reported")
     parser.add_argument("--dir", type=Path, help="directory for the two stores (default: a tmpfs directory)")
-    parser.add_argument("--warm-gb", type=float, default=0.0,
-                        help="write and free this many GiB right before each timed step (on a VM that backs memory "
-                             "on first touch, every method then starts with backed memory; 0: off)")
+    add_warm_argument(parser)
     parser.add_argument("--link-mbit", type=float,
                         help="put each store behind its own link of this many Mbit/s each way (emulated cluster; "
                              "needs root and iproute2) and report wire bytes and link efficiency")
@@ -231,10 +229,7 @@ def file_copy_seconds(directory: Path, nbytes: int) -> float:
     user-space buffer (``sendfile`` between the files; fsync included): the limit of a copy within a host.
     Not ``copy_file_range``, which clones extents instead of copying on filesystems with reflinks."""
     source, dest = directory / "copy-src.bin", directory / "copy-dst.bin"
-    block = np.full(8 << 20, 3, dtype=np.uint8)
-    with open(source, "wb") as f:
-        for offset in range(0, nbytes, block.nbytes):
-            f.write(memoryview(block)[:min(block.nbytes, nbytes - offset)])
+    _write_source(source, nbytes)
     try:
         with open(source, "rb") as src, open(dest, "wb") as dst:
             start = time.perf_counter()
@@ -249,6 +244,14 @@ def file_copy_seconds(directory: Path, nbytes: int) -> float:
     finally:
         source.unlink(missing_ok=True)
         dest.unlink(missing_ok=True)
+
+
+def _write_source(path: Path, nbytes: int) -> None:
+    """A source file of ``nbytes`` for a baseline (not timed)."""
+    block = np.full(8 << 20, 7, dtype=np.uint8)
+    with open(path, "wb") as f:
+        for offset in range(0, nbytes, block.nbytes):
+            f.write(memoryview(block)[:min(block.nbytes, nbytes - offset)])
 
 
 def _start_server(tmp: Path, host: str, *extra: str) -> tuple[subprocess.Popen, str]:
@@ -308,10 +311,7 @@ def socket_file_seconds(directory: Path, nbytes: int) -> float:
     """Wall time of nbytes from a file, through one TCP socket between two processes (``sendfile``), into a
     fresh file in ``directory`` that is fsynced: the raw work of one shard crossing hosts into a new version."""
     source, dest = directory / "socket-file-src.bin", directory / "socket-file-dst.bin"
-    block = np.full(8 << 20, 7, dtype=np.uint8)
-    with open(source, "wb") as f:
-        for offset in range(0, nbytes, block.nbytes):
-            f.write(memoryview(block)[:min(block.nbytes, nbytes - offset)])
+    _write_source(source, nbytes)
     buffer = bytearray(4 << 20)
     view = memoryview(buffer)
     listener = socket.create_server(("127.0.0.1", 0))

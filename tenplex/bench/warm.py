@@ -19,16 +19,20 @@ it before each timed step of every method alike, and before their baselines
 
 from __future__ import annotations
 
-import time
+import argparse
 
 import numpy as np
 
 
-def warm(gib: float) -> float:
-    """Write ``gib`` GiB of fresh memory and free it; returns the seconds it took (0 when ``gib`` <= 0)."""
-    if gib <= 0:
-        return 0.0
-    start = time.perf_counter()
-    block = np.ones(int(gib * (1 << 30)), np.uint8)  # writes every page
-    del block
-    return time.perf_counter() - start
+def add_warm_argument(parser: argparse.ArgumentParser) -> None:
+    """The ``--warm-gb`` option of every benchmark that calls :func:`warm`."""
+    parser.add_argument("--warm-gb", type=float, default=0.0,
+                        help="write and free this many GiB right before each timed step (on a VM that backs memory "
+                             "on first touch, every method then starts with backed memory; 0: off)")
+
+
+def warm(gib: float) -> None:
+    """Write ``gib`` GiB of fresh memory and free it (nothing when ``gib`` <= 0)."""
+    if gib > 0:
+        block = np.ones(int(gib * (1 << 30)), np.uint8)  # writes every page
+        del block
