@@ -104,6 +104,15 @@ class Box:
             return True
         return all(a0 <= b0 and b1 <= a1 for a0, a1, b0, b1 in zip(self.offsets, self.ends, other.offsets, other.ends))
 
+    def is_run_of(self, outer: "Box") -> bool:
+        """True if this non-empty box lies inside ``outer`` as one contiguous run of ``outer``'s elements in C
+        order (row-major): one long in every dimension before some dimension k, whole in every one after it
+        (a slab along dim 0, part of one row, ...). Such a region of a stored shard is a contiguous byte range."""
+        if self.is_empty() or not outer.contains(self):
+            return False
+        k = next((d for d, n in enumerate(self.lengths) if n != 1), self.ndim)
+        return self.lengths[k + 1:] == outer.lengths[k + 1:]
+
     def subtract(self, other: "Box") -> list["Box"]:
         """This box minus ``other``, as a list of disjoint non-empty boxes.
 

@@ -28,8 +28,28 @@ def test_one_tensor_moving_to_another_host():
     assert seconds(old, new, links_only) == pytest.approx({"tenplex_s": 4.0, "centralised_s": 4.0,
                                                           "dcp_shared_s": 8.0})
     writes = Cluster(link_gbps=1e-6, storage_gbps=2e-6, write_gbps=2e-6)
-    # the gather writes the whole state on h0 (2 s) before anything leaves it
-    assert seconds(old, new, writes) == pytest.approx({"tenplex_s": 4.0, "centralised_s": 6.0, "dcp_shared_s": 8.0})
+    # the gather moves h0/0's whole shard to another device of h0: the transformer hard-links it, no write
+    assert seconds(old, new, writes) == pytest.approx({"tenplex_s": 4.0, "centralised_s": 4.0, "dcp_shared_s": 8.0})
+    # in halves on two devices, the gather writes the whole tensor on h0 (2 s) before anything leaves it
+    halves = layout({"h0/0": HALF[:1], "h0/1": HALF[1:]})
+    assert seconds(halves, new, writes) == pytest.approx({"tenplex_s": 4.0, "centralised_s": 6.0,
+                                                          "dcp_shared_s": 8.0})
+
+
+def test_links_and_slices_write_nothing():
+    """What the transformer hard-links costs no write: a whole old shard of the host, or a contiguous run of one
+    (a slice); a column block is written."""
+    writes = Cluster(link_gbps=math.inf, storage_gbps=math.inf, write_gbps=2e-6)  # 2,000 B/s
+    old = layout({"h0/0": [WHOLE], "h0/1": [WHOLE]})
+    assert seconds(old, layout({"h0/0": [HALF[0]], "h0/1": [HALF[1]]}), writes)["tenplex_s"] == 0  # ZeRO on
+    assert seconds(old, layout({"h0/2": [WHOLE]}), writes)["tenplex_s"] == 0  # a whole shard to another device
+    # two halves into one new shard: the second half is written (1 s), the first too, as the shard is new
+    assert seconds(layout({"h0/0": [HALF[0]], "h0/1": [HALF[1]]}), layout({"h0/0": [WHOLE]}),
+                   writes)["tenplex_s"] == pytest.approx(2.0)
+    grid = {"x": TensorSpec((10, 100), "float32")}  # 4,000 bytes
+    columns = Layout.build(grid, {"h0/0": (Shard("x", Box((0, 0), (10, 50))),)})
+    assert seconds(Layout.build(grid, {"h0/0": (Shard("x", Box((0, 0), (10, 100))),)}), columns,
+                   writes)["tenplex_s"] == pytest.approx(1.0)  # 2,000 B of a column block
 
 
 def test_spreading_a_tensor_uses_every_link_at_once():
@@ -65,14 +85,14 @@ def test_validate_models_the_rows_of_bench_compare(tmp_path):
 
 
 def test_validate_copies_within_a_host_at_the_file_copy_rate(tmp_path):
-    """A local-only change (FSDP on: every byte copied within its host) is modelled at the run's file_copy_gbps,
-    falling back to fresh_file_write_gbps for runs that did not measure it."""
+    """A local-only change (pp 2->4 with tp 2->1: every byte that is not linked is copied within its host) is
+    modelled at the run's file_copy_gbps, falling back to fresh_file_write_gbps for runs that did not measure it."""
     from tenplex.bench import compare
 
-    change = next(name for name, *config in compare.CHANGES if config[5] == "full")
+    change = next(name for name, *config in compare.CHANGES if config[:3] == [2, 1, 4])
     row = {"change": change, "method": "tenplex", "seconds": 0.5, "from": compare.BASE[0],
            "raw_socket_file_gbps": 0.001, "fresh_file_write_gbps": 0.004, "file_copy_gbps": 0.002,  # seconds, not ms
-           "model": {"layers": 2, "hidden": 64, "heads": 4, "vocab": 512}}
+           "model": {"layers": 4, "hidden": 64, "heads": 4, "vocab": 512}}
     path = tmp_path / "compare.jsonl"
     older = {k: v for k, v in row.items() if k != "file_copy_gbps"}
     path.write_text(json.dumps(row) + "\n" + json.dumps(older) + "\n")

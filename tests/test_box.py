@@ -91,6 +91,42 @@ def test_containment_matches_points(pair):
 
 @SETTINGS
 @given(box_pairs())
+def test_run_of_matches_the_c_order_positions_of_its_points(pair):
+    """A box is a run of ``outer`` exactly when its points take consecutive C-order positions in ``outer``."""
+    outer, other = pair
+    inner = outer.intersect(other)
+    if inner is None:
+        assert not other.is_run_of(outer)
+        return
+    positions = sorted(sum(((p - o) * step) for p, o, step in zip(point, outer.offsets, _c_steps(outer.lengths)))
+                       for point in cells(inner))
+    consecutive = positions == list(range(positions[0], positions[0] + len(positions)))
+    assert inner.is_run_of(outer) == consecutive, (outer, inner)
+
+
+def _c_steps(lengths):
+    """Elements per step of each dimension of a C-order array of ``lengths``."""
+    steps, step = [], 1
+    for n in reversed(lengths):
+        steps.append(step)
+        step *= n
+    return tuple(reversed(steps))
+
+
+def test_run_of_golden_cases():
+    outer = Box((0, 0, 0), (4, 3, 5))
+    assert Box((1, 0, 0), (2, 3, 5)).is_run_of(outer)        # a dim-0 slab
+    assert Box((1, 1, 0), (1, 2, 5)).is_run_of(outer)        # rows of one dim-0 index
+    assert Box((1, 2, 1), (1, 1, 3)).is_run_of(outer)        # part of one row
+    assert not Box((1, 0, 0), (2, 2, 5)).is_run_of(outer)    # two indices of dim 0, partial dim 1
+    assert not Box((0, 0, 0), (4, 3, 4)).is_run_of(outer)    # a column block
+    assert not Box((0, 0, 0), (0, 3, 5)).is_run_of(outer)    # empty
+    assert not Box((3, 0, 0), (2, 3, 5)).is_run_of(outer)    # not inside
+    assert Box((), ()).is_run_of(Box((), ()))                # a scalar
+
+
+@SETTINGS
+@given(box_pairs())
 def test_local_and_shift_round_trip(pair):
     outer, inner = pair
     common = outer.intersect(inner)

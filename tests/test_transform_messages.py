@@ -42,13 +42,14 @@ def test_a_message_without_a_host_is_for_the_receiving_store():
 
 def test_progress_survives_the_round_trip_field_by_field():
     progress = TransformProgress(bytes_done=1, bytes_total=2, kept_bytes=3, linked_bytes=4, local_bytes=5,
-                                 remote_bytes=6, refetched_bytes=7, done=True)
+                                 remote_bytes=6, refetched_bytes=7, sliced_bytes=8, done=True)
     message = wire.to_pb_transform_progress(progress)
     assert (message.bytes_done, message.bytes_total, message.kept_bytes, message.linked_bytes, message.local_bytes,
-            message.remote_bytes, message.refetched_bytes, message.done) == (1, 2, 3, 4, 5, 6, 7, True)
+            message.remote_bytes, message.refetched_bytes, message.sliced_bytes, message.done) == \
+        (1, 2, 3, 4, 5, 6, 7, 8, True)
     assert wire.from_pb_transform_progress(message) == progress
-    assert progress.counts() == {"bytes_total": 2, "kept_bytes": 3, "linked_bytes": 4, "local_bytes": 5,
-                                 "remote_bytes": 6, "refetched_bytes": 7}
+    assert progress.counts() == {"bytes_total": 2, "kept_bytes": 3, "linked_bytes": 4, "sliced_bytes": 8,
+                                 "local_bytes": 5, "remote_bytes": 6, "refetched_bytes": 7}
 
 
 def test_each_layout_is_encoded_once_for_the_requests_of_every_host(monkeypatch):

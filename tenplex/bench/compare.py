@@ -296,7 +296,8 @@ def _run_dcp_method(method: str, where: Path, tmp: Path, old, news: dict, verify
 
 def _host_bytes(the_plan, old, new, report: dict) -> dict[str, dict[str, int]]:
     """Per host: bytes sent and received between hosts, read from its old shards and written into new ones
-    (a shard kept by hard link is neither read nor written)."""
+    (a shard kept by hard link is neither read nor written; a slice of a linked file is read, to verify it,
+    but not written)."""
     from ..devices import host_of
 
     size = {name: spec.itemsize for name, spec in new.tensors.items()}
@@ -311,7 +312,7 @@ def _host_bytes(the_plan, old, new, report: dict) -> dict[str, dict[str, int]]:
             out[src]["sent"] += nbytes
             out[dst]["received"] += nbytes
     for h, moved in report["hosts"].items():
-        out[h]["read"] -= moved["linked_bytes"]
+        out[h]["read"] -= moved["linked_bytes"] - moved["sliced_bytes"]
         out[h]["written"] -= moved["linked_bytes"]
     return out
 

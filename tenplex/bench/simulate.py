@@ -14,7 +14,8 @@ shards into its store (``--write-gbps``, 5 GB/s by default: tmpfs). Methods:
 * ``tenplex``: every host sends, receives and writes at once; the time is
   the longest of: the busiest link's bytes (max over hosts of bytes out and
   bytes in) over the link rate, the busiest host's written bytes (all but
-  those it keeps) over the write rate, and all written bytes over the fabric.
+  those it links: whole old shards, and slices of them, see ``linked``) over
+  the write rate, and all written bytes over the fabric.
 * ``centralised``: the same for the gather plan (old layout -> every tensor
   whole on the first old host) followed by the scatter plan (from there to
   the new layout): everything goes into one host and back out of it.
@@ -86,20 +87,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="instead: model the tenplex and centralised rows of `tenplex bench compare --json`")
 
 
-def plan_seconds(the_plan, old, cluster: Cluster) -> float:
+def plan_seconds(the_plan, old, new, cluster: Cluster) -> float:
     """Seconds of a plan when every host sends, receives and writes at once: the busiest link (bytes out or
-    in), the busiest host's writes (every byte but whole old shards, which are hard-linked), or all copies
-    over the fabric."""
+    in), the busiest host's writes (every byte but what the transformer links: see :func:`linked`), or all
+    copies over the fabric."""
     from ..devices import host_of
 
     itemsizes = {name: spec.itemsize for name, spec in old.tensors.items()}
     traffic = the_plan.host_traffic(itemsizes)
     busiest = max((max(sent, received) for sent, received in traffic.values()), default=0)
-    whole = {(device, s.tensor, s.box) for device, s in old.iter_shards()}
+    new_shards = {(device, s.tensor, s.box) for device, s in new.iter_shards()}
     written: dict[str, int] = {}
     inter = local = 0
     for t in the_plan.transfers:
-        if not (t.kept and (t.src, t.tensor, t.box) in whole):
+        if not linked(t, old, new_shards):
             nbytes = t.box.volume * itemsizes[t.tensor]
             written[host_of(t.dst)] = written.get(host_of(t.dst), 0) + nbytes
             if t.crosses_hosts:
@@ -108,6 +109,15 @@ def plan_seconds(the_plan, old, cluster: Cluster) -> float:
                 local += nbytes
     return max(busiest / (cluster.link_gbps * 1e9), max(written.values(), default=0) / (cluster.write_gbps * 1e9),
                inter / (cluster.fabric_gbps * 1e9) + local / (cluster.local_fabric_gbps * 1e9))
+
+
+def linked(t, old, new_shards: set) -> bool:
+    """Whether the transformer hard-links transfer ``t`` instead of writing its bytes: it alone fills a new shard
+    (``new_shards``: (device, tensor, box)), from an old shard of the same host of which it is the whole or one
+    contiguous run of bytes (a slice row)."""
+    if t.source != "old" or t.crosses_hosts or (t.dst, t.tensor, t.box) not in new_shards:
+        return False
+    return any(s.tensor == t.tensor and t.box.is_run_of(s.box) for s in old.devices[t.src])
 
 
 def central_layout(old):
@@ -125,9 +135,9 @@ def seconds(old, new, cluster: Cluster) -> dict[str, float]:
     from ..planner import plan
 
     central = central_layout(old)
-    return {"tenplex_s": plan_seconds(plan(old, new), old, cluster),
-            "centralised_s": plan_seconds(plan(old, central), old, cluster)
-            + plan_seconds(plan(central, new), central, cluster),
+    return {"tenplex_s": plan_seconds(plan(old, new), old, new, cluster),
+            "centralised_s": plan_seconds(plan(old, central), old, central, cluster)
+            + plan_seconds(plan(central, new), central, new, cluster),
             "dcp_shared_s": dcp_shared_seconds(old, new, cluster)}
 
 

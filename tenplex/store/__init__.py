@@ -33,7 +33,11 @@ Local API (workers on the same host; no network)::
 Every shard is a standard single-tensor safetensors file; the manifest
 (``tenplex.store.manifest/1``) lists device, tensor, box, dtype, global
 shape, file and checksums per shard (an xxh3 per 1 MiB block, see
-``blocks``), and the version's JSON documents. Every read verifies the blocks
+``blocks``), and the version's JSON documents. A slice row (optional
+``slice``: ``start``, ``file_nbytes``) is a contiguous run of the data of a
+linked file that holds more (``VersionWriter.link`` with a box); a reader
+that predates slices fails such a row as damaged (its file's header declares
+``file_nbytes``), never reads wrong bytes. Every read verifies the blocks
 it touches (``shardfile``): damaged or truncated data raises
 :class:`CorruptShard` (gRPC DATA_LOSS), never wrong bytes.
 Commit renames the fsynced staging directory into ``versions/``: atomic, so a

@@ -151,3 +151,20 @@ class BlockTally:
         for index in redo:
             self._digests[index] = self._hash(index, None)
         return list(self._digests)  # type: ignore[arg-type]  # the loop above set every one
+
+
+def slice_digests(source, start: int, nbytes: int, block_bytes: int = BLOCK_BYTES) -> list[str]:
+    """Block digests of data bytes [start, start + nbytes) of a stored shard, as the blocks of a shard of their own
+    (a slice row, ``VersionWriter.link``). ``source`` is the shard's ``shardfile.ShardFile``; every byte is read
+    and verified against its stored checksums (``CorruptShard`` otherwise), so a slice never carries damaged
+    bytes into a version. A block that is one stored block takes the stored digest; any other is hashed as it
+    is read."""
+    digests = []
+    verified: set[int] = set()  # source blocks checked once, however many slice blocks they straddle
+    for at in range(start, start + nbytes, block_bytes):
+        length = min(block_bytes, start + nbytes - at)
+        known = source.block_digest(at, length)
+        hasher = xxhash.xxh3_64() if known is None else None
+        source.read_into(at, None, length, verified=verified, digest=hasher)
+        digests.append(f"{known if hasher is None else hasher.intdigest():016x}")
+    return digests

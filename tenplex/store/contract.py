@@ -50,8 +50,9 @@ plane (``dataplane``) is not offered, so remote reads travel over gRPC.
 
 Optional capabilities (check with ``isinstance``; all are ``runtime_checkable``):
 
-- :class:`LinkingWriter`: ``link`` makes a committed shard of the same store a
-  shard of the new version without copying a byte (POSIX hard links).
+- :class:`LinkingWriter`: ``link`` makes a committed shard of the same store, or
+  a contiguous run of its bytes (a slice row), a shard of the new version
+  without copying a byte (POSIX hard links).
 - :class:`FileBackedReader`: shards are local files, so a region is read as
   runs of bytes of its file (the data plane and the server's ``ReadBox``
   verify each run and send it without an intermediate array) and a file can
@@ -188,8 +189,9 @@ class FileBackedReader(StoreReader, Protocol):
 class LinkingWriter(StoreWriter, Protocol):
     """A writer that can reuse a committed shard of the same store without copying it."""
 
-    def link(self, device: str, reader: FileBackedReader, entry: ShardEntry) -> None:
-        """Make ``entry`` (a shard of ``reader``'s version, in this store) ``device``'s shard of this part."""
+    def link(self, device: str, reader: FileBackedReader, entry: ShardEntry, box: Box | None = None) -> None:
+        """Make ``entry`` (a shard of ``reader``'s version, in this store) ``device``'s shard of this part; with
+        ``box``, only that region of it, which must be one contiguous run of its bytes (a slice row)."""
 
 
 @runtime_checkable

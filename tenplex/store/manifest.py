@@ -91,6 +91,14 @@ class ShardEntry:
     nbytes: int
     block_bytes: int = 0                   # per-block checksums (``tenplex.store.blocks``); rows written
     blocks: tuple[str, ...] | None = None  # before them have none and are verified whole
+    # A slice row: the data is bytes [file_start, file_start + nbytes) of the file's tensor data, which holds
+    # file_nbytes bytes (an old shard's file hard-linked: see ``writer.VersionWriter.link``). None: the whole file.
+    file_start: int = 0
+    file_nbytes: int | None = None
+
+    @property
+    def is_slice(self) -> bool:
+        return self.file_nbytes is not None
 
     def to_dict(self) -> dict:
         row: dict = {"device": self.device, "tensor": self.tensor, "offsets": list(self.box.offsets),
@@ -99,14 +107,23 @@ class ShardEntry:
                "file": self.file, "xxh3": self.xxh3, "nbytes": self.nbytes}
         if self.blocks is not None:
             row.update(block_bytes=self.block_bytes, blocks=list(self.blocks))
+        if self.file_nbytes is not None:
+            row["slice"] = {"start": self.file_start, "file_nbytes": self.file_nbytes}
         return row
 
     @classmethod
     def from_dict(cls, d: dict) -> "ShardEntry":
-        blocks = d.get("blocks")
+        blocks, piece = d.get("blocks"), d.get("slice")
         entry = cls(d["device"], d["tensor"], Box(tuple(d["offsets"]), tuple(d["lengths"])), d["dtype"],
                     None if d.get("shape") is None else tuple(d["shape"]), d["file"], d["xxh3"], int(d["nbytes"]),
-                    int(d.get("block_bytes", 0)), None if blocks is None else tuple(blocks))
+                    int(d.get("block_bytes", 0)), None if blocks is None else tuple(blocks),
+                    0 if piece is None else int(piece["start"]),
+                    None if piece is None else int(piece["file_nbytes"]))
+        if entry.file_nbytes is not None and \
+                not 0 <= entry.file_start <= entry.file_start + entry.nbytes <= entry.file_nbytes:
+            raise StoreError(f"manifest row of {entry.tensor!r} on {entry.device} ({entry.file}): the slice of "
+                             f"{entry.nbytes} bytes at {entry.file_start} lies outside the file's "
+                             f"{entry.file_nbytes} data bytes")
         if blocks is not None and (entry.block_bytes <= 0 or
                                    len(blocks) != -(-entry.nbytes // entry.block_bytes)):
             raise StoreError(f"manifest row of {entry.tensor!r} on {entry.device} ({entry.file}): {len(blocks)} "

@@ -7,6 +7,8 @@ process with SIGBUS on the next access. :class:`ShardFile` opens the file for
 each read, checks its size against the manifest and ``pread``s it piece by
 piece, checking every block of ``tenplex.store.blocks`` the read touches, so a
 bad file fails only its own reads, with a :class:`CorruptShard` that names it.
+A slice row's data start ``file_start`` bytes into its file's data; its blocks
+are its own (counted from that start).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class ShardFile:
 
     def __init__(self, entry: ShardEntry, opener: Callable[[str], int], where: str):
         self.entry, self._open, self.where = entry, opener, where
-        self.data_offset: int | None = None
+        self.data_offset: int | None = None  # the file offset of the row's first data byte, once checked
         self._blocks: tuple[str, ...]
         if entry.blocks is None:  # written before block checksums: one block, the whole data
             self._size, self._blocks = max(entry.nbytes, 1), (entry.xxh3,)
@@ -79,10 +81,12 @@ class ShardFile:
                 begin, end = key["data_offsets"]
             except (ValueError, KeyError, TypeError) as e:
                 raise self._fail(f"unreadable safetensors header ({type(e).__name__}: {e})") from None
-            if end - begin != self.entry.nbytes:
+            entry = self.entry
+            expected = entry.nbytes if entry.file_nbytes is None else entry.file_nbytes
+            if end - begin != expected:
                 raise self._fail(f"safetensors header declares {end - begin} data bytes, the manifest "
-                                 f"{self.entry.nbytes}")
-            self.data_offset = 8 + n + begin
+                                 f"{expected}" + (" (the file of this slice)" if entry.is_slice else ""))
+            self.data_offset = 8 + n + begin + entry.file_start  # a slice row's data starts inside the file's
         if size < self.data_offset + self.entry.nbytes:
             raise self._fail(f"truncated: {size} bytes, the data needs {self.data_offset + self.entry.nbytes}")
         return self.data_offset

@@ -25,7 +25,8 @@ from ..transfer_plan import Plan
 if TYPE_CHECKING:
     from .contract import TensorStore
 
-COUNTERS = ("bytes_total", "kept_bytes", "linked_bytes", "local_bytes", "remote_bytes", "refetched_bytes")
+COUNTERS = ("bytes_total", "kept_bytes", "linked_bytes", "sliced_bytes", "local_bytes", "remote_bytes",
+            "refetched_bytes")
 
 
 @dataclass(frozen=True)
@@ -58,12 +59,14 @@ class TransformRequest:
 class TransformProgress:
     """Bytes of one host's part so far: done of total, and how they got there (kept in place, hard-linked,
     copied within the host, pulled from other hosts, pulled again from a replica after a failure).
-    ``done`` marks the final message: the part is prepared."""
+    ``sliced_bytes`` are the part of ``linked_bytes`` linked as slices of a file (read once to verify them,
+    never written). ``done`` marks the final message: the part is prepared."""
 
     bytes_done: int = 0
     bytes_total: int = 0
     kept_bytes: int = 0
     linked_bytes: int = 0
+    sliced_bytes: int = 0
     local_bytes: int = 0
     remote_bytes: int = 0
     refetched_bytes: int = 0

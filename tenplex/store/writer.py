@@ -22,7 +22,7 @@ import numpy as np
 from . import _safetensors as st
 from .contract import FileBackedReader
 from .manifest import LAYOUT_DOC, PART_FORMAT, ShardEntry, check_name, fsync_dir, write_json_durable
-from .blocks import BLOCK_BYTES, block_digests, root_digest
+from .blocks import BLOCK_BYTES, block_digests, root_digest, slice_digests
 from .target import ShardTarget
 from ..box import Box
 from ..dtypes import itemsize, numpy_storage
@@ -163,15 +163,44 @@ class VersionWriter:
         target.close()
         target.path.unlink(missing_ok=True)
 
-    def link(self, device: str, reader: FileBackedReader, entry: ShardEntry) -> None:
-        """Make ``entry`` (a committed shard of ``reader``'s version on this host) ``device``'s shard, by hard link."""
-        rel, path = self._claim(device, entry.tensor, entry.box, entry.dtype, entry.shape)
+    def link(self, device: str, reader: FileBackedReader, entry: ShardEntry, box: Box | None = None) -> None:
+        """Make ``entry`` (a committed shard of ``reader``'s version on this host), or its region ``box``, ``device``'s
+        shard, by hard link: no byte is copied.
+
+        A region (``box`` inside ``entry.box``) must be one contiguous run of the file (a slab along dim 0, say):
+        its row is a slice of the linked file (``ShardEntry.file_start``). The region's bytes are read once and
+        verified (``CorruptShard`` if they are damaged: nothing is linked); its block checksums are the stored
+        ones where a block of the region is one stored block (the region starts on a block boundary), the others
+        are hashed as they are read. The linked file keeps all of its bytes for as long as a version refers to
+        it."""
+        box = entry.box if box is None else box
+        if box == entry.box:
+            rel, path = self._claim(device, entry.tensor, entry.box, entry.dtype, entry.shape)
+            self._linked(path, device, entry, box, reader, lambda: replace(entry, device=device, file=rel))
+            return
+        if not box.is_run_of(entry.box):
+            raise StoreError(f"region {box} of tensor {entry.tensor!r} is not one contiguous run of the shard "
+                             f"{entry.box} stored for {entry.device}: it cannot be linked as a slice")
+        start, nbytes, _ = reader.byte_span(entry, box)
+        rel, path = self._claim(device, entry.tensor, box, entry.dtype, entry.shape)
+
+        def row() -> ShardEntry:
+            blocks = slice_digests(reader.shard_file(entry), start, nbytes)
+            return replace(entry, device=device, box=box, file=rel, xxh3=root_digest(blocks), nbytes=nbytes,
+                           block_bytes=BLOCK_BYTES, blocks=tuple(blocks), file_start=entry.file_start + start,
+                           file_nbytes=entry.nbytes if entry.file_nbytes is None else entry.file_nbytes)
+        self._linked(path, device, entry, box, reader, row)
+
+    def _linked(self, path: Path, device: str, entry: ShardEntry, box: Box, reader: FileBackedReader,
+                row: Callable[[], ShardEntry]) -> None:
+        """Hard-link ``entry``'s file to ``path`` (claimed for ``box``) and add its ``row`` (both undone on failure)."""
         try:
             reader.link_file(entry, path)
+            linked = row()
         except BaseException:
-            self._release(device, entry.tensor, entry.box, path)
+            self._release(device, entry.tensor, box, path)
             raise
-        self._add(replace(entry, device=device, file=rel))
+        self._add(linked)
 
     def put_json(self, name: str, doc) -> None:
         """A version-level JSON document (step, RNG state, layout, dataset position, …)."""

@@ -8,8 +8,12 @@ and the standard library. Runs inside the host's store server (the
 Order of work, per new shard of this host's devices:
 
 1. A shard kept whole (same device, or another device of this host, same
-   box) is hard-linked to the old file: no bytes are copied. (A store that
-   cannot link, see ``tenplex.store.contract``, gets it copied in step 2.)
+   box) is hard-linked to the old file: no bytes are copied. So is a shard
+   that one old shard of this host holds as a contiguous run of its bytes
+   (a dim-0 slab: what ZeRO and FSDP keep of a replica), as a slice row of
+   the linked file; slices of one change share files where replicas allow
+   (see ``_linkable``). (A store that cannot link, see
+   ``tenplex.store.contract``, gets them copied in step 2.)
 2. Every other ``"from": "old"`` region is written straight into the new
    shard's file (``ShardTarget``): from this host's old files (memory-mapped)
    without gRPC, or pulled from the source host by ``streams`` concurrent
@@ -91,6 +95,7 @@ class _Counters:
     done: int = 0
     kept: int = 0
     linked: int = 0
+    sliced: int = 0  # of linked
     local: int = 0
     remote: int = 0
     refetched: int = 0
@@ -100,7 +105,7 @@ class _Counters:
     def message(self, done: bool = False) -> TransformProgress:
         return TransformProgress(bytes_done=self.done, bytes_total=self.total, kept_bytes=self.kept,
                                  local_bytes=self.local, remote_bytes=self.remote, refetched_bytes=self.refetched,
-                                 linked_bytes=self.linked, done=done)
+                                 linked_bytes=self.linked, sliced_bytes=self.sliced, done=done)
 
     def add(self, nbytes: int, kind: str) -> None:
         """``nbytes`` more are in place, got there as ``kind`` (kept, linked, local, remote, refetched)."""
@@ -317,6 +322,7 @@ class _Work:
 
     targets: dict[ShardKey, ShardTarget] = field(default_factory=dict)
     linked: dict[ShardKey, ShardEntry] = field(default_factory=dict)  # fan-out sources that were hard-linked
+    sliced: set[str] = field(default_factory=set)  # old files that slices of this change link
     pulls: list[Pull] = field(default_factory=list)
     small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = field(default_factory=dict)  # source host -> regions
     fan_out: list[tuple[Transfer, ShardKey]] = field(default_factory=list)
@@ -336,7 +342,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer: S
     linking = (writer, reader) if isinstance(writer, LinkingWriter) and isinstance(reader, FileBackedReader) else None
     for key, fills in fills_of.items():
         _check_covered(key, fills)
-        if linking is None or not _link_whole(host, key, fills, new, *linking, work, counters):
+        if linking is None or not _link_kept(host, key, fills, new, *linking, work, counters):
             _queue_fills(host, key, fills, new, writer, sources, work, counters, cancelled)
     _queue_fan_out(work, reader)
     _queue_batches(work, sources, counters, cancelled)
@@ -380,15 +386,26 @@ def _check_covered(key: ShardKey, fills: list[Transfer]) -> None:
                              f"every new box must be covered exactly once")
 
 
-def _link_whole(host: str, key: ShardKey, fills: list[Transfer], new: Layout, writer: LinkingWriter,
-                reader: FileBackedReader, work: _Work, counters: _Counters) -> bool:
-    """Hard-link the shard when a whole old shard of this host fills it; True if done."""
-    entry = _linkable(host, fills, key[2], reader)
+def _link_kept(host: str, key: ShardKey, fills: list[Transfer], new: Layout, writer: LinkingWriter,
+               reader: FileBackedReader, work: _Work, counters: _Counters) -> bool:
+    """Hard-link the shard when one old shard of this host holds all of it, as a whole file or as a slice of one
+    (a contiguous run of its bytes); True if done."""
+    entry = _linkable(host, fills, key[2], reader, work.sliced)
     if entry is None:
         return False
-    writer.link(key[0], reader, entry)
+    try:
+        writer.link(key[0], reader, entry, key[2])  # a slice's bytes are verified first
+    except CorruptShard as e:
+        log.warning("host %s: not linking %s %s of %s: %s; copying it, from a replica if need be", host, key[1],
+                    key[2], key[0], e)
+        return False
+    nbytes = key[2].volume * new.tensors[key[1]].itemsize
+    if entry.box != key[2]:
+        work.sliced.add(entry.file)
+        with counters.lock:
+            counters.sliced += nbytes
     work.linked[key] = entry
-    counters.add(key[2].volume * new.tensors[key[1]].itemsize, "linked")
+    counters.add(nbytes, "linked")
     return True
 
 
@@ -550,19 +567,38 @@ def _batch_job(sources: _Sources, batch: list, holders: list[dict[str, str]], ad
     return run
 
 
-def _linkable(host: str, fills: list[Transfer], box: Box, reader: FileBackedReader) -> ShardEntry | None:
-    """The old shard entry to hard-link when one old-version transfer from this host fills the whole box
-    with a whole old shard of the same box; else None."""
+def _linkable(host: str, fills: list[Transfer], box: Box, reader: FileBackedReader,
+              sliced: set[str]) -> ShardEntry | None:
+    """The old shard to hard-link when one old-version transfer from this host fills the whole new ``box``: the
+    planned source's shard when its box is ``box``; else, for a slice, an old shard of this host of which ``box``
+    is one contiguous run of bytes. Any replica on this host holds the same bytes: one whose file other slices
+    already use (``sliced``) comes first, then the planned source's, so that a change which shards replicas
+    (ZeRO, FSDP) keeps one file per region and the old version's other files are freed with it. None otherwise."""
     if len(fills) != 1:
         return None
     t = fills[0]
-    if t.source != "old" or host_of(t.src) != host or t.box != box:
+    if t.source != "old" or host_of(t.src) != host or t.box != box or box.is_empty():
         return None
     try:
-        entry = reader.find(t.src, t.tensor, box)
+        planned = reader.find(t.src, t.tensor, box)
     except StoreError:
         return None
-    return entry if entry.box == box else None
+    if planned.box == box:
+        return planned
+    runs = [e for e in [planned] + _replicas_here(reader, t.src, t.tensor, box) if box.is_run_of(e.box)]
+    return next((e for e in runs if e.file in sliced), runs[0] if runs else None)
+
+
+def _replicas_here(reader: FileBackedReader, device: str, tensor: str, box: Box) -> list[ShardEntry]:
+    """The old shards of ``tensor`` containing ``box`` on this host's devices other than ``device``."""
+    found = []
+    for other in reader.devices():
+        if other != device:
+            try:
+                found.append(reader.find(other, tensor, box))
+            except StoreError:
+                pass
+    return found
 
 
 def _carry_json(host: str, request: TransformRequest, old: Layout, writer, reader: StoreReader | None,
