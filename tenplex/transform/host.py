@@ -342,7 +342,7 @@ def _stage(host: str, transfers, uninitialised: set[str], new: Layout, writer: S
     linking = (writer, reader) if isinstance(writer, LinkingWriter) and isinstance(reader, FileBackedReader) else None
     for key, fills in fills_of.items():
         _check_covered(key, fills)
-        if linking is None or not _link_kept(host, key, fills, new, *linking, work, counters):
+        if linking is None or not _link_kept(host, key, fills, new, *linking, sources, work, counters, cancelled):
             _queue_fills(host, key, fills, new, writer, sources, work, counters, cancelled)
     _queue_fan_out(work, reader)
     _queue_batches(work, sources, counters, cancelled)
@@ -387,25 +387,40 @@ def _check_covered(key: ShardKey, fills: list[Transfer]) -> None:
 
 
 def _link_kept(host: str, key: ShardKey, fills: list[Transfer], new: Layout, writer: LinkingWriter,
-               reader: FileBackedReader, work: _Work, counters: _Counters) -> bool:
-    """Hard-link the shard when one old shard of this host holds all of it, as a whole file or as a slice of one
-    (a contiguous run of its bytes); True if done."""
-    entry = _linkable(host, fills, key[2], reader, work.sliced)
+               reader: FileBackedReader, sources: _Sources, work: _Work, counters: _Counters,
+               cancelled: threading.Event) -> bool:
+    """Hard-link the shard when one old shard of this host holds all of it: a whole file now, a slice of one (a
+    contiguous run of its bytes, read once to verify it) by a local pull that runs alongside the others; True
+    if so. A fan-out copy may read the shard's regions from the old file from the start."""
+    device, tensor, box = key
+    entry = _linkable(host, fills, box, reader, work.sliced)
     if entry is None:
         return False
-    try:
-        writer.link(key[0], reader, entry, key[2])  # a slice's bytes are verified first
-    except CorruptShard as e:
-        log.warning("host %s: not linking %s %s of %s: %s; copying it, from a replica if need be", host, key[1],
-                    key[2], key[0], e)
-        return False
-    nbytes = key[2].volume * new.tensors[key[1]].itemsize
-    if entry.box != key[2]:
-        work.sliced.add(entry.file)
+    nbytes = box.volume * new.tensors[tensor].itemsize
+    work.linked[key] = entry
+    if entry.box == box:
+        writer.link(device, reader, entry)
+        counters.add(nbytes, "linked")
+        return True
+    work.sliced.add(entry.file)
+    spec = new.tensors[tensor]
+
+    def run(server: str) -> None:
+        if cancelled.is_set():
+            return
+        try:
+            writer.link(device, reader, entry, box)
+        except CorruptShard as e:  # nothing was linked: copy the region, from a replica where this one is damaged
+            log.warning("host %s: not linking %s %s of %s: %s; copying it instead", host, tensor, box, device, e)
+            target = writer.create(device, tensor, box, spec.dtype, spec.shape)
+            refetched = sources.read_with_fallback(fills[0].src, tensor, box, target)
+            counters.add(refetched, "refetched")
+            counters.add(nbytes - refetched, "kept" if fills[0].kept else "local")
+            return
         with counters.lock:
             counters.sliced += nbytes
-    work.linked[key] = entry
-    counters.add(nbytes, "linked")
+        counters.add(nbytes, "linked")
+    work.pulls.append(Pull(LOCAL, nbytes, run))
     return True
 
 
