@@ -129,6 +129,47 @@ def test_a_damaged_region_is_never_linked_and_later_damage_is_caught(tmp_path):
         data[BLOCK_ROWS:BLOCK_ROWS + 1].tobytes()
 
 
+def test_an_unaligned_slice_is_verified_in_one_pass_and_refused_when_damaged(tmp_path, monkeypatch):
+    """Every slice block of an unaligned slice is hashed: the stored blocks it straddles are read once each, in one
+    verified read; a damaged byte in them refuses the link and leaves nothing behind."""
+    from tenplex.store import shardfile
+
+    store, data = _old_version(tmp_path)
+    reader = store.open(1)
+    entry = reader.entries[0]
+    read = []
+    original = shardfile.ShardFile._pread
+    monkeypatch.setattr(shardfile.ShardFile, "_pread",
+                        lambda self, fd, view, offset: (read.append(view.nbytes), original(self, fd, view, offset)))
+    with store.begin(2) as w:
+        w.link("h0/0", reader, entry, _rows(100, 600))  # data bytes 400-2,400 KiB: stored blocks 0, 1 and 2
+        w.commit()
+    assert sum(read) == 3 * BLOCK_BYTES  # one pass: two slice blocks straddle stored block 1, read once
+    monkeypatch.undo()
+    flip_data_byte(reader.path / entry.file, 1100 * 1024)  # in stored block 1, inside the slice
+    with store.begin(3) as w:
+        with pytest.raises(CorruptShard, match="block 1"):
+            w.link("h0/0", reader, entry, _rows(100, 600))
+        assert not any(p.name.endswith(".safetensors") for p in w.dir.iterdir())
+        w.abort()
+    # version 2 shares the file: its checksums, from before the damage, catch it (slice byte 700 KiB: its block 0)
+    problems = store.open(2).verify()
+    assert len(problems) == 1 and "block 0 (data bytes 0-1048576)" in problems[0], problems
+    with pytest.raises(CorruptShard):
+        store.open(2).read("h0/0", "w", _rows(101, 102))
+
+
+def test_rows_without_block_checksums_are_not_sliced(tmp_path):
+    store, _ = _old_version(tmp_path)
+    reader = store.open(1)
+    legacy = ShardEntry.from_dict({k: v for k, v in reader.entries[0].to_dict().items()
+                                   if k not in ("blocks", "block_bytes")})
+    with store.begin(2) as w:
+        with pytest.raises(StoreError, match="no block checksums"):
+            w.link("h0/0", reader, legacy, _rows(0, BLOCK_ROWS))
+        w.abort()
+
+
 def test_a_truncated_or_mismatched_file_fails_the_slice_by_name(tmp_path):
     store, _ = _old_version(tmp_path)
     reader = _link(store, 2, 1, [("h0/0", _rows(BLOCK_ROWS, 2 * BLOCK_ROWS))])
@@ -166,7 +207,8 @@ def test_zero_change_links_every_shard_and_shares_one_file_per_region(tmp_path):
                                 "h0/1": [("m", (384, 0), (384, COLS)), ("b", (500,), (500,))]})
     roots, report = _zero_on(tmp_path, old, new)
     h0 = report["hosts"]["h0"]
-    assert h0["linked_bytes"] == h0["bytes_total"] == _stored(new) and h0["local_bytes"] == h0["kept_bytes"] == 0
+    assert h0["linked_bytes"] == h0["sliced_bytes"] == h0["bytes_total"] == _stored(new)
+    assert h0["local_bytes"] == h0["kept_bytes"] == 0
     store = Store(roots["h0"], "h0")
     old_files = {e.tensor: os.stat(store.open(1).path / e.file).st_ino for e in store.open(1).entries_of("h0/0")}
     reader = store.open(2)
@@ -190,4 +232,49 @@ def test_gpt_zero_and_fsdp_on_copy_nothing(tmp_path):
         _, report = _zero_on(tmp_path / sharding, old, new)
         h0 = report["hosts"]["h0"]
         assert h0["linked_bytes"] == h0["bytes_total"] == _stored(new), (sharding, h0)
+        # the replicated tensors (norms, biases: all of them under FSDP) are sliced, the others linked whole
+        sliced = sum(b.volume * new.tensors[t].itemsize for d, shards in new.devices.items() for t, b in
+                     ((s.tensor, s.box) for s in shards) if not any(o.box == b for o in old.devices[d]
+                                                                    if o.tensor == t))
+        assert h0["sliced_bytes"] == sliced > 0, (sharding, h0)
         assert h0["local_bytes"] == h0["remote_bytes"] == 0, (sharding, h0)
+
+
+def _two_replicas_split():
+    tensors = {"m": ((ROWS, COLS), "float32")}
+    old = tiny_layout(tensors, {d: [("m", (0, 0), (ROWS, COLS))] for d in ("h0/0", "h0/1")})
+    new = tiny_layout(tensors, {"h0/0": [("m", (0, 0), (384, COLS))], "h0/1": [("m", (384, 0), (384, COLS))]})
+    return old, new
+
+
+def test_a_damaged_slice_is_copied_from_a_replica_and_counted_so(tmp_path):
+    """h0/0's old file is damaged in its first block: h0/0's part (planned as a slice of it) is copied from h0/1's
+    replica instead; h0/1's part, from rows the damage does not touch, is still a slice of that same file."""
+    old, new = _two_replicas_split()
+    with Cluster(tmp_path, ["h0"]) as cluster:
+        arrays = random_globals(old)
+        write_version(cluster.roots, old, 1, arrays)
+        reader = Store(cluster.roots["h0"], "h0").open(1)
+        damaged = reader.entries_of("h0/0")[0].file
+        flip_data_byte(reader.path / damaged, 9)
+        report = transform(plan(old, new), old, new, cluster.addresses, 1, 2)
+        assert_version_matches(cluster.roots, new, 2, arrays)
+    h0, half = report["hosts"]["h0"], 384 * ROW_BYTES
+    assert (h0["refetched_bytes"], h0["linked_bytes"], h0["sliced_bytes"]) == (half, half, half), h0
+    rows = {e.device: e for e in Store(tmp_path / "h0", "h0").open(2).entries}
+    assert not rows["h0/0"].is_slice and rows["h0/1"].file_start == half
+    assert os.stat(tmp_path / "h0" / "versions" / "2" / rows["h0/1"].file).st_ino == \
+        os.stat(tmp_path / "h0" / "versions" / "1" / damaged).st_ino
+
+
+def test_a_missing_old_file_is_copied_from_a_replica(tmp_path):
+    old, new = _two_replicas_split()
+    with Cluster(tmp_path, ["h0"]) as cluster:
+        arrays = random_globals(old)
+        write_version(cluster.roots, old, 1, arrays)
+        reader = Store(cluster.roots["h0"], "h0").open(1)
+        os.unlink(reader.path / reader.entries_of("h0/0")[0].file)
+        report = transform(plan(old, new), old, new, cluster.addresses, 1, 2)
+        assert_version_matches(cluster.roots, new, 2, arrays)
+    h0 = report["hosts"]["h0"]
+    assert h0["linked_bytes"] == h0["sliced_bytes"] == 0 and h0["refetched_bytes"] == 384 * ROW_BYTES, h0

@@ -9,7 +9,8 @@ plans with ``tenplex.planner.plan`` and runs ``tenplex.transform.transform``
 (two-phase, committed) to version 2, which is then deleted again.
 
 Per change it prints the measured seconds and the bytes the stores actually
-moved in each category (linked = kept without copying), next to the plan's
+moved in each category (linked = without copying a byte: whole old files,
+and slices of them, ``measured_sliced_bytes``), next to the plan's
 statistics. Baselines from the same run: the time ``memcpy`` would need for
 the target bytes, the time one raw TCP socket would need for the inter-host
 bytes, and ``raw_socket_file_gbps``: one TCP socket from a file into a fresh,
@@ -140,6 +141,7 @@ def _row(name: str, old, the_plan, report: dict, baselines: dict[str, float]) ->
         "inter_host_lower_bound": stats.inter_host_lower_bound,
         "max_host_send_bytes": stats.max_host_send_bytes, "max_host_recv_bytes": stats.max_host_recv_bytes,
         "measured_linked_bytes": sum(h["linked_bytes"] for h in moved.values()),
+        "measured_sliced_bytes": sum(h["sliced_bytes"] for h in moved.values()),
         "measured_kept_copied_bytes": sum(h["kept_bytes"] for h in moved.values()),
         "measured_intra_host_bytes": sum(h["local_bytes"] for h in moved.values()),
         "measured_inter_host_bytes": sum(h["remote_bytes"] for h in moved.values()),

@@ -97,10 +97,13 @@ def plan_seconds(the_plan, old, new, cluster: Cluster) -> float:
     traffic = the_plan.host_traffic(itemsizes)
     busiest = max((max(sent, received) for sent, received in traffic.values()), default=0)
     new_shards = {(device, s.tensor, s.box) for device, s in new.iter_shards()}
+    held: dict[tuple[str, str], list] = {}  # (host, tensor) -> its old boxes there
+    for device, s in old.iter_shards():
+        held.setdefault((host_of(device), s.tensor), []).append(s.box)
     written: dict[str, int] = {}
     inter = local = 0
     for t in the_plan.transfers:
-        if not linked(t, old, new_shards):
+        if not linked(t, held, new_shards):
             nbytes = t.box.volume * itemsizes[t.tensor]
             written[host_of(t.dst)] = written.get(host_of(t.dst), 0) + nbytes
             if t.crosses_hosts:
@@ -111,13 +114,15 @@ def plan_seconds(the_plan, old, new, cluster: Cluster) -> float:
                inter / (cluster.fabric_gbps * 1e9) + local / (cluster.local_fabric_gbps * 1e9))
 
 
-def linked(t, old, new_shards: set) -> bool:
+def linked(t, held: dict, new_shards: set) -> bool:
     """Whether the transformer hard-links transfer ``t`` instead of writing its bytes: it alone fills a new shard
-    (``new_shards``: (device, tensor, box)), from an old shard of the same host of which it is the whole or one
-    contiguous run of bytes (a slice row)."""
+    (``new_shards``: (device, tensor, box)), from old shards on its own host (``held``: (host, tensor) -> old
+    boxes there) one of which it is whole or one contiguous run of bytes of (a slice row)."""
+    from ..devices import host_of
+
     if t.source != "old" or t.crosses_hosts or (t.dst, t.tensor, t.box) not in new_shards:
         return False
-    return any(s.tensor == t.tensor and t.box.is_run_of(s.box) for s in old.devices[t.src])
+    return any(t.box.is_run_of(box) for box in held.get((host_of(t.src), t.tensor), ()))
 
 
 def central_layout(old):

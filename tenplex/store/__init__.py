@@ -30,7 +30,7 @@ Local API (workers on the same host; no network)::
     store.abort(version); store.delete(version); store.gc(keep) -> deleted versions
     layout_from_manifests([manifest of every host]) -> Layout   # when no layout was recorded
 
-Every shard is a standard single-tensor safetensors file; the manifest
+Every shard file is a standard single-tensor safetensors file; the manifest
 (``tenplex.store.manifest/1``) lists device, tensor, box, dtype, global
 shape, file and checksums per shard (an xxh3 per 1 MiB block, see
 ``blocks``), and the version's JSON documents. A slice row (optional

@@ -4,7 +4,8 @@ May import: numpy, ``tenplex.dtypes``, ``tenplex.errors`` and the standard libra
 
 The file format is safetensors' own (8-byte little-endian header length, a
 JSON header, then the raw little-endian data), so ``safetensors.safe_open``
-reads every shard. We write it ourselves because the transformer must
+reads every shard file (a slice row's file holds the old shard it is part of:
+its manifest row says which bytes are the row's). We write it ourselves because the transformer must
 allocate a shard first and fill it region by region straight from the
 network, which the safetensors library cannot do. The header is padded with
 spaces so the data starts at a 64-byte boundary (aligned memory maps).

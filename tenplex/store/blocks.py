@@ -155,16 +155,23 @@ class BlockTally:
 
 def slice_digests(source, start: int, nbytes: int, block_bytes: int = BLOCK_BYTES) -> list[str]:
     """Block digests of data bytes [start, start + nbytes) of a stored shard, as the blocks of a shard of their own
-    (a slice row, ``VersionWriter.link``). ``source`` is the shard's ``shardfile.ShardFile``; every byte is read
-    and verified against its stored checksums (``CorruptShard`` otherwise), so a slice never carries damaged
-    bytes into a version. A block that is one stored block takes the stored digest; any other is hashed as it
-    is read."""
-    digests = []
-    verified: set[int] = set()  # source blocks checked once, however many slice blocks they straddle
-    for at in range(start, start + nbytes, block_bytes):
-        length = min(block_bytes, start + nbytes - at)
-        known = source.block_digest(at, length)
-        hasher = xxhash.xxh3_64() if known is None else None
-        source.read_into(at, None, length, verified=verified, digest=hasher)
-        digests.append(f"{known if hasher is None else hasher.intdigest():016x}")
-    return digests
+    (a slice row, ``VersionWriter.link``). ``source`` is the shard's ``shardfile.ShardFile`` (a row with block
+    checksums). The range is read once, in one verified read (``CorruptShard`` on damage): its bytes reach the
+    hashers only after their stored block was checked, so a slice never certifies unchecked bytes. A block that
+    is one stored block takes the stored digest; any other is hashed as it is read."""
+    count = -(-nbytes // block_bytes)
+    known = [source.block_digest(start + i * block_bytes, min(block_bytes, nbytes - i * block_bytes))
+             for i in range(count)]
+    hashers = {i: xxhash.xxh3_64() for i, digest in enumerate(known) if digest is None}
+
+    def feed(at: int, data: memoryview) -> None:
+        """Hash ``data`` (slice bytes from ``at``) into the slice blocks it covers that need hashing."""
+        while data.nbytes:
+            index = at // block_bytes
+            take = min(data.nbytes, (index + 1) * block_bytes - at)
+            if index in hashers:
+                hashers[index].update(data[:take])
+            at, data = at + take, data[take:]
+
+    source.read_into(start, None, nbytes, consume=feed if hashers else None)
+    return [f"{hashers[i].intdigest() if digest is None else digest:016x}" for i, digest in enumerate(known)]

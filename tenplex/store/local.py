@@ -11,7 +11,8 @@ that it keeps it. The store server and replication rely on it being POSIX (see t
 Directory layout under ``root``::
 
     versions/<N>/manifest.json        committed version N (tenplex.store.manifest/1)
-    versions/<N>/<part>/*.safetensors one file per (device, tensor, box) shard
+    versions/<N>/<part>/*.safetensors one file per (device, tensor, box) shard (a slice row's: a hard
+                                      link to the older shard file it is a run of)
     versions/<N>/<part>/json/*.json   version-level JSON documents
     staging/<N>/<part>/...            a version being written (invisible to readers)
     staging/<N>/<part>.part.json      a prepared (durable) part of a staged version

@@ -100,6 +100,11 @@ class ShardEntry:
     def is_slice(self) -> bool:
         return self.file_nbytes is not None
 
+    @property
+    def file_data_bytes(self) -> int:
+        """The data bytes of the row's file: its own, or for a slice those of the file it is part of."""
+        return self.nbytes if self.file_nbytes is None else self.file_nbytes
+
     def to_dict(self) -> dict:
         row: dict = {"device": self.device, "tensor": self.tensor, "offsets": list(self.box.offsets),
                "lengths": list(self.box.lengths), "dtype": self.dtype,

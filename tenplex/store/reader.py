@@ -20,7 +20,7 @@ import numpy as np
 
 from ._safetensors import c_span, c_strides
 from .shardfile import ShardFile
-from .manifest import LAYOUT_DOC, MANIFEST_FORMAT, NotFound, OutOfRange, ShardEntry
+from .manifest import LAYOUT_DOC, MANIFEST_FORMAT, CorruptShard, NotFound, OutOfRange, ShardEntry
 from ..box import Box
 from ..dtypes import itemsize, numpy_storage
 from ..errors import LayoutError, StoreError
@@ -124,7 +124,12 @@ class VersionReader:
         """Hard-link ``entry``'s file of exactly this version (opened through the version's directory) to ``dest``."""
         if self._dirfd < 0:
             raise StoreError(f"the reader of {self.path} is closed")
-        os.link(entry.file, dest, src_dir_fd=self._dirfd)
+        try:
+            os.link(entry.file, dest, src_dir_fd=self._dirfd)
+        except FileNotFoundError:
+            raise CorruptShard(f"version {self.version} on host {self.host}, device {entry.device}, tensor "
+                               f"{entry.tensor!r}: the file {self.path}/{entry.file} is gone (deleted from the "
+                               f"committed version)") from None
 
     def shard_file(self, entry: ShardEntry) -> ShardFile:
         """The verified reader of one stored shard (for callers that stream its bytes)."""

@@ -82,7 +82,7 @@ class ShardFile:
             except (ValueError, KeyError, TypeError) as e:
                 raise self._fail(f"unreadable safetensors header ({type(e).__name__}: {e})") from None
             entry = self.entry
-            expected = entry.nbytes if entry.file_nbytes is None else entry.file_nbytes
+            expected = entry.file_data_bytes
             if end - begin != expected:
                 raise self._fail(f"safetensors header declares {end - begin} data bytes, the manifest "
                                  f"{expected}" + (" (the file of this slice)" if entry.is_slice else ""))

@@ -178,6 +178,9 @@ class VersionWriter:
             rel, path = self._claim(device, entry.tensor, entry.box, entry.dtype, entry.shape)
             self._linked(path, device, entry, box, reader, lambda: replace(entry, device=device, file=rel))
             return
+        if entry.blocks is None:
+            raise StoreError(f"the shard of tensor {entry.tensor!r} stored for {entry.device} has no block checksums "
+                             f"(written by an older tenplex): copy its region {box} instead of linking a slice")
         if not box.is_run_of(entry.box):
             raise StoreError(f"region {box} of tensor {entry.tensor!r} is not one contiguous run of the shard "
                              f"{entry.box} stored for {entry.device}: it cannot be linked as a slice")
@@ -188,7 +191,7 @@ class VersionWriter:
             blocks = slice_digests(reader.shard_file(entry), start, nbytes)
             return replace(entry, device=device, box=box, file=rel, xxh3=root_digest(blocks), nbytes=nbytes,
                            block_bytes=BLOCK_BYTES, blocks=tuple(blocks), file_start=entry.file_start + start,
-                           file_nbytes=entry.nbytes if entry.file_nbytes is None else entry.file_nbytes)
+                           file_nbytes=entry.file_data_bytes)
         self._linked(path, device, entry, box, reader, row)
 
     def _linked(self, path: Path, device: str, entry: ShardEntry, box: Box, reader: FileBackedReader,

@@ -11,8 +11,10 @@ Order of work, per new shard of this host's devices:
    box) is hard-linked to the old file: no bytes are copied. So is a shard
    that one old shard of this host holds as a contiguous run of its bytes
    (a dim-0 slab: what ZeRO and FSDP keep of a replica), as a slice row of
-   the linked file; slices of one change share files where replicas allow
-   (see ``_linkable``). (A store that cannot link, see
+   the linked file, by a local pull of step 2 that first reads the run once
+   to verify it (a damaged run is copied instead, from a replica if need
+   be); slices of one change share files where replicas allow (see
+   ``_linkable``). (A store that cannot link, see
    ``tenplex.store.contract``, gets them copied in step 2.)
 2. Every other ``"from": "old"`` region is written straight into the new
    shard's file (``ShardTarget``): from this host's old files (memory-mapped)
@@ -27,7 +29,7 @@ Order of work, per new shard of this host's devices:
 3. ``"from": "new"`` regions (the local fan-out) are copied from the new
    shards that step 2 fills, by one more thread, each as soon as every byte
    of its source region has landed (``completion``): during the pulls, not
-   after them.
+   after them; from a linked shard (whole or slice), they read the old file.
 
 A local region that is one contiguous run of both the old and the new shard
 file goes from the verified read buffer straight into the new file. Every new
@@ -107,11 +109,14 @@ class _Counters:
                                  local_bytes=self.local, remote_bytes=self.remote, refetched_bytes=self.refetched,
                                  linked_bytes=self.linked, sliced_bytes=self.sliced, done=done)
 
-    def add(self, nbytes: int, kind: str) -> None:
-        """``nbytes`` more are in place, got there as ``kind`` (kept, linked, local, remote, refetched)."""
+    def add(self, nbytes: int, kind: str, sliced: bool = False) -> None:
+        """``nbytes`` more are in place, got there as ``kind`` (kept, linked, local, remote, refetched); ``sliced``:
+        linked as a slice (counted in ``sliced`` as well, under the same lock)."""
         with self.lock:
             self.done += nbytes
             setattr(self, kind, getattr(self, kind) + nbytes)
+            if sliced:
+                self.sliced += nbytes
             now = time.monotonic()
             if self.done - self._reported[0] >= PROGRESS_EVERY_BYTES or now - self._reported[1] >= PROGRESS_EVERY_S:
                 self._reported = (self.done, now)
@@ -321,7 +326,7 @@ class _Work:
     regions still to batch into pulls), the local fan-out, and the space reservations."""
 
     targets: dict[ShardKey, ShardTarget] = field(default_factory=dict)
-    linked: dict[ShardKey, ShardEntry] = field(default_factory=dict)  # fan-out sources that were hard-linked
+    linked: dict[ShardKey, ShardEntry] = field(default_factory=dict)  # new shards linked (or being linked, slices)
     sliced: set[str] = field(default_factory=set)  # old files that slices of this change link
     pulls: list[Pull] = field(default_factory=list)
     small: dict[str, list[tuple[str, str, Box, ShardTarget]]] = field(default_factory=dict)  # source host -> regions
@@ -397,29 +402,31 @@ def _link_kept(host: str, key: ShardKey, fills: list[Transfer], new: Layout, wri
     if entry is None:
         return False
     nbytes = box.volume * new.tensors[tensor].itemsize
-    work.linked[key] = entry
     if entry.box == box:
-        writer.link(device, reader, entry)
+        try:
+            writer.link(device, reader, entry)
+        except CorruptShard as e:  # the old file is gone: copy the shard, from a replica
+            log.warning("host %s: cannot link %s %s of %s: %s; copying it instead", host, tensor, box, device, e)
+            return False
+        work.linked[key] = entry
         counters.add(nbytes, "linked")
         return True
+    work.linked[key] = entry
     work.sliced.add(entry.file)
     spec = new.tensors[tensor]
+    kind = "kept" if fills[0].kept else "local"
 
     def run(server: str) -> None:
         if cancelled.is_set():
             return
         try:
             writer.link(device, reader, entry, box)
-        except CorruptShard as e:  # nothing was linked: copy the region, from a replica where this one is damaged
+        except (CorruptShard, OSError) as e:  # nothing was linked: copy the region, from a replica if need be
             log.warning("host %s: not linking %s %s of %s: %s; copying it instead", host, tensor, box, device, e)
             target = writer.create(device, tensor, box, spec.dtype, spec.shape)
-            refetched = sources.read_with_fallback(fills[0].src, tensor, box, target)
-            counters.add(refetched, "refetched")
-            counters.add(nbytes - refetched, "kept" if fills[0].kept else "local")
+            _job(sources, fills[0].src, {}, tensor, box, target, kind, counters.add, cancelled, work.completion)(server)
             return
-        with counters.lock:
-            counters.sliced += nbytes
-        counters.add(nbytes, "linked")
+        counters.add(nbytes, "linked", sliced=True)
     work.pulls.append(Pull(LOCAL, nbytes, run))
     return True
 
@@ -584,11 +591,12 @@ def _batch_job(sources: _Sources, batch: list, holders: list[dict[str, str]], ad
 
 def _linkable(host: str, fills: list[Transfer], box: Box, reader: FileBackedReader,
               sliced: set[str]) -> ShardEntry | None:
-    """The old shard to hard-link when one old-version transfer from this host fills the whole new ``box``: the
-    planned source's shard when its box is ``box``; else, for a slice, an old shard of this host of which ``box``
-    is one contiguous run of bytes. Any replica on this host holds the same bytes: one whose file other slices
-    already use (``sliced``) comes first, then the planned source's, so that a change which shards replicas
-    (ZeRO, FSDP) keeps one file per region and the old version's other files are freed with it. None otherwise."""
+    """The old shard to hard-link when one old-version transfer from this host fills the whole new ``box``: an old
+    shard of this host whose box is ``box`` (the planned source's first); else, for a slice, an old shard of this
+    host with block checksums of which ``box`` is one contiguous run of bytes. Any replica on this host holds the
+    same bytes: one whose file other slices already use (``sliced``) comes first, then the planned source's, so
+    that a change which shards replicas (ZeRO, FSDP) keeps one file per region and the old version's other files
+    are freed with it. None otherwise."""
     if len(fills) != 1:
         return None
     t = fills[0]
@@ -598,9 +606,13 @@ def _linkable(host: str, fills: list[Transfer], box: Box, reader: FileBackedRead
         planned = reader.find(t.src, t.tensor, box)
     except StoreError:
         return None
-    if planned.box == box:
+    if planned.box == box or (planned.file in sliced and planned.blocks is not None and box.is_run_of(planned.box)):
         return planned
-    runs = [e for e in [planned] + _replicas_here(reader, t.src, t.tensor, box) if box.is_run_of(e.box)]
+    replicas = [planned] + _replicas_here(reader, t.src, t.tensor, box)
+    whole = next((e for e in replicas if e.box == box), None)
+    if whole is not None:
+        return whole
+    runs = [e for e in replicas if e.blocks is not None and box.is_run_of(e.box)]
     return next((e for e in runs if e.file in sliced), runs[0] if runs else None)
 
 
