@@ -7,6 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from tenplex.box import Box, subtract_all, tile, union_volume
 from tenplex.errors import BoxError
+from tenplex.store._safetensors import c_strides
 
 SETTINGS = settings(max_examples=100, deadline=None)
 
@@ -98,19 +99,10 @@ def test_run_of_matches_the_c_order_positions_of_its_points(pair):
     if inner is None:
         assert not other.is_run_of(outer)
         return
-    positions = sorted(sum(((p - o) * step) for p, o, step in zip(point, outer.offsets, _c_steps(outer.lengths)))
-                       for point in cells(inner))
+    steps = c_strides(outer.lengths, 1)  # elements per step of each dimension, C order
+    positions = sorted(sum((p - o) * step for p, o, step in zip(point, outer.offsets, steps)) for point in cells(inner))
     consecutive = positions == list(range(positions[0], positions[0] + len(positions)))
     assert inner.is_run_of(outer) == consecutive, (outer, inner)
-
-
-def _c_steps(lengths):
-    """Elements per step of each dimension of a C-order array of ``lengths``."""
-    steps, step = [], 1
-    for n in reversed(lengths):
-        steps.append(step)
-        step *= n
-    return tuple(reversed(steps))
 
 
 def test_run_of_golden_cases():

@@ -398,7 +398,7 @@ def _link_kept(host: str, key: ShardKey, fills: list[Transfer], new: Layout, wri
     contiguous run of its bytes, read once to verify it) by a local pull that runs alongside the others; True
     if so. A fan-out copy may read the shard's regions from the old file from the start."""
     device, tensor, box = key
-    entry = _linkable(host, fills, box, reader, work.sliced)
+    entry = _linkable(host, fills, box, reader, sources.old, work.sliced)
     if entry is None:
         return False
     nbytes = box.volume * new.tensors[tensor].itemsize
@@ -589,7 +589,7 @@ def _batch_job(sources: _Sources, batch: list, holders: list[dict[str, str]], ad
     return run
 
 
-def _linkable(host: str, fills: list[Transfer], box: Box, reader: FileBackedReader,
+def _linkable(host: str, fills: list[Transfer], box: Box, reader: FileBackedReader, old: Layout,
               sliced: set[str]) -> ShardEntry | None:
     """The old shard to hard-link when one old-version transfer from this host fills the whole new ``box``: an old
     shard of this host whose box is ``box`` (the planned source's first); else, for a slice, an old shard of this
@@ -608,7 +608,7 @@ def _linkable(host: str, fills: list[Transfer], box: Box, reader: FileBackedRead
         return None
     if planned.box == box or (planned.file in sliced and planned.blocks is not None and box.is_run_of(planned.box)):
         return planned
-    replicas = [planned] + _replicas_here(reader, t.src, t.tensor, box)
+    replicas = [planned] + _replicas_here(host, reader, old, t.src, t.tensor, box)
     whole = next((e for e in replicas if e.box == box), None)
     if whole is not None:
         return whole
@@ -616,11 +616,13 @@ def _linkable(host: str, fills: list[Transfer], box: Box, reader: FileBackedRead
     return next((e for e in runs if e.file in sliced), runs[0] if runs else None)
 
 
-def _replicas_here(reader: FileBackedReader, device: str, tensor: str, box: Box) -> list[ShardEntry]:
-    """The old shards of ``tensor`` containing ``box`` on this host's devices other than ``device``."""
+def _replicas_here(host: str, reader: FileBackedReader, old: Layout, device: str, tensor: str,
+                   box: Box) -> list[ShardEntry]:
+    """The stored old shards of ``tensor`` containing ``box`` on this host's devices other than ``device``: the
+    old layout's index of the tensor says which devices hold one (as for replica fallback), the reader finds them."""
     found = []
-    for other in reader.devices():
-        if other != device:
+    for other, held in old.shards_of(tensor):
+        if other != device and host_of(other) == host and held.contains(box):
             try:
                 found.append(reader.find(other, tensor, box))
             except StoreError:
