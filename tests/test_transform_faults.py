@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import grpc
 import pytest
@@ -126,6 +127,37 @@ def test_destination_crash_between_prepare_and_commit(tmp_path):
         # a retry after the host came back succeeds
         transform(the_plan, old, new, cluster.addresses, 1, 2)
         assert_version_matches(cluster.roots, new, 2, arrays)
+
+
+def test_hosts_commit_at_once_and_one_failed_commit_takes_the_others_back():
+    """Phase 2 calls every host's commit concurrently (a barrier that all three must reach: one after the other,
+    the first would wait in vain); the host whose commit fails is aborted, the ones that committed delete."""
+    from tenplex.transform.coordinator import _commit_everywhere, _Outcome
+
+    barrier = threading.Barrier(3, timeout=10)
+    calls: list[tuple[str, str]] = []
+
+    class Client:
+        def __init__(self, host):
+            self.host = host
+
+        def commit(self, version):
+            barrier.wait()
+            calls.append((self.host, "commit"))
+            if self.host == "h1":
+                raise OSError("disk gone")
+
+        def delete(self, version):
+            calls.append((self.host, "delete"))
+
+        def abort(self, version):
+            calls.append((self.host, "abort"))
+
+    outcome = _Outcome()
+    _commit_everywhere({h: Client(h) for h in ("h0", "h1", "h2")}, ["h0", "h1", "h2"], 2, outcome)
+    assert sorted(outcome.failures) == ["h1"] and "disk gone" in str(outcome.failures["h1"])
+    assert sorted(calls) == [("h0", "commit"), ("h0", "delete"), ("h1", "abort"), ("h1", "commit"),
+                             ("h2", "commit"), ("h2", "delete")]
 
 
 _COORDINATOR = textwrap.dedent("""

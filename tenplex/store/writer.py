@@ -213,7 +213,7 @@ class VersionWriter:
         rel = f"{self.part}/json/{name}.json"
         path = self.staging / rel
         with open(path, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
+            f.write(json.dumps(doc, separators=(",", ":")))  # json.dump to a file encodes in Python: 3-4x slower
             f.flush()
             os.fsync(f.fileno())
         self._json[name] = rel

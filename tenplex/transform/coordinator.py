@@ -6,7 +6,7 @@ May import: ``tenplex.store`` (client and transformer types; never its protobuf)
 Phase 1: every destination host (a host of the new layout) stages and
 prepares the new version through its store's ``Transform`` RPC, pulling from
 the source hosts itself; all hosts run at once. Phase 2, only when every host
-prepared: every host commits. A failure in phase 1 aborts the staged version
+prepared: every host commits (all at once). A failure in phase 1 aborts the staged version
 everywhere; a failure in phase 2 deletes the new version from the hosts that
 had already committed it. Either way the old version is untouched and the
 raised :class:`TransformError` lists every failed host with its cause: the
@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from ..devices import host_of
@@ -38,6 +39,7 @@ from ..store.transformer import TransformProgress, TransformRequest
 
 Progress = Callable[[str, int, int], None]  # (host, bytes done, bytes total)
 log = logging.getLogger(__name__)
+_COMMIT_THREADS = 64  # concurrent commit calls
 
 
 def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[str, str], old_version: int,
@@ -177,15 +179,21 @@ def _prepare_everywhere(clients: dict[str, StoreClient], requests: dict[str, Tra
 
 def _commit_everywhere(clients: dict[str, StoreClient], destinations: list[str], version: int,
                        outcome: _Outcome) -> None:
-    """Phase 2: every host commits; when one fails, the hosts that committed already delete the version again
+    """Phase 2: every host commits, all at once (a commit syncs the host's directories: one after the other,
+    hundreds of hosts would take a second); when one fails, the hosts that committed delete the version again
     and the others abort it (a host where another transformation owns the version is left alone)."""
-    committed = []
-    for host in destinations:
+    def commit(host: str) -> bool:
         try:
             clients[host].commit(version)
-            committed.append(host)
+            return True
         except Exception as e:  # noqa: BLE001
             outcome.failed(host, e)
+            return False
+
+    with ThreadPoolExecutor(max_workers=min(_COMMIT_THREADS, len(destinations) or 1),
+                            thread_name_prefix="commit") as pool:
+        done = list(pool.map(commit, destinations))
+    committed = [host for host, ok in zip(destinations, done) if ok]
     if not outcome.failures:
         return
     for host in committed:  # nobody can have used the new version yet: take it back
