@@ -52,9 +52,11 @@ class VersionReader:
             raise
         self.manifest = doc
         self._by_device: dict[str, list[ShardEntry]] = {}
+        self._by_tensor: dict[tuple[str, str], list[ShardEntry]] = {}  # (device, tensor): find's index
         self._files: dict[str, ShardFile] = {}
         for entry in self.entries:
             self._by_device.setdefault(entry.device, []).append(entry)
+            self._by_tensor.setdefault((entry.device, entry.tensor), []).append(entry)
             self._files[entry.file] = ShardFile(entry, self._open, f"version {self.version} on host {self.host}, "
                                                 f"device {entry.device}, tensor {entry.tensor!r}, "
                                                 f"file {path}/{entry.file}")
@@ -99,7 +101,7 @@ class VersionReader:
 
     def find(self, device: str, tensor: str, box: Box) -> ShardEntry:
         """The stored shard of ``device`` whose box contains ``box``."""
-        candidates = [e for e in self._by_device.get(device, []) if e.tensor == tensor]
+        candidates = self._by_tensor.get((device, tensor), ())
         for e in candidates:
             if e.box.ndim == box.ndim and e.box.contains(box):
                 return e
