@@ -130,12 +130,18 @@ def test_destination_crash_between_prepare_and_commit(tmp_path):
 
 
 def test_hosts_commit_at_once_and_one_failed_commit_takes_the_others_back():
-    """Phase 2 calls every host's commit concurrently (a barrier that all three must reach: one after the other,
-    the first would wait in vain); the host whose commit fails is aborted, the ones that committed delete."""
+    """Phase 2 calls every host's commit concurrently (a barrier that all four must reach: one after the other,
+    the first would wait in vain). h1's commit fails: it is aborted and deleted (its commit may have landed),
+    h0 and h2 committed and are deleted (h2's delete fails: reported), h3 belongs to another transformation
+    (ALREADY_EXISTS) and is left alone."""
     from tenplex.transform.coordinator import _commit_everywhere, _Outcome
 
-    barrier = threading.Barrier(3, timeout=10)
+    hosts = ["h0", "h1", "h2", "h3"]
+    barrier = threading.Barrier(len(hosts), timeout=10)
     calls: list[tuple[str, str]] = []
+
+    class Taken(Exception):
+        code = grpc.StatusCode.ALREADY_EXISTS
 
     class Client:
         def __init__(self, host):
@@ -146,6 +152,41 @@ def test_hosts_commit_at_once_and_one_failed_commit_takes_the_others_back():
             calls.append((self.host, "commit"))
             if self.host == "h1":
                 raise OSError("disk gone")
+            if self.host == "h3":
+                raise Taken("version 2 exists")
+
+        def delete(self, version):
+            calls.append((self.host, "delete"))
+            if self.host == "h2":
+                raise OSError("store went away")
+
+        def abort(self, version):
+            calls.append((self.host, "abort"))
+
+    outcome = _Outcome()
+    _commit_everywhere({h: Client(h) for h in hosts}, hosts, 2, outcome)
+    assert sorted(outcome.failures) == ["h1", "h2", "h3"] and outcome.conflicts == {"h3"}
+    assert "disk gone" in str(outcome.failures["h1"])
+    assert "committed, and could not be rolled back: store went away" in str(outcome.failures["h2"])
+    assert sorted(calls) == [("h0", "commit"), ("h0", "delete"), ("h1", "abort"), ("h1", "commit"),
+                             ("h1", "delete"), ("h2", "commit"), ("h2", "delete"), ("h3", "commit")]
+
+
+def test_commits_that_cannot_all_run_are_rolled_back_before_the_error_is_raised(monkeypatch):
+    """An interrupt while the commits run: it is raised after the rollback; the host that committed deletes
+    again, the hosts whose commit was not confirmed abort and delete."""
+    from tenplex.transform import coordinator
+
+    calls: list[tuple[str, str]] = []
+
+    class Client:
+        def __init__(self, host):
+            self.host = host
+
+        def commit(self, version):
+            calls.append((self.host, "commit"))
+            if self.host == "h1":
+                raise KeyboardInterrupt
 
         def delete(self, version):
             calls.append((self.host, "delete"))
@@ -153,11 +194,15 @@ def test_hosts_commit_at_once_and_one_failed_commit_takes_the_others_back():
         def abort(self, version):
             calls.append((self.host, "abort"))
 
-    outcome = _Outcome()
-    _commit_everywhere({h: Client(h) for h in ("h0", "h1", "h2")}, ["h0", "h1", "h2"], 2, outcome)
-    assert sorted(outcome.failures) == ["h1"] and "disk gone" in str(outcome.failures["h1"])
-    assert sorted(calls) == [("h0", "commit"), ("h0", "delete"), ("h1", "abort"), ("h1", "commit"),
-                             ("h2", "commit"), ("h2", "delete")]
+    monkeypatch.setattr(coordinator, "_COMMIT_THREADS", 1)
+    outcome = coordinator._Outcome()
+    with pytest.raises(KeyboardInterrupt):
+        coordinator._commit_everywhere({h: Client(h) for h in ("h0", "h1", "h2")}, ["h0", "h1", "h2"], 2, outcome)
+    assert sorted(outcome.failures) == ["h1", "h2"]  # h2's commit was not confirmed when the interrupt came
+    assert [c for c in calls if c[0] == "h0"] == [("h0", "commit"), ("h0", "delete")]
+    for host in ("h1", "h2"):  # aborted, and deleted in case their commit landed (h2's ran in its thread)
+        assert (host, "abort") in calls and (host, "delete") in calls
+        assert calls.index((host, "delete")) > calls.index((host, "commit"))
 
 
 _COORDINATOR = textwrap.dedent("""

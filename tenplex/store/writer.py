@@ -212,8 +212,9 @@ class VersionWriter:
             raise StoreError(f"version {self.version} part {self.part} is {self._state}; it takes no more documents")
         rel = f"{self.part}/json/{name}.json"
         path = self.staging / rel
+        text = json.dumps(doc, separators=(",", ":"))  # json.dump to a file encodes in Python: 3-4x slower
         with open(path, "w") as f:
-            f.write(json.dumps(doc, separators=(",", ":")))  # json.dump to a file encodes in Python: 3-4x slower
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         self._json[name] = rel

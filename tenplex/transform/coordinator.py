@@ -6,7 +6,7 @@ May import: ``tenplex.store`` (client and transformer types; never its protobuf)
 Phase 1: every destination host (a host of the new layout) stages and
 prepares the new version through its store's ``Transform`` RPC, pulling from
 the source hosts itself; all hosts run at once. Phase 2, only when every host
-prepared: every host commits (all at once). A failure in phase 1 aborts the staged version
+prepared: every host commits (concurrently). A failure in phase 1 aborts the staged version
 everywhere; a failure in phase 2 deletes the new version from the hosts that
 had already committed it. Either way the old version is untouched and the
 raised :class:`TransformError` lists every failed host with its cause: the
@@ -179,9 +179,11 @@ def _prepare_everywhere(clients: dict[str, StoreClient], requests: dict[str, Tra
 
 def _commit_everywhere(clients: dict[str, StoreClient], destinations: list[str], version: int,
                        outcome: _Outcome) -> None:
-    """Phase 2: every host commits, all at once (a commit syncs the host's directories: one after the other,
-    hundreds of hosts would take a second); when one fails, the hosts that committed delete the version again
-    and the others abort it (a host where another transformation owns the version is left alone)."""
+    """Phase 2: every host commits, concurrently (up to ``_COMMIT_THREADS`` at a time: a commit syncs the host's
+    directories, and one after the other hundreds of hosts would take a second); when one fails, the hosts
+    that committed delete the version again and the others abort it and delete it too (a commit whose answer
+    was lost may have landed). A host where another transformation owns the version is left alone. When the
+    commits cannot all run (no thread, an interrupt), the same rollback happens before the error is raised."""
     def commit(host: str) -> bool:
         try:
             clients[host].commit(version)
@@ -190,19 +192,40 @@ def _commit_everywhere(clients: dict[str, StoreClient], destinations: list[str],
             outcome.failed(host, e)
             return False
 
-    with ThreadPoolExecutor(max_workers=min(_COMMIT_THREADS, len(destinations) or 1),
-                            thread_name_prefix="commit") as pool:
-        done = list(pool.map(commit, destinations))
-    committed = [host for host, ok in zip(destinations, done) if ok]
-    if not outcome.failures:
-        return
+    done: dict[str, bool] = {}
+    stopped: BaseException | None = None
+    try:
+        with ThreadPoolExecutor(max_workers=min(_COMMIT_THREADS, len(destinations) or 1),
+                                thread_name_prefix="commit") as pool:
+            futures = {host: pool.submit(commit, host) for host in destinations}
+            for host, future in futures.items():
+                done[host] = future.result()
+    except BaseException as e:  # noqa: BLE001 - rolled back below, then raised again
+        stopped = e
+        for host in destinations:
+            if host not in done and host not in outcome.failures:
+                outcome.failed(host, _caused(TransformError(f"commit not confirmed ({type(e).__name__}: {e})"), e))
+    committed = [host for host in destinations if done.get(host)]
+    if outcome.failures:
+        _roll_back(clients, destinations, committed, version, outcome)
+    if stopped is not None and not isinstance(stopped, Exception):
+        raise stopped
+
+
+def _roll_back(clients: dict[str, StoreClient], destinations: list[str], committed: list[str], version: int,
+               outcome: _Outcome) -> None:
     for host in committed:  # nobody can have used the new version yet: take it back
         try:
             clients[host].delete(version)
         except Exception as e:  # noqa: BLE001
             outcome.failures[host] = _caused(TransformError(f"committed, and could not be rolled back: {e}"), e)
-    _abort(clients, [h for h in destinations if h not in committed and h not in outcome.conflicts], version,
-           outcome.failures)
+    uncertain = [h for h in destinations if h not in committed and h not in outcome.conflicts]
+    _abort(clients, uncertain, version, outcome.failures)
+    for host in uncertain:  # a commit that failed on its way back (a deadline, a lost answer) may have landed
+        try:
+            clients[host].delete(version)
+        except Exception:  # noqa: BLE001 - its failure is recorded already; a dead host committed nothing new
+            pass
 
 
 class _Stopped(Exception):
