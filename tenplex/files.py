@@ -38,7 +38,7 @@ def dumps(doc: Any) -> bytes:
     return json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def loads(data: bytes) -> Any:
+def loads(data: bytes | str) -> Any:
     """Parse JSON; malformed input raises json.JSONDecodeError (orjson's error is a subclass of it)."""
     return orjson.loads(data) if orjson is not None else json.loads(data)
 

@@ -289,3 +289,32 @@ def test_many_regions_in_one_call(served):
             client.read_boxes_to(1, [(d, t, box, size, sink(0)) for d, t, box, size in regions[:2]] +
                                  [("h0/0", "w", Box((40, 0), (1, 1)), 4, sink(0))])
         assert info.value.code == grpc.StatusCode.OUT_OF_RANGE
+
+
+def test_a_transform_request_for_gpt3_175b_on_1024_devices_reaches_the_store(tmp_path):
+    """The request carries both whole layouts: 75 MB of JSON here, more than gRPC's default limits and the 65 MiB
+    the store allowed before. With an empty plan the store decodes it and refuses the plan itself, which shows
+    the request arrived whole (not RESOURCE_EXHAUSTED on the way)."""
+    from tenplex.gpt import gpt
+    from tenplex.parallel import ParallelConfig
+    from tenplex.ptc import layout
+    from tenplex.store import wire
+    from tenplex.transfer_plan import Plan, PlanStats
+    from tenplex.transform import TransformRequest
+
+    model = gpt(layers=96, hidden=12288, heads=96, vocab=50257, optimizer="adam")
+    old = layout(model, ParallelConfig.on_hosts(8, 8, 16, 128, 8))
+    new = layout(model, ParallelConfig.on_hosts(16, 8, 8, 128, 8))
+    proc = StoreProcess(tmp_path / "h0", "h0")
+    try:
+        request = TransformRequest(host="h0", old_version=1, new_version=2, plan=Plan((), PlanStats()),
+                                   old_layout=old, new_layout=new, peers={"h0": proc.address})
+        assert wire.to_pb_transform_request(request).ByteSize() > 70 << 20
+        with StoreClient(proc.address, timeout=300) as client:
+            with pytest.raises(RemoteStoreError) as info:
+                for _ in client.transform(request, timeout=300):
+                    pass
+        assert "plan covers 0 of" in str(info.value) and "RESOURCE_EXHAUSTED" not in str(info.value)
+        assert proc.alive()
+    finally:
+        proc.stop()

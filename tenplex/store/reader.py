@@ -1,7 +1,8 @@
 """Reading a committed version: manifest, verified shard regions, JSON documents, layouts.
 
-May import: numpy, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``, ``tenplex.layout``, this
-package's ``manifest``, ``shardfile`` and ``_safetensors`` (C-order byte spans), and the standard library.
+May import: numpy, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``, ``tenplex.layout``,
+``tenplex.files`` (its JSON codec), ``tenplex._gc``, this package's ``manifest``, ``shardfile`` and
+``_safetensors`` (C-order byte spans), and the standard library.
 
 A reader holds its version directory open (a directory descriptor) and opens
 every file relative to it, so it reads exactly the version it opened: after a
@@ -12,7 +13,6 @@ shard file open or mapped between reads, so deleting a version frees its space.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -21,7 +21,9 @@ import numpy as np
 from ._safetensors import c_span, c_strides
 from .shardfile import ShardFile
 from .manifest import LAYOUT_DOC, MANIFEST_FORMAT, CorruptShard, NotFound, OutOfRange, ShardEntry
+from .._gc import paused_gc
 from ..box import Box
+from ..files import loads as parse_json
 from ..dtypes import itemsize, numpy_storage
 from ..errors import LayoutError, StoreError
 from ..layout import Layout, from_dict as layout_from_dict
@@ -37,7 +39,7 @@ class VersionReader:
             st = os.fstat(self._dirfd)
             self.identity = (st.st_dev, st.st_ino)
             try:
-                doc = json.loads(self._read_text("manifest.json"))
+                doc = parse_json(self._read_text("manifest.json"))
                 if doc.get("format") != MANIFEST_FORMAT:
                     raise StoreError(f"expected format {MANIFEST_FORMAT!r}, found {doc.get('format')!r}")
                 self.version = int(doc["version"])
@@ -228,7 +230,7 @@ class VersionReader:
             raise NotFound(f"version {self.version} on host {self.host} has no JSON document {name!r}; "
                            f"it has: {self.json_names() or 'none'}")
         try:
-            return json.loads(self._read_text(rel))
+            return parse_json(self._read_text(rel))
         except ValueError as e:
             raise StoreError(f"JSON document {name!r} of version {self.version} on host {self.host} "
                              f"({self.path}/{rel}) is damaged: {e}") from None
@@ -236,7 +238,8 @@ class VersionReader:
     def layout(self) -> Layout:
         """The whole layout recorded with ``put_layout`` (or by the transformer)."""
         try:
-            return layout_from_dict(self.get_json(LAYOUT_DOC), source=f"{self.path}/{LAYOUT_DOC}")
+            with paused_gc():  # a whole 1,024-device layout is millions of small objects
+                return layout_from_dict(self.get_json(LAYOUT_DOC), source=f"{self.path}/{LAYOUT_DOC}")
         except StoreError:
             raise StoreError(f"version {self.version} on host {self.host} has no recorded layout; rebuild one from "
                              f"every host's manifest with tenplex.store.layout_from_manifests") from None

@@ -1,9 +1,10 @@
 """Staging one part of a version: shard files, JSON documents, prepare (durable), commit.
 
 May import: numpy, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``,
-``tenplex.layout``, this package's ``_safetensors``, ``blocks``, ``contract``, ``manifest`` and
-``target``, and the standard library. Not ``local``: the store hands a writer its staging
-directory and the function that publishes a version, so the two do not import each other.
+``tenplex.layout``, ``tenplex.files`` (its JSON codec), ``tenplex._gc``, this package's
+``_safetensors``, ``blocks``, ``contract``, ``manifest`` and ``target``, and the standard library. Not
+``local``: the store hands a writer its staging directory and the function that publishes a version, so the
+two do not import each other.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from .contract import FileBackedReader
 from .manifest import LAYOUT_DOC, PART_FORMAT, ShardEntry, check_name, fsync_dir, write_json_durable
 from .blocks import BLOCK_BYTES, block_digests, root_digest, slice_digests
 from .target import ShardTarget
+from .._gc import paused_gc
 from ..box import Box
 from ..dtypes import itemsize, numpy_storage
 from ..errors import StoreError
+from ..files import dumps as json_bytes
 from ..layout import Layout
 
 
@@ -212,16 +215,18 @@ class VersionWriter:
             raise StoreError(f"version {self.version} part {self.part} is {self._state}; it takes no more documents")
         rel = f"{self.part}/json/{name}.json"
         path = self.staging / rel
-        text = json.dumps(doc, separators=(",", ":"))  # json.dump to a file encodes in Python: 3-4x slower
-        with open(path, "w") as f:
-            f.write(text)
+        with paused_gc():  # a whole 1,024-device layout is millions of small objects
+            data = json_bytes(doc)  # compact; orjson when installed (``json.dump`` to a file encodes in Python)
+        with open(path, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         self._json[name] = rel
 
     def put_layout(self, layout: Layout) -> None:
         """Record the whole layout so that ``VersionReader.layout()`` can recover it."""
-        self.put_json(LAYOUT_DOC, layout.to_dict())
+        with paused_gc():  # a 1,024-device layout is millions of small objects
+            self.put_json(LAYOUT_DOC, layout.to_dict())
 
     def prepare(self) -> None:
         """Make this part durable (files synced, part manifest written); it can then be committed."""
