@@ -114,3 +114,20 @@ def test_plan_for_other_layouts_or_missing_stores_fail_before_touching_hosts(clu
     assert set(info.value.failures) == {"h1"} and isinstance(info.value.failures["h1"], ConfigError)
     assert "no store address for host h1" in str(info.value.failures["h1"]) and not info.value.retryable
     assert all(v + 1 not in Store(root, h).versions() for h, root in cluster.roots.items())
+
+
+def test_the_old_layout_document_is_not_carried_or_even_read(cluster):
+    """The new version records its own layout; the old one (tens of MB at 1,024 devices) is neither copied nor
+    fetched: with it damaged on every old host, the other documents still travel, locally and to a new host."""
+    old = gpt_layout(2, 2, 1, 2, 2)
+    new = gpt_layout(3, 2, 1, 3, 2)  # h2 is new: it fetches the documents from an old host
+    arrays = random_globals(old, seed=23)
+    v = next(_versions)
+    write_version(cluster.roots, old, v, arrays, docs={"step": {"step": v}})
+    for host in ("h0", "h1"):
+        reader = Store(cluster.roots[host], host).open(v)
+        (reader.path / reader.manifest["json"]["layout"]).write_text("{damaged")
+    transform(plan(old, new), old, new, cluster.addresses, v, v + 1)
+    assert_version_matches(cluster.roots, new, v + 1, arrays)  # includes each host's recorded (new) layout
+    for host in ("h0", "h1", "h2"):
+        assert Store(cluster.roots[host], host).open(v + 1).get_json("step") == {"step": v}

@@ -644,19 +644,19 @@ def _carry_json(host: str, request: TransformRequest, old: Layout, writer, reade
             if candidate == host:
                 if reader is None:
                     continue
-                docs = {name: reader.get_json(name) for name in reader.json_names()}
+                docs = {name: reader.get_json(name) for name in reader.json_names() if name != LAYOUT_DOC}
             else:
                 if candidate in sources.failed:
                     continue
                 client = sources.client(candidate)
                 names = sorted(client.manifest(request.old_version)["json"])
-                docs = {name: client.get_json(request.old_version, name) for name in names}
+                # not the old layout: the new version records its own, and a large one is tens of MB to fetch
+                docs = {name: client.get_json(request.old_version, name) for name in names if name != LAYOUT_DOC}
         except Exception as e:  # noqa: BLE001 - try the next host that held the old version
             causes.append(f"{candidate}: {e}")
             continue
         for name, doc in docs.items():
-            if name != LAYOUT_DOC:
-                writer.put_json(name, doc)
+            writer.put_json(name, doc)
         return
     if causes:
         raise TransformError(f"host {host}: could not read the JSON documents of version {request.old_version} "
