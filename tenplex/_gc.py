@@ -9,16 +9,29 @@ frees everything; only cycle detection waits until the block ends.
 from __future__ import annotations
 
 import gc
+import threading
 from contextlib import contextmanager
 from typing import Iterator
+
+_lock = threading.Lock()
+_pauses = 0  # blocks inside paused_gc now, in any thread
+_was_enabled = False  # whether the collector ran before the first of them
 
 
 @contextmanager
 def paused_gc() -> Iterator[None]:
-    was_enabled = gc.isenabled()
-    gc.disable()
+    """The collector is off inside; on again when the last block of any thread ends, if it was on before the
+    first began (gc.disable is process-wide: a store decodes requests in several threads at once)."""
+    global _pauses, _was_enabled
+    with _lock:
+        if _pauses == 0:
+            _was_enabled = gc.isenabled()
+            gc.disable()
+        _pauses += 1
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _lock:
+            _pauses -= 1
+            if _pauses == 0 and _was_enabled:
+                gc.enable()

@@ -276,3 +276,65 @@ def test_read_only_store_directory_gives_a_clear_error(tiny_tmpfs):
         store.begin(2)
     np.testing.assert_array_equal(Store(tiny_tmpfs / "s", "h0").open(1).read("h0/0", "w", Box((0,), (4,))),
                                   _arange((4,)))
+
+
+def test_json_documents_keep_infinity_nan_and_big_integers(tmp_path):
+    """What training state holds (a scheduler's best loss of inf, a numpy generator's 128-bit state) comes back as
+    it went in, also through a store server and from a document written as such before."""
+    import math
+
+    from store_helpers import StoreProcess
+    from tenplex.store.client import StoreClient
+
+    doc = {"best": math.inf, "worst": -math.inf, "nan": math.nan, "state": 2 ** 127 + 5}
+    store = Store(tmp_path / "s", "h0")
+    with store.begin(1) as w:
+        w.put_json("extra", doc)
+        w.commit()
+
+    def same(got):
+        assert got["best"] == math.inf and got["worst"] == -math.inf and math.isnan(got["nan"])
+        assert got["state"] == 2 ** 127 + 5 and isinstance(got["state"], int)
+
+    same(store.open(1).get_json("extra"))
+    reader = store.open(1)
+    (reader.path / reader.manifest["json"]["extra"]).write_text('{"best":Infinity,"worst":-Infinity,"nan":NaN,'
+                                                                f'"state":{2 ** 127 + 5}}}')
+    same(store.open(1).get_json("extra"))
+    proc = StoreProcess(tmp_path / "s", "h0")
+    try:
+        with StoreClient(proc.address, timeout=30) as client:
+            same(client.get_json(1, "extra"))
+    finally:
+        proc.stop()
+
+
+def test_paused_gc_turns_the_collector_back_on_only_after_the_last_pause_of_any_thread():
+    import gc
+    import threading
+
+    from tenplex._gc import paused_gc
+
+    assert gc.isenabled()
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        with paused_gc():
+            inside.set()
+            leave.wait(10)
+
+    thread = threading.Thread(target=other)
+    with paused_gc():
+        thread.start()
+        assert inside.wait(10)
+    assert not gc.isenabled()  # the other thread still pauses it
+    leave.set()
+    thread.join()
+    assert gc.isenabled()
+    gc.disable()  # a program that runs without the collector keeps it off
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -13,6 +13,7 @@ shard file open or mapped between reads, so deleting a version frees its space.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -39,7 +40,7 @@ class VersionReader:
             st = os.fstat(self._dirfd)
             self.identity = (st.st_dev, st.st_ino)
             try:
-                doc = parse_json(self._read_text("manifest.json"))
+                doc = parse_json(self._read_bytes("manifest.json"))
                 if doc.get("format") != MANIFEST_FORMAT:
                     raise StoreError(f"expected format {MANIFEST_FORMAT!r}, found {doc.get('format')!r}")
                 self.version = int(doc["version"])
@@ -68,10 +69,10 @@ class VersionReader:
             raise StoreError(f"the reader of {self.path} is closed")
         return os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._dirfd)
 
-    def _read_text(self, name: str) -> str:
+    def _read_bytes(self, name: str) -> bytes:
         fd = self._open(name)
         with os.fdopen(fd, "rb") as f:
-            return f.read().decode()
+            return f.read()
 
     def current(self) -> bool:
         """Whether ``path`` still is the version directory this reader opened (not deleted or re-committed)."""
@@ -225,12 +226,16 @@ class VersionReader:
         return sorted(self.manifest["json"])
 
     def get_json(self, name: str):
+        """A JSON document, read with the json module (it may hold Infinity, NaN or integers beyond 64 bits)."""
+        return self._document(name, json.loads)
+
+    def _document(self, name: str, parse):
         rel = self.manifest["json"].get(name)
         if rel is None:
             raise NotFound(f"version {self.version} on host {self.host} has no JSON document {name!r}; "
                            f"it has: {self.json_names() or 'none'}")
         try:
-            return parse_json(self._read_text(rel))
+            return parse(self._read_bytes(rel))
         except ValueError as e:
             raise StoreError(f"JSON document {name!r} of version {self.version} on host {self.host} "
                              f"({self.path}/{rel}) is damaged: {e}") from None
@@ -238,8 +243,8 @@ class VersionReader:
     def layout(self) -> Layout:
         """The whole layout recorded with ``put_layout`` (or by the transformer)."""
         try:
-            with paused_gc():  # a whole 1,024-device layout is millions of small objects
-                return layout_from_dict(self.get_json(LAYOUT_DOC), source=f"{self.path}/{LAYOUT_DOC}")
+            with paused_gc():  # a whole 1,024-device layout is millions of small objects (only str and int: orjson)
+                return layout_from_dict(self._document(LAYOUT_DOC, parse_json), source=f"{self.path}/{LAYOUT_DOC}")
         except StoreError:
             raise StoreError(f"version {self.version} on host {self.host} has no recorded layout; rebuild one from "
                              f"every host's manifest with tenplex.store.layout_from_manifests") from None

@@ -210,23 +210,26 @@ class VersionWriter:
 
     def put_json(self, name: str, doc) -> None:
         """A version-level JSON document (step, RNG state, layout, dataset position, …)."""
+        # the json module, not orjson: documents may hold Infinity, NaN or integers beyond 64 bits (a scheduler's
+        # best loss, a numpy generator's state); compact, in one shot (``json.dump`` to a file encodes in Python)
+        self._write_json(name, json.dumps(doc, separators=(",", ":")).encode())
+
+    def put_layout(self, layout: Layout) -> None:
+        """Record the whole layout so that ``VersionReader.layout()`` can recover it. A layout holds only
+        strings and integers, so it takes the fast codec (orjson when installed; 50 MB for 1,024 devices)."""
+        with paused_gc():  # a 1,024-device layout is millions of small objects
+            self._write_json(LAYOUT_DOC, json_bytes(layout.to_dict()))
+
+    def _write_json(self, name: str, data: bytes) -> None:
         check_name("JSON document", name)
         if self._state != "open":
             raise StoreError(f"version {self.version} part {self.part} is {self._state}; it takes no more documents")
         rel = f"{self.part}/json/{name}.json"
-        path = self.staging / rel
-        with paused_gc():  # a whole 1,024-device layout is millions of small objects
-            data = json_bytes(doc)  # compact; orjson when installed (``json.dump`` to a file encodes in Python)
-        with open(path, "wb") as f:
+        with open(self.staging / rel, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         self._json[name] = rel
-
-    def put_layout(self, layout: Layout) -> None:
-        """Record the whole layout so that ``VersionReader.layout()`` can recover it."""
-        with paused_gc():  # a 1,024-device layout is millions of small objects
-            self.put_json(LAYOUT_DOC, layout.to_dict())
 
     def prepare(self) -> None:
         """Make this part durable (files synced, part manifest written); it can then be committed."""
