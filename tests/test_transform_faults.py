@@ -172,6 +172,34 @@ def test_hosts_commit_at_once_and_one_failed_commit_takes_the_others_back():
                              ("h1", "delete"), ("h2", "commit"), ("h2", "delete"), ("h3", "commit")]
 
 
+def test_a_host_that_does_not_answer_the_abort_is_not_asked_to_delete():
+    """A dead or cut-off host would not answer the delete either: the rollback does not wait on it twice."""
+    from tenplex.transform.coordinator import _commit_everywhere, _Outcome
+
+    calls: list[tuple[str, str]] = []
+
+    class Client:
+        def __init__(self, host):
+            self.host = host
+
+        def commit(self, version):
+            calls.append((self.host, "commit"))
+            if self.host == "h1":
+                raise OSError("no answer")
+
+        def delete(self, version):
+            calls.append((self.host, "delete"))
+
+        def abort(self, version):
+            calls.append((self.host, "abort"))
+            if self.host == "h1":
+                raise OSError("no answer")
+
+    outcome = _Outcome()
+    _commit_everywhere({h: Client(h) for h in ("h0", "h1")}, ["h0", "h1"], 2, outcome)
+    assert sorted(calls) == [("h0", "commit"), ("h0", "delete"), ("h1", "abort"), ("h1", "commit")]
+
+
 def test_commits_that_cannot_all_run_are_rolled_back_before_the_error_is_raised(monkeypatch):
     """An interrupt while the commits run: it is raised after the rollback; the host that committed deletes
     again, the hosts whose commit was not confirmed abort and delete."""

@@ -196,14 +196,14 @@ def _layout_json(layout: Layout) -> bytes:
     share one hold of the lock: the per-host requests are encoded by threads that start together, and each
     would otherwise miss and encode the same layout again."""
     with _recent_lock:
-        for known, text in _recent_layouts:
+        for known, data in _recent_layouts:
             if known is layout:
-                return text
+                return data
         with paused_gc():  # millions of small objects: the collector would walk them again and again
-            text = json_bytes(layout.to_dict())
-        _recent_layouts.append((layout, text))
+            data = json_bytes(layout.to_dict())
+        _recent_layouts.append((layout, data))
         del _recent_layouts[:-4]
-        return text
+        return data
 
 
 def from_pb_transform_request(msg: pb.TransformRequest, host: str) -> TransformRequest:

@@ -220,11 +220,12 @@ def _roll_back(clients: dict[str, StoreClient], destinations: list[str], committ
         except Exception as e:  # noqa: BLE001
             outcome.failures[host] = _caused(TransformError(f"committed, and could not be rolled back: {e}"), e)
     uncertain = [h for h in destinations if h not in committed and h not in outcome.conflicts]
-    _abort(clients, uncertain, version, outcome.failures)
-    for host in uncertain:  # a commit that failed on its way back (a deadline, a lost answer) may have landed
+    # a commit that failed on its way back (a deadline, a lost answer) may have landed: a host that answers the
+    # abort is asked to delete as well (one that does not would not answer that either: no second wait on it)
+    for host in _abort(clients, uncertain, version, outcome.failures):
         try:
             clients[host].delete(version)
-        except Exception:  # noqa: BLE001 - its failure is recorded already; a dead host committed nothing new
+        except Exception:  # noqa: BLE001 - its failure is recorded already
             pass
 
 
@@ -233,13 +234,17 @@ class _Stopped(Exception):
 
 
 def _abort(clients: dict[str, StoreClient], hosts: list[str], version: int,
-           failures: dict[str, BaseException]) -> None:
+           failures: dict[str, BaseException]) -> list[str]:
+    """Abort the staged version on ``hosts``; the hosts that answered."""
+    answered = []
     for host in hosts:
         try:
             clients[host].abort(version)
+            answered.append(host)
         except Exception as e:  # noqa: BLE001 - its staged files stay invisible; gc removes them
             if host not in failures:
                 failures[host] = _caused(TransformError(f"abort failed (staged data stays invisible until gc): {e}"), e)
+    return answered
 
 
 def _caused(error: TransformError, cause: BaseException) -> TransformError:

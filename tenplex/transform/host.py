@@ -401,7 +401,8 @@ def _link_kept(host: str, key: ShardKey, fills: list[Transfer], new: Layout, wri
     entry = _linkable(host, fills, box, reader, sources.old, work.sliced)
     if entry is None:
         return False
-    nbytes = box.volume * new.tensors[tensor].itemsize
+    spec = new.tensors[tensor]
+    nbytes = box.volume * spec.itemsize
     if entry.box == box:
         try:
             writer.link(device, reader, entry)
@@ -413,7 +414,6 @@ def _link_kept(host: str, key: ShardKey, fills: list[Transfer], new: Layout, wri
         return True
     work.linked[key] = entry
     work.sliced.add(entry.file)
-    spec = new.tensors[tensor]
     kind = "kept" if fills[0].kept else "local"
 
     def run(server: str) -> None:
@@ -606,13 +606,17 @@ def _linkable(host: str, fills: list[Transfer], box: Box, reader: FileBackedRead
         planned = reader.find(t.src, t.tensor, box)
     except StoreError:
         return None
-    if planned.box == box or (planned.file in sliced and planned.blocks is not None and box.is_run_of(planned.box)):
-        return planned
+
+    def sliceable(entry: ShardEntry) -> bool:  # block checksums, and ``box`` one contiguous run of its bytes
+        return entry.blocks is not None and box.is_run_of(entry.box)
+
+    if planned.box == box or (planned.file in sliced and sliceable(planned)):
+        return planned  # without looking for replicas
     replicas = [planned] + _replicas_here(host, reader, old, t.src, t.tensor, box)
     whole = next((e for e in replicas if e.box == box), None)
     if whole is not None:
         return whole
-    runs = [e for e in replicas if e.blocks is not None and box.is_run_of(e.box)]
+    runs = [e for e in replicas if sliceable(e)]
     return next((e for e in runs if e.file in sliced), runs[0] if runs else None)
 
 
