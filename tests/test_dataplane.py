@@ -4,6 +4,7 @@ tokens, corrupted frames, dying and hanging sources, TLS falling back to gRPC, t
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -23,7 +24,8 @@ from tenplex.store.client import ChecksumError, RemoteStoreError, StoreClient
 from tenplex.store.dataplane import DataConnection, DataPlaneError
 from tenplex.transform import transform
 
-from store_helpers import StoreProcess, assert_version_matches, random_globals, tiny_layout, write_version
+from store_helpers import (StoreProcess, assert_version_matches, flip_data_byte, random_globals, tiny_layout,
+                           write_version)
 
 SHAPE = (64, 48)
 
@@ -133,8 +135,8 @@ def test_frames_of_one_stored_block_carry_the_committed_digest(tmp_path, monkeyp
     stored = ShardFile.block_digest
     monkeypatch.setattr(ShardFile, "block_digest", lambda self, start, length: None if stored(self, start, length)
                         is None else stored(self, start, length) ^ 1)
-    read = []  # bytes the server reads from the shard file: each once (the first frame is checked before "ok"
-    pread = ShardFile._pread  # and then sent from memory, not read again)
+    read = []  # bytes the server reads from the shard file
+    pread = ShardFile._pread
     monkeypatch.setattr(ShardFile, "_pread", lambda self, fd, view, offset: (read.append(view.nbytes),
                                                                               pread(self, fd, view, offset))[1])
     server = DataServer("127.0.0.1", lambda version: store.open(version), lambda e: ("INTERNAL", str(e)))
@@ -142,11 +144,141 @@ def test_frames_of_one_stored_block_carry_the_committed_digest(tmp_path, monkeyp
     try:
         whole, bad = _frames(conn, data, BLOCK_BYTES)
         assert whole == [] and [b.lengths[0] for b in bad] == [256, 256, 128]
-        assert sum(read) == data.nbytes
+        assert sum(read) == 0  # whole stored blocks leave unread (sendfile): the client checks them
         halves, bad = _frames(conn, data, BLOCK_BYTES // 2)  # the fifth half is the whole (short) last block
         assert len(halves) == 4 and bad == [Box((512, 0), (128, 1024))]
+        # the halves are read: a block whole with its first half (to verify it), its second half again; the last
+        # block not at all
+        assert read == [BLOCK_BYTES, BLOCK_BYTES // 2] * 2
+        # asked to verify (a re-fetch), the server reads every byte once (the first frame is checked before "ok",
+        # then sent from memory) and its bad digests now go out as they are: the frames arrive "corrupted" still
+        read.clear()
+        got, bad = conn.read(1, "h0/0", "x", Box((0, 0), data.shape), 4, BLOCK_BYTES, sink=lambda *a: None,
+                             verify=True)
+        assert got == 0 and [b.lengths[0] for b in bad] == [256, 256, 128] and sum(read) == data.nbytes
     finally:
         conn.close()
+        server.close()
+
+
+def test_frames_are_cut_on_the_stored_blocks_and_whole_blocks_leave_unread(tmp_path, monkeypatch):
+    """A box that starts inside a stored block (rows 100-639: 100 rows = 400 KiB into block 0) is cut on the
+    shard's blocks for a client that asks (``align``): a first frame up to the block's end (read, verified,
+    hashed), then whole blocks with their committed digests, sent from the file unread. A client that does not
+    ask gets frames cut from the box's start, as before."""
+    from tenplex.store import dataplane
+    from tenplex.store.blocks import BLOCK_BYTES
+    from tenplex.store.dataplane import DataServer, _recv_json, _send_json
+    from tenplex.store.shardfile import ShardFile
+
+    store, data = _store_of_three_blocks(tmp_path / "h0")
+    blocks = [int(b, 16) for b in store.open(1).manifest["shards"][0]["blocks"]]
+    read, sent = [], []
+    pread = ShardFile._pread
+    monkeypatch.setattr(ShardFile, "_pread", lambda self, fd, view, offset: (read.append(view.nbytes),
+                                                                              pread(self, fd, view, offset))[1])
+    send_file = dataplane._send_file
+    monkeypatch.setattr(dataplane, "_send_file", lambda conn, fd, offset, count, where: (
+        sent.append(count), send_file(conn, fd, offset, count, where))[1])
+    server = DataServer("127.0.0.1", lambda version: store.open(version), lambda e: ("INTERNAL", str(e)))
+    conn = DataConnection("127.0.0.1", server.port, None, timeout=30)
+    box = Box((100, 0), (540, 1024))
+    try:
+        frames: list = []
+        got, bad = conn.read(1, "h0/0", "x", box, 4, BLOCK_BYTES,
+                             sink=lambda sub, view, digest: frames.append((sub, bytes(view), digest)))
+        assert got == box.volume * 4 and bad == []
+        assert [(sub.offsets[0], sub.lengths[0]) for sub, _, _ in frames] == [(100, 156), (256, 256), (512, 128)]
+        assert [digest for *_, digest in frames[1:]] == blocks[1:]  # the committed digests
+        assert b"".join(view for _, view, _ in frames) == data[100:].tobytes()
+        assert read == [BLOCK_BYTES] and sent == [BLOCK_BYTES, BLOCK_BYTES // 2]
+        # a client from before (no "align"): frames from the box's start, each read and hashed
+        raw = socket.create_connection(("127.0.0.1", server.port))
+        try:
+            assert _recv_json(raw)["tenplex_data"] == 1
+            _send_json(raw, {"v": 1, "auth": "", "version": 1, "device": "h0/0", "tensor": "x", "frame_bytes":
+                             BLOCK_BYTES, "box": {"offsets": list(box.offsets), "lengths": list(box.lengths)}})
+            reply = _recv_json(raw)
+            assert reply["ok"] and reply["lead"] == 0
+            sizes = []
+            for _ in range(3):
+                head = bytearray(16)
+                _recv_exact_into(raw, head)
+                (nbytes, _), body = struct.unpack("<QQ", head), bytearray(struct.unpack("<QQ", head)[0])
+                _recv_exact_into(raw, body)
+                sizes.append(nbytes)
+            assert sizes == [BLOCK_BYTES, BLOCK_BYTES, 540 * 4096 - 2 * BLOCK_BYTES]
+        finally:
+            raw.close()
+    finally:
+        conn.close()
+        server.close()
+
+
+def _recv_exact_into(sock: socket.socket, buffer: bytearray) -> None:
+    view = memoryview(buffer)
+    while view.nbytes:
+        n = sock.recv_into(view)
+        assert n, "the server closed the connection"
+        view = view[n:]
+
+
+def test_a_damaged_block_sent_unread_is_caught_by_the_client_and_named_by_the_refetch(tmp_path):
+    """Damage on the source's disk in a whole-block frame: the server sends the block unread, the client's check
+    against the committed digest fails, and its re-fetch asks the server to verify, which names the block
+    (DATA_LOSS) instead of the client giving up on "arrived corrupted" after every retry."""
+    from tenplex.store.blocks import BLOCK_BYTES
+
+    store, data = _store_of_three_blocks(tmp_path / "h0")
+    reader = store.open(1)
+    flip_data_byte(reader.path / reader.entries[0].file, BLOCK_BYTES + 77)  # in block 1
+    proc = StoreProcess(tmp_path / "h0", "h0")
+    try:
+        with StoreClient(proc.address, data_plane_min_bytes=0) as client:
+            np.testing.assert_array_equal(client.read_box(1, "h0/0", "x", Box((0, 0), (256, 1024)), "float32"),
+                                          data[:256])  # block 0 is sound
+            with pytest.raises(RemoteStoreError) as info:
+                client.read_box(1, "h0/0", "x", Box((0, 0), data.shape), "float32")
+            assert info.value.code == grpc.StatusCode.DATA_LOSS and "block 1" in str(info.value)
+            assert "data-plane" in str(info.value)
+    finally:
+        proc.stop()
+
+
+def test_a_file_cut_short_while_being_sent_ends_the_read_not_silently(tmp_path, monkeypatch):
+    """The file passed its size check, then lost its end before the kernel sent it: the server ends the connection
+    (the frame's header is out), the client's read fails (UNAVAILABLE), and the next read of it gets a plain
+    DATA_LOSS reply naming the truncation."""
+    from tenplex.store.blocks import BLOCK_BYTES
+    from tenplex.store.dataplane import DataPool, DataServer
+    from tenplex.store.shardfile import ShardFile
+
+    store, data = _store_of_three_blocks(tmp_path / "h0")
+    path = store.open(1).path / store.open(1).entries[0].file
+    opened = ShardFile.open_checked
+
+    def open_then_cut(self):
+        result = opened(self)
+        monkeypatch.setattr(ShardFile, "open_checked", opened)  # once
+        os.truncate(path, path.stat().st_size - BLOCK_BYTES)
+        return result
+
+    monkeypatch.setattr(ShardFile, "open_checked", open_then_cut)
+    server = DataServer("127.0.0.1", lambda version: store.open(version), lambda e: (
+        "DATA_LOSS" if type(e).__name__ == "CorruptShard" else "INTERNAL", str(e)))
+    pool = DataPool("127.0.0.1", server.port, None, timeout=30)
+    frames: list = []
+    try:
+        with pytest.raises(DataPlaneError) as info:
+            pool.read(1, "h0/0", "x", Box((0, 0), data.shape), 4, BLOCK_BYTES,
+                      sink=lambda sub, view, digest: frames.append(sub))
+        assert info.value.code == "UNAVAILABLE" and "mid-transfer" in str(info.value)
+        assert [sub.lengths[0] for sub in frames] == [256]  # the first block arrived whole and checked
+        with pytest.raises(DataPlaneError) as info:
+            pool.read(1, "h0/0", "x", Box((0, 0), data.shape), 4, BLOCK_BYTES, sink=lambda *a: None)
+        assert info.value.code == "DATA_LOSS" and "truncated" in str(info.value)
+    finally:
+        pool.close()
         server.close()
 
 

@@ -52,10 +52,10 @@ def test_hand_framed_chunk_is_standard_protobuf(data, offsets, digest):
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 6)), min_size=0, max_size=4),
-       st.sampled_from([1, 2, 4, 8]), st.integers(1, 400))
-def test_split_box_covers_the_box_exactly_in_small_chunks(dims, itemsize, max_bytes):
+       st.sampled_from([1, 2, 4, 8]), st.integers(1, 400), st.integers(0, 400))
+def test_split_box_covers_the_box_exactly_in_small_chunks(dims, itemsize, max_bytes, lead):
     box = Box(tuple(d[0] for d in dims), tuple(d[1] for d in dims))
-    pieces = list(wire.split_box(box, itemsize, max_bytes))
+    pieces = list(wire.split_box(box, itemsize, max_bytes, lead))
     assert all(box.contains(p) for p in pieces)
     assert all(p.volume * itemsize <= max_bytes or p.volume == 1 for p in pieces)
     if box.volume:
@@ -65,3 +65,21 @@ def test_split_box_covers_the_box_exactly_in_small_chunks(dims, itemsize, max_by
         assert (marks == 1).all()  # every element exactly once: disjoint and complete
     else:
         assert pieces == [box]
+    firsts = [np.ravel_multi_index(p.local(box).offsets, box.lengths) for p in pieces if p.volume]
+    assert firsts == sorted(firsts)  # in C order: a reader places them one after the other
+
+
+def test_split_box_lead_puts_frame_ends_on_the_grid():
+    """Rows of 16 bytes, cells of 64 (4 rows): a run whose first byte is 48 bytes into a cell starts with one
+    row, then whole cells; a lead that is no whole number of rows, or a box of several runs, is cut as before."""
+    rows = lambda pieces: [(p.offsets[0], p.lengths[0]) for p in pieces]  # noqa: E731
+    box = Box((10, 0), (11, 4))
+    assert rows(wire.split_box(box, 4, 64)) == [(10, 4), (14, 4), (18, 3)]
+    assert rows(wire.split_box(box, 4, 64, lead=48)) == [(10, 1), (11, 4), (15, 4), (19, 2)]
+    assert rows(wire.split_box(box, 4, 64, lead=64 + 48)) == [(10, 1), (11, 4), (15, 4), (19, 2)]
+    assert rows(wire.split_box(box, 4, 64, lead=40)) == [(10, 4), (14, 4), (18, 3)]  # 2.5 rows: no grid
+    assert rows(wire.split_box(box, 4, 60, lead=48)) == [(10, 3), (13, 3), (16, 3), (19, 2)]  # 3.75 rows a cell
+    several = Box((0, 0, 0), (2, 11, 4))  # two runs of rows (dimension 0 has length 2)
+    assert [(p.offsets[:2], p.lengths[1]) for p in wire.split_box(several, 4, 64, lead=48)] == \
+        [((0, 0), 4), ((0, 4), 4), ((0, 8), 3), ((1, 0), 4), ((1, 4), 4), ((1, 8), 3)]
+    assert list(wire.split_box(Box((0, 0), (2, 4)), 4, 64, lead=48)) == [Box((0, 0), (2, 4))]  # fits: one piece

@@ -229,8 +229,9 @@ class StoreClient:
             bad: list[Box] = []
             for region in pending:
                 got = None
-                if pool is not None:
-                    got = self._data_box(pool, version, device, tensor, region, itemsize, sink, out, out_box, bad)
+                if pool is not None:  # a re-fetch asks the server to verify: damage on its disk is then named
+                    got = self._data_box(pool, version, device, tensor, region, itemsize, sink, out, out_box, bad,
+                                         verify=attempts > 0)
                 if got is None:  # no data plane, or it could not be reached: gRPC
                     got = self._stream_box(version, device, tensor, region, itemsize, sink, bad)
                 total += got
@@ -253,12 +254,12 @@ class StoreClient:
         return self._read_region(version, device, tensor, box, out.itemsize, sink, out, box)
 
     def _data_box(self, pool: DataPool, version, device, tensor, region: Box, itemsize: int, sink,
-                  out: np.ndarray | None, out_box: Box, bad: list) -> int | None:
+                  out: np.ndarray | None, out_box: Box, bad: list, verify: bool = False) -> int | None:
         """Read ``region`` over the data plane: frames land in ``out`` directly when given, else go to ``sink``.
         None when no data connection could be opened (a flooded or restarted data plane): read over gRPC."""
         try:
             got, corrupted = pool.read(version, device, tensor, region, itemsize, self.chunk_bytes, sink=sink,
-                                       out=out, out_box=out_box)
+                                       out=out, out_box=out_box, verify=verify)
         except DataPlaneUnreachable:
             return None
         except DataPlaneError as e:

@@ -5,36 +5,47 @@ May import: numpy, xxhash, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors
 store server hands in what it needs (a reader lookup and an error describer).
 
 Why: Python gRPC copies every byte about three times per side, which caps a
-pull near 0.4-0.6 GB/s where one TCP socket moves about 2 GB/s. Here the
-server reads each frame (at most one 1 MiB checksum block) into a reused
-buffer, verifies the stored block checksums and (for a frame that is not one
-whole block) computes the frame checksum in the same pass while the bytes are
-in the CPU cache (``tenplex.store.shardfile``), and sends it; the client
-``recv_into``s straight into the destination memory (or a reused buffer). A
-frame that is exactly one stored block carries that block's digest from the
-manifest instead of a new one, and a store writing the frame as one whole
-block of its new shard takes the (checked) digest as that block's: neither
-end hashes those bytes a second time. It does not ``sendfile`` from the
-shard: the bytes that leave must be the bytes that were verified (and,
-measured on loopback, ``sendfile`` was slower: the receiver then copies from
-pages that are not in the CPU cache).
+pull near 0.4-0.6 GB/s where one TCP socket moves about 2 GB/s. Here a frame
+(at most one 1 MiB checksum block) that is exactly one stored block goes from
+the shard file to the socket with ``os.sendfile``, unread by the server, under
+the block's digest from the manifest: the client checks the bytes against what
+was committed (end to end: damage on the server's disk and on the way look the
+same to it), and a store writing the frame as one whole block of its new shard
+takes that checked digest as the block's, so those bytes are hashed once in
+all. Any other frame is read into a reused buffer, its stored blocks verified
+and the frame checksum computed in the same pass while the bytes are in the
+CPU cache (``tenplex.store.shardfile``), then sent; the client ``recv_into``s
+straight into the destination memory (or a reused buffer). Clients ask for
+frames cut on the shard's block grid (``align``), so a run of the file that
+starts inside a block still travels mostly as whole blocks. A re-fetch of
+frames that arrived corrupted asks the server to ``verify``: every frame is
+then read and checked there, and damage on its disk fails with ``DATA_LOSS``
+naming the block, where the client would otherwise only see "corrupted" again.
+(Measured on loopback, 2026-12-04: in changes where a host serves several
+peers, the server's saved read and hash outweigh the client's copy from pages
+that are not in its CPU cache.)
 
 Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
 
 1. server -> client, on connect: ``{"tenplex_data": 1, "nonce": HEX, "auth": bool}``.
 2. client -> server, per read: ``{"v": 1, "auth": HMAC, "version": N, "device": D,
-   "tensor": T, "box": {"offsets": [...], "lengths": [...]}, "frame_bytes": F}``.
+   "tensor": T, "box": {"offsets": [...], "lengths": [...]}, "frame_bytes": F,
+   "align": bool, "verify": bool}`` (the last two optional, false when absent).
    ``auth`` is hex HMAC-SHA256(token, nonce) when the server has a token (the
    token itself never crosses the wire); a wrong one closes the connection.
-3. server -> client: ``{"ok": true, "itemsize": S, "frame_bytes": F}`` (F is
-   the request's, capped at 1 MiB) then one
-   frame per sub-box of ``wire.split_box(box, S, F)`` in that order, each
+3. server -> client: ``{"ok": true, "itemsize": S, "frame_bytes": F, "lead": L}``
+   (F is the request's, capped at 1 MiB; L is 0 unless the client asked to
+   ``align``, then where the box starts in the shard's grid of F-byte blocks
+   when the box is one run of the file and F is the block size) then one
+   frame per sub-box of ``wire.split_box(box, S, F, L)`` in that order, each
    [u64 payload length][u64 xxh3_64 of payload][payload: C-order bytes]; or
    ``{"ok": false, "code": STATUS, "message": ...}`` (unknown version, box
    outside the tensor...; the connection stays usable unless the error was
    about the protocol or the token). A stored block found corrupted after
    "ok" ends the reply with an error frame: length 2^64-1, checksum 0, then
-   the same ``{"ok": false, ...}`` message (``DATA_LOSS``).
+   the same ``{"ok": false, ...}`` message (``DATA_LOSS``). A file cut short
+   while a frame is sent from it ends the connection (the frame's header is
+   out): the client's read fails (UNAVAILABLE), the next one gets the error.
 
 The client verifies every frame and reports corrupted sub-boxes, which the
 caller fetches again (``StoreClient.read_box_to``): never silent corruption.
@@ -53,7 +64,9 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -284,6 +297,7 @@ class DataServer:
             log.debug("data connection ended: %s", e)
 
     def _answer(self, conn: socket.socket, request: dict) -> None:
+        fd = -1
         try:
             box = Box(tuple(int(x) for x in request["box"]["offsets"]),
                       tuple(int(x) for x in request["box"]["lengths"]))
@@ -293,30 +307,53 @@ class DataServer:
             # Frames of at most one checksum block: each is read, verified, given its checksum and sent while it is
             # in the CPU cache, and the client receives the first bytes while the rest is still being read.
             frame_bytes = max(4096, min(int(request.get("frame_bytes") or wire.DEFAULT_CHUNK_BYTES), BLOCK_BYTES))
+            shard = reader.shard_file(entry)
+            lead = _grid_lead(reader, entry, box, size, frame_bytes) if request.get("align") else 0
+            # a frame that is one whole stored block goes from the file to the socket unread (os.sendfile), with
+            # its stored digest: the client checks it against what was committed. Asked to verify (a re-fetch of
+            # frames that arrived damaged), every frame is read and checked here, so that damage on this host is
+            # told apart from damage on the way, and named.
+            unread = self._hooks is None and not request.get("verify")
+            frames = [(sub, start, span, shard.block_digest(start, span)
+                       if unread and span == sub.volume * size else None)
+                      for sub, (start, span, _) in ((sub, reader.byte_span(entry, sub))
+                                                    for sub in wire.split_box(box, size, frame_bytes, lead))]
             verified: set = set()  # blocks checked by this reply: consecutive frames do not check them again
-            frames = [(sub, *reader.byte_span(entry, sub)[:2]) for sub in wire.split_box(box, size, frame_bytes)]
-            # the first frame is read, verified and given its checksum before answering "ok": most damage gets a
-            # plain error reply, and the frame then goes out from memory without being read a second time
-            first, start, span = frames[0]
-            ready = self._frame(reader, entry, first, start, span, size, verified)
+            first, start, span, stored = frames[0]
+            if stored is None:
+                # read, verified and given its checksum before answering "ok": most damage gets a plain error
+                # reply, and the frame then goes out from memory without being read a second time
+                ready = self._frame(reader, entry, first, start, span, size, verified)
+            if any(frame[3] is not None for frame in frames):
+                fd, data_offset = shard.open_checked()  # a missing or truncated file: a plain error reply
         except Exception as e:  # noqa: BLE001 - reported to the client, the connection stays usable
+            if fd >= 0:
+                os.close(fd)
             if isinstance(e, (KeyError, TypeError)):
                 e = ValueError(f"malformed data-plane request ({type(e).__name__}: {e}); expected version, "
                                f"device, tensor and box with offsets and lengths")
             code, message = self._describe(e)
             _send_json(conn, {"ok": False, "code": code, "message": message})
             return
-        _send_json(conn, {"ok": True, "itemsize": size, "frame_bytes": frame_bytes})
-        for index, (sub, start, span) in enumerate(frames):
-            try:
-                header, payload = ready if index == 0 else self._frame(reader, entry, sub, start, span, size,
-                                                                       verified)
-            except CorruptShard as e:  # e.g. a damaged block further on: an error frame
-                code, message = self._describe(e)
-                conn.sendall(_FRAME.pack(_ERROR_FRAME, 0))
-                _send_json(conn, {"ok": False, "code": code, "message": message})
-                return
-            _send_parts(conn, header, payload)
+        try:
+            _send_json(conn, {"ok": True, "itemsize": size, "frame_bytes": frame_bytes, "lead": lead})
+            for index, (sub, start, span, stored) in enumerate(frames):
+                if stored is not None:
+                    conn.sendall(_FRAME.pack(span, stored), socket.MSG_MORE)
+                    _send_file(conn, fd, data_offset + start, span, shard.where)
+                    continue
+                try:
+                    header, payload = ready if index == 0 else self._frame(reader, entry, sub, start, span, size,
+                                                                           verified)
+                except CorruptShard as e:  # e.g. a damaged block further on: an error frame
+                    code, message = self._describe(e)
+                    conn.sendall(_FRAME.pack(_ERROR_FRAME, 0))
+                    _send_json(conn, {"ok": False, "code": code, "message": message})
+                    return
+                _send_parts(conn, header, payload)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
     def _frame(self, reader, entry, sub: Box, start: int, span: int, size: int,
                verified: set) -> tuple[bytes, memoryview]:
@@ -349,6 +386,39 @@ def _send_parts(conn: socket.socket, header: bytes, payload: memoryview) -> None
         sent = len(header)
     if sent - len(header) < payload.nbytes:
         conn.sendall(payload[sent - len(header):])
+
+
+def _grid_lead(reader, entry, box: Box, size: int, frame_bytes: int) -> int:
+    """Where ``box`` starts in its shard's grid of checksum blocks, when frames cut on that grid are whole stored
+    blocks (``wire.split_box``'s ``lead``): the box is one contiguous run of the file and the blocks are as large
+    as the frames. Else 0 (frames cut from the box's start)."""
+    start, span, _ = reader.byte_span(entry, box)
+    if entry.blocks is None or entry.block_bytes != frame_bytes or span != box.volume * size:
+        return 0
+    return start % frame_bytes
+
+
+def _send_file(conn: socket.socket, fd: int, offset: int, count: int, where: str) -> None:
+    """Send ``count`` bytes of the file ``fd`` from ``offset`` with ``os.sendfile`` (the kernel hands page-cache
+    pages to the socket: no copy through this process), waiting for room as long as the socket's timeout. A file
+    that ends early ends the connection: the frame's header is out, and the client sees the stream end."""
+    waiter = None
+    timeout = conn.gettimeout()
+    while count:
+        try:
+            sent = os.sendfile(conn.fileno(), fd, offset, count)
+        except BlockingIOError:  # a socket with a timeout is non-blocking underneath
+            if waiter is None:
+                waiter = select.poll()
+                waiter.register(conn.fileno(), select.POLLOUT)
+            if not waiter.poll(None if timeout is None else int(timeout * 1000)):
+                raise socket.timeout(f"the data-plane client stopped reading for {timeout}s") from None
+            continue
+        if sent == 0:
+            log.warning("%s: the file ended %d bytes short while being sent; the stored shard is damaged "
+                        "(truncated)", where, count)
+            raise ConnectionAbortedError(f"{where}: truncated while sending")
+        offset, count = offset + sent, count - sent
 
 
 _buffers = threading.local()
@@ -393,13 +463,15 @@ class DataConnection:
 
     def read(self, version: int, device: str, tensor: str, region: Box, itemsize: int, frame_bytes: int,
              sink: Callable[[Box, memoryview, int], None] | None = None, out: np.ndarray | None = None,
-             out_box: Box | None = None) -> tuple[int, list[Box]]:
+             out_box: Box | None = None, verify: bool = False) -> tuple[int, list[Box]]:
         """Read ``region``; each verified frame goes into ``out`` (an array of ``out_box``, which contains
-        the region) or to ``sink(sub_box, bytes, xxh3_64)``. Returns (bytes delivered, corrupted sub-boxes)."""
+        the region) or to ``sink(sub_box, bytes, xxh3_64)``. Returns (bytes delivered, corrupted sub-boxes).
+        ``verify``: the server reads and checks every frame before sending it (for a re-fetch of frames that
+        arrived corrupted: damage on the server's disk then fails the read with ``DATA_LOSS``, by name)."""
         _send_json(self._sock, {"v": PROTOCOL, "auth": self._auth, "version": version, "device": device,
                                 "tensor": tensor, "box": {"offsets": list(region.offsets),
                                                           "lengths": list(region.lengths)},
-                                "frame_bytes": frame_bytes})
+                                "frame_bytes": frame_bytes, "align": True, "verify": verify})
         try:
             reply = _recv_json(self._sock)
         except (ConnectionError, BrokenPipeError) as e:  # e.g. the server dropped this connection while idle
@@ -411,7 +483,7 @@ class DataConnection:
                                  f"expected {itemsize}", "FAILED_PRECONDITION")
         head = bytearray(_FRAME.size)
         got, bad = 0, []
-        for sub in wire.split_box(region, itemsize, int(reply["frame_bytes"])):
+        for sub in wire.split_box(region, itemsize, int(reply["frame_bytes"]), int(reply.get("lead", 0))):
             _recv_exact(self._sock, memoryview(head))
             nbytes, digest = _FRAME.unpack(head)
             if nbytes == _ERROR_FRAME:

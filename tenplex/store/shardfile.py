@@ -65,6 +65,17 @@ class ShardFile:
         except FileNotFoundError:
             raise CorruptShard(f"{self.where}: the file is gone (deleted from the committed version)") from None
 
+    def open_checked(self) -> tuple[int, int]:
+        """Open the file and check its header and size (``CorruptShard`` otherwise): (descriptor, file offset of
+        the row's first data byte); the caller closes the descriptor. For a sender that hands stored blocks to
+        the kernel (``os.sendfile``) unread, and a receiver that checks them against their stored digests."""
+        fd = self._open_file()
+        try:
+            return fd, self._check_size(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
     def _check_size(self, fd: int) -> int:
         """The data offset, after checking the header and that the file holds all of the data."""
         size = os.fstat(fd).st_size

@@ -57,12 +57,18 @@ def channel_options(chunk_bytes: int = MAX_CHUNK_BYTES) -> list[tuple[str, int]]
     ]
 
 
-def split_box(box: Box, itemsize: int, max_bytes: int) -> Iterator[Box]:
+def split_box(box: Box, itemsize: int, max_bytes: int, lead: int = 0) -> Iterator[Box]:
     """Cut ``box`` into sub-boxes of at most ``max_bytes`` (C order, slabs along the outermost split dimension).
 
     Finds the outermost dimension d whose inner block (dims d.. at full length)
     is too big, then emits, for every index of the dims before d, slabs of as
     many rows of d as fit. A single element larger than max_bytes still forms one chunk.
+
+    ``lead``: the box's first byte lies ``lead`` bytes into a grid of ``max_bytes`` cells (a source shard's
+    checksum blocks, for a box that is one contiguous run of it). When the box is a single run of slabs (every
+    dimension before d has length 1) and ``lead`` and ``max_bytes`` are whole numbers of slab rows, the first
+    slab ends on the next grid line and every later one fills a cell: each whole cell is one sub-box. Otherwise
+    ``lead`` changes nothing.
     """
     inner = itemsize
     split = None
@@ -75,13 +81,17 @@ def split_box(box: Box, itemsize: int, max_bytes: int) -> Iterator[Box]:
         yield box
         return
     step = max(1, max_bytes // inner)
+    lead %= max_bytes
+    first = (max_bytes - lead) // inner if lead and not (lead % inner or max_bytes % inner) and \
+        all(n == 1 for n in box.lengths[:split]) else step
+    starts = [0, *range(first, box.lengths[split], step)] if first < box.lengths[split] else [0]
     outer = box.lengths[:split]
     index = [0] * split
     while True:
-        for start in range(0, box.lengths[split], step):
+        for start, end in zip(starts, [*starts[1:], box.lengths[split]]):
             offsets = tuple(o + i for o, i in zip(box.offsets[:split], index)) + \
                 (box.offsets[split] + start,) + box.offsets[split + 1:]
-            lengths = (1,) * split + (min(step, box.lengths[split] - start),) + box.lengths[split + 1:]
+            lengths = (1,) * split + (end - start,) + box.lengths[split + 1:]
             yield Box(offsets, lengths)
         # advance the odometer over the outer dimensions
         d = split - 1
