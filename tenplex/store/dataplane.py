@@ -304,8 +304,8 @@ class DataServer:
             reader = self._reader_of(int(request["version"]))
             entry = reader.find(str(request["device"]), str(request["tensor"]), box)
             size = itemsize(entry.dtype)
-            # Frames of at most one checksum block: each is read, verified, given its checksum and sent while it is
-            # in the CPU cache, and the client receives the first bytes while the rest is still being read.
+            # Frames of at most one checksum block: the client receives the first bytes while the rest is still on
+            # its way, and each frame is sent while it is in the CPU cache (when it is read at all: see below).
             frame_bytes = max(4096, min(int(request.get("frame_bytes") or wire.DEFAULT_CHUNK_BYTES), BLOCK_BYTES))
             shard = reader.shard_file(entry)
             lead = _grid_lead(reader, entry, box, size, frame_bytes) if request.get("align") else 0
