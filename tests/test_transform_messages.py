@@ -81,3 +81,21 @@ def test_each_layout_is_encoded_once_for_the_requests_of_every_host(monkeypatch)
     for t in threads:
         t.join()
     assert len(encoded) == 2  # the old and the new layout
+
+
+def test_each_host_picks_its_own_number_of_pulls_unless_told(monkeypatch):
+    """transform() leaves the number of concurrent pulls to each destination host (None in the request, 0 on the
+    wire); a host then pulls on one stream per CPU it may run on, at least 2 and at most 4."""
+    import inspect
+
+    from tenplex.transform import coordinator, host
+
+    old, new = gpt_layout(2, 2, 1, 2, 2), gpt_layout(1, 4, 1, 2, 2)
+    stores = {"h0": "127.0.0.1:5001", "h1": "127.0.0.1:5002"}
+    assert inspect.signature(coordinator.transform).parameters["streams"].default is None
+    for streams, expected in ((None, None), (0, None), (3, 3)):
+        requests = coordinator._requests(plan(old, new), old, new, stores, 1, 2, streams, 0, 5.0)
+        assert {r.streams for r in requests.values()} == {expected}
+    for cpus, expected in ((1, 2), (2, 2), (3, 3), (4, 4), (64, 4)):
+        monkeypatch.setattr(host.os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert host.default_streams() == expected

@@ -77,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=50257)
-    parser.add_argument("--streams", type=int, default=4, help="concurrent pulls per destination host")
+    parser.add_argument("--streams", type=int, default=None,
+                        help="concurrent pulls per destination host (default: each store's own, one per CPU, 2 to 4)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     parser.add_argument("--changes", help="comma-separated 1-based indices into the changes (default: all): "
                                           + "; ".join(f"{i + 1}: {c[0]}" for i, c in enumerate(CHANGES)))
@@ -211,7 +212,8 @@ def _rows(rows: dict, methods: list[str], shape: dict, base: tuple, old, news: d
     return results
 
 
-def _run_store_method(method: str, root: Path, old, new, streams: int, verify: bool, warm_gib: float = 0.0) -> dict:
+def _run_store_method(method: str, root: Path, old, new, streams: int | None, verify: bool,
+                      warm_gib: float = 0.0) -> dict:
     """Run one change with ``tenplex`` or ``centralised`` through fresh store servers (so their peak RSS is
     this change's); version 2 is checked (``verify``) and deleted again."""
     from ..planner import plan

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 
-def run_store_method(method: str, root: Path, old, new, streams: int, verify: bool, mbit: float) -> dict:
+def run_store_method(method: str, root: Path, old, new, streams: int | None, verify: bool, mbit: float) -> dict:
     """``compare._run_store_method`` with every store behind its own link; version 2 is checked and deleted."""
     from ..planner import plan
     from ..store import Store

@@ -63,7 +63,7 @@ class LinkedStores:
             time.sleep(0.05)
         return f"{self.cluster.address(host)}:{int(port_file.read_text())}"
 
-    def transform(self, plan, old, new, old_version: int, new_version: int, streams: int = 4) -> dict:
+    def transform(self, plan, old, new, old_version: int, new_version: int, streams: int | None = None) -> dict:
         """Run ``plan`` from the control host (``tenplex store transform``); returns its report, or raises
         :class:`TransformError` with the failed hosts."""
         from ..files import save_layout, save_plan
@@ -76,7 +76,8 @@ class LinkedStores:
         stores = ",".join(f"{h}={a}" for h, a in sorted(self.addresses.items()))
         done = self.cluster.run(CONTROL, [*_STORE, "transform", *map(str, files), "--stores", stores,
                                           "--old-version", str(old_version), "--new-version", str(new_version),
-                                          "--streams", str(streams), "--token-file", str(self.token_file)],
+                                          *(["--streams", str(streams)] if streams else []),
+                                          "--token-file", str(self.token_file)],
                                 capture_output=True, text=True)
         if done.returncode != 0:
             marker = "tenplex store: error: "  # after the progress bars
@@ -120,7 +121,7 @@ def link_fields(moved: Counters, seconds: float, mbit: dict[str, float | None], 
 
 
 def measured_transform(stores: LinkedStores, plan, old, new, old_version: int, new_version: int,
-                       streams: int = 4) -> tuple[dict, dict]:
+                       streams: int | None = None) -> tuple[dict, dict]:
     """Run a transformation on the links; returns (its report, :func:`link_fields`)."""
     before = stores.cluster.counters()
     report = stores.transform(plan, old, new, old_version, new_version, streams=streams)

@@ -60,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=50257)
-    parser.add_argument("--streams", type=int, default=4, help="concurrent pulls per destination host")
+    parser.add_argument("--streams", type=int, default=None,
+                        help="concurrent pulls per destination host (default: each store's own, one per CPU, 2 to 4)")
     parser.add_argument("--dir", type=Path, help="directory for the stores (default: tmpfs if it has room)")
     add_warm_argument(parser)
     parser.add_argument("--link-mbit", type=float,
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..planner import plan
     from ..ptc import layout
     from ..store import Store
+    from ..transform.host import default_streams
     from .transfer import _memcpy_seconds, _socket_seconds, socket_file_seconds
 
     model = gpt(args.layers, args.hidden, args.heads, args.vocab, optimizer="adam")
@@ -100,7 +102,8 @@ def run(args: argparse.Namespace) -> list[dict]:
                 the_plan = plan(old, new)
                 warm(args.warm_gb)
                 report, links = run_change(the_plan, new)
-                results.append({**_row(str(name), old, the_plan, report, baselines), "streams": args.streams,
+                results.append({**_row(str(name), old, the_plan, report, baselines),
+                                "streams": args.streams or default_streams(),
                                 "store_dir": str(base_dir), "cpus": os.cpu_count(),
                                 "load_average": [round(x, 2) for x in os.getloadavg()], **links})
                 for h in new.hosts():

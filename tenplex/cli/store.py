@@ -69,7 +69,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("--stores", required=True, help="comma-separated HOST=ADDRESS for every host of both layouts")
     tr.add_argument("--old-version", type=int, required=True)
     tr.add_argument("--new-version", type=int, required=True)
-    tr.add_argument("--streams", type=int, default=4, help="concurrent pulls per destination host")
+    tr.add_argument("--streams", type=int, default=None,
+                    help="concurrent pulls per destination host (default: one per CPU of each store's host, 2 to 4)")
     _token_arguments(tr)
     tr.set_defaults(handler=_transform)
 

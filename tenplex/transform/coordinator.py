@@ -43,7 +43,7 @@ _COMMIT_THREADS = 64  # concurrent commit calls
 
 
 def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[str, str], old_version: int,
-              new_version: int, progress: Progress | None = None, streams: int = 4, token: str | None = None,
+              new_version: int, progress: Progress | None = None, streams: int | None = None, token: str | None = None,
               timeout: float = 3600.0, pull_timeout: float = 5.0, chunk_bytes: int = 0,
               root_certificates: bytes | None = None,
               before_commit: Callable[[], None] | None = None) -> dict:
@@ -52,6 +52,7 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
     ``stores`` maps each host to its store address. ``progress(host, done, total)``
     is called from worker threads as bytes arrive. ``before_commit`` runs after
     every host prepared and before any commits (orchestration and tests use it).
+    ``streams``: concurrent pulls per destination host (None: each host's own default, one per CPU, 2 to 4).
     ``pull_timeout``: seconds a store may stay silent (a pull delivering no
     bytes, a call or a host's progress stream without an answer) before it
     counts as dead; ``timeout`` bounds the whole transformation.
@@ -108,7 +109,8 @@ def _check(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[str,
 
 
 def _requests(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[str, str], old_version: int,
-              new_version: int, streams: int, chunk_bytes: int, pull_timeout: float) -> dict[str, TransformRequest]:
+              new_version: int, streams: int | None, chunk_bytes: int,
+              pull_timeout: float) -> dict[str, TransformRequest]:
     """Each destination host's request (in the new layout's host order), with only its own transfers: the
     whole plan's statistics would not describe them."""
     old_hosts = old_layout.hosts()
@@ -118,7 +120,7 @@ def _requests(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
     return {host: TransformRequest(
         host=host, old_version=old_version, new_version=new_version,
         plan=Plan(tuple(ts), PlanStats(), plan.new_tensors), old_layout=old_layout, new_layout=new_layout,
-        peers=stores, streams=streams, chunk_bytes=chunk_bytes or None,
+        peers=stores, streams=streams or None, chunk_bytes=chunk_bytes or None,
         # The host whose old JSON documents the new version carries: this one when it held old state.
         json_from_host=host if host in old_hosts else next((h for h in old_hosts if h in stores), None),
         stall_timeout_s=pull_timeout) for host, ts in transfers_of.items()}
