@@ -59,7 +59,7 @@ def test_reads_are_exact_and_errors_clear(served):
     proc, w, b = served
     with _client(proc.address) as client:
         assert client.data_pool() is not None and client.health()["data_port"] > 0
-        for box in (Box((0, 0), SHAPE),          # whole rows: sent from the file with sendfile
+        for box in (Box((0, 0), SHAPE),          # whole rows: one run of the file
                     Box((3, 5), (40, 30)),       # strided: gathered, then sent
                     Box((7, 0), (1, 48))):
             np.testing.assert_array_equal(client.read_box(1, "h0/0", "w", box, "float32"), w[box.slices()])
@@ -204,8 +204,8 @@ def test_frames_are_cut_on_the_stored_blocks_and_whole_blocks_leave_unread(tmp_p
             for _ in range(3):
                 head = bytearray(16)
                 _recv_exact_into(raw, head)
-                (nbytes, _), body = struct.unpack("<QQ", head), bytearray(struct.unpack("<QQ", head)[0])
-                _recv_exact_into(raw, body)
+                nbytes, _ = struct.unpack("<QQ", head)
+                _recv_exact_into(raw, bytearray(nbytes))
                 sizes.append(nbytes)
             assert sizes == [BLOCK_BYTES, BLOCK_BYTES, 540 * 4096 - 2 * BLOCK_BYTES]
         finally:
