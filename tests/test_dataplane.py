@@ -192,7 +192,9 @@ def test_frames_are_cut_on_the_stored_blocks_and_whole_blocks_leave_unread(tmp_p
         assert [digest for *_, digest in frames[1:]] == blocks[1:]  # the committed digests
         assert b"".join(view for _, view, _ in frames) == data[100:].tobytes()
         assert read == [BLOCK_BYTES] and sent == [BLOCK_BYTES, BLOCK_BYTES // 2]
-        # a client from before (no "align"): frames from the box's start, each read and hashed
+        # a client from before (no "align"): frames from the box's start, each read, verified and hashed here (it
+        # would only re-fetch damaged bytes, where this server names the damage)
+        read.clear()
         raw = socket.create_connection(("127.0.0.1", server.port))
         try:
             assert _recv_json(raw)["tenplex_data"] == 1
@@ -208,6 +210,7 @@ def test_frames_are_cut_on_the_stored_blocks_and_whole_blocks_leave_unread(tmp_p
                 _recv_exact_into(raw, bytearray(nbytes))
                 sizes.append(nbytes)
             assert sizes == [BLOCK_BYTES, BLOCK_BYTES, 540 * 4096 - 2 * BLOCK_BYTES]
+            assert sent == [BLOCK_BYTES, BLOCK_BYTES // 2] and sum(read) >= box.volume * 4  # nothing unread
         finally:
             raw.close()
     finally:
@@ -241,8 +244,50 @@ def test_a_damaged_block_sent_unread_is_caught_by_the_client_and_named_by_the_re
                 client.read_box(1, "h0/0", "x", Box((0, 0), data.shape), "float32")
             assert info.value.code == grpc.StatusCode.DATA_LOSS and "block 1" in str(info.value)
             assert "data-plane" in str(info.value)
+        with StoreClient(proc.address, data_plane_min_bytes=0, retries=0) as client:  # will not re-fetch: verified
+            with pytest.raises(RemoteStoreError) as info:  # up front, so still named rather than "corrupted"
+                client.read_box(1, "h0/0", "x", Box((0, 0), data.shape), "float32")
+            assert info.value.code == grpc.StatusCode.DATA_LOSS and "block 1" in str(info.value)
     finally:
         proc.stop()
+
+
+def test_slice_rows_send_their_whole_blocks_unread_from_the_shared_file(tmp_path, monkeypatch):
+    """Slice rows (a new shard that is part of an old file, ``file_start`` bytes in) over the data plane: an aligned
+    slice's blocks are the file's, an unaligned one's are its own; either way the whole ones leave by sendfile from
+    the right place of the shared file, and every frame checks out on the first pass (a wrong offset would only be
+    repaired by the verified re-fetch, so the first pass is what this pins)."""
+    from tenplex.store import dataplane
+    from tenplex.store.blocks import BLOCK_BYTES
+    from tenplex.store.dataplane import DataServer
+
+    store, data = _store_of_three_blocks(tmp_path / "h0")
+    reader = store.open(1)
+    with store.begin(2) as writer:
+        writer.link("h0/1", reader, reader.entries[0], Box((256, 0), (384, 1024)))  # aligned: rows 256-639
+        writer.link("h0/2", reader, reader.entries[0], Box((100, 0), (540, 1024)))  # unaligned: rows 100-639
+        writer.commit()
+    assert sorted(e.file_start for e in store.open(2).entries) == [100 * 4096, 256 * 4096]
+    sent = []
+    send_file = dataplane._send_file
+    monkeypatch.setattr(dataplane, "_send_file", lambda conn, fd, offset, count, where: (
+        sent.append(count), send_file(conn, fd, offset, count, where))[1])
+    server = DataServer("127.0.0.1", lambda version: store.open(version), lambda e: ("INTERNAL", str(e)))
+    conn = DataConnection("127.0.0.1", server.port, None, timeout=30)
+    try:
+        short = 28 * 4096  # the unaligned slice's last block of its own: 540 rows are 2 MiB and 28 rows
+        for device, box, unread in (("h0/1", Box((256, 0), (384, 1024)), [BLOCK_BYTES, BLOCK_BYTES // 2]),
+                                    ("h0/2", Box((100, 0), (540, 1024)), [BLOCK_BYTES, BLOCK_BYTES, short]),
+                                    ("h0/2", Box((356, 0), (284, 1024)), [BLOCK_BYTES, short]),  # from its block 1
+                                    ("h0/2", Box((150, 0), (462, 1024)), [BLOCK_BYTES])):  # its block 1 inside
+            sent.clear()
+            out = np.zeros(box.lengths, np.float32)
+            got, bad = conn.read(2, device, "x", box, 4, BLOCK_BYTES, out=out, out_box=box)
+            assert bad == [] and got == out.nbytes and out.tobytes() == data[box.slices()].tobytes(), device
+            assert sent == unread, (device, box, sent)
+    finally:
+        conn.close()
+        server.close()
 
 
 def test_a_file_cut_short_while_being_sent_ends_the_read_not_silently(tmp_path, monkeypatch):

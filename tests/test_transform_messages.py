@@ -83,9 +83,9 @@ def test_each_layout_is_encoded_once_for_the_requests_of_every_host(monkeypatch)
     assert len(encoded) == 2  # the old and the new layout
 
 
-def test_each_host_picks_its_own_number_of_pulls_unless_told(monkeypatch):
+def test_each_host_picks_its_own_number_of_pulls_unless_told(monkeypatch, tmp_path):
     """transform() leaves the number of concurrent pulls to each destination host (None in the request, 0 on the
-    wire); a host then pulls on one stream per CPU it may run on, at least 2 and at most 4."""
+    wire); a host then pulls on one stream per CPU it may use (affinity and cgroup quota), at least 2, at most 4."""
     import inspect
 
     from tenplex.transform import coordinator, host
@@ -96,6 +96,12 @@ def test_each_host_picks_its_own_number_of_pulls_unless_told(monkeypatch):
     for streams, expected in ((None, None), (0, None), (3, 3)):
         requests = coordinator._requests(plan(old, new), old, new, stores, 1, 2, streams, 0, 5.0)
         assert {r.streams for r in requests.values()} == {expected}
+    monkeypatch.setattr(host, "CGROUP_CPU_MAX", tmp_path / "absent")
     for cpus, expected in ((1, 2), (2, 2), (3, 3), (4, 4), (64, 4)):
         monkeypatch.setattr(host.os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert host.default_streams() == expected
+    # a container's CPU limit (cgroup v2 cpu.max) counts too: 2.5 CPUs -> 3, none -> the affinity
+    monkeypatch.setattr(host, "CGROUP_CPU_MAX", tmp_path / "cpu.max")
+    for text, expected in (("250000 100000\n", 3), ("100000 100000\n", 2), ("max 100000\n", 4), ("", 4)):
+        (tmp_path / "cpu.max").write_text(text)
         assert host.default_streams() == expected

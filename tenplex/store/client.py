@@ -10,13 +10,17 @@ corrupted data. gRPC failures surface as :class:`RemoteStoreError`, which
 carries the status code and names the store address.
 
 Box reads of at least ``data_plane_min_bytes`` go over the server's bulk data
-plane (``dataplane``: plain TCP, verified on the server, recv_into the
-destination here) when the server advertises one and TLS is off; everything
-else, every box read of a TLS client, and a read for which no data connection
-could be opened (refused, or dropped by a flooded server) uses gRPC. Both paths
-verify every frame or chunk and re-fetch corrupted pieces the same way. A store
-whose stored bytes fail their block checksums answers DATA_LOSS, which is never
-retried here: read another replica.
+plane (``dataplane``: plain TCP, whole stored blocks sent from the file unread
+and checked here against their committed digests, other frames verified on the
+server, recv_into the destination here) when the server advertises one and TLS
+is off; everything else, every box read of a TLS client, and a read for which
+no data connection could be opened (refused, or dropped by a flooded server)
+uses gRPC. Both paths verify every frame or chunk and re-fetch corrupted pieces
+the same way; a data-plane re-fetch (and every read of a client with
+``retries=0``) asks the server to verify what it sends. A store whose stored
+bytes fail their block checksums answers DATA_LOSS (over the data plane, for a
+whole block, on the verified re-fetch), which is never retried here: read
+another replica. A read that fails may leave part of its destination written.
 
 With ``stall_timeout`` a peer that delivers nothing for that many seconds counts
 as dead (a partitioned peer sends no reset, so connections just hang): unary
@@ -28,6 +32,7 @@ a silent peer at that scale.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from typing import Callable, Generator, Iterator
@@ -46,6 +51,7 @@ from ._proto import store_pb2_grpc as pb_grpc
 from .transformer import TransformProgress, TransformRequest
 
 
+log = logging.getLogger(__name__)
 DATA_PLANE_MIN_BYTES = 1 << 20  # smaller reads stay on gRPC, where a call costs less than a new connection
 
 
@@ -229,14 +235,18 @@ class StoreClient:
             bad: list[Box] = []
             for region in pending:
                 got = None
-                if pool is not None:  # a re-fetch asks the server to verify: damage on its disk is then named
+                if pool is not None:  # a re-fetch, or a read that will not re-fetch, asks the server to verify:
+                    # damage on its disk is then named (DATA_LOSS) rather than sent unread to fail here
                     got = self._data_box(pool, version, device, tensor, region, itemsize, sink, out, out_box, bad,
-                                         verify=attempts > 0)
+                                         verify=attempts > 0 or self.retries == 0)
                 if got is None:  # no data plane, or it could not be reached: gRPC
                     got = self._stream_box(version, device, tensor, region, itemsize, sink, bad)
                 total += got
             if bad:
                 attempts += 1
+                log.warning("store %s: %d piece(s) of tensor %r on %s (first %s) arrived corrupted; fetching them "
+                            "again%s", self.address, len(bad), tensor, device, bad[0],
+                            ", verified by the store" if pool is not None else "")
                 if attempts > self.retries:
                     raise ChecksumError(f"store {self.address}: {len(bad)} chunk(s) of tensor {tensor!r} on {device} "
                                         f"(first {bad[0]}) arrived corrupted {attempts} times; giving up")
@@ -244,7 +254,8 @@ class StoreClient:
         return total
 
     def read_box_into(self, version: int, device: str, tensor: str, box: Box, out: np.ndarray) -> int:
-        """Fill ``out`` (shape ``box.lengths``) with the region ``box`` of ``device``'s shard; return bytes read."""
+        """Fill ``out`` (shape ``box.lengths``) with the region ``box`` of ``device``'s shard; return bytes read.
+        When it raises, ``out`` may hold part of the region, or bytes that failed their check: discard it."""
         if tuple(out.shape) != tuple(box.lengths):
             raise StoreError(f"output shape {list(out.shape)} differs from box lengths {list(box.lengths)}")
 

@@ -310,10 +310,11 @@ class DataServer:
             shard = reader.shard_file(entry)
             lead = _grid_lead(reader, entry, box, size, frame_bytes) if request.get("align") else 0
             # a frame that is one whole stored block goes from the file to the socket unread (os.sendfile), with
-            # its stored digest: the client checks it against what was committed. Asked to verify (a re-fetch of
-            # frames that arrived damaged), every frame is read and checked here, so that damage on this host is
-            # told apart from damage on the way, and named.
-            unread = self._hooks is None and not request.get("verify")
+            # its stored digest: the client checks it against what was committed. Only for a client that knows it
+            # (it asks to align; one from before would re-fetch damaged bytes until it gave up, where this server
+            # used to name the damage). Asked to verify (a re-fetch of frames that arrived damaged), every frame is
+            # read and checked here, so that damage on this host is told apart from damage on the way, and named.
+            unread = self._hooks is None and bool(request.get("align")) and not request.get("verify")
             frames = [(sub, start, span, shard.block_digest(start, span)
                        if unread and span == sub.volume * size else None)
                       for sub, (start, span, _) in ((sub, reader.byte_span(entry, sub))

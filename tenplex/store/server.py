@@ -31,7 +31,8 @@ runs on. Beyond the contract it uses
   directory was deleted or replaced) and ``VersionReader.manifest``
   (``GetManifest`` sends the stored manifest document);
 - file-backed reads (``FileBackedReader``: ``_chunks`` and the data plane
-  send verified runs of a shard file).
+  send verified runs of a shard file; the data plane sends whole stored
+  blocks from the file unread, for the client to check).
 The free-space check before ``WriteShard`` goes through the contract
 (``SpaceReportingStore.free_bytes``). A server for an object-storage backend
 would keep these handlers and replace those uses, or keep a POSIX store as a

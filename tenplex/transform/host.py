@@ -57,6 +57,7 @@ import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 from ..box import Box, split_by, subtract_all
@@ -273,12 +274,23 @@ def _damaged_shard(error: Exception) -> bool:
     return isinstance(error, CorruptShard) or getattr(code, "name", None) == "DATA_LOSS"
 
 
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "QUOTA PERIOD" or "max PERIOD" (a pod's CPU limit)
+
+
 def default_streams() -> int:
-    """Concurrent pulls of a host whose request names no number: one per CPU this process may run on, at least 2
-    and at most ``MAX_DEFAULT_STREAMS``. Each pull receives, hashes and writes in the kernel; more pulls than
-    cores only contend with each other, with the store's serving threads and with the local copies (measured on
-    two cores, 2026-12-04: 2 streams 5-10 % faster than 4 on the compare benchmark's cross-host changes)."""
-    return max(2, min(MAX_DEFAULT_STREAMS, len(os.sched_getaffinity(0))))
+    """Concurrent pulls of a host whose request names no number: one per CPU this process may use (its CPU
+    affinity, and its cgroup's CPU quota when it has one: a container's limit), at least 2 and at most
+    ``MAX_DEFAULT_STREAMS``. Each pull receives, hashes and writes in the kernel; more pulls than cores only
+    contend with each other, with the store's serving threads and with the local copies (measured on two cores,
+    2026-12-04: 2 streams 5-10 % faster than 4 on the compare benchmark's cross-host changes)."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 CPU controller here: the affinity alone
+    return max(2, min(MAX_DEFAULT_STREAMS, cpus))
 
 
 def run_host_part(store: TensorStore, request: TransformRequest, progress: Callable[[TransformProgress], None],
