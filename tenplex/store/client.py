@@ -244,12 +244,12 @@ class StoreClient:
                 total += got
             if bad:
                 attempts += 1
-                log.warning("store %s: %d piece(s) of tensor %r on %s (first %s) arrived corrupted; fetching them "
-                            "again%s", self.address, len(bad), tensor, device, bad[0],
-                            ", verified by the store" if pool is not None else "")
                 if attempts > self.retries:
                     raise ChecksumError(f"store {self.address}: {len(bad)} chunk(s) of tensor {tensor!r} on {device} "
                                         f"(first {bad[0]}) arrived corrupted {attempts} times; giving up")
+                log.warning("store %s: %d piece(s) of tensor %r on %s (first %s) arrived corrupted; fetching them "
+                            "again%s", self.address, len(bad), tensor, device, bad[0],
+                            ", verified by the store" if pool is not None else "")
             pending = bad
         return total
 
