@@ -315,16 +315,17 @@ class DataServer:
             # used to name the damage). Asked to verify (a re-fetch of frames that arrived damaged), every frame is
             # read and checked here, so that damage on this host is told apart from damage on the way, and named.
             unread = self._hooks is None and bool(request.get("align")) and not request.get("verify")
-            frames = [(sub, start, span, shard.block_digest(start, span)
-                       if unread and span == sub.volume * size else None)
-                      for sub, (start, span, _) in ((sub, reader.byte_span(entry, sub))
-                                                    for sub in wire.split_box(box, size, frame_bytes, lead))]
+            frames = []  # (sub-box, data start, span, stored digest when it is sent unread)
+            for sub in wire.split_box(box, size, frame_bytes, lead):
+                start, span, _ = reader.byte_span(entry, sub)
+                whole = unread and span == sub.volume * size
+                frames.append((sub, start, span, shard.block_digest(start, span) if whole else None))
             verified: set = set()  # blocks checked by this reply: consecutive frames do not check them again
             first, start, span, stored = frames[0]
             if stored is None:
                 # read, verified and given its checksum before answering "ok": most damage gets a plain error
                 # reply, and the frame then goes out from memory without being read a second time
-                ready = self._frame(reader, entry, first, start, span, size, verified)
+                ready = self._frame(reader, entry, shard, first, start, span, size, verified)
             if any(frame[3] is not None for frame in frames):
                 fd, data_offset = shard.open_checked()  # a missing or truncated file: a plain error reply
         except Exception as e:  # noqa: BLE001 - reported to the client, the connection stays usable
@@ -344,8 +345,8 @@ class DataServer:
                     _send_file(conn, fd, data_offset + start, span, shard.where)
                     continue
                 try:
-                    header, payload = ready if index == 0 else self._frame(reader, entry, sub, start, span, size,
-                                                                           verified)
+                    header, payload = ready if index == 0 else self._frame(reader, entry, shard, sub, start, span,
+                                                                           size, verified)
                 except CorruptShard as e:  # e.g. a damaged block further on: an error frame
                     code, message = self._describe(e)
                     conn.sendall(_FRAME.pack(_ERROR_FRAME, 0))
@@ -356,14 +357,13 @@ class DataServer:
             if fd >= 0:
                 os.close(fd)
 
-    def _frame(self, reader, entry, sub: Box, start: int, span: int, size: int,
+    def _frame(self, reader, entry, shard, sub: Box, start: int, span: int, size: int,
                verified: set) -> tuple[bytes, memoryview]:
         """A frame's header and payload, read and verified. A run of the shard file is read, verified and
         checksummed in one pass through this thread's buffer (sent before the next frame is read); a frame that
         is one whole stored block carries the block's stored digest (nothing more to hash, and the client checks
         the bytes against what was committed). Anything else is gathered into an array and hashed."""
         if span == sub.volume * size and sub.volume and self._hooks is None:
-            shard = reader.shard_file(entry)
             buffer = _frame_buffer(span)
             stored = shard.block_digest(start, span)
             digest = xxhash.xxh3_64() if stored is None else None

@@ -82,8 +82,8 @@ def split_box(box: Box, itemsize: int, max_bytes: int, lead: int = 0) -> Iterato
         return
     step = max(1, max_bytes // inner)
     lead %= max_bytes
-    first = (max_bytes - lead) // inner if lead and not (lead % inner or max_bytes % inner) and \
-        all(n == 1 for n in box.lengths[:split]) else step
+    on_grid = lead and not (lead % inner or max_bytes % inner) and all(n == 1 for n in box.lengths[:split])
+    first = (max_bytes - lead) // inner if on_grid else step
     starts = [0, *range(first, box.lengths[split], step)] if first < box.lengths[split] else [0]
     outer = box.lengths[:split]
     index = [0] * split
