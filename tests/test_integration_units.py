@@ -13,7 +13,7 @@ from tenplex.box import Box
 from tenplex.errors import LayoutError
 from tenplex.gpt import gpt
 from tenplex.integration import Annotation, StateMismatchError, annotations_from_layout, annotations_from_ptc
-from tenplex.integration.checkpointer import _check_and_build, _local_sources
+from tenplex.integration.layouts import check_and_build as _check_and_build, local_sources as _local_sources
 from tenplex.integration.nontensor import (apply_optimizer_doc, apply_rng, capture_rng, derived_seed, optimizer_doc,
                                            to_json)
 from tenplex.integration.pieces import init_optimizer_state, model_pieces, optimizer_pieces, tensor_pieces

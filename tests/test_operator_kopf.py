@@ -239,7 +239,7 @@ def saved_store(tmp_path):
 def test_committed_step_is_read_from_a_real_store(saved_store):
     proc, token = saved_store
     # the name the checkpointer saves under (read from its source: importing it would load torch, ~2-20 s)
-    source = Path(tenplex.__file__).with_name("integration") / "checkpointer.py"
+    source = Path(tenplex.__file__).with_name("integration") / "versions.py"
     assert f'STATE_DOC = "{STATE_DOC}"' in source.read_text()
     assert committed_step(proc.address, "s3cret") == 9  # version 3 has no training state: the newest with one
     assert committed_step(proc.address, "wrong") is None

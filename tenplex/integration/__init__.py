@@ -15,7 +15,10 @@ Modules: :mod:`.pieces` (state -> named global tensors with boxes),
 :mod:`.annotate` (plain local tensors), :mod:`.nontensor` (RNG, scheduler,
 scaler, optimizer hyper-parameters as JSON), :mod:`.exchange` (JSON between
 ranks without pickles), :mod:`.shardio` (pieces <-> store files),
-:mod:`.checkpointer` (the collective save and restore).
+:mod:`.checkpointer` (the collective save and restore), :mod:`.layouts` (what each
+rank holds, who writes what, whether a restore matches the save), :mod:`.versions`
+(which saved version a restore reads), :mod:`.moves` (read-through and
+transformation when a restore moves state between devices).
 """
 
 from __future__ import annotations

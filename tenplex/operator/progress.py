@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from ..errors import StoreError
 
-# tenplex.integration.checkpointer.STATE_DOC (importing it would load torch); a test keeps the two equal.
+# tenplex.integration.versions.STATE_DOC (importing it would load torch); a test keeps the two equal.
 STATE_DOC = "tenplex.torch_state"
 
 

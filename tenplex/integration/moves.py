@@ -1,0 +1,95 @@
+"""The two ways a restore moves state between devices: every rank reads its part of the plan straight from the
+stores (read-through), or the stores run the plan into a new version (transformation).
+
+May import: ``tenplex.store``, ``tenplex.transform``, ``tenplex.layout``, ``tenplex.transfer_plan``, this
+package's :mod:`.exchange`, :mod:`.readthrough`, :mod:`.nontensor` and :mod:`.pieces`, and torch.distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping
+
+import torch.distributed as dist
+
+from ..errors import StoreError
+from ..layout import Layout
+from ..store import Store
+from ..store.client import StoreClient
+from ..transfer_plan import Plan
+from .exchange import agree, all_gather_json
+from .nontensor import StateMismatchError
+from .pieces import Piece
+from .readthrough import RemoteVersion, read_through, source_hosts
+from .shardio import RegionReader
+
+log = logging.getLogger(__name__)
+READ_STALL_S = 5.0  # a store that sends nothing for this long while a restore reads from it is dead
+
+
+def read_plan_through(the_plan: Plan, old: Layout, version: int, pieces: list[Piece], addresses: dict[str, str], *,
+                      store: Store, device: str, token: str | None, group) -> bool:
+    """Every rank reads its device's transfers of ``the_plan`` from ``version`` into its pieces. Collective.
+
+    True when every rank did; False when a store or the network failed on some rank (logged): the caller
+    then lets the stores run the plan, which retries failed sources from other replicas."""
+    hosts = source_hosts(the_plan, device)
+    dtypes = {name: spec.dtype for name, spec in old.tensors.items()}
+
+    def run() -> str | None:
+        """None when done; the failure when a store or the network failed (other errors raise everywhere)."""
+        require_addresses(hosts - {store.host}, addresses)
+        clients: list[StoreClient] = []
+        local = None
+        try:
+            readers: dict[str, RegionReader] = {}
+            for host in sorted(hosts):
+                if host == store.host:
+                    readers[host] = local = store.open(version)
+                else:
+                    clients.append(StoreClient(addresses[host], token=token, stall_timeout=READ_STALL_S))
+                    readers[host] = RemoteVersion(clients[-1], version, dtypes)
+            read_through(the_plan, device, pieces, readers)
+            return None
+        except (StoreError, OSError) as e:
+            return f"{type(e).__name__}: {e}"
+        finally:
+            for client in clients:
+                client.close()
+            if local is not None:
+                local.close()
+
+    mine = agree("restore: reading the plan's regions", run, group)
+    failures = [(r, f) for r, f in enumerate(all_gather_json(mine, group)) if f]
+    if dist.get_rank(group) == 0:
+        for r, failure in failures[:3]:
+            log.warning("restore: rank %d could not read its regions directly (%s); the stores run the plan "
+                        "instead", r, failure)
+    return not failures
+
+
+def transform_stored(the_plan: Plan, old: Layout, new: Layout, old_version: int, target: int,
+                     addresses: dict[str, str], *, token: str | None, group) -> int:
+    """Rank 0 has the stores run ``the_plan`` from ``old_version`` into version ``target``. Collective."""
+    from ..transform import transform
+
+    def run():
+        if dist.get_rank(group) != 0:
+            return None
+        require_addresses(set(old.hosts()) | set(new.hosts()), addresses)
+        # The transformer carries the JSON documents (the state doc included) into the new version.
+        transform(the_plan, old, new, stores=addresses, old_version=old_version, new_version=target, token=token)
+        return target
+
+    agree("restore: transforming the stored state", run, group)
+    return target
+
+
+def require_addresses(hosts: set[str], addresses: Mapping[str, str]) -> None:
+    missing = sorted(hosts - set(addresses))
+    if missing:
+        raise StateMismatchError(
+            f"restoring into this configuration moves state between devices, which needs the store "
+            f"process of every host; no address for host(s) {', '.join(missing)}: set "
+            f"TENPLEX_STORE_ADDRESS on every host (tenplex run does), or pass stores= / "
+            f"TENPLEX_STORES=h0=HOST:PORT,…")
