@@ -52,7 +52,8 @@ def test_llama_saved_under_fsdp_restores_bit_for_bit_under_tp_and_trains_on(tmp_
     assert "tp on 2 ranks: restored step 2" in second
     from safetensors.torch import load_file
 
-    saved, restored = load_file(str(dump / "saved_step2.safetensors")), load_file(str(dump / "restored_step2.safetensors"))
+    saved = load_file(str(dump / "saved_step2.safetensors"))
+    restored = load_file(str(dump / "restored_step2.safetensors"))
     assert sorted(saved) == sorted(restored)
     assert any(k.startswith("optim.exp_avg_sq.") for k in saved)  # the AdamW moments are compared too
     assert [k for k in saved if not torch.equal(saved[k], restored[k])] == []
