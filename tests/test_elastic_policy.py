@@ -90,8 +90,8 @@ def test_idle_helpers_and_dict():
     with pytest.raises(ConfigError, match="outside the world of 6"):
         choice.is_idle(6)
     assert choice.degrees() == "dp=1,tp=2,pp=2"
-    assert choice.to_dict() == {"world_size": 6, "used": 4, "idle": [4, 5], "dp": 1, "tp": 2, "pp": 2,
-                                "sharding": "none", "reason": choice.reason}
+    assert choice.to_dict() == {"world_size": 6, "used": 4, "idle": [4, 5], "ranks": [0, 1, 2, 3], "dp": 1, "tp": 2,
+                                "pp": 2, "sharding": "none", "reason": choice.reason}
 
 
 def test_sharding_and_host_names():
@@ -175,3 +175,81 @@ def test_importing_the_policy_loads_no_torch():
     code = "import sys, tenplex.elastic.policy; print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+# Nodes of different sizes (issue 26: a node that lost a GPU keeps the others).
+# (node sizes, max_tp, pp) -> (dp, tp, pp, training ranks, idle ranks)
+UNEVEN = [
+    (([8, 7], 8, None), (1, 8, 1, tuple(range(8)), tuple(range(8, 15)))),   # tp=8 is kept: h1's 7 ranks hold none
+    (([8, 7], 1, None), (15, 1, 1, tuple(range(15)), ())),                  # data parallel: every device trains
+    (([8, 7], 2, None), (7, 2, 1, tuple(range(14)), (14,))),                # h1 trains on 6 of its 7
+    (([7, 8], 2, None), (7, 2, 1, tuple(range(6)) + tuple(range(7, 15)), (6,))),  # the idle rank is mid-world
+    (([2, 1], 8, None), (1, 2, 1, (0, 1), (2,))),
+    (([4, 3, 4], 4, 2), (1, 4, 2, (0, 1, 2, 3, 7, 8, 9, 10), (4, 5, 6))),   # a pipeline of two tp groups skips h1
+    (([2, 1], 8, 2), (1, 1, 2, (0, 1), (2,))),                              # one tp group of 2 can't fill pp=2
+    (([8] * 7 + [7], 8, None), (7, 8, 1, tuple(range(56)), tuple(range(56, 63)))),
+    (([8] * 7 + [7], 4, None), (15, 4, 1, tuple(range(60)), (60, 61, 62))),
+    (([8] * 7 + [7], 1, None), (63, 1, 1, tuple(range(63)), ())),           # 8 x 8 less one GPU: 63 train
+    (([3, 3], 8, None), (2, 3, 1, tuple(range(6)), ())),                    # equal sizes as a list: the old rule
+]
+
+
+@pytest.mark.parametrize("args,expected", UNEVEN, ids=[str(a) for a, _ in UNEVEN])
+def test_uneven_nodes_golden(args, expected):
+    sizes, max_tp, pp = args
+    choice = choose(sum(sizes), sizes, max_tp=max_tp, pp=pp)
+    c = choice.config
+    assert (c.dp, c.tp, c.pp, choice.ranks, choice.idle) == expected
+    assert choice.used == len(choice.ranks) == c.world_size
+    nodes = [f"h{n}/{i}" for n, size in enumerate(sizes) for i in range(size)]
+    assert c.devices == tuple(nodes[r] for r in choice.ranks)
+    assert [choice.position(r) for r in choice.ranks] == list(range(choice.used))
+    assert all(choice.is_idle(r) for r in choice.idle)
+
+
+def test_uneven_reason_says_why_ranks_idle_and_equal_lists_keep_the_old_reason():
+    assert choose(15, [7, 8], max_tp=2).reason == (
+        "default policy: tp=2: the largest divisor of 8 ranks on the largest node <= max_tp=2; pp=1 (not pinned); "
+        "dp=7 takes the rest; nodes of 7+8 ranks: each trains on whole tp groups of 2, so 1 of 15 ranks idle "
+        "(ranks 6)")
+    assert choose(3, [2, 1], pp=2).reason.startswith(
+        "default policy: tp=1: the largest divisor of 2 ranks on the largest node whose tp groups fill a pipeline "
+        "of pp=2")
+    assert choose(6, [2, 2, 2], pp=2).reason == choose(6, 2, pp=2).reason
+    with pytest.raises(ConfigError, match="idle in this world"):
+        choose(15, [7, 8], max_tp=2).position(6)
+
+
+def test_uneven_tp_groups_stay_within_a_node_and_use_every_whole_pipeline():
+    import itertools
+
+    for sizes in itertools.product((1, 2, 3, 4, 6, 8), repeat=3):
+        for max_tp in (1, 2, 4, 8):
+            for pp in (None, 2, 3):
+                world = sum(sizes)
+                if pp is not None and pp > world:
+                    continue
+                choice = choose(world, list(sizes), max_tp=max_tp, pp=pp)
+                c = choice.config
+                hosts = [d.split("/")[0] for d in c.devices]
+                for start in range(0, c.world_size, c.tp):
+                    assert len(set(hosts[start:start + c.tp])) == 1, (sizes, max_tp, pp)
+                groups = sum(n // c.tp for n in sizes)  # whole tp groups the nodes hold
+                assert choice.used == (groups // c.pp) * c.pp * c.tp, (sizes, max_tp, pp)
+                assert sorted(choice.ranks + choice.idle) == list(range(world))
+
+
+def test_pins_on_uneven_nodes_take_whole_tp_groups():
+    choice = choose(7, [3, 4], pinned={7: "tp=2"})
+    assert (choice.config.dp, choice.ranks, choice.idle) == (3, (0, 1, 3, 4, 5, 6), (2,))
+    assert choice.reason == "pinned for world size 7; 1 of 7 ranks idle (ranks 2)"
+    with pytest.raises(ConfigError, match=r"needs 8 ranks but the world has 6 in whole tp groups of 2"):
+        choose(7, [3, 4], pinned={7: "dp=4,tp=2"})
+
+
+@pytest.mark.parametrize("sizes,match", [([2, 2], "add up to 4 ranks, but the world has 5"),
+                                         ([2, 0, 3], "positive integer or a non-empty sequence"),
+                                         ([], "positive integer or a non-empty sequence")])
+def test_bad_node_sizes(sizes, match):
+    with pytest.raises(ConfigError, match=match):
+        choose(5, sizes)

@@ -160,10 +160,10 @@ class Job:
         peers = all_gather_json({"host": self.host, "token": f"{time.time_ns():x}-{os.getpid()}"})
         self.hosts = list(dict.fromkeys(p["host"] for p in peers))
         self.world_id = peers[0]["token"]  # names this world (rank 0's token) in logs; the same on every rank
-        self.choice: Choice = choose(self.world_size, per_node, **caps, pp=pp, pinned=pinned, policy=policy,
-                                     hosts=self.hosts if len(self.hosts) * per_node == self.world_size else None)
+        sizes, names = _node_shape(peers, self.hosts, per_node)
+        self.choice: Choice = choose(self.world_size, sizes, **caps, pp=pp, pinned=pinned, policy=policy, hosts=names)
         # Ranks left idle by the policy train nothing: the others save, restore and agree within their own group.
-        self.group = dist.new_group(list(range(self.choice.used))) if self.choice.idle else None
+        self.group = dist.new_group(list(self.choice.ranks)) if self.choice.idle else None
         self.global_batch, self.dataset, self.seed, self.drop_last = global_batch, dataset, seed, drop_last
         self.save_every, self.save_budget, self.on_save, self.on_exit = save_every, save_budget, on_save, on_exit
         self.checkpointer_options = dict(checkpointer_options or {}, replicas=replicas)
@@ -199,7 +199,7 @@ class Job:
     @property
     def coords(self) -> dict[str, int]:
         """This rank's (pp, dp, tp) coordinates in :attr:`config`."""
-        pp, dp, tp = self.config.coords(self.rank)
+        pp, dp, tp = self.config.coords(self.choice.position(self.rank))
         return {"pp": pp, "dp": dp, "tp": tp}
 
     # ----------------------------------------------------------------- restore
@@ -384,6 +384,8 @@ class Job:
                 if store.check([key]):
                     word = store.get(key).decode()
                     store.set(f"{key}/ack{self.rank}", "1")
+                    if self.rank == 0:  # an idle rank 0 hosts the store: keep it up until every idle rank read it
+                        store.wait([f"{key}/ack{r}" for r in self.choice.idle], timedelta(seconds=10))
                     break
             except Exception:  # noqa: BLE001 -- rank 0 and its store are gone: the world is over
                 word = "stop"
@@ -400,13 +402,13 @@ class Job:
                              timeout=timedelta(seconds=30))
 
     def _tell_idle(self, stopping: bool) -> None:
-        if self.rank != 0 or not self.choice.idle:
+        if not self.choice.idle or self.rank != self.choice.ranks[0]:  # the first training rank tells
             return
         key = f"tenplex/{self.world_id}/idle"
         try:
             store = self._idle_store()
             store.set(key, "stop" if stopping else "done")
-            # Rank 0 hosts that store: keep it up until every idle rank has read the word.
+            # Rank 0 hosts that store (when it trains): keep it up until every idle rank has read the word.
             store.wait([f"{key}/ack{r}" for r in self.choice.idle], timedelta(seconds=10))
         except Exception:  # noqa: BLE001 -- idle ranks stopped by SIGTERM need no word
             pass
@@ -449,3 +451,14 @@ class Job:
         if self._tracked is not None:
             self._tracked["checkpointer"].group = None
         leave_process_group(together=False)
+
+
+def _node_shape(peers: list[dict], hosts: list[str], per_node: int) -> tuple[int | list[int], list[str] | None]:
+    """(ranks per node, host names) for :func:`choose`: each host's number of ranks when every host's ranks are
+    consecutive, as torchrun numbers them (nodes may run different numbers of workers, e.g. one with a failed
+    GPU); else this node's ``LOCAL_WORLD_SIZE`` for every node and the default host names."""
+    order = [p["host"] for p in peers]
+    sizes = [order.count(h) for h in hosts]
+    if sum(1 for a, b in zip(order, order[1:]) if a != b) == len(hosts) - 1:  # each host's ranks in one run
+        return sizes, hosts
+    return per_node, None
