@@ -2,7 +2,7 @@
 
 May import: every tenplex layer and the standard library.
 
-Each simulated host's store runs in the emulated cluster (``tenplex.bench.cluster``,
+Each simulated host's store runs in the emulated cluster (``tenplex.cluster``,
 N Mbit/s each way per host) and the coordinator in its control host
 (``tenplex.bench.linked``). A row gains the link fields of ``linked.link_fields``
 over the whole method (the centralised method's gather and scatter together).
@@ -24,7 +24,7 @@ def run_store_method(method: str, root: Path, old, new, streams: int | None, ver
     """``compare._run_store_method`` with every store behind its own link; version 2 is checked and deleted."""
     from ..planner import plan
     from ..store import Store
-    from .cluster import EmulatedCluster
+    from ..cluster import EmulatedCluster
     from .compare import _add, _host_bytes, _peak_rss
     from .gpt_state import mismatches
     from .linked import LinkedStores, link_fields
