@@ -19,7 +19,8 @@ Order of work, per new shard of this host's devices:
    to verify it (a damaged run is copied instead, from a replica if need
    be); slices of one change share files where replicas allow (see
    ``linking.linkable``). (A store that cannot link, see
-   ``tenplex.store.contract``, gets them copied in step 2.)
+   ``tenplex.store.contract``, gets them copied in step 2, and so does a
+   shard whose link fails: its old file gone, or on another mount.)
 2. Every other ``"from": "old"`` region is written straight into the new
    shard's file (``ShardTarget``): from this host's old files (memory-mapped)
    without gRPC, or pulled from the source host by ``streams`` concurrent

@@ -124,7 +124,8 @@ def _link_kept(host: str, key: ShardKey, fills: list[Transfer], new: Layout, wri
     if entry.box == box:
         try:
             writer.link(device, reader, entry)
-        except CorruptShard as e:  # the old file is gone: copy the shard, from a replica
+        except (CorruptShard, OSError) as e:  # the old file is gone (copy from a replica) or cannot be linked
+            # (EXDEV: the old version on another mount): nothing was linked, so copy the shard
             log.warning("host %s: cannot link %s %s of %s: %s; copying it instead", host, tensor, box, device, e)
             return False
         work.linked[key] = entry
