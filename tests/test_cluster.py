@@ -1,4 +1,4 @@
-"""The emulated cluster (tenplex.bench.cluster): namespaces, rate-limited links, kernel counters, cut and heal,
+"""The emulated cluster (tenplex.cluster): namespaces, rate-limited links, kernel counters, cut and heal,
 and that nothing is left behind, not even after SIGTERM or SIGKILL of the process that made it."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from tenplex.bench import cluster as emulated
-from tenplex.bench.cluster import EmulatedCluster
+from tenplex.cluster import emulated
+from tenplex.cluster import EmulatedCluster
 
 REASON = emulated.unavailable()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
@@ -94,7 +94,7 @@ def test_bad_host_names_are_refused():
 # Makes a cluster with a process inside, prints the prefix, then waits to be killed.
 HOLDER = textwrap.dedent("""
     import sys, time
-    from tenplex.bench.cluster import EmulatedCluster
+    from tenplex.cluster import EmulatedCluster
     with EmulatedCluster(["h0", "h1"], mbit=100) as cluster:
         cluster.popen("h0", ["sleep", "600"])
         print(cluster.prefix, flush=True)

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tenplex.bench import cluster as emulated
+from tenplex.cluster import emulated
 from tenplex.elastic import demo
 from tenplex.elastic.launcher import alive
 from tenplex.elastic.timeline import print_timeline, read_worlds, summarize

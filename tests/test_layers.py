@@ -126,3 +126,83 @@ def test_the_contract_check_catches_a_drifted_line(tmp_path):
     pkg.write_text('"""Boxes.\n\nMay import: only the standard library.\n"""\nimport numpy\nfrom .store import Store\n')
     problems = _violations(pkg, tmp_path)
     assert any("numpy" in p for p in problems) and any("tenplex.store" in p for p in problems)
+
+
+# ---------------------------------------------------------------- rooms: who may import whom
+# Benchmarks sit on top: no runtime module may depend on one (the emulated cluster is tenplex.cluster, not a
+# benchmark). And no module may import one that imports it back, however indirectly: a circle means two modules
+# that are really one, or a helper that belongs below both.
+def _module_graph(repo: Path) -> dict[str, set[str]]:
+    """{module: the tenplex modules it imports}, from the source (imports inside functions count too). An import
+    of a package's name (its __init__'s re-exports) is not an edge: a package's __init__ gathers its modules."""
+    modules = {}
+    for path in sorted((repo / "tenplex").rglob("*.py")):
+        if "_proto" in path.parts:
+            continue
+        module = ".".join(path.relative_to(repo).with_suffix("").parts).removesuffix(".__init__")
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        modules[module] = (path.name == "__init__.py", _imports(ast.parse(path.read_text()), package))
+    return {m: {i for i in imported if i in modules and i != m and not modules[i][0]}
+            for m, (_, imported) in modules.items()}
+
+
+def _bench_importers(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} imports {i}" for m, imported in graph.items() if not m.startswith("tenplex.bench")
+                  for i in imported if i == "tenplex.bench" or i.startswith("tenplex.bench."))
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: strongly connected sets of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = []
+            while not members or members[-1] != v:
+                members.append(stack.pop())
+            if len(members) > 1:
+                circles.append(sorted(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return circles
+
+
+def test_no_runtime_module_imports_a_benchmark():
+    graph = _module_graph(Path(tenplex.__file__).parents[1])
+    assert not _bench_importers(graph)
+    # the modules that moved out of tenplex.bench are where their users import them from
+    assert "tenplex.cluster.emulated" in graph and "tenplex.bench.cluster" not in graph
+
+
+def test_no_import_circles():
+    assert _circles(_module_graph(Path(tenplex.__file__).parents[1])) == []
+
+
+def test_the_room_checks_catch_a_runtime_bench_import_and_a_circle(tmp_path):
+    """The checks can fail: an elastic module importing a benchmark, and three bench modules in a circle (the
+    shape of the old compare -> compare_linked -> simulate -> compare)."""
+    files = {"__init__.py": "", "bench/__init__.py": "", "elastic/__init__.py": "",
+             "elastic/nodes.py": "def f():\n    from ..bench.cluster import EmulatedCluster\n",
+             "bench/cluster.py": "",
+             "bench/compare.py": "def f():\n    from .compare_linked import run\n",
+             "bench/compare_linked.py": "def run():\n    from .simulate import central_layout\n",
+             "bench/simulate.py": "def central_layout():\n    from . import compare\n"}
+    for name, text in files.items():
+        (tmp_path / "tenplex" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "tenplex" / name).write_text(text)
+    graph = _module_graph(tmp_path)
+    assert _bench_importers(graph) == ["tenplex.elastic.nodes imports tenplex.bench.cluster"]
+    assert _circles(graph) == [["tenplex.bench.compare", "tenplex.bench.compare_linked", "tenplex.bench.simulate"]]

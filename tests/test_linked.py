@@ -1,4 +1,4 @@
-"""Transformations between hosts with links of their own (tenplex.bench.cluster): the wire carries the plan's
+"""Transformations between hosts with links of their own (tenplex.cluster): the wire carries the plan's
 lower bound, a cut source falls back to a replica, a cut destination aborts cleanly, a healed host serves
 again, and a slow host is asked for less. States are small (tens of MB) and links fast, to stay quick."""
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from tenplex.bench import cluster as emulated
-from tenplex.bench.cluster import EmulatedCluster
+from tenplex.cluster import emulated
+from tenplex.cluster import EmulatedCluster
 from tenplex.bench.linked import LinkedStores, inter_host_wire_bytes
 from tenplex.errors import TransformError
 from tenplex.planner import plan

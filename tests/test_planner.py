@@ -79,6 +79,17 @@ def test_senders_are_balanced_over_replicas():
     assert result.stats.max_host_send_bytes == 64 and result.stats.max_host_recv_bytes == 128
 
 
+def test_within_a_host_the_least_loaded_device_sends():
+    """Of a host's replicas, the device that has sent fewest bytes so far sends (ties: the first in device
+    order), for copies to other hosts and within the host alike: two replicas on h0 take turns."""
+    tensors = {name: ((8,), "float32") for name in "abcd"}
+    old = build(tensors, {d: [(n, (0,), (8,)) for n in "abcd"] for d in ("h0/0", "h0/1")})
+    for dst in ("h1/0", "h0/2"):  # remote, then local
+        result = plan(old, build(tensors, {dst: [(n, (0,), (8,)) for n in "abcd"]}))
+        assert [(t.tensor, t.src) for t in result.transfers] == [("a", "h0/0"), ("b", "h0/1"), ("c", "h0/0"),
+                                                                  ("d", "h0/1")], dst
+
+
 def test_new_tensors_are_an_error_unless_allowed():
     old = build({"w": ((2,), "float32")}, {"h0/0": [("w", (0,), (2,))]})
     new = build({"w": ((2,), "float32"), "v": ((3,), "float32")},

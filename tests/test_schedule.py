@@ -50,7 +50,8 @@ def test_failed_sources_get_nothing_and_replicas_take_their_queue():
 
 def test_a_destination_queues_its_small_region_batches_before_its_large_pulls():
     from tenplex.box import Box
-    from tenplex.transform.host import _Counters, _Work, _queue_batches
+    from tenplex.transform.progress import Counters
+    from tenplex.transform.staging import _Work, _queue_batches
 
     class _NoReplicas:  # the batch's regions are held by their planned source only
         def holders(self, tensor, box):
@@ -62,7 +63,7 @@ def test_a_destination_queues_its_small_region_batches_before_its_large_pulls():
     work = _Work()
     work.pulls = _pieces("h1", 2, nbytes=16 << 20)  # large pulls, queued while the shards were indexed
     work.small = {"h1": [("h1/0", "bias", Box((i,), (1,)), _Target()) for i in range(3)]}
-    _queue_batches(work, _NoReplicas(), _Counters(lambda message: None), None)
+    _queue_batches(work, _NoReplicas(), Counters(lambda message: None), None)
     assert [p.nbytes for p in work.pulls] == [12, 16 << 20, 16 << 20]
     assert Schedule(work.pulls).take()[0] is work.pulls[0]  # so the batch is the first pull from h1
 

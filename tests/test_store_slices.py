@@ -4,7 +4,9 @@ copying, and never links damaged bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -278,3 +280,38 @@ def test_a_missing_old_file_is_copied_from_a_replica(tmp_path):
         assert_version_matches(cluster.roots, new, 2, arrays)
     h0 = report["hosts"]["h0"]
     assert h0["linked_bytes"] == h0["sliced_bytes"] == 0 and h0["refetched_bytes"] == 384 * ROW_BYTES, h0
+
+
+@contextlib.contextmanager
+def _own_mount(path):
+    """``path`` bind-mounted onto itself: the same files, but another mount, so that a hard link from inside it to
+    outside fails with EXDEV (as when an old version lives on another file system). Needs root (CI has it)."""
+    try:
+        subprocess.run(["mount", "--bind", str(path), str(path)], check=True, capture_output=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot bind-mount here: {getattr(e, 'stderr', b'').decode().strip() or e}")
+    try:
+        yield
+    finally:
+        # lazily: a store server may still hold the directory open (its reader cache)
+        subprocess.run(["umount", "--lazy", str(path)], check=True, capture_output=True, timeout=30)
+
+
+def test_shards_whose_old_file_is_on_another_mount_are_copied_not_linked(tmp_path):
+    """The old version on another mount (EXDEV): the shard kept whole and the slice are both copied, and the
+    transformation succeeds with every byte exact."""
+    tensors = {"m": ((ROWS, COLS), "float32"), "k": ((ROWS, COLS), "float32")}
+    old = tiny_layout(tensors, {"h0/0": [("k", (0, 0), (ROWS, COLS))], "h0/1": [("m", (0, 0), (ROWS, COLS))]})
+    new = tiny_layout(tensors, {"h0/0": [("k", (0, 0), (ROWS, COLS))], "h0/1": [("m", (0, 0), (384, COLS))]})
+    with Cluster(tmp_path, ["h0"]) as cluster:
+        arrays = random_globals(old)
+        write_version(cluster.roots, old, 1, arrays)
+        old_dir = cluster.roots["h0"] / "versions" / "1"
+        with _own_mount(old_dir):
+            report = transform(plan(old, new), old, new, cluster.addresses, 1, 2)
+        assert_version_matches(cluster.roots, new, 2, arrays)
+    h0 = report["hosts"]["h0"]
+    assert h0["linked_bytes"] == h0["sliced_bytes"] == h0["refetched_bytes"] == 0, h0
+    assert h0["kept_bytes"] == h0["bytes_total"] == _stored(new), h0  # both planned as kept on their device
+    new_dir = tmp_path / "h0" / "versions" / "2"
+    assert all(os.stat(new_dir / e.file).st_nlink == 1 for e in Store(tmp_path / "h0", "h0").open(2).entries)

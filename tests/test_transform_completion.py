@@ -13,7 +13,7 @@ from tenplex.errors import StoreError, TransformError
 from tenplex.store import Store
 from tenplex.transfer_plan import Transfer
 from tenplex.transform.completion import Completion, FanOutCopy
-from tenplex.transform.host import _Work, _queue_fan_out
+from tenplex.transform.staging import _Work, _queue_fan_out
 
 VALUES = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
 TOP, BOTTOM, WHOLE = Box((0, 0), (4, 4)), Box((4, 0), (4, 4)), Box((0, 0), (8, 4))

@@ -51,24 +51,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from .compare_cases import BASE, CHANGES, QUICK_BASE, QUICK_CHANGES, QUICK_MODEL
+from .store_traffic import add_host_bytes, host_bytes, peak_rss
 from .warm import add_warm_argument, warm
 
 DESCRIPTION = "tenplex vs a centralised transformer vs DCP (tmpfs, disk) on dp, tp, pp, host and ZeRO changes"
 METHODS = ("tenplex", "centralised", "dcp_tmpfs", "dcp_disk")
-BASE = ("dp=2,tp=2,pp=2 on 2 hosts x 4 devices", 2, 2, 2, 2, 4, "none")
-CHANGES = [
-    # (name, dp, tp, pp, hosts, devices per host, sharding)
-    ("dp 2->1", 1, 2, 2, 2, 2, "none"),
-    ("tp 2->4, pp 2->1", 2, 4, 1, 2, 4, "none"),
-    ("pp 2->4, tp 2->1", 2, 1, 4, 2, 4, "none"),
-    ("hosts 2->4", 2, 2, 2, 4, 2, "none"),
-    ("ZeRO-1 on", 2, 2, 2, 2, 4, "optimizer"),
-    ("FSDP on", 2, 2, 2, 2, 4, "full"),
-]
-# --quick: a tiny model on 2 hosts x 1 device and one change, so that the few DCP process groups start fast
-QUICK_MODEL = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 512}
-QUICK_BASE = ("dp=2 on 2 hosts x 1 device", 2, 1, 1, 2, 1, "none")
-QUICK_CHANGES = [("dp 2->1, tp 1->2", 1, 2, 1, 2, 1, "none")]
 BASELINE_BYTES = 512 << 20
 
 
@@ -220,7 +208,7 @@ def _run_store_method(method: str, root: Path, old, new, streams: int | None, ve
     from ..store import Store
     from ..transform import transform
     from .gpt_state import mismatches
-    from .simulate import central_layout
+    from .centralised import central_layout
 
     hosts = sorted(set(old.hosts()) | set(new.hosts()))
     servers = _start_servers(root, hosts)
@@ -232,7 +220,7 @@ def _run_store_method(method: str, root: Path, old, new, streams: int | None, ve
             the_plan = plan(old, new)
             report = transform(the_plan, old, new, stores, 1, 2, streams=streams)
             seconds = time.perf_counter() - start
-            traffic = _host_bytes(the_plan, old, new, report)
+            traffic = host_bytes(the_plan, old, new, report)
             inter = the_plan.stats.inter_host_bytes
         else:
             central = central_layout(old)
@@ -242,9 +230,10 @@ def _run_store_method(method: str, root: Path, old, new, streams: int | None, ve
             scatter = plan(central, new)
             scattered = transform(scatter, central, new, stores, 3, 2, streams=streams)
             seconds = time.perf_counter() - start
-            traffic = _add(_host_bytes(gather, old, central, gathered), _host_bytes(scatter, central, new, scattered))
+            traffic = add_host_bytes(host_bytes(gather, old, central, gathered),
+                                     host_bytes(scatter, central, new, scattered))
             inter = gather.stats.inter_host_bytes + scatter.stats.inter_host_bytes
-        peak = {f"store {h}": _peak_rss(proc.pid) for h, (proc, _) in servers.items()}
+        peak = {f"store {h}": peak_rss(proc.pid) for h, (proc, _) in servers.items()}
     finally:
         _stop_servers(servers)
     wrong = mismatches(root, new, 2) if verify else []
@@ -296,34 +285,6 @@ def _run_dcp_method(method: str, where: Path, tmp: Path, old, news: dict, verify
     return rows
 
 
-def _host_bytes(the_plan, old, new, report: dict) -> dict[str, dict[str, int]]:
-    """Per host: bytes sent and received between hosts, read from its old shards and written into new ones
-    (a shard kept by hard link is neither read nor written; a slice of a linked file is read, to verify it,
-    but not written)."""
-    from ..devices import host_of
-
-    size = {name: spec.itemsize for name, spec in new.tensors.items()}
-    hosts = sorted(set(old.hosts()) | set(new.hosts()))
-    out = {h: {"sent": 0, "received": 0, "read": 0, "written": 0} for h in hosts}
-    for t in the_plan.transfers:
-        nbytes = t.box.volume * size[t.tensor]
-        src, dst = host_of(t.src), host_of(t.dst)
-        out[src]["read"] += nbytes
-        out[dst]["written"] += nbytes
-        if src != dst:
-            out[src]["sent"] += nbytes
-            out[dst]["received"] += nbytes
-    for h, moved in report["hosts"].items():
-        out[h]["read"] -= moved["linked_bytes"] - moved["sliced_bytes"]
-        out[h]["written"] -= moved["linked_bytes"]
-    return out
-
-
-def _add(a: dict, b: dict) -> dict:
-    return {h: {k: a.get(h, {}).get(k, 0) + b.get(h, {}).get(k, 0) for k in ("sent", "received", "read", "written")}
-            for h in sorted(set(a) | set(b))}
-
-
 def _start_servers(root: Path, hosts: list[str], timeout: float = 60.0) -> dict:
     """One ``tenplex store serve`` per host, started at once; {host: (process, address)}."""
     from ..runtime.hosts import await_store, spawn_store
@@ -350,14 +311,6 @@ def _stop_servers(servers: dict) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _peak_rss(pid: int) -> int:
-    """Peak resident set (VmHWM) of a live process, in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def table(results: list[dict]) -> str:

@@ -2,7 +2,7 @@
 
 May import: every tenplex layer and the standard library.
 
-Each simulated host's store runs in the emulated cluster (``tenplex.bench.cluster``,
+Each simulated host's store runs in the emulated cluster (``tenplex.cluster``,
 N Mbit/s each way per host) and the coordinator in its control host
 (``tenplex.bench.linked``). A row gains the link fields of ``linked.link_fields``
 over the whole method (the centralised method's gather and scatter together).
@@ -24,11 +24,11 @@ def run_store_method(method: str, root: Path, old, new, streams: int | None, ver
     """``compare._run_store_method`` with every store behind its own link; version 2 is checked and deleted."""
     from ..planner import plan
     from ..store import Store
-    from .cluster import EmulatedCluster
-    from .compare import _add, _host_bytes, _peak_rss
+    from ..cluster import EmulatedCluster
+    from .centralised import central_layout
     from .gpt_state import mismatches
     from .linked import LinkedStores, link_fields
-    from .simulate import central_layout
+    from .store_traffic import add_host_bytes, host_bytes, peak_rss
 
     hosts = sorted(set(old.hosts()) | set(new.hosts()))
     with EmulatedCluster(hosts, mbit=mbit) as cluster:
@@ -41,7 +41,7 @@ def run_store_method(method: str, root: Path, old, new, streams: int | None, ver
             planning = time.perf_counter() - start
             report = stores.transform(the_plan, old, new, 1, 2, streams=streams)
             seconds = planning + report["seconds"]
-            traffic = _host_bytes(the_plan, old, new, report)
+            traffic = host_bytes(the_plan, old, new, report)
             inter, bound = the_plan.stats.inter_host_bytes, the_plan.stats.inter_host_lower_bound
         else:
             central = central_layout(old)
@@ -51,11 +51,12 @@ def run_store_method(method: str, root: Path, old, new, streams: int | None, ver
             gathered = stores.transform(gather, old, central, 1, 3, streams=streams)
             scattered = stores.transform(scatter, central, new, 3, 2, streams=streams)
             seconds = planning + gathered["seconds"] + scattered["seconds"]
-            traffic = _add(_host_bytes(gather, old, central, gathered), _host_bytes(scatter, central, new, scattered))
+            traffic = add_host_bytes(host_bytes(gather, old, central, gathered),
+                                     host_bytes(scatter, central, new, scattered))
             inter = gather.stats.inter_host_bytes + scatter.stats.inter_host_bytes
             bound = gather.stats.inter_host_lower_bound + scatter.stats.inter_host_lower_bound
         moved = cluster.counters() - before
-        peak = {f"store {h}": _peak_rss(proc.pid) for h, proc in stores.procs.items()}
+        peak = {f"store {h}": peak_rss(proc.pid) for h, proc in stores.procs.items()}
         links = link_fields(moved, seconds, cluster.mbit, bound)
         if method == "centralised":
             center = central.hosts()[0]

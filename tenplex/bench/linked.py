@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from ..errors import TransformError
-from .cluster import CONTROL, Counters, EmulatedCluster
+from ..cluster import CONTROL, Counters, EmulatedCluster
 
 _STORE = [sys.executable, "-m", "tenplex.cli.store"]
 

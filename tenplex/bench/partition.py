@@ -4,7 +4,7 @@ May import: every tenplex layer, numpy and the standard library.
 
 A GPT state with Adam moments under dp=2, tp=2 (one full replica on each of
 h0 and h1) moves to h2 and h3, on hosts with links of their own
-(``tenplex.bench.cluster``). The default size is the issue's case: about
+(``tenplex.cluster``). The default size is the issue's case: about
 0.8 GB per replica (2 layers, hidden 1024, vocab 20480), so each old host sends
 about 0.8 GB. Three runs: without a fault; with the link of the source h0 cut
 ``--cut-after`` seconds after h0's first bytes left (h1's replica must take
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> list[dict]:
     from ..parallel import ParallelConfig
     from ..planner import plan
     from ..ptc import layout
-    from .cluster import EmulatedCluster
+    from ..cluster import EmulatedCluster
     from .linked import LinkedStores
     from .reconfig import _write_base
 

@@ -20,7 +20,7 @@ it, per change, ``inter_host_gbps`` (inter-host bytes / seconds) and their
 ratio ``inter_host_vs_file_ratio``.
 
 With ``--link-mbit N`` every host's store runs inside an emulated cluster
-(``tenplex.bench.cluster``: a network namespace per host, N Mbit/s each way
+(``tenplex.cluster``: a network namespace per host, N Mbit/s each way
 per host link) and the coordinator in its control host. Each change then also
 reports what crossed the links by the kernel's counters
 (``inter_host_wire_bytes``, ``wire_vs_lower_bound``, bytes per host), the
@@ -115,7 +115,7 @@ def _change_runner(stack: contextlib.ExitStack, args: argparse.Namespace, tmp: P
     """``run_change(plan, new) -> (report, link measurements)``: version 1 -> 2 across store processes, one per
     host (behind emulated links with ``--link-mbit``); they stop when ``stack`` closes."""
     from ..transform import transform
-    from .cluster import EmulatedCluster
+    from ..cluster import EmulatedCluster
     from .linked import LinkedStores, measured_transform
     from .transfer import _start_server
 

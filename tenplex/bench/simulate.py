@@ -125,19 +125,10 @@ def linked(t, held: dict, new_shards: set) -> bool:
     return any(t.box.is_run_of(box) for box in held.get((host_of(t.src), t.tensor), ()))
 
 
-def central_layout(old):
-    """Every tensor whole on one new device of the first old host: what a centralised transformer assembles."""
-    from ..box import Box
-    from ..layout import Layout, Shard
-
-    device = f"{old.hosts()[0]}/{1 + max(int(d.rsplit('/', 1)[1]) for d in old.devices)}"
-    return Layout.build(old.tensors, {device: tuple(Shard(t, Box.whole(s.shape))
-                                                    for t, s in sorted(old.tensors.items()))})
-
-
 def seconds(old, new, cluster: Cluster) -> dict[str, float]:
     """Modelled seconds of each method for old -> new."""
     from ..planner import plan
+    from .centralised import central_layout
 
     central = central_layout(old)
     return {"tenplex_s": plan_seconds(plan(old, new), old, new, cluster),
@@ -235,7 +226,7 @@ def large_rows(cluster: Cluster) -> list[dict]:
 
 def validate(path: Path) -> list[dict]:
     """Model each tenplex and centralised row of a ``bench compare --json`` file with its own measured rate."""
-    from . import compare
+    from .compare_cases import BASE, CHANGES, QUICK_BASE, QUICK_CHANGES
     from ..gpt import gpt
 
     rows = []
@@ -247,8 +238,8 @@ def validate(path: Path) -> list[dict]:
             continue
         shape = measured.get("model") or {"layers": 6, "hidden": 1024, "heads": 16, "vocab": VOCAB}
         model = gpt(**shape, optimizer="adam")
-        quick = measured["from"] == compare.QUICK_BASE[0]
-        base, changes = (compare.QUICK_BASE, compare.QUICK_CHANGES) if quick else (compare.BASE, compare.CHANGES)
+        quick = measured["from"] == QUICK_BASE[0]
+        base, changes = (QUICK_BASE, QUICK_CHANGES) if quick else (BASE, CHANGES)
         config = next(c[1:] for c in changes if c[0] == measured["change"])
         old = _layout(model, base[1], base[2], base[3], base[4], base[6])
         new = _layout(model, config[0], config[1], config[2], config[3], config[5])

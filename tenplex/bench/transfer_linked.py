@@ -3,7 +3,7 @@
 May import: every tenplex layer, numpy and the standard library.
 
 Hosts h0 (source) and h1 (destination) each sit behind an N Mbit/s link
-(``tenplex.bench.cluster``); their stores bind the hosts' private addresses
+(``tenplex.cluster``); their stores bind the hosts' private addresses
 (with a token) and the coordinator runs in the control host. Per run: the
 seconds, what crossed the links by the kernel's counters, the link-bound
 time and ``link_efficiency`` (``tenplex.bench.linked.link_fields``). The
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> dict:
     from ..layout import Layout, Shard, TensorSpec
     from ..store import Store
     from ..transfer_plan import Plan, PlanStats, Transfer
-    from .cluster import EmulatedCluster
+    from ..cluster import EmulatedCluster
     from .linked import LinkedStores, measured_transform
 
     rows = max(1, args.bytes // ROW)

@@ -1,7 +1,7 @@
 """``tenplex demo --elastic``: an elastic job on real torchrun agents, through joins, failures, leaves and partitions.
 
 May import: ``tenplex.elastic.nodes`` and ``.timeline``, ``tenplex.runtime`` (dataset, job
-launcher), ``tenplex.replication`` (is a save's copy complete?), ``tenplex.bench.cluster``
+launcher), ``tenplex.replication`` (is a save's copy complete?), ``tenplex.cluster``
 (``link_mbit``: the emulated cluster), ``tenplex.errors`` and the standard library. No torch in
 this process: the training runs in the workers (``examples/01-gpt-train/train.py`` through
 :class:`tenplex.elastic.Job`).
@@ -34,7 +34,7 @@ this process: the training runs in the workers (``examples/01-gpt-train/train.py
      and its agent gives up its rendezvous and exits (``nodes.LINKED_RDZV_CONF``).
 
    With ``link_mbit`` every node runs in a network namespace of its own, with a
-   link of that many Mbit/s in each direction (:class:`tenplex.bench.cluster.EmulatedCluster`),
+   link of that many Mbit/s in each direction (:class:`tenplex.cluster.EmulatedCluster`),
    and the rendezvous store in the cluster's control namespace; the kernel's
    counters give each host's bytes in and out.
 
@@ -56,7 +56,7 @@ from ..errors import ConfigError, TenplexError
 from .nodes import Nodes
 
 if TYPE_CHECKING:
-    from ..bench.cluster import Counters, EmulatedCluster
+    from ..cluster import Counters, EmulatedCluster
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-gpt-train" / "train.py"
 DEFAULT_SCHEDULE = "join:h2@4,fail:h1@8,leave:h2@12"
@@ -314,8 +314,8 @@ def _wait(ready: Callable[[], bool], deadline: float, nodes: Nodes, what: str) -
 
 
 def require_links() -> None:
-    """Raise :class:`~tenplex.bench.cluster.ClusterUnavailable` (one line) where network namespaces cannot be used."""
-    from ..bench.cluster import ClusterUnavailable, unavailable
+    """Raise :class:`~tenplex.cluster.ClusterUnavailable` (one line) where network namespaces cannot be used."""
+    from ..cluster import ClusterUnavailable, unavailable
 
     reason = unavailable()
     if reason:
@@ -328,7 +328,7 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
     """Everything: dataset, reference, elastic run, summary. Returns the summary and the loss histories.
 
     ``link_mbit``: run every node in its own network namespace with a link of that rate; raises
-    :class:`~tenplex.bench.cluster.ClusterUnavailable` (one line) before anything starts where namespaces
+    :class:`~tenplex.cluster.ClusterUnavailable` (one line) before anything starts where namespaces
     cannot be used, never falls back to loopback."""
     from ..runtime.demo import make_dataset
     from .timeline import summarize
@@ -347,7 +347,7 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
     if link_mbit is None:
         record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say)
     else:
-        from ..bench.cluster import EmulatedCluster
+        from ..cluster import EmulatedCluster
 
         with EmulatedCluster(hosts, mbit=link_mbit, tcp_retries=LINKED_TCP_RETRIES) as cluster:
             say(f"links: every node in its own network namespace, {link_mbit:g} Mbit/s each way "

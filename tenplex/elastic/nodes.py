@@ -1,6 +1,6 @@
 """Simulated nodes on this machine: a ``tenplex rendezvous serve`` process and one ``tenplex run`` per node.
 
-May import: ``tenplex.runtime.hosts``, ``tenplex.bench.cluster`` (the emulated cluster: its type, its
+May import: ``tenplex.runtime.hosts``, ``tenplex.cluster`` (the emulated cluster: its type, its
 control host and its hosts' link device), ``tenplex.errors`` and the standard library (no torch: the
 demo's driver only starts, signals and kills processes).
 
@@ -15,7 +15,7 @@ own store root ``BASE/HOST``. What happens to a node:
 * ``partition`` (only with a ``cluster``): the node's link is cut, its
   processes keep running (see :meth:`Nodes.partition`).
 
-With an :class:`~tenplex.bench.cluster.EmulatedCluster`, every node runs
+With an :class:`~tenplex.cluster.EmulatedCluster`, every node runs
 inside its host's network namespace, with a link of its own: its agent, its
 store (bound to the host's address, so with a token) and its workers
 (``GLOO_SOCKET_IFNAME`` and torchrun's ``--local-addr`` put their process
@@ -38,7 +38,7 @@ from ..runtime.hosts import HostError, await_store
 from .launcher import alive
 
 if TYPE_CHECKING:
-    from ..bench.cluster import EmulatedCluster
+    from ..cluster import EmulatedCluster
 
 # A cut-off agent's rendezvous calls hang without a reset; torch's default read timeout (60 s) would keep it
 # waiting that long after each of them before it gives up and exits.
@@ -69,7 +69,7 @@ class Nodes:
         return self.cluster.popen(host, argv, **kwargs)
 
     def start_rendezvous(self, timeout: float = 120.0) -> str:
-        from ..bench.cluster import CONTROL
+        from ..cluster import CONTROL
 
         port_file, log = self.base / "rendezvous.port", self.base / "rendezvous.log"
         argv = [sys.executable, "-m", "tenplex.cli", "rendezvous", "serve", "--port", "0",
@@ -101,7 +101,7 @@ class Nodes:
                 "--rdzv-endpoint", self.endpoint, "--rdzv-id", "demo"]
         env = self.env
         if self.cluster is not None:
-            from ..bench.cluster import HOST_DEVICE
+            from ..cluster import HOST_DEVICE
 
             address = self.cluster.address(host)
             argv += ["--store-bind", address, "--token-file", str(self.token_file), "--local-addr", address,

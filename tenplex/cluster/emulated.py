@@ -328,6 +328,6 @@ import signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 sys.stdin.buffer.read()
-from tenplex.bench.cluster import remove_namespaces
+from tenplex.cluster.emulated import remove_namespaces
 remove_namespaces(sys.argv[1])
 """
