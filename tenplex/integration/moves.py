@@ -1,8 +1,9 @@
 """The two ways a restore moves state between devices: every rank reads its part of the plan straight from the
 stores (read-through), or the stores run the plan into a new version (transformation).
 
-May import: ``tenplex.store``, ``tenplex.transform``, ``tenplex.layout``, ``tenplex.transfer_plan``, this
-package's :mod:`.exchange`, :mod:`.readthrough`, :mod:`.nontensor` and :mod:`.pieces`, and torch.distributed.
+May import: ``tenplex.errors``, ``tenplex.store``, ``tenplex.transform``, ``tenplex.layout``,
+``tenplex.transfer_plan``, this package's :mod:`.exchange`, :mod:`.readthrough`, :mod:`.nontensor`, :mod:`.pieces`
+and :mod:`.shardio`, and torch.distributed.
 """
 
 from __future__ import annotations
