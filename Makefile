@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint proto
+.PHONY: setup demo test lint docs proto
 setup:
 	VENV=$(VENV) scripts/setup.sh
 
@@ -17,6 +17,10 @@ test: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+
+# The guides under docs/: a broken link or anchor fails (the site goes to a temporary directory).
+docs: setup
+	$(VENV)/bin/mkdocs build --strict --site-dir $$(mktemp -d)
 
 # Regenerates the gRPC/protobuf code from proto/ (tests fail when it is stale).
 proto: setup
