@@ -94,6 +94,16 @@ def merge_patch(old: Any, patch: Any) -> Any:
     return out
 
 
+def worker_created(pod: PodState) -> Event:
+    """The WorkerCreated event of a worker pod (one per pod uid)."""
+    return Event("Normal", "WorkerCreated", f"{pod.name} on node {pod.node}", key=f"WorkerCreated/{pod.uid}")
+
+
+def observed_events(pods: Sequence[PodState]) -> tuple[Event, ...]:
+    """The events the observed workers stand for: a worker that exists was created (posted once, by its key)."""
+    return tuple(worker_created(p) for p in pods if not p.terminating)
+
+
 def decide(spec: JobSpec | SpecError, nodes: Sequence[NodeState], pods: Sequence[PodState], *,
            used_by_others: Mapping[str, int], status: Mapping[str, Any] | None, generation: int | None,
            now: str, resource: str, unschedulable_grace: int = 60) -> Decision:
