@@ -32,11 +32,10 @@ from kopf.testing import KopfRunner
 
 from kmock_realism import RealisticKubernetes
 from tenplex.operator import GROUP, JOB_LABEL, NODE_ANNOTATION, PLURAL, ROLE_LABEL, VERSION
-
-STORE_LABEL = "tenplex.io/gpu-node"  # k8s/store.yaml's nodeSelector (the README's quick start labels the nodes)
 from tenplex.operator.handlers import Operator
 from tenplex.operator.settings import WorkerSettings
 
+STORE_LABEL = "tenplex.io/gpu-node"  # k8s/store.yaml's nodeSelector (the README's quick start labels the nodes)
 NS = "ml"
 
 
