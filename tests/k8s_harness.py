@@ -40,12 +40,14 @@ NS = "ml"
 
 
 @contextlib.contextmanager
-def api_server():
-    """The realistic KMock server on 127.0.0.1 (port 0), yielding its URL."""
+def api_server(requests: list | None = None):
+    """The realistic KMock server on 127.0.0.1 (port 0), yielding its URL; ``requests`` collects its RBAC log."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="kmock", daemon=True)
     thread.start()
     handler = RealisticKubernetes()
+    if requests is not None:
+        handler.requests = requests
     # KMock cannot parse POST /api/v1/namespaces (it reads "namespaces" as a namespace prefix): seed it.
     handler.objects["v1/namespaces", None, NS] = {"apiVersion": "v1", "kind": "Namespace",
                                                    "metadata": {"name": NS, "resourceVersion": "0", "uid": NS}}
