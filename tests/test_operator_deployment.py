@@ -19,7 +19,7 @@ import yaml
 
 pytest.importorskip("kmock")  # Python 3.11+ (setup.cfg installs it there)
 
-from k8s_harness import NS, Cluster, api_server, wait_for  # noqa: E402
+from k8s_harness import Cluster, api_server, wait_for  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
