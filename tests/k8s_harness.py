@@ -246,6 +246,23 @@ def daemonset_nodes(daemonset: dict, nodes: list[dict]) -> list[str]:
     return [n["metadata"]["name"] for n in nodes if fits_node(daemonset["spec"]["template"]["spec"], n)]
 
 
+def running(c: Cluster, job: str, nodes: list[str]) -> dict:
+    """Play the kubelet until the job runs on exactly ``nodes``; returns its status."""
+    def check():
+        c.kubelet(job)
+        st = c.status(job)
+        return st if st.get("phase") == "Running" and st.get("nodeNames") == nodes else None
+    return wait_for(check, f"{job} Running on {nodes}")
+
+
+def start_job(c: Cluster, nodes=("n1", "n2"), **spec: Any) -> dict:
+    """Nodes ``nodes`` and the job ``j`` (1 to 3 nodes of 8 GPUs) running on them."""
+    for n in nodes:
+        c.add_node(n)
+    c.create_job("j", **{"minNodes": 1, "maxNodes": 3, "gpusPerNode": 8, **spec})
+    return running(c, "j", list(nodes))
+
+
 @contextlib.contextmanager
 def operator(url: str, interval: float = 0.5, settings: WorkerSettings | None = None):
     """The operator under test: a fresh kopf registry, KopfRunner, standalone, watching namespace NS."""
