@@ -17,7 +17,8 @@ operator rely on, and nothing else:
 * label selectors (``a=b,c=d``) on list and watch, and watches that start
   after the ``resourceVersion`` they are given;
 * declared resources, ``v1/namespaces`` among them (kopf needs it);
-* one piece of pod validation: a container without an image is ``422 Invalid``.
+* one piece of pod validation: a container without an image is ``422 Invalid``;
+* a log of the requests as RBAC sees them, ``(verb, group, resource)``, for the ClusterRole check.
 
 The tests play the kubelet: they set pod phases and node readiness.
 """
@@ -41,6 +42,8 @@ RESOURCES = {
     "v1/nodes": kmock.ResourceInfo(kind="Node", namespaced=False, subresources={"status"}),
     "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, subresources={"status"}),
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True),
+    "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True),
+    "kopf.dev/v1/clusterkopfpeerings": kmock.ResourceInfo(kind="ClusterKopfPeering", namespaced=False),
     "tenplex.io/v1alpha1/tenplexjobs": kmock.ResourceInfo(kind="TenplexJob", namespaced=True,
                                                           subresources={"status"}),
 }
@@ -67,6 +70,16 @@ def _merge_diff(old: Any, new: Any) -> Any:
     return patch
 
 
+_VERBS = {kmock.action.LIST: "list", kmock.action.WATCH: "watch", kmock.action.FETCH: "get",
+          kmock.action.CREATE: "create", kmock.action.UPDATE: "patch", kmock.action.DELETE: "delete"}
+
+
+def _rbac(request) -> tuple[str, str, str]:
+    """The request as an RBAC rule names it: verb, API group ("" for the core group), resource[/subresource]."""
+    resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+    return _VERBS.get(request.action, str(request.action)), request.resource.group or "", resource
+
+
 def _rv(obj: dict) -> int:
     return int((obj.get("metadata") or {}).get("resourceVersion") or 0)
 
@@ -74,6 +87,7 @@ def _rv(obj: dict) -> int:
 @attrs.define(kw_only=True)
 class RealisticKubernetes(kmock.KubernetesEmulator):
     _version: int = attrs.field(default=0, init=False)  # the last resourceVersion handed out
+    requests: list = attrs.field(factory=list, init=False)  # (verb, api group, resource[/subresource])
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
@@ -93,6 +107,8 @@ class RealisticKubernetes(kmock.KubernetesEmulator):
     async def _handle(self, request):
         if request.resource is None:
             return await super()._handle(request)
+        if request.resource.plural:  # (not discovery, which RBAC grants everyone)
+            self.requests.append(_rbac(request))
         info = next((i for k, i in RESOURCES.items() if request.resource == kmock.resource(k)), None)
         split = info is not None and "status" in info.subresources
         data = request.data if isinstance(request.data, dict) else None

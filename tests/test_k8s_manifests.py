@@ -114,6 +114,16 @@ def test_operator_status_matches_the_crd_status_schema():
     assert status["phase"] == "Recovering" and status["failures"] and status["lastRescale"]
     validator = jsonschema.Draft7Validator(_closed(crd_schema("status")), format_checker=jsonschema.FormatChecker())
     assert list(validator.iter_errors(status)) == []
+    # a scale-up to n3 dropped (n3 NotReady), then a worker on n3 Unschedulable past the grace period
+    status = merge_patch({}, decide(s, nodes[:2], pods, status=None, now="2026-01-01T00:00:00Z", **kw).status)
+    for round_nodes, round_pods, now in (
+            (nodes, pods, "2026-01-01T00:01:00Z"),
+            (nodes[:2] + [NodeState("n3", False, True, 8)], pods, "2026-01-01T00:02:00Z"),
+            (nodes, pods + [PodState("j-n3", "u3", "n3", "Pending", unschedulable_since="2026-01-01T00:00:00Z")],
+             "2026-01-01T00:03:00Z")):
+        status = merge_patch(status, decide(s, round_nodes, round_pods, status=status, now=now, **kw).status)
+    assert status["unschedulable"] and status["lastRescale"]["abandoned"]
+    assert list(validator.iter_errors(status)) == []
 
 
 def _closed(schema):
@@ -140,8 +150,17 @@ def test_worker_pod_is_a_valid_pod_with_the_exact_labels():
     ds = next(d for d in manifests()["store.yaml"] if d["kind"] == "DaemonSet")
     store = next(c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "store")
     cmd, scmd = pod["spec"]["containers"][0]["command"], store["command"]
-    for flag, sflag in (("--store-root", "--root"), ("--host", "--host"), ("--token-file", "--token-file")):
+    for flag, sflag in (("--store-root", "--root"), ("--host", "--host")):
         assert cmd[cmd.index(flag) + 1] == scmd[scmd.index(sflag) + 1], flag
+    # the token: the DaemonSet's init container copies the store's token file into the store root, where the
+    # worker (in any namespace) reads it; the worker mounts no Secret (it would have to be in its namespace)
+    init = next(c for c in ds["spec"]["template"]["spec"]["initContainers"] if c["name"] == "token")
+    assert init["command"][-2:] == [scmd[scmd.index("--token-file") + 1], cmd[cmd.index("--token-file") + 1]]
+    assert cmd[cmd.index("--token-file") + 1] == f"{WorkerSettings().store_root}/.tenplex-store.token"
+    assert not [v for v in pod["spec"]["volumes"] if "secret" in v]
+    # only on the nodes that run the store DaemonSet, tolerating what it tolerates
+    assert pod["spec"]["nodeSelector"] == ds["spec"]["template"]["spec"]["nodeSelector"]
+    assert ds["spec"]["template"]["spec"]["tolerations"] == pod["spec"]["tolerations"]
     assert scmd[scmd.index("--port-file") + 1] == f"{WorkerSettings().store_root}/.tenplex-store.port"
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert {k: v for k, v in env.items() if k.startswith("TENPLEX_")} == {
@@ -156,7 +175,7 @@ def test_store_daemonset_mounts_token_and_propagates_the_fuse_mount():
     containers = {c["name"]: c for c in ds["spec"]["template"]["spec"]["containers"]}
     assert "--token-file" in containers["store"]["command"]
     volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
-    assert volumes["token"]["secret"]["secretName"] == WorkerSettings().token_secret
+    assert volumes["token"]["secret"]["secretName"] == "tenplex-store-token"
     data = next(m for m in containers["dataset"]["volumeMounts"] if m["name"] == "data")
     assert data["mountPropagation"] == "Bidirectional" and containers["dataset"]["securityContext"]["privileged"]
     assert volumes["data"]["hostPath"]["path"] == WorkerSettings().data_root

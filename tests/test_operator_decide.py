@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from tenplex.operator.decide import NODE_FAILURE_LIMIT, Deletion, decide, merge_patch
-from tenplex.operator.observe import NodeState, PodState, gpu_claim, node_state, pod_state, quantity, used_by_others
+from tenplex.operator.observe import (NodeState, PodState, Taint, gpu_claim, node_state, pod_state, quantity,
+                                      used_by_others)
 from tenplex.operator.spec import SpecError, check_name, parse_spec
 
 GPU = "nvidia.com/gpu"
@@ -39,6 +40,13 @@ def stable(*names, gpus=8):
 
 def reasons(d):
     return [e.reason for e in d.events]
+
+
+def fresh(d, *earlier):
+    """The reasons of ``d``'s events that no earlier decision had: events are decided again from the state
+    each round, and posting them is idempotent by key, so only these are new Events on the job."""
+    seen = {e.key for x in earlier for e in x.events}
+    return [e.reason for e in d.events if e.key not in seen]
 
 
 # -- start ----------------------------------------------------------------------------------------------------------
@@ -82,9 +90,9 @@ def test_node_joins_scale_up_opens_and_finishes_a_rescale():
     assert mid["nodes"] == 2
 
     d2 = run(spec(), nodes, [pod("n1"), pod("n2"), pod("n3", phase="Pending")], mid, now=T2)
-    assert d2.phase == "Rescaling" and d2.create == () and d2.events == ()
+    assert d2.phase == "Rescaling" and d2.create == () and fresh(d2, d) == []
     d3 = run(spec(), nodes, [pod("n1"), pod("n2"), pod("n3")], merge_patch(mid, d2.status), now=T2)
-    assert d3.phase == "Running" and reasons(d3) == ["Rescaled"]
+    assert d3.phase == "Running" and fresh(d3, d, d2) == ["Rescaled"]
     assert d3.status["lastRescale"]["finishedAt"] == T2 and d3.status["lastRescale"]["startedAt"] == T1
     assert d3.status["nodes"] == 3 and d3.status["worldSize"] == 24
 
@@ -92,7 +100,8 @@ def test_node_joins_scale_up_opens_and_finishes_a_rescale():
 def test_scale_up_is_capped_at_max_nodes_and_never_moves_a_worker():
     nodes = [node(n) for n in ("n1", "n2", "n3", "n4")]
     d = run(spec(), nodes, [pod("n2"), pod("n3"), pod("n4")], stable("n2", "n3", "n4"))
-    assert (d.phase, d.target, d.create, d.delete, d.events) == ("Running", ("n2", "n3", "n4"), (), (), ())
+    assert (d.phase, d.target, d.create, d.delete) == ("Running", ("n2", "n3", "n4"), (), ())
+    assert [e.key for e in d.events] == ["Started"]  # decided again from the state: posted once (by its key)
 
 
 def test_max_nodes_lowered_below_current_deletes_with_grace_period():
@@ -105,7 +114,7 @@ def test_max_nodes_lowered_below_current_deletes_with_grace_period():
     assert d.status["lastRescale"]["reason"] == "node n3 removed: maxNodes=2"
     # the next round sees the worker terminating: the smaller world is what runs
     d2 = run(s, nodes, [pod("n1"), pod("n2"), pod("n3", terminating=True)], merge_patch(old, d.status), now=T2)
-    assert d2.phase == "Running" and d2.delete == () and d2.status["nodes"] == 2 and reasons(d2) == ["Rescaled"]
+    assert d2.phase == "Running" and d2.delete == () and d2.status["nodes"] == 2 and fresh(d2, d) == ["Rescaled"]
 
 
 def test_cordoned_node_gets_no_new_worker_but_keeps_its_own():
@@ -121,7 +130,7 @@ def test_pod_deleted_by_someone_else_is_recreated_as_a_recovery():
     assert d.create == () and d.delete == () and d.phase == "Recovering"  # same name: wait until it is gone
     assert d.status["lastRescale"]["reason"] == "worker on n2 missing"
     d2 = run(spec(), [node("n1"), node("n2")], [pod("n1")], merge_patch(old, d.status))
-    assert d2.create == ("n2",) and d2.events == ()
+    assert d2.create == ("n2",) and fresh(d2, d) == []
 
 
 # -- lost nodes and failed pods -------------------------------------------------------------------------------------
@@ -149,8 +158,9 @@ def test_node_lost_below_min_nodes_waits_pending_and_keeps_the_survivors():
     assert "needs minNodes=3" in cond["message"] and "n2: NotReady" in cond["message"]
     assert reasons(d) == ["InsufficientNodes"]
     # the same observation again (the next round, or a restarted operator) posts no second event
-    assert run(s, [node("n1"), node("n2", ready=False), node("n3")], [pod("n1"), pod("n3")],
-               merge_patch(stable("n1", "n2", "n3"), d.status)).events == ()
+    again = run(s, [node("n1"), node("n2", ready=False), node("n3")], [pod("n1"), pod("n3")],
+                merge_patch(stable("n1", "n2", "n3"), d.status), now=T2)
+    assert fresh(again, d) == [] and [e.key for e in again.events] == [f"InsufficientNodes/{T1}"]
 
 
 def test_failed_pod_is_deleted_then_replaced_on_its_healthy_node():
@@ -163,11 +173,11 @@ def test_failed_pod_is_deleted_then_replaced_on_its_healthy_node():
     assert d.status["lastRescale"]["reason"] == "worker j-n2 failed on n2" and reasons(d) == ["RecoveryStarted"]
     st = merge_patch(old, d.status)
     d2 = run(spec(), nodes, [pod("n1"), pod("n3")], st, now=T2)
-    assert d2.create == ("n2",) and d2.phase == "Recovering" and d2.events == ()
+    assert d2.create == ("n2",) and d2.phase == "Recovering" and fresh(d2, d) == []
     assert d2.status["lastRescale"]["startedAt"] == T1
     st = merge_patch(st, d2.status)
     d3 = run(spec(), nodes, [pod("n1"), pod("n2", gen="b"), pod("n3")], st, now=T2)
-    assert d3.phase == "Running" and reasons(d3) == ["Recovered"] and d3.status["failures"] == {"n2": ["uid-n2"]}
+    assert d3.phase == "Running" and fresh(d3, d, d2) == ["Recovered"] and d3.status["failures"] == {"n2": ["uid-n2"]}
 
 
 def test_crash_looping_pod_counts_once_and_a_node_that_keeps_failing_is_left_out():
@@ -209,9 +219,12 @@ def test_too_few_gpus_for_min_nodes_is_pending_and_names_what_is_missing():
 
 
 def test_gpu_accounting_from_raw_objects():
-    raw_node = {"metadata": {"name": "n1"}, "spec": {"unschedulable": True},
+    raw_node = {"metadata": {"name": "n1", "labels": {"tenplex.io/gpu-node": "true"}},
+                "spec": {"unschedulable": True, "taints": [{"key": GPU, "effect": "NoSchedule"}]},
                 "status": {"allocatable": {GPU: "8"}, "conditions": [{"type": "Ready", "status": "True"}]}}
-    assert node_state(raw_node, GPU) == NodeState("n1", True, False, 8)
+    assert node_state(raw_node, GPU) == NodeState("n1", True, False, 8, True, (Taint(GPU, "", "NoSchedule"),))
+    raw_node["metadata"]["labels"] = {}
+    assert not node_state(raw_node, GPU).store  # no store DaemonSet pod there
     assert node_state(raw_node, "cpu").allocatable == 0
     assert [quantity(q) for q in ("8", 8, "3500m", "2k", "1Ki", None)] == [8, 8, 3, 2000, 1024, 0]
 
@@ -240,7 +253,10 @@ def test_operator_restart_mid_rescale_continues_the_same_rescale():
     first = run(spec(), nodes, [pod("n1"), pod("n2")], old, now=T1)
     # the operator died after writing the status, before creating the pod; a new one starts at T2
     d = run(spec(), nodes, [pod("n1"), pod("n2")], merge_patch(old, first.status), now=T2)
-    assert d.create == ("n3",) and d.phase == "Rescaling" and d.events == ()
+    assert d.create == ("n3",) and d.phase == "Rescaling"
+    # it died before posting too: the same RescaleStarted is decided again (same key: posted once in all)
+    assert [(e.reason, e.key) for e in d.events] == [("RescaleStarted", f"Started/{T1}")] == \
+        [(e.reason, e.key) for e in first.events]
     assert merge_patch({}, d.status)["lastRescale"] == merge_patch({}, first.status)["lastRescale"]  # startedAt T1
 
 
@@ -334,3 +350,76 @@ def test_cli_says_what_is_missing_in_one_line(capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     assert main(["operator", "run", "--all-namespaces"]) == 2
     assert "no Kubernetes credentials" in capsys.readouterr().err
+
+
+# -- stores, taints, unschedulable workers, dropped scale-ups ---------------------------------------------------------
+def test_only_nodes_with_a_store_and_tolerated_taints_qualify():
+    gpu_taint = Taint(GPU, "present", "NoSchedule")
+    nodes = [node("n1"), NodeState("n2", True, True, 8, store=False),  # no store DaemonSet pod: no worker
+             NodeState("n3", True, True, 8, taints=(gpu_taint,)),  # the GPU taint: the worker tolerates it
+             NodeState("n4", True, True, 8, taints=(Taint("node-role.kubernetes.io/control-plane"),)),
+             NodeState("n5", True, True, 8, taints=(Taint("team", "a", "PreferNoSchedule"),))]  # steers only
+    d = run(spec(maxNodes=5), nodes, [])
+    assert d.target == ("n1", "n3", "n5")
+    s = spec(minNodes=4, maxNodes=5)
+    msg = next(c for c in run(s, nodes, []).status["conditions"] if c["type"] == "NodesAvailable")["message"]
+    assert msg.endswith("n2: no tenplex store (not labelled tenplex.io/gpu-node=true); "
+                        "n4: taint node-role.kubernetes.io/control-plane=:NoSchedule not tolerated")
+    # a toleration in the template lets the worker there (and goes into the pod: tests/test_k8s_manifests.py)
+    tolerant = spec(maxNodes=5, template={"spec": {"tolerations": [
+        {"key": "node-role.kubernetes.io/control-plane", "operator": "Exists", "effect": "NoSchedule"}]}})
+    assert run(tolerant, nodes, []).target == ("n1", "n3", "n4", "n5")
+
+
+def test_a_new_noschedule_taint_keeps_the_running_worker_but_noexecute_evicts_it():
+    old = stable("n1", "n2")
+    pods = [pod("n1"), pod("n2")]
+    tainted = [node("n1"), NodeState("n2", True, True, 8, taints=(Taint("maintenance"),))]
+    assert run(spec(), tainted, pods, old).delete == ()
+    evicting = [node("n1"), NodeState("n2", True, True, 8, taints=(Taint("maintenance", "", "NoExecute"),))]
+    d = run(spec(), evicting, pods, old)
+    assert [x.pod for x in d.delete] == ["j-n2"] and d.target == ("n1",)
+
+
+def test_worker_unschedulable_past_the_grace_period_is_replaced_elsewhere_and_reported():
+    nodes = [node("n1"), node("n2"), node("n3")]
+    why = "0/3 nodes are available: 1 node(s) had untolerated taint {dedicated: infra}"
+    stuck = pod("n2", phase="Pending", unschedulable_since=T0, unschedulable_message=why)
+    s = spec(maxNodes=2)
+    first = run(s, nodes, [pod("n1"), stuck], now=T0)  # just noticed: within the grace period (60 s)
+    assert first.delete == () and first.status["unschedulable"] is None
+    d = run(s, nodes, [pod("n1"), stuck], first.status, now=T1)  # 60 s later
+    assert d.delete == (Deletion("j-n2", 0, f"worker j-n2 could not be scheduled on n2 for 60s: {why}"),)
+    assert d.target == ("n1", "n3") and d.create == ("n3",) and d.status["unschedulable"] == {"n2": why}
+    cond = next(c for c in d.status["conditions"] if c["type"] == "WorkersScheduled")
+    assert (cond["status"], cond["reason"]) == ("False", "Unschedulable") and f"n2: {why}" in cond["message"]
+    assert [(e.type, e.reason, e.message) for e in d.events] == [("Warning", "WorkerUnschedulable",
+                                                                  f"node n2 left out: {why}")]
+    st = merge_patch(first.status, d.status)
+    d2 = run(s, nodes, [pod("n1"), pod("n3")], st, now=T2)
+    assert d2.status["unschedulable"] == {"n2": why} and "n2" not in d2.target and fresh(d2, d) == ["Started"]
+    # an edit of the spec (a toleration, say) gives the node another chance
+    d3 = decide(s, nodes, [pod("n1"), pod("n3")], used_by_others={}, status=merge_patch(st, d2.status),
+                generation=2, now=T2, resource=GPU)
+    assert "unschedulable" not in merge_patch(st, d3.status)
+    assert next(c for c in d3.status["conditions"] if c["type"] == "WorkersScheduled")["status"] == "True"
+
+
+def test_joining_node_lost_before_its_worker_ran_closes_the_record_as_abandoned():
+    old = stable("n1", "n2")
+    nodes = [node("n1"), node("n2"), node("n3")]
+    first = run(spec(), nodes, [pod("n1"), pod("n2")], old)
+    assert first.phase == "Rescaling"
+    st = merge_patch(old, first.status)
+    gone = [node("n1"), node("n2"), node("n3", ready=False)]
+    d = run(spec(), gone, [pod("n1"), pod("n2"), pod("n3", phase="Pending")], st, now=T2)
+    assert d.phase == "Running" and d.target == ("n1", "n2")
+    rec = merge_patch(st, d.status)["lastRescale"]
+    assert (rec["startedAt"], rec["finishedAt"], rec["abandoned"]) == (T1, T2, "n3: node n3 is NotReady")
+    assert fresh(d, first) == ["RescaleAbandoned"]
+    ev = next(e for e in d.events if e.reason == "RescaleAbandoned")
+    assert ev.type == "Warning" and ev.message == ("2 -> 3 nodes, world 16 -> 24 (dp=2,tp=8,pp=1 -> dp=3,tp=8,pp=1): "
+                                                   "node n3 added: dropped, n3: node n3 is NotReady")
+    # the next scale-up is a new record again (`abandoned` removed by the merge patch)
+    d2 = run(spec(), nodes, [pod("n1"), pod("n2")], merge_patch(st, d.status), now=T2)
+    assert "abandoned" not in merge_patch(merge_patch(st, d.status), d2.status)["lastRescale"]

@@ -16,7 +16,7 @@ pytest.importorskip("kmock")  # Python 3.11+ (setup.cfg installs it there)
 
 import kopf  # noqa: E402
 import kubernetes  # noqa: E402
-from k8s_harness import NS, Cluster, api_server, operator, wait_for  # noqa: E402
+from k8s_harness import NS, Cluster, api_server, operator, running, start_job, wait_for  # noqa: E402
 
 from store_helpers import StoreProcess, tiny_layout  # noqa: E402
 
@@ -31,22 +31,6 @@ from tenplex.operator.settings import WorkerSettings  # noqa: E402
 def cluster():
     with api_server() as url:
         yield Cluster(url)
-
-
-def running(c, job, nodes):
-    """Play the kubelet until the job runs on exactly ``nodes``; returns its status."""
-    def check():
-        c.kubelet(job)
-        st = c.status(job)
-        return st if st.get("phase") == "Running" and st.get("nodeNames") == nodes else None
-    return wait_for(check, f"{job} Running on {nodes}")
-
-
-def start_job(c, nodes=("n1", "n2"), **spec):
-    for n in nodes:
-        c.add_node(n)
-    c.create_job("j", **{"minNodes": 1, "maxNodes": 3, "gpusPerNode": 8, **spec})
-    return running(c, "j", list(nodes))
 
 
 def test_create_gives_one_labelled_worker_per_node_and_status(cluster):
@@ -193,8 +177,6 @@ def test_conflicting_edit_is_read_again_and_decided_again(cluster, monkeypatch):
     c.add_node("n2")
     c.create_job("j", minNodes=1, maxNodes=2, gpusPerNode=8)
     op = Operator(kubernetes.client.ApiClient(kubernetes.client.Configuration(host=c.url)), WorkerSettings())
-    posted = []  # kopf posts events only inside a running operator; this test calls one reconciliation
-    monkeypatch.setattr(kopf, "event", lambda obj, **kw: posted.append(kw["reason"]))
     real_get, edits = op._get, []
 
     def racing_get(call, *args, **kwargs):
@@ -207,7 +189,7 @@ def test_conflicting_edit_is_read_again_and_decided_again(cluster, monkeypatch):
     asyncio.run(op.reconcile(NS, "j", {}, logging.getLogger("test")))
     st = c.status("j")
     assert len(edits) == 1 and st["observedGeneration"] == 2  # the first write was refused (409)
-    assert sorted(c.pods_by_node("j")) == ["n1"] and posted == ["WorkerCreated"]
+    assert sorted(c.pods_by_node("j")) == ["n1"] and len(c.events("WorkerCreated")) == 1
 
 
 def test_unreachable_api_is_a_temporary_error():

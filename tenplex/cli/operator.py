@@ -35,10 +35,12 @@ def register(subparsers) -> None:
     run.add_argument("--store-root", default=d.store_root,
                      help="host directory the store DaemonSet serves (mounted into the workers)")
     run.add_argument("--data-root", default=d.data_root, help="host directory where the DaemonSet mounts datasets")
-    run.add_argument("--token-secret", default=d.token_secret, help="Secret with the store token (key `token`)")
     run.add_argument("--store-port", type=int, default=d.store_port, help="the stores' port on every node (29500)")
     run.add_argument("--token-file", default=d.token_file,
                      help="the store token, to read each job's last committed step from its stores")
+    run.add_argument("--unschedulable-grace", type=int, default=d.unschedulable_grace,
+                     help="seconds a worker pod may stay Unschedulable before its node is left out "
+                          "(default 60; env TENPLEX_UNSCHEDULABLE_GRACE)")
     run.add_argument("--interval", type=float, default=float(os.environ.get("TENPLEX_RECONCILE_INTERVAL", "10")),
                      help="seconds between reconciliations when nothing changes (default 10)")
     peering = run.add_mutually_exclusive_group()
@@ -67,8 +69,8 @@ def run_operator(args: argparse.Namespace) -> int:
             raise PermanentError(f"no Kubernetes credentials (not in a pod, and no usable kubeconfig): {e}") from None
     settings = WorkerSettings(resource=args.gpu_resource, store_root=args.store_root, data_root=args.data_root,
                               rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
-                              token_secret=args.token_secret, store_port=args.store_port,
-                              token_file=args.token_file)
+                              store_port=args.store_port, token_file=args.token_file,
+                              unschedulable_grace=args.unschedulable_grace)
     registry = Operator(kubernetes.client.ApiClient(), settings, interval=args.interval).register(
         kopf.get_default_registry())
     kopf.run(registry=registry, clusterwide=args.all_namespaces, namespaces=args.namespace,

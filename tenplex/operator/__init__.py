@@ -28,3 +28,5 @@ JOB_LABEL = "tenplex.io/job"
 ROLE_LABEL = "tenplex.io/role"
 WORKER_ROLE = "worker"
 NODE_ANNOTATION = "tenplex.io/node"
+# The nodes that run the store DaemonSet (k8s/store.yaml's nodeSelector): only they can run a worker.
+STORE_NODE_LABELS = {"tenplex.io/gpu-node": "true"}

@@ -8,10 +8,13 @@ observed, the last world that ran, the open rescale and the failures so far).
 
 The rules (README, "Kubernetes operator"):
 
-* A node qualifies when it is Ready, not cordoned (unless it already runs
-  this job's worker), has fewer than :data:`NODE_FAILURE_LIMIT` failed
-  workers, and has ``gpusPerNode`` free units of the accelerator resource
-  (a node that already runs our worker keeps it). The target is the most
+* A node qualifies when it runs a store (labelled for the store DaemonSet),
+  is Ready, not cordoned and has no NoSchedule taint the worker does not
+  tolerate (unless it already runs this job's worker; an untolerated
+  NoExecute taint always disqualifies), has fewer than
+  :data:`NODE_FAILURE_LIMIT` failed workers, was not left out because a
+  worker stayed Unschedulable there, and has ``gpusPerNode`` free units of
+  the accelerator resource (a node that already runs our worker keeps it). The target is the most
   qualifying nodes up to ``maxNodes``, nodes that run a worker first, then by
   name: the job never moves a worker to get the same size.
 * Fewer than ``minNodes`` qualify: phase ``Pending``, condition
@@ -24,18 +27,29 @@ The rules (README, "Kubernetes operator"):
   more than ``backoffLimit`` in all is phase ``Failed``.
 * Scale-down deletes workers with the spec's grace period, so that they save
   at a step boundary on SIGTERM.
+* A worker that stays Pending with ``Unschedulable`` longer than
+  ``unschedulable_grace`` seconds is deleted and its node left out until the
+  spec changes (``status.unschedulable``, condition ``WorkersScheduled``).
 * A change of the world opens ``status.lastRescale`` (type Rescale or
   Recovery); it finishes when every target node runs a worker and no other
   does. A restarted operator that finds the same target keeps the record
-  (and its ``startedAt``) instead of starting a new one.
+  (and its ``startedAt``) instead of starting a new one. A record whose
+  target moves on is dropped: when the job is back at the world that ran,
+  the record is closed with ``abandoned`` saying why.
+* Every event has a ``key`` that names what it reports (a record's start, a
+  condition's transition): posting is idempotent, so events are decided
+  again from the observed state and an operator that died before posting
+  them posts them on its next round.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import datetime
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from .observe import NodeState, PodState
+from .observe import NodeState, PodState, blocking_taints
+from . import STORE_NODE_LABELS
 from .spec import JobSpec, SpecError
 
 NODE_FAILURE_LIMIT = 3  # a node whose workers failed this often is left out (a bad GPU, a full disk)
@@ -46,6 +60,7 @@ class Deletion:
     pod: str
     grace_seconds: int
     reason: str
+    uid: str = field(default="", compare=False)  # names the WorkerDeleted event (one per pod)
 
 
 @dataclass(frozen=True)
@@ -53,6 +68,7 @@ class Event:
     type: str  # Normal or Warning
     reason: str
     message: str
+    key: str = ""  # what it reports, e.g. "RescaleStarted/<startedAt>": the same key is the same event
 
 
 @dataclass(frozen=True)
@@ -78,18 +94,40 @@ def merge_patch(old: Any, patch: Any) -> Any:
     return out
 
 
+def worker_created(pod: PodState) -> Event:
+    """The WorkerCreated event of a worker pod (one per pod uid)."""
+    return Event("Normal", "WorkerCreated", f"{pod.name} on node {pod.node}", key=f"WorkerCreated/{pod.uid}")
+
+
+def observed_events(pods: Sequence[PodState]) -> tuple[Event, ...]:
+    """The events the observed workers stand for: a worker that exists was created (posted once, by its key)."""
+    return tuple(worker_created(p) for p in pods if not p.terminating)
+
+
 def decide(spec: JobSpec | SpecError, nodes: Sequence[NodeState], pods: Sequence[PodState], *,
            used_by_others: Mapping[str, int], status: Mapping[str, Any] | None, generation: int | None,
-           now: str, resource: str) -> Decision:
+           now: str, resource: str, unschedulable_grace: int = 60) -> Decision:
     """The desired state of one TenplexJob (see the module docstring for the rules)."""
-    return _Decider(spec, nodes, pods, used_by_others, dict(status or {}), generation, now, resource).run()
+    return _Decider(spec, nodes, pods, used_by_others, dict(status or {}), generation, now, resource,
+                    unschedulable_grace).run()
+
+
+def _seconds_between(start: str, end: str) -> float:
+    """Seconds from ``start`` to ``end``, both RFC 3339 times as the API server writes them."""
+    def parse(t: str) -> datetime.datetime:
+        return datetime.datetime.fromisoformat(t.replace("Z", "+00:00"))
+    return (parse(end) - parse(start)).total_seconds()
 
 
 class _Decider:
-    def __init__(self, spec, nodes, pods, used, status, generation, now, resource):
+    def __init__(self, spec, nodes, pods, used, status, generation, now, resource, unschedulable_grace):
         self.spec, self.pods, self.used, self.old = spec, sorted(pods, key=lambda p: p.name), used, status
         self.nodes = {n.name: n for n in nodes}
         self.generation, self.now, self.resource = generation, now, resource
+        self.unschedulable_grace = unschedulable_grace
+        # node -> why a worker could not be scheduled there; kept until the spec changes (a new generation)
+        same_spec = status.get("observedGeneration") == generation
+        self.unschedulable: dict[str, str] = dict(status.get("unschedulable") or {}) if same_spec else {}
         self.events: list[Event] = []
         self.conditions: list[dict] = []
 
@@ -101,22 +139,26 @@ class _Decider:
         self.conditions.append({"type": type_, "status": value, "reason": reason, "message": message,
                                 "lastTransitionTime": since or self.now})
 
-    def event_on_change(self, phase: str, type_: str, reason: str, message: str) -> None:
-        """An event for a transition: not again when a later round (or a restarted operator) decides the same."""
-        old_reasons = {c.get("reason") for c in self.old.get("conditions") or [] if c.get("status") == "False"}
-        if self.old.get("phase") != phase or reason not in old_reasons:
-            self.events.append(Event(type_, reason, message))
+    def emit(self, event: Event) -> None:
+        if all(e.key != event.key for e in self.events):
+            self.events.append(event)
+
+    def condition_event(self, type_: str, reason: str, message: str) -> None:
+        """The event of the condition just set to False: keyed by its transition, so posted once per transition."""
+        since = next(c["lastTransitionTime"] for c in self.conditions if c["reason"] == reason)
+        self.events.append(Event(type_, reason, message, key=f"{reason}/{since}"))
 
     def world(self, names: Sequence[str]) -> dict:
         return {"nodes": len(names), "nodeNames": list(names), "worldSize": len(names) * self.spec.gpus_per_node,
                 "parallel": self.spec.parallel(len(names))}
 
     def finish(self, phase: str, target=(), create=(), delete=(), **status) -> Decision:
-        for type_ in ("SpecValid", "NodesAvailable", "WorkersHealthy"):
+        for type_ in ("SpecValid", "NodesAvailable", "WorkersHealthy", "WorkersScheduled"):
             if not any(c["type"] == type_ for c in self.conditions):
                 self.condition(type_, True, "OK", "")
         self.condition("Ready", phase == "Running", phase, f"the job is {phase}")
-        out = {"phase": phase, "observedGeneration": self.generation, "conditions": self.conditions, **status}
+        out = {"phase": phase, "observedGeneration": self.generation, "conditions": self.conditions,
+               "unschedulable": self.unschedulable or None, **status}
         return Decision(phase, tuple(target), tuple(create), tuple(delete), out, tuple(self.events))
 
     # -- the decision --------------------------------------------------------------------------------------------
@@ -124,14 +166,15 @@ class _Decider:
         spec = self.spec
         if isinstance(spec, SpecError):
             self.condition("SpecValid", False, "InvalidSpec", str(spec))
-            self.event_on_change("Failed", "Warning", "InvalidSpec", str(spec))
+            self.condition_event("Warning", "InvalidSpec", str(spec))
             return self.finish("Failed")
         # A worker deleted on scale-down may exit 0 too (a planned leave): only the others mean the script finished.
         finished = [p.name for p in self.pods if p.phase == "Succeeded" and not p.terminating]
         if self.old.get("phase") == "Succeeded" or finished:
             if self.old.get("phase") != "Succeeded":
                 done = finished[0] if finished else "a worker"
-                self.events.append(Event("Normal", "Succeeded", f"the training script finished ({done} succeeded)"))
+                self.events.append(Event("Normal", "Succeeded", f"the training script finished ({done} succeeded)",
+                                         key="Succeeded"))
             return self.finish("Succeeded")
 
         deletions, failures, lost, failed, active, busy = self.classify()
@@ -140,10 +183,11 @@ class _Decider:
             message = (f"{n} workers failed, more than backoffLimit={spec.backoff_limit}; "
                        f"see the pods' logs, then raise spec.backoffLimit to retry")
             self.condition("WorkersHealthy", False, "BackoffLimitExceeded", message)
-            self.event_on_change("Failed", "Warning", "BackoffLimitExceeded", message)
+            self.condition_event("Warning", "BackoffLimitExceeded", message)
             deletions += [Deletion(p.name, spec.grace_seconds, "the job failed") for p in active.values()]
             return self.finish("Failed", delete=deletions, failures=failures)
 
+        self.report_unschedulable()
         eligible, why_not = self.qualify(failures, active)
         order = sorted(eligible, key=lambda name: (name not in active, name))
         target = tuple(sorted(order[: spec.max_nodes]))
@@ -155,7 +199,7 @@ class _Decider:
                        f"each; {len(target)} qualify" + (f" ({', '.join(target)})" if target else "")
                        + "".join(f"; {n}: {why}" for n, why in sorted(why_not.items())))
             self.condition("NodesAvailable", False, "InsufficientNodes", message)
-            self.event_on_change("Pending", "Warning", "InsufficientNodes", message)
+            self.condition_event("Warning", "InsufficientNodes", message)
             return self.finish("Pending", target, (), deletions, failures=failures)
 
         for node, pod in active.items():
@@ -179,8 +223,14 @@ class _Decider:
             if node is None or not node.ready:
                 lost[p.node] = f"node {p.node} is {'gone' if node is None else 'NotReady'}"
                 # A graceful delete never completes without a kubelet: force it (grace 0).
-                deletions.append(Deletion(p.name, 0, f"{lost[p.node]}: worker lost"))
+                deletions.append(Deletion(p.name, 0, f"{lost[p.node]}: worker lost", p.uid))
             elif p.terminating:
+                busy.add(p.node)
+            elif self.stuck(p):
+                # Never bound to the node, so nothing runs there: delete it at once and leave the node out.
+                self.unschedulable[p.node] = p.unschedulable_message or "Unschedulable"
+                deletions.append(Deletion(p.name, 0, f"worker {p.name} could not be scheduled on {p.node} for "
+                                          f"{self.unschedulable_grace}s: {self.unschedulable[p.node]}", p.uid))
                 busy.add(p.node)
             elif p.failed or p.node in active:
                 if p.failed:
@@ -190,19 +240,49 @@ class _Decider:
                 # A Failed pod runs nothing, so no grace; a crash-looping one may still be saving.
                 grace = 0 if p.phase == "Failed" else self.spec.grace_seconds
                 what = f"worker {p.name} failed on {p.node}" if p.failed else f"second worker on {p.node}"
-                deletions.append(Deletion(p.name, grace, what))
+                deletions.append(Deletion(p.name, grace, what, p.uid))
                 busy.add(p.node)
             else:
                 active[p.node] = p
         return deletions, failures, lost, failed, active, busy
 
+    def stuck(self, p: PodState) -> bool:
+        """Pending as Unschedulable for the grace period (a taint, a selector, a resource the scheduler sees)."""
+        if p.phase != "Pending" or p.unschedulable_since is None:
+            return False
+        return not p.unschedulable_since or \
+            _seconds_between(p.unschedulable_since, self.now) >= self.unschedulable_grace
+
+    def report_unschedulable(self) -> None:
+        if not self.unschedulable:
+            return
+        message = "; ".join(f"{n}: {why}" for n, why in sorted(self.unschedulable.items()))
+        self.condition("WorkersScheduled", False, "Unschedulable",
+                       f"workers could not be scheduled ({message}); these nodes are left out until the spec "
+                       f"changes (a toleration or a selector in spec.template)")
+        for node, why in sorted(self.unschedulable.items()):
+            self.emit(Event("Warning", "WorkerUnschedulable", f"node {node} left out: {why}",
+                            key=f"Unschedulable/{self.generation}/{node}"))
+
     def qualify(self, failures, active):
         eligible: list[str] = []
         why_not: dict[str, str] = {}
+        tolerations = self.spec.tolerations(self.resource)
         for name, n in sorted(self.nodes.items()):
             free = n.allocatable - self.used.get(name, 0)
-            if not n.ready:
+            taints = blocking_taints(n, tolerations)
+            if name in active:  # a running worker stays, as under a cordon, unless a NoExecute taint evicts it
+                taints = [t for t in taints if t.effect == "NoExecute"]
+            if not n.store:
+                why_not[name] = "no tenplex store (not labelled " + \
+                    ",".join(f"{k}={v}" for k, v in STORE_NODE_LABELS.items()) + ")"
+            elif not n.ready:
                 why_not[name] = "NotReady"
+            elif taints:
+                why_not[name] = "taint " + ", ".join(f"{t.key}={t.value}:{t.effect}" for t in taints) + \
+                    " not tolerated"
+            elif name in self.unschedulable:
+                why_not[name] = f"worker unschedulable there: {self.unschedulable[name]}"
             elif not n.schedulable and name not in active:
                 why_not[name] = "cordoned"
             elif len(failures.get(name, ())) >= NODE_FAILURE_LIMIT:
@@ -218,28 +298,62 @@ class _Decider:
         record = self.old.get("lastRescale") or None
         open_record = record if record and not record.get("finishedAt") else None
         complete = set(target) == running
+        keep: dict = {"failures": failures}
+        abandoned = None
         if open_record and open_record.get("to", {}).get("nodeNames") != list(target):
-            open_record = None  # the target moved on (another node joined or failed): a new record
+            # The target moved on (a joining node went NotReady, another failed): this record is dropped.
+            record = abandoned = self.abandon(open_record, why_not, lost)
+            open_record = None
         if not stable and not open_record:
             # The first world: starting, not a rescale.
             if complete:
                 world = f"{len(target)} nodes, {self.spec.parallel(len(target))}"
-                self.events.append(Event("Normal", "Started", world))
-                return self.finish("Running", target, create, deletions, failures=failures, **self.world(target))
-            return self.finish("Pending", target, create, deletions, failures=failures)
+                self.events.append(Event("Normal", "Started", world, key="Started"))
+                return self.finish("Running", target, create, deletions, **keep, **self.world(target))
+            return self.finish("Pending", target, create, deletions, **keep)
         if complete and not open_record and tuple(target) == stable:
-            return self.finish("Running", target, create, deletions, failures=failures, **self.world(target))
+            self.record_events(record)
+            if abandoned:
+                keep["lastRescale"] = abandoned  # back where it was: the dropped record, closed, says why
+            elif record is None:
+                self.events.append(Event("Normal", "Started", f"{len(stable)} nodes, {self.old.get('parallel')}",
+                                         key="Started"))
+            return self.finish("Running", target, create, deletions, **keep, **self.world(target))
         if not open_record:
             open_record = self.new_record(stable, target, running, lost, failed, why_not)
-        kind = open_record["type"]
         if complete:
-            done = {**open_record, "finishedAt": self.now}
-            self.events.append(Event("Normal", "Rescaled" if kind == "Rescale" else "Recovered",
-                                     self.describe(done)))
-            return self.finish("Running", target, create, deletions, failures=failures, lastRescale=done,
+            open_record = {**open_record, "finishedAt": self.now}
+            self.record_events(open_record)
+            return self.finish("Running", target, create, deletions, lastRescale=open_record, **keep,
                                **self.world(target))
-        return self.finish("Rescaling" if kind == "Rescale" else "Recovering", target, create, deletions,
-                           failures=failures, lastRescale=open_record)
+        self.record_events(open_record)
+        return self.finish("Rescaling" if open_record["type"] == "Rescale" else "Recovering", target, create,
+                           deletions, lastRescale=open_record, **keep)
+
+    def abandon(self, record: dict, why_not: dict, lost: dict) -> dict:
+        """``record`` closed as dropped, saying which of its nodes fell out and why."""
+        gone = [n for n in record.get("to", {}).get("nodeNames") or [] if n in why_not or n in lost]
+        why = "; ".join(f"{n}: {lost.get(n) or why_not[n]}" for n in gone) or "the target changed"
+        closed = {**record, "finishedAt": self.now, "abandoned": why}
+        if gone:  # (a record superseded by a larger target needs no event: the new RescaleStarted says it)
+            self.emit(Event("Warning", "RescaleAbandoned", f"{self.describe(closed)}: dropped, {why}",
+                            key=f"Abandoned/{record['startedAt']}"))
+        return closed
+
+    def record_events(self, record: dict | None) -> None:
+        """The events a rescale record stands for (its start, its end or abandonment), keyed by its start."""
+        if not record:
+            return
+        recovery = record["type"] == "Recovery"
+        start = record["startedAt"]
+        self.emit(Event("Normal", "RecoveryStarted" if recovery else "RescaleStarted", self.describe(record),
+                        key=f"Started/{start}"))
+        if record.get("abandoned"):
+            self.emit(Event("Warning", "RescaleAbandoned", f"{self.describe(record)}: dropped, "
+                            f"{record['abandoned']}", key=f"Abandoned/{start}"))
+        elif record.get("finishedAt"):
+            self.emit(Event("Normal", "Recovered" if recovery else "Rescaled", self.describe(record),
+                                     key=f"Finished/{start}"))
 
     def new_record(self, stable, target, running, lost, failed, why_not) -> dict:
         parts = [f"node {n} added" for n in target if n not in stable]
@@ -252,11 +366,8 @@ class _Decider:
         recovery = bool(lost or failed) or any(n in stable and n not in running for n in target)
         # `from` is the world as it ran (the status says so): the current spec may not even allow its size.
         ran = {key: self.old.get(key) for key in ("nodes", "nodeNames", "worldSize", "parallel")}
-        record = {"type": "Recovery" if recovery else "Rescale", "reason": "; ".join(parts),
-                  "from": ran, "to": self.world(target), "startedAt": self.now, "finishedAt": None}
-        self.events.append(Event("Normal", "RecoveryStarted" if recovery else "RescaleStarted",
-                                 self.describe(record)))
-        return record
+        return {"type": "Recovery" if recovery else "Rescale", "reason": "; ".join(parts),
+                "from": ran, "to": self.world(target), "startedAt": self.now, "finishedAt": None, "abandoned": None}
 
     @staticmethod
     def describe(record: dict) -> str:

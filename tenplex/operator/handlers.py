@@ -7,9 +7,12 @@ Each TenplexJob gets a kopf daemon that reconciles it: read the job, its
 worker pods (label selector) and the Nodes; :func:`.decide.decide`; write the
 status (optimistic concurrency: the job's ``resourceVersion`` is part of the
 patch, so a decision made on a stale spec is never written; a 409 re-reads
-and decides again); then delete and create pods and post the decision's
-Events. The loop runs again when a worker pod, a Node or the spec changes
-(kopf watch events poke it) and every ``interval`` seconds anyway: it is
+and decides again); then delete and create pods and post the Events. Events
+are named by the job and their key, so posting one again is a harmless 409:
+the decision and the observed workers name them again every round, and an
+operator that died before posting posts them on its next round. The loop
+runs again when a worker pod, a Node or the spec changes (kopf watch events
+poke it) and every ``interval`` seconds anyway: it is
 level-based, so a missed poke only delays it.
 
 Errors say whether retrying helps: API trouble (5xx, timeouts, repeated
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import hashlib
 import json
 import logging
 from typing import Any, Mapping
@@ -34,14 +38,16 @@ from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
 from . import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION, WORKER_ROLE
-from .decide import Decision, decide, merge_patch
-from .observe import gpu_claim, node_state, pod_state, used_by_others
-from .pods import pod_name, worker_pod
+from .decide import Decision, Event, decide, merge_patch, observed_events, worker_created
+from .observe import PodState, gpu_claim, node_state, pod_state, used_by_others
+from .pods import worker_pod
 from .progress import committed_step, store_address
 from .settings import WorkerSettings
 from .spec import SpecError, check_name, parse_spec
 
 CONFLICT_RETRIES = 5
+PEERING_LIFETIME = 15  # seconds; see _register_settings
+EVENT_MESSAGE_LIMIT = 1024  # the API server's limit on an Event's message
 
 
 def _now() -> str:
@@ -69,12 +75,19 @@ class Operator:
         self.node_view: dict[str, Any] = {}  # node name -> its NodeState (None once deleted)
         # (namespace, name) -> (generation, SpecError): the API server refused this spec's worker pod
         self.rejected: dict[tuple[str, str], tuple[int, SpecError]] = {}
+        # (namespace, name) -> keys of the Events posted (or found posted): saves a 409 per event and round
+        self.posted: dict[tuple[str, str], set[str]] = {}
 
     # -- kopf wiring ---------------------------------------------------------------------------------------------
     def register(self, registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
-        # Handlers take **kw: kopf passes many keyword arguments and types its handlers as protocols of all of them.
-        job = (GROUP, VERSION, PLURAL)
+        """The operator's handlers in ``registry``: its settings, the jobs' handlers, the pod and node watches."""
+        self._register_settings(registry)
+        self._register_jobs(registry)
+        self._register_watches(registry)
+        return registry
 
+    def _register_settings(self, registry: kopf.OperatorRegistry) -> None:
+        # Handlers take **kw: kopf passes many keyword arguments and types its handlers as protocols of all of them.
         @kopf.on.startup(registry=registry)
         def configure(**kw: Any) -> None:
             settings: kopf.OperatorSettings = kw["settings"]
@@ -84,6 +97,12 @@ class Operator:
                 prefix=GROUP, key="last-handled-configuration")
             settings.posting.level = logging.WARNING  # our own events say what happened; kopf's add noise
             settings.scanning.disabled = True  # the resources are known: no CRD discovery (and no RBAC for it)
+            # A killed operator's peering entry blocks its successor until the entry expires (kopf's default 60 s):
+            # a short lifetime bounds the takeover, at one heartbeat patch every 5-10 s.
+            settings.peering.lifetime = PEERING_LIFETIME
+
+    def _register_jobs(self, registry: kopf.OperatorRegistry) -> None:
+        job = (GROUP, VERSION, PLURAL)
 
         @kopf.on.create(*job, id="spec", registry=registry)
         @kopf.on.update(*job, id="spec", field="spec", registry=registry)
@@ -109,7 +128,9 @@ class Operator:
         @kopf.on.delete(*job, id="forget", optional=True, registry=registry)
         def forget(**kw: Any) -> None:
             self.pokes.pop((kw["namespace"], kw["name"]), None)
+            self.posted.pop((kw["namespace"], kw["name"]), None)
 
+    def _register_watches(self, registry: kopf.OperatorRegistry) -> None:
         @kopf.index("pods", id="gpu_pods", registry=registry)
         def gpu_pods(**kw: Any) -> dict | None:
             """Accelerator units per node and the job holding them: the other jobs' share of each node."""
@@ -123,7 +144,8 @@ class Operator:
 
         @kopf.on.event("nodes", id="node_changed", registry=registry)
         def node_changed(**kw: Any) -> None:
-            # Heartbeats rewrite a node's status all the time; only readiness, cordons and capacity matter.
+            # Heartbeats rewrite a node's status all the time; only readiness, cordons, capacity, labels and
+            # taints matter.
             body = kw["body"]
             name = str((body.get("metadata") or {}).get("name"))
             view = None if kw["type"] == "DELETED" else node_state(body, self.settings.resource)
@@ -131,8 +153,6 @@ class Operator:
                 self.node_view[name] = view
                 for key in list(self.pokes):
                     self.poke(*key)
-
-        return registry
 
     def poke(self, namespace: str | None, name: str | None) -> None:
         event = self.pokes.get((str(namespace), str(name)))
@@ -145,9 +165,9 @@ class Operator:
         used = used_by_others([claim for claims in gpu_pods.values() for claim in claims], (namespace, name))
         for _ in range(CONFLICT_RETRIES):
             try:
-                job, decision = await asyncio.to_thread(self._decide_and_write, namespace, name, used)
+                job, decision, pods = await asyncio.to_thread(self._decide_and_write, namespace, name, used)
                 if job is not None and decision is not None:
-                    await asyncio.to_thread(self._act, job, decision, logger)
+                    await asyncio.to_thread(self._act, job, decision, pods, logger)
                 return
             except ApiException as e:
                 if e.status == 409:
@@ -164,22 +184,23 @@ class Operator:
         """The raw JSON of a read: the decision works on what the API server says, field for field."""
         return json.loads(call(*args, _preload_content=False, **kwargs).data)
 
-    def _decide_and_write(self, namespace: str, name: str,
-                          used: dict[str, int]) -> tuple[dict, Decision] | tuple[None, None]:
+    def _decide_and_write(self, namespace: str, name: str, used: dict[str, int]) -> tuple[Any, Any, list[PodState]]:
+        """Observe, decide and write the status: the job as read, the decision, the workers as observed."""
         job = self._get(self.custom.get_namespaced_custom_object, GROUP, VERSION, namespace, PLURAL, name)
         if (job.get("metadata") or {}).get("deletionTimestamp"):
-            return None, None  # being deleted: the garbage collector removes the workers (owner references)
+            return None, None, []  # being deleted: the garbage collector removes the workers (owner references)
         selector = f"{JOB_LABEL}={name},{ROLE_LABEL}={WORKER_ROLE}"
-        pods = self._get(self.core.list_namespaced_pod, namespace, label_selector=selector)["items"]
+        pods = [pod_state(p) for p in
+                self._get(self.core.list_namespaced_pod, namespace, label_selector=selector)["items"]]
         nodes = self._get(self.core.list_node)["items"]
         spec = _spec_or_error(job)
         rejected = self.rejected.get((namespace, name))
         if rejected and rejected[0] == job["metadata"].get("generation") and not isinstance(spec, SpecError):
             spec = rejected[1]  # until the spec is edited: the same pod would fail again
         decision = decide(spec, [node_state(n, self.settings.resource) for n in nodes],
-                          [pod_state(p) for p in pods], used_by_others=used, status=job.get("status"),
+                          pods, used_by_others=used, status=job.get("status"),
                           generation=job["metadata"].get("generation"), now=_now(),
-                          resource=self.settings.resource)
+                          resource=self.settings.resource, unschedulable_grace=self.settings.unschedulable_grace)
         status = dict(decision.status)
         step = self._committed_step(nodes, decision)
         if step is not None:
@@ -188,7 +209,7 @@ class Operator:
         if merge_patch(old, status) != old:  # skip writes that change nothing
             body = {"metadata": {"resourceVersion": job["metadata"]["resourceVersion"]}, "status": status}
             self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, body)
-        return job, decision
+        return job, decision, pods
 
     def _committed_step(self, nodes: list[dict], decision: Decision) -> int | None:
         """The job's last committed step from the store of one of its nodes (None: not known now)."""
@@ -218,7 +239,12 @@ class Operator:
                                  f"job's worker: rename the TenplexJob")
         return None
 
-    def _act(self, job: dict, decision: Decision, logger: logging.Logger) -> None:
+    def _act(self, job: dict, decision: Decision, pods: list[PodState], logger: logging.Logger) -> None:
+        """Delete and create pods, then post the events: those decided, and those of the workers observed.
+
+        The status was written first; an operator that dies before the end posts what it missed on its next
+        round, since the events are decided again from what it observes and posting is idempotent.
+        """
         namespace = job["metadata"]["namespace"]
         for d in decision.delete:
             try:
@@ -227,26 +253,60 @@ class Operator:
                 if e.status != 404:  # already gone: what we wanted
                     raise
             else:
-                kopf.event(job, type="Normal", reason="WorkerDeleted",
-                           message=f"{d.pod} (grace {d.grace_seconds}s): {d.reason}")
-        if decision.create:
-            spec = parse_spec(job["spec"])  # decide() only asks for pods when the spec is valid
-            for node in decision.create:
-                pod = worker_pod(job, spec, node, self.settings)
-                try:
-                    self.core.create_namespaced_pod(namespace, pod)  # type: ignore[arg-type]  # JSON works too
-                except ApiException as e:
-                    error = self._refused(job, pod, e)
-                    if error is not None:
-                        key = (namespace, job["metadata"]["name"])
-                        self.rejected[key] = (job["metadata"].get("generation"), error)
-                        self.poke(*key)
-                        return
-                    if e.status != 409:
-                        raise
-                else:
-                    kopf.event(job, type="Normal", reason="WorkerCreated",
-                               message=f"{pod_name(job['metadata']['name'], node)} on node {node}")
-        for ev in decision.events:
-            kopf.event(job, type=ev.type, reason=ev.reason, message=ev.message)
-            logger.info("%s: %s", ev.reason, ev.message)
+                self._post(job, Event("Normal", "WorkerDeleted", f"{d.pod} (grace {d.grace_seconds}s): {d.reason}",
+                                      key=f"WorkerDeleted/{d.uid or d.pod}"))
+        if decision.create and not self._create(job, decision.create):
+            return
+        for ev in (*observed_events(pods), *decision.events):
+            if self._post(job, ev):
+                logger.info("%s: %s", ev.reason, ev.message)
+
+    def _create(self, job: dict, nodes: tuple[str, ...]) -> bool:
+        """Create the workers on ``nodes``; False when the API server refused one for the spec's fault."""
+        namespace = job["metadata"]["namespace"]
+        spec = parse_spec(job["spec"])  # decide() only asks for pods when the spec is valid
+        for node in nodes:
+            pod = worker_pod(job, spec, node, self.settings)
+            try:
+                created = self._get(self.core.create_namespaced_pod, namespace, pod)
+            except ApiException as e:
+                error = self._refused(job, pod, e)
+                if error is not None:
+                    key = (namespace, job["metadata"]["name"])
+                    self.rejected[key] = (job["metadata"].get("generation"), error)
+                    self.poke(*key)
+                    return False
+                if e.status != 409:
+                    raise
+            else:
+                self._post(job, worker_created(pod_state(created)))
+        return True
+
+    def _post(self, job: dict, event: Event) -> bool:
+        """Post ``event`` on ``job`` once: its name derives from the job and the event's key (a 409: posted).
+
+        Returns whether it was posted now.
+        """
+        meta = job["metadata"]
+        posted = self.posted.setdefault((meta["namespace"], meta["name"]), set())
+        key = event.key or f"{event.reason}/{event.message}"
+        if key in posted:
+            return False
+        digest = hashlib.sha256(f"{meta['uid']}/{key}".encode()).hexdigest()[:16]
+        now = _now()
+        body = {"apiVersion": "v1", "kind": "Event",
+                "metadata": {"name": f"{meta['name']}.{digest}", "namespace": meta["namespace"]},
+                "involvedObject": {"apiVersion": job["apiVersion"], "kind": job["kind"], "name": meta["name"],
+                                   "namespace": meta["namespace"], "uid": meta["uid"]},
+                "type": event.type, "reason": event.reason, "message": event.message[:EVENT_MESSAGE_LIMIT],
+                "source": {"component": "tenplex-operator"}, "firstTimestamp": now, "lastTimestamp": now,
+                "count": 1}
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body)  # type: ignore[arg-type]  # JSON works too
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            posted.add(key)
+            return False
+        posted.add(key)
+        return True

@@ -9,7 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-from . import JOB_LABEL, NODE_ANNOTATION
+from . import JOB_LABEL, NODE_ANNOTATION, STORE_NODE_LABELS
+
+
+@dataclass(frozen=True)
+class Taint:
+    key: str
+    value: str = ""
+    effect: str = "NoSchedule"  # NoSchedule, PreferNoSchedule or NoExecute
 
 
 @dataclass(frozen=True)
@@ -18,6 +25,8 @@ class NodeState:
     ready: bool
     schedulable: bool  # false when cordoned (spec.unschedulable)
     allocatable: int  # of the accelerator resource, e.g. nvidia.com/gpu
+    store: bool = True  # labelled for the store DaemonSet (and its FUSE view): a worker needs both
+    taints: tuple[Taint, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,8 @@ class PodState:
     phase: str  # Pending, Running, Succeeded, Failed, Unknown
     terminating: bool = False  # deletionTimestamp set: on its way out
     crash_looping: bool = False  # a container waits in CrashLoopBackOff (restartPolicy OnFailure/Always)
+    unschedulable_since: str | None = None  # PodScheduled=False, reason Unschedulable: since when
+    unschedulable_message: str = ""  # the scheduler's reason, e.g. "0/3 nodes are available: ..."
 
     @property
     def failed(self) -> bool:
@@ -48,12 +59,39 @@ def quantity(value: Any) -> int:
     return int(float(text))
 
 
-def node_state(node: Mapping[str, Any], resource: str) -> NodeState:
+def node_state(node: Mapping[str, Any], resource: str,
+               store_labels: Mapping[str, str] = STORE_NODE_LABELS) -> NodeState:
     status = node.get("status") or {}
+    spec = node.get("spec") or {}
+    labels = (node.get("metadata") or {}).get("labels") or {}
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-    return NodeState(name=node["metadata"]["name"], ready=ready,
-                     schedulable=not (node.get("spec") or {}).get("unschedulable", False),
-                     allocatable=quantity((status.get("allocatable") or {}).get(resource)))
+    taints = tuple(Taint(t.get("key", ""), t.get("value") or "", t.get("effect") or "NoSchedule")
+                   for t in spec.get("taints") or [])
+    return NodeState(name=node["metadata"]["name"], ready=ready, schedulable=not spec.get("unschedulable", False),
+                     allocatable=quantity((status.get("allocatable") or {}).get(resource)),
+                     store=all(labels.get(k) == v for k, v in store_labels.items()), taints=taints)
+
+
+def tolerates(tolerations: Iterable[Mapping[str, Any]], taint: Taint) -> bool:
+    """Whether a pod with ``tolerations`` tolerates ``taint``, by the scheduler's matching rules."""
+    for t in tolerations:
+        if t.get("effect") and t["effect"] != taint.effect:
+            continue
+        if not t.get("key"):  # an empty key with operator Exists tolerates every taint
+            if t.get("operator") == "Exists":
+                return True
+            continue
+        if t["key"] != taint.key:
+            continue
+        if t.get("operator") == "Exists" or (t.get("value") or "") == taint.value:
+            return True
+    return False
+
+
+def blocking_taints(node: NodeState, tolerations: Iterable[Mapping[str, Any]]) -> list[Taint]:
+    """The node's taints that keep a pod with ``tolerations`` off it (PreferNoSchedule only steers)."""
+    tolerations = list(tolerations)
+    return [t for t in node.taints if t.effect != "PreferNoSchedule" and not tolerates(tolerations, t)]
 
 
 def pod_state(pod: Mapping[str, Any]) -> PodState:
@@ -62,8 +100,13 @@ def pod_state(pod: Mapping[str, Any]) -> PodState:
     node = (meta.get("annotations") or {}).get(NODE_ANNOTATION) or (pod.get("spec") or {}).get("nodeName")
     crash = any((cs.get("state") or {}).get("waiting", {}).get("reason") == "CrashLoopBackOff"
                 for cs in status.get("containerStatuses") or [])
+    unschedulable = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"
+                          and c.get("status") == "False" and c.get("reason") == "Unschedulable"), None)
     return PodState(name=meta["name"], uid=meta.get("uid", ""), node=node, phase=status.get("phase") or "Pending",
-                    terminating=bool(meta.get("deletionTimestamp")), crash_looping=crash)
+                    terminating=bool(meta.get("deletionTimestamp")), crash_looping=crash,
+                    unschedulable_since=None if unschedulable is None else
+                    unschedulable.get("lastTransitionTime") or meta.get("creationTimestamp") or "",
+                    unschedulable_message=(unschedulable or {}).get("message") or "")
 
 
 def pod_requests(pod: Mapping[str, Any], resource: str) -> int:

@@ -19,12 +19,15 @@ from typing import Any, Mapping
 from kubernetes import client as k8s
 
 from ..elastic.envsettings import env_from_settings
-from . import JOB_LABEL, NODE_ANNOTATION, ROLE_LABEL, WORKER_ROLE
+from . import JOB_LABEL, NODE_ANNOTATION, ROLE_LABEL, STORE_NODE_LABELS, WORKER_ROLE
 from .settings import WorkerSettings
 from .spec import JobSpec
 
 
-TOKEN_DIR = "/etc/tenplex/token"  # the Secret's key `token` is the file TOKEN_DIR/token, as in the DaemonSet
+# The store DaemonSet's init container copies the Secret tenplex-store-token (in its own namespace) here, into the
+# node's store root: a worker in any namespace reads it from the hostPath it mounts anyway, and no namespace but
+# the operator's needs a copy of the Secret (a Secret volume must name a Secret in the pod's own namespace).
+TOKEN_FILE_NAME = ".tenplex-store.token"
 _SERIALIZER = k8s.ApiClient()  # only turns typed models into camelCase JSON; makes no requests
 
 
@@ -41,7 +44,8 @@ def worker_command(spec: JobSpec, job_uid: str, settings: WorkerSettings) -> lis
     # The node's store is the DaemonSet's (host network, same root and host name): `tenplex run` finds it through
     # the port file in the root and reaches it at the node's address with the token.
     return ["tenplex", "run", "--host", "$(NODE_NAME)", "--store-root", settings.store_root,
-            "--store-advertise", "$(NODE_IP)", "--token-file", f"{TOKEN_DIR}/token",
+            "--store-advertise", "$(NODE_IP)", "--token-file",
+            f"{settings.store_root}/{TOKEN_FILE_NAME}",
             "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}", "--nproc-per-node", str(spec.gpus_per_node),
             "--rdzv-backend", settings.rdzv_backend, "--rdzv-endpoint", settings.rdzv_endpoint,
             "--rdzv-id", job_uid, *spec.command]
@@ -105,12 +109,13 @@ def worker_pod(job: Mapping[str, Any], spec: JobSpec, node: str, settings: Worke
                     k8s.V1VolumeMount(name="store", mount_path=settings.store_root),
                     # The DaemonSet's FUSE mounts appear here after this pod started (propagation).
                     k8s.V1VolumeMount(name="data", mount_path=settings.data_root, read_only=True,
-                                      mount_propagation="HostToContainer"),
-                    k8s.V1VolumeMount(name="token", mount_path=TOKEN_DIR, read_only=True)])],
+                                      mount_propagation="HostToContainer")])],
+            # Only nodes that run the store DaemonSet, and its taints tolerated: the nodes the operator qualifies.
+            node_selector=dict(STORE_NODE_LABELS),
+            tolerations=[k8s.V1Toleration(**t) for t in spec.tolerations(settings.resource)],
             volumes=[
                 k8s.V1Volume(name="store", host_path=host(path=settings.store_root, type="DirectoryOrCreate")),
-                k8s.V1Volume(name="data", host_path=host(path=settings.data_root, type="DirectoryOrCreate")),
-                k8s.V1Volume(name="token", secret=k8s.V1SecretVolumeSource(secret_name=settings.token_secret))]))
+                k8s.V1Volume(name="data", host_path=host(path=settings.data_root, type="DirectoryOrCreate"))]))
     body = _SERIALIZER.sanitize_for_serialization(pod)
     # Containers in the template are added as sidecars (lists concatenate).
     return _merge(body, {"metadata": spec.template.get("metadata") or {}, "spec": spec.template.get("spec") or {}})

@@ -19,18 +19,19 @@ class WorkerSettings:
     data_root: str = "/var/lib/tenplex/data"  # hostPath where the DaemonSet mounts datasets (FUSE)
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str = "tenplex-rendezvous.tenplex-system.svc:29400"
-    token_secret: str = "tenplex-store-token"  # key `token`: the stores listen beyond loopback, so they need one
     store_port: int = 29500  # the DaemonSet's store port on every node (status.step is read from it)
     token_file: str | None = None  # the operator's copy of the store token (to read status.step)
+    unschedulable_grace: int = 60  # seconds a worker may stay Unschedulable before its node is left out
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
         """Defaults overridden by ``TENPLEX_*`` variables (the operator Deployment in k8s/ sets them)."""
         env = {"resource": "TENPLEX_GPU_RESOURCE", "store_root": "TENPLEX_STORE_ROOT_HOST",
                "data_root": "TENPLEX_DATA_ROOT_HOST", "rdzv_backend": "TENPLEX_RDZV_BACKEND",
-               "rdzv_endpoint": "TENPLEX_RDZV_ENDPOINT", "token_secret": "TENPLEX_TOKEN_SECRET",
-               "store_port": "TENPLEX_STORE_PORT", "token_file": "TENPLEX_TOKEN_FILE"}
+               "rdzv_endpoint": "TENPLEX_RDZV_ENDPOINT", "store_port": "TENPLEX_STORE_PORT",
+               "token_file": "TENPLEX_TOKEN_FILE", "unschedulable_grace": "TENPLEX_UNSCHEDULABLE_GRACE"}
         values: dict[str, Any] = {field: os.environ[var] for field, var in env.items() if os.environ.get(var)}
-        if "store_port" in values:
-            values["store_port"] = int(values["store_port"])
+        for number in ("store_port", "unschedulable_grace"):
+            if number in values:
+                values[number] = int(values[number])
         return cls(**values)

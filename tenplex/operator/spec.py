@@ -51,6 +51,18 @@ class JobSpec:
                    pinned=dict(self.pinned))
         return c.degrees() + (f" ({len(c.idle)} idle)" if c.idle else "")
 
+    def tolerations(self, resource: str) -> list[dict[str, Any]]:
+        """The worker pod's tolerations: the template's, and the accelerator's taint as the store DaemonSet's.
+
+        GPU nodes are often tainted with their resource name (``nvidia.com/gpu``) so that only pods that use the
+        GPUs land there; the worker uses them (what the ExtendedResourceToleration admission plugin would add).
+        """
+        own: list[dict[str, Any]] = []
+        if "/" in resource:  # an extended resource (`cpu` is no taint)
+            own.append({"key": resource, "operator": "Exists", "effect": "NoSchedule"})
+        theirs = (self.template.get("spec") or {}).get("tolerations") or []
+        return own + [dict(t) for t in theirs if isinstance(t, Mapping) and t not in own]
+
 
 def _count(spec: Mapping[str, Any], key: str, path: str, *, default: int | None = None, minimum: int = 1) -> int:
     """An integer >= ``minimum``; required unless it has a ``default``."""
