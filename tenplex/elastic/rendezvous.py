@@ -44,8 +44,12 @@ def _listen(listener: socket.socket, bind: str, port: int) -> None:
         listener.bind((bind, port))
         listener.listen(1024)
     except OSError as e:
-        why = {errno.EADDRINUSE: f"port {port} is in use; choose another port (0: any free port)",
-               errno.EADDRNOTAVAIL: f"{bind} is not an address of this machine"}.get(e.errno, e.strerror or str(e))
+        if e.errno == errno.EADDRINUSE:
+            why = f"port {port} is in use; choose another port (0: any free port)"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            why = f"{bind} is not an address of this machine"
+        else:
+            why = e.strerror or str(e)
         raise ConfigError(f"cannot listen on {bind}:{port}: {why}") from None
 
 
