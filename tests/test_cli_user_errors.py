@@ -44,3 +44,27 @@ def test_demo_with_a_parallelism_the_example_model_cannot_take(tmp_path, flag):
     result = _tenplex("demo", flag, "tp=3,dp=2", "--workdir", str(tmp_path / "w"), timeout=300)
     _one_line_error(result, flag, "tp=3", "4 attention heads")
     assert "logs" not in result.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--port", "99999"], ["--port", "'99999'", "0-65535"]),
+    (["--port", "-5"], ["--port", "'-5'", "0-65535"]),
+    (["--bind", "192.0.2.1"], ["192.0.2.1", "--allow-unauthenticated"]),
+    (["--bind", "192.0.2.1", "--allow-unauthenticated"], ["192.0.2.1:29400", "not an address of this machine"]),
+])
+def test_rendezvous_serve_with_a_bad_port_or_address(args, words):
+    result = _tenplex("rendezvous", "serve", *args)
+    assert result.returncode == 2
+    _one_line_error(result, *words)
+
+
+def test_rendezvous_serve_on_a_port_in_use():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _tenplex("rendezvous", "serve", "--port", str(port))
+    assert result.returncode == 2
+    _one_line_error(result, f"127.0.0.1:{port}", "in use")

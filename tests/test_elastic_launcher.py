@@ -131,6 +131,113 @@ def test_ensure_store_starts_a_detached_store_then_reuses_it(tmp_path):
     assert new_pid != pid
 
 
+def _serving(root: Path) -> list[int]:
+    """Every store process serving ``root`` (found by its command line, not by the files that name one)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"serve" in argv and str(root).encode() in argv and alive(int(cmdline.parent.name)):
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+def test_two_runs_starting_at_once_on_one_root_start_one_store(tmp_path):
+    root = tmp_path / "h0"
+    # Both wait at a barrier (the other's ready file) after importing, then check-and-start at the same moment.
+    script = """
+import sys, time
+from pathlib import Path
+from tenplex.elastic.launcher import RunSpec, ensure_store
+me, other = Path(sys.argv[1]), Path(sys.argv[2])
+me.touch()
+while not other.exists():
+    time.sleep(0.001)
+print(ensure_store(RunSpec("h0", Path(sys.argv[3])), None))
+"""
+    a, b = tmp_path / "a", tmp_path / "b"
+    runs = [subprocess.Popen([sys.executable, "-c", script, str(x), str(y), str(root)], stdout=subprocess.PIPE,
+                             text=True) for x, y in ((a, b), (b, a))]
+    try:
+        addresses = [run.communicate(timeout=180)[0].strip() for run in runs]
+        serving = _serving(root.resolve())
+        assert [run.returncode for run in runs] == [0, 0]
+        assert addresses[0] == addresses[1] != ""
+        assert serving == [int((root / ".tenplex-store.pid").read_text())]
+        assert addresses[0].endswith(f":{int((root / '.tenplex-store.port').read_text())}")
+    finally:
+        for pid in _serving(root.resolve()):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("pid_text", ["", "12a", "\0\0"])
+def test_an_unreadable_pid_file_is_stale(tmp_path, pid_text):
+    """What a crash during a non-atomic write leaves: the run starts a store instead of failing on int()."""
+    root = tmp_path / "h0"
+    root.mkdir()
+    (root / ".tenplex-store.pid").write_text(pid_text)
+    launcher.ensure_store(RunSpec("h0", root), None)
+    pid = int((root / ".tenplex-store.pid").read_text())
+    os.kill(pid, signal.SIGTERM)
+    _wait_gone(pid)
+
+
+def test_an_unreadable_port_file_of_a_live_store_starts_another(tmp_path):
+    root = tmp_path / "h0"
+    spec = RunSpec("h0", root)
+    launcher.ensure_store(spec, None)
+    old = int((root / ".tenplex-store.pid").read_text())
+    (root / ".tenplex-store.port").write_text("garbled")
+    try:
+        address = launcher.ensure_store(spec, None)
+        new = int((root / ".tenplex-store.pid").read_text())
+        assert new != old and address.endswith(f":{int((root / '.tenplex-store.port').read_text())}")
+    finally:
+        for pid in _serving(root.resolve()):
+            os.kill(pid, signal.SIGTERM)
+            _wait_gone(pid)
+
+
+def _store_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tenplex.cli", "store", *argv], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_store_stop_stops_the_store_tenplex_run_left(tmp_path):
+    root = tmp_path / "h0"
+    launcher.ensure_store(RunSpec("h0", root), None)
+    pid = int((root / ".tenplex-store.pid").read_text())
+    done = _store_cli("stop", "--store-root", str(root))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"stopped the store of {root} (pid {pid})\n"
+    assert not alive(pid) and _serving(root.resolve()) == []
+    assert not (root / ".tenplex-store.pid").exists() and not (root / ".tenplex-store.port").exists()
+    again = _store_cli("stop", "--store-root", str(root))
+    assert (again.returncode, again.stdout) == (0, f"no store is running for {root}\n")
+
+
+def test_store_stop_leaves_a_process_that_reused_the_pid_alone(tmp_path):
+    root = tmp_path / "h0"
+    root.mkdir()
+    other = subprocess.Popen(["sleep", "60"])
+    try:
+        (root / ".tenplex-store.pid").write_text(f"{other.pid}\n")
+        done = _store_cli("stop", "--store-root", str(root))
+        assert (done.returncode, done.stdout) == (0, f"no store is running for {root}\n")
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_store_stop_of_a_missing_directory_is_a_usage_error(tmp_path):
+    done = _store_cli("stop", "--store-root", str(tmp_path / "nope"))
+    assert done.returncode == 2
+    assert done.stderr == f"tenplex store: error: --store-root {tmp_path / 'nope'} is not a directory\n"
+
+
 def _wait_gone(pid: int) -> None:
     deadline = time.monotonic() + 30
     while alive(pid):

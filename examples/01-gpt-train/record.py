@@ -2,6 +2,8 @@
 
 Per-rank JSON lines (world, configuration, restored step and position, losses, sample ids, saves, exit) and
 the full parameters and Adam moments (safetensors) after every save and after the restore. Nothing is pickled.
+
+May import: safetensors (on use) and the standard library.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ Run one ``tenplex run`` per node (see README.md in this folder)::
 Nodes may join, leave (SIGTERM) or die while it trains: torchrun restarts the
 workers in the new world and this script continues where the job stopped,
 under the configuration tenplex's policy picks for that world.
+
+May import: ``tenplex.elastic``, ``tenplex.models.gpt``, ``record`` (its neighbour) and the standard library.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ May import: every tenplex layer, tqdm and the standard library.
     tenplex store serve --root DIR --host h0 [--bind 127.0.0.1] [--port 0] [--token-file F] [--port-file F]
     tenplex store ls ADDRESS [--version N] [--token-file F]
     tenplex store gc ADDRESS --keep K [--token-file F]
+    tenplex store stop --store-root DIR
     tenplex store transform PLAN OLD_LAYOUT NEW_LAYOUT --stores h0=ADDR,h1=ADDR --old-version N --new-version M
 """
 
@@ -61,6 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     gc.add_argument("--keep", type=int, required=True)
     _token_arguments(gc)
     gc.set_defaults(handler=_gc)
+
+    stop = sub.add_parser("stop", help="stop the store that `tenplex run --store-root DIR` left serving")
+    stop.add_argument("--store-root", required=True, type=Path, help="the --store-root given to tenplex run")
+    stop.set_defaults(handler=_stop)
 
     tr = sub.add_parser("transform", help="run a plan across the stores (two-phase commit), with progress")
     tr.add_argument("plan", type=Path, help="tenplex.plan/1 JSON (tenplex plan OLD NEW --json)")
@@ -166,6 +171,17 @@ def _gc(args) -> int:
 
     with StoreClient(args.address, **_client_options(args)) as client:
         print(json.dumps({"deleted": client.gc(args.keep)}))
+    return 0
+
+
+def _stop(args) -> int:
+    from ..elastic.launcher import stop_store
+
+    if not args.store_root.is_dir():
+        raise UsageError(f"--store-root {args.store_root} is not a directory")
+    pid = stop_store(args.store_root)
+    print(f"stopped the store of {args.store_root} (pid {pid})" if pid is not None
+          else f"no store is running for {args.store_root}")
     return 0
 
 

@@ -3,8 +3,8 @@
 May import: ``tenplex.elastic.nodes`` and ``.timeline``, ``tenplex.runtime`` (dataset, job
 launcher), ``tenplex.replication`` (is a save's copy complete?), ``tenplex.cluster``
 (``link_mbit``: the emulated cluster), ``tenplex.errors`` and the standard library. No torch in
-this process: the training runs in the workers (``examples/01-gpt-train/train.py`` through
-:class:`tenplex.elastic.Job`).
+this process: the training runs in the workers (``examples/01-gpt-train/train.py``, shipped as
+``tenplex/elastic/gpt_train/train.py``, through :class:`tenplex.elastic.Job`).
 
 1. It packs the example dataset (exactly one epoch: ``steps`` global batches).
 2. The **reference**: the same script trains every step uninterrupted on one
@@ -58,7 +58,8 @@ from .nodes import Nodes
 if TYPE_CHECKING:
     from ..cluster import Counters, EmulatedCluster
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "01-gpt-train" / "train.py"
+# examples/01-gpt-train/train.py as the package ships it: an installed tenplex has no examples/ folder
+EXAMPLE = Path(__file__).resolve().parent / "gpt_train" / "train.py"
 DEFAULT_SCHEDULE = "join:h2@4,fail:h1@8,leave:h2@12"
 GLOBAL_BATCH = 12    # dp 1, 2 and 3 (one to three nodes of tp=2) all divide it into whole micro-batches
 KINDS = ("join", "fail", "leave", "partition")

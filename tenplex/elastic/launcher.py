@@ -24,7 +24,9 @@ here or in :mod:`tenplex.elastic.job` uses it as a generation number.
 The store is started in a session of its own and keeps serving after the
 agent exits: a node that left can still serve its shards to the survivors.
 Its port, pid and log are ``DIR/.tenplex-store.{port,pid,log}``; a later
-``tenplex run`` with the same root reuses it.
+``tenplex run`` with the same root reuses it, and ``tenplex store stop
+--store-root DIR`` (:func:`stop_store`) stops it. ``DIR/.tenplex-store.lock``
+(``flock``) keeps one store per root when runs start at once.
 
 May import: ``tenplex.runtime.hosts``, ``tenplex.store.client``, ``tenplex.errors``,
 torch (torchrun's ``torch.distributed.run``, on use) and the standard library.
@@ -32,6 +34,8 @@ torch (torchrun's ``torch.distributed.run``, on use) and the standard library.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import signal
 import socket
@@ -184,19 +188,72 @@ def advertised_host(bind: str, advertise: str | None) -> str:
     return socket.gethostname() if bind in ("0.0.0.0", "::") else bind
 
 
+def _store_files(root: Path) -> tuple[Path, Path, Path]:
+    """The node store's port, pid and log files under ``root``."""
+    port, pid, log = (root / f".tenplex-store.{x}" for x in ("port", "pid", "log"))
+    return port, pid, log
+
+
+@contextlib.contextmanager
+def _store_lock(root: Path):
+    """Hold ``root``'s store lock: one ``tenplex run`` or ``tenplex store stop`` at a time checks, starts or
+    stops the store there, so that two runs starting at once start one store (the kernel drops the lock when
+    its holder dies, so a crashed run leaves no stale lock)."""
+    fd = os.open(root / ".tenplex-store.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _read_number(path: Path) -> int | None:
+    """The integer in ``path``; None when it is missing, empty or garbled (what a crash mid-write leaves)."""
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)  # a reader sees the old file or the new one, never a part
+
+
+def store_pid(root: Path) -> int | None:
+    """The pid of the store ``tenplex run`` left serving ``root``; None when none runs (a stale pid file, or
+    its pid reused by another program)."""
+    root = root.resolve()
+    pid = _read_number(_store_files(root)[1])
+    if pid is None or not alive(pid):
+        return None
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    serves_root = "serve" in argv and any(a == "--root" and b == str(root) for a, b in zip(argv, argv[1:]))
+    return pid if serves_root else None
+
+
 def ensure_store(spec: RunSpec, token: str | None, start_timeout: float = 120.0) -> str:
     """The address of the store serving ``spec.store_root`` for ``spec.host``: a running one, or a new one."""
+    root = spec.store_root.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    with _store_lock(root):
+        return _reuse_or_start_store(spec, root, token, start_timeout)
+
+
+def _reuse_or_start_store(spec: RunSpec, root: Path, token: str | None, start_timeout: float) -> str:
     from ..runtime.hosts import await_store, spawn_store
     from ..store.client import StoreClient
 
-    root = spec.store_root.resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    port_file, pid_file, log = (root / f".tenplex-store.{x}" for x in ("port", "pid", "log"))
+    port_file, pid_file, log = _store_files(root)
     host = advertised_host(spec.store_bind, spec.store_advertise)
     # Reuse only a store that the pid file says still runs: a stale port may now belong to another server.
-    running = pid_file.exists() and alive(int(pid_file.read_text()))
-    if running and port_file.exists() and port_file.read_text().strip():
-        address = f"{host}:{int(port_file.read_text())}"
+    port = _read_number(port_file) if store_pid(root) is not None else None
+    if port is not None:
+        address = f"{host}:{port}"
         try:
             with StoreClient(address, token=token, timeout=5.0) as client:
                 health = client.health(timeout=5.0)
@@ -212,9 +269,35 @@ def ensure_store(spec: RunSpec, token: str | None, start_timeout: float = 120.0)
         extra += ["--token-file", str(spec.token_file)]
     with open(log, "ab") as out:
         proc = spawn_store(root, spec.host, port_file, *extra, stdout=out, detached=True)
-    pid_file.write_text(f"{proc.pid}\n")
-    port = await_store(proc, spec.host, port_file, time.monotonic() + start_timeout, log).rsplit(":", 1)[1]
+    _write_atomically(pid_file, f"{proc.pid}\n")
+    port = int(await_store(proc, spec.host, port_file, time.monotonic() + start_timeout, log).rsplit(":", 1)[1])
     return f"{host}:{port}"
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def stop_store(root: Path, timeout: float = 15.0) -> int | None:
+    """Stop the store ``tenplex run`` left serving ``root`` (SIGTERM; SIGKILL after ``timeout`` s: its commits
+    are atomic) and remove its pid and port files; the pid it stopped, None when none ran."""
+    root = root.resolve()
+    with _store_lock(root):
+        pid = store_pid(root)
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
+            if not _gone(pid, timeout):
+                os.kill(pid, signal.SIGKILL)
+                _gone(pid, timeout)
+        port_file, pid_file, _ = _store_files(root)
+        pid_file.unlink(missing_ok=True)
+        port_file.unlink(missing_ok=True)
+    return pid
 
 
 def worker_env(spec: RunSpec, address: str, token: str | None) -> dict[str, str]:

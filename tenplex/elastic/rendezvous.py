@@ -19,6 +19,7 @@ May import: ``tenplex.errors``, torch.distributed (on use) and the standard libr
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import socket
 import threading
@@ -36,6 +37,22 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+def _listen(listener: socket.socket, bind: str, port: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"port {port} is not a TCP port: use 0-65535 (0: any free port)")
+    try:
+        listener.bind((bind, port))
+        listener.listen(1024)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            why = f"port {port} is in use; choose another port (0: any free port)"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            why = f"{bind} is not an address of this machine"
+        else:
+            why = e.strerror or str(e)
+        raise ConfigError(f"cannot listen on {bind}:{port}: {why}") from None
+
+
 def serve(bind: str = "127.0.0.1", port: int = 0, port_file: Path | None = None,
           allow_unauthenticated: bool = False, stop: threading.Event | None = None,
           ready=None) -> None:
@@ -44,15 +61,14 @@ def serve(bind: str = "127.0.0.1", port: int = 0, port_file: Path | None = None,
         raise ConfigError(f"torch's TCPStore has no authentication; binding {bind} would let anyone who reaches "
                           f"it join or disturb the rendezvous; bind 127.0.0.1, or pass --allow-unauthenticated "
                           f"on a trusted network")
-    import torch.distributed as dist
-
     family = socket.AF_INET6 if ":" in bind else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((bind, port))
-        listener.listen(1024)
+        _listen(listener, bind, port)  # before torch loads: a bad address fails at once
         bound = listener.getsockname()[1]
+        import torch.distributed as dist
+
         store = dist.TCPStore(bind, bound, is_master=True, wait_for_workers=False, multi_tenant=True,
                               master_listen_fd=listener.fileno())
     except BaseException:
