@@ -23,8 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser, with_metrics: bool = True) ->
                                  "on another machine)")
 
 
-def setup_logs(args: argparse.Namespace, **context) -> None:
-    logs.setup(args.log_format, logging.INFO, **context)
+def setup_logs(args: argparse.Namespace, always: bool = False, **context) -> None:
+    """Log in ``--log-format`` at INFO; without the option only when ``always`` (as text), else logging stays
+    as the command had it."""
+    if args.log_format or always:
+        logs.setup(args.log_format, logging.INFO, **context)
 
 
 def serve_metrics(args: argparse.Namespace, registry) -> int | None:

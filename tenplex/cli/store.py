@@ -112,7 +112,7 @@ def _serve(args) -> int:
     from ..transform.host import run_host_part
     from . import _operations
 
-    _operations.setup_logs(args, host=args.host)
+    _operations.setup_logs(args, always=True, host=args.host)
     if args.tls_cert and args.tls_key:
         _check_tls_pair(args.tls_cert, args.tls_key)
     tls_cert = args.tls_cert.read_bytes() if args.tls_cert else None

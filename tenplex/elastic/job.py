@@ -2,7 +2,7 @@
 
 May import: ``tenplex`` (save, restore, Checkpointer), ``tenplex.elastic``
 (policy, launcher, envsettings), ``tenplex.integration``, ``tenplex.dataset``, ``tenplex.parallel``,
-``tenplex.errors``, torch, torch.distributed and the standard library.
+``tenplex.errors``, ``tenplex.ops``, torch, torch.distributed and the standard library.
 
 A script started by ``tenplex run`` (torchrun) is the same in every world::
 
@@ -58,6 +58,8 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..integration.process_group import init_process_group, leave_process_group
+from ..ops import logs
+from ..ops.metrics import JobMetrics
 from ..parallel import ParallelConfig
 from .envsettings import settings_from_env
 from .launcher import EXIT_RESTART
@@ -164,6 +166,9 @@ class Job:
                                      hosts=self.hosts if len(self.hosts) * per_node == self.world_size else None)
         # Ranks left idle by the policy train nothing: the others save, restore and agree within their own group.
         self.group = dist.new_group(list(range(self.choice.used))) if self.choice.idle else None
+        logs.from_environment(host=self.host, world=self.world_id)
+        self.metrics = JobMetrics.from_environment()  # served when tenplex run --metrics-port set the port
+        self.metrics.observe_world(self.world_size, self.config)
         self.global_batch, self.dataset, self.seed, self.drop_last = global_batch, dataset, seed, drop_last
         self.save_every, self.save_budget, self.on_save, self.on_exit = save_every, save_budget, on_save, on_exit
         self.checkpointer_options = dict(checkpointer_options or {}, replicas=replicas)
@@ -231,6 +236,7 @@ class Job:
         self.restored = Restored(self.step, info.version, info.transformed, dict(info.plan_stats),
                                  time.monotonic() - begin, info.saved_version, info.read_through)
         self._last_boundary = time.monotonic()
+        self.metrics.observe_restore(self.step, step)
         if self.save_every:
             self._next_save = self.step + self.save_every
         elif self.save_every is None:
@@ -310,6 +316,7 @@ class Job:
         stop, self._step_s, last_save = bool(flags[0] > 0), float(flags[1]), float(flags[2])
         self._cost["train_s"] += self._step_s
         self._cost["steps"] += 1
+        self.metrics.observe_step(self._step_s, self.step)
         if last_save > 0:
             self._save_s = last_save
             if self.save_every is None:
@@ -356,6 +363,8 @@ class Job:
         self._cost["saves"] += 1
         self._cost["save_s"] += seconds
         self.last_save = {"step": self.step, "version": version, "why": why, "seconds": seconds}
+        self.metrics.observe_save(blocking=seconds, background=0.0, step=self.step, reason=why)
+        logs.set_context(version=version, step=self.step)
         if self.on_save is not None:
             self.on_save(dict(self.last_save))
         return version

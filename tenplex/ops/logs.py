@@ -49,6 +49,16 @@ def json_formatter() -> logging.Formatter:
     return formatter
 
 
+def from_environment(**context: Any) -> None:
+    """In a worker of ``tenplex run --log-format json``: JSON lines, unless the program set up logging itself
+    (the level: ``TENPLEX_LOG``, default warnings)."""
+    if os.environ.get(FORMAT_ENV) == "json" and not logging.getLogger().handlers:
+        level = getattr(logging, os.environ.get("TENPLEX_LOG", "warning").upper(), logging.WARNING)
+        setup("json", level, **context)
+    else:
+        set_context(**context)
+
+
 def setup(log_format: str | None = None, level: int = logging.INFO, **context: Any) -> None:
     """Send log records to stderr in ``log_format`` (default: ``TENPLEX_LOG_FORMAT``, else text), replacing
     the root logger's handlers; the format is also set in the environment for child processes."""

@@ -161,6 +161,14 @@ class _RpcMetrics(grpc.ServerInterceptor):
 
 
 # -------------------------------------------------------------------- job --
+def run_registry(host: str | None) -> CollectorRegistry:
+    """``tenplex run``'s own metrics: which node it is; the training numbers come from its workers."""
+    registry = CollectorRegistry()
+    Gauge("tenplex_run_info", "This node's tenplex run (value 1); its workers serve tenplex_job_* on the next "
+          "ports, one per LOCAL_RANK", ["host"], registry=registry).labels(host or "").set(1)
+    return registry
+
+
 class JobMetrics:
     """A training worker's metrics (``tenplex.elastic.Job``): steps, saves, the world it runs in.
 
@@ -228,7 +236,9 @@ class OperatorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
         self.reconciliations = Counter("tenplex_operator_reconciliations", "Reconciliations of a TenplexJob, by "
-                                       "outcome (ok, conflict, error)", ["outcome"], registry=r)
+                                       "outcome (ok; conflict: decided again; gone: deleted meanwhile; error: the "
+                                       "API failed)",
+                                       ["outcome"], registry=r)
         self.decision_seconds = Histogram("tenplex_operator_decision_duration_seconds", "Seconds from reading a "
                                           "TenplexJob to its decision written", buckets=SECONDS, registry=r)
         self.rescales = Counter("tenplex_operator_rescales", "Rescales started (the job's nodes changed)",
@@ -237,6 +247,11 @@ class OperatorMetrics:
                                   registry=r)
         self.api_errors = Counter("tenplex_operator_api_errors", "Failed Kubernetes API calls, by HTTP status "
                                   "(0: unreachable)", ["status"], registry=r)
+
+    def observe_api_error(self, status: int | None) -> None:
+        status = int(status or 0)
+        self.api_errors.labels(str(status)).inc()
+        self.reconciliations.labels({409: "conflict", 404: "gone"}.get(status, "error")).inc()
 
     def observe_events(self, reasons) -> None:
         for reason in reasons:

@@ -21,7 +21,8 @@ class TokenCheck(grpc.ServerInterceptor):
     def intercept_service(self, continuation, details):
         handler = continuation(details)
         presented = dict(details.invocation_metadata or ()).get("authorization", "")
-        if handler is None or details.method in PUBLIC_METHODS or hmac.compare_digest(str(presented).encode(), self._expected):
+        if handler is None or details.method in PUBLIC_METHODS \
+                or hmac.compare_digest(str(presented).encode(), self._expected):
             return handler
 
         def deny(request, context):
