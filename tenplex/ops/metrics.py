@@ -210,7 +210,8 @@ class JobMetrics:
     def observe_world(self, world_size: int, config) -> None:
         self.world_size.set(world_size)
         self.configuration.clear()
-        self.configuration.labels(str(config), str(config.dp), str(config.tp), str(config.pp)).set(1)
+        name = f"dp={config.dp},tp={config.tp},pp={config.pp},sharding={config.sharding}"  # no devices: bounded
+        self.configuration.labels(name, str(config.dp), str(config.tp), str(config.pp)).set(1)
 
     def observe_restore(self, step: int, committed: int | None) -> None:
         self.step.set(step)
