@@ -23,6 +23,7 @@ from ..errors import UsageError
 
 STATUS_FORMAT = "tenplex.status/1"
 SHOWN_VERSIONS = 3
+STATE_DOC = "tenplex.torch_state"  # tenplex.integration.checkpointer.STATE_DOC, whose import loads torch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -124,7 +125,6 @@ def _json(client, version: int, name: str, remote_error):
 
 
 def _report(hosts: dict, clients: dict, records: dict, shown: int, remote_error) -> dict:
-    from ..integration.checkpointer import STATE_DOC
     from ..store.manifest import LAYOUT_DOC
 
     reached = {h["host"]: h for h in hosts.values() if h["reachable"]}
