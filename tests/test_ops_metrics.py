@@ -3,6 +3,7 @@ peer host equal the plan's and the coordinator's counts) and the workers of a re
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -72,7 +73,8 @@ def test_job_metrics_of_a_two_rank_job(tmp_path):
         for rank in range(2):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master), OMP_NUM_THREADS="1", TENPLEX_HOST="h0",
-                       TENPLEX_STORE_ROOT=str(tmp_path / "h0"), TENPLEX_METRICS_PORT=str(base))
+                       TENPLEX_STORE_ROOT=str(tmp_path / "h0"), TENPLEX_METRICS_PORT=str(base),
+                       TENPLEX_LOG_FORMAT="json", TENPLEX_LOG="info")
             log = open(tmp_path / f"rank{rank}.log", "w")
             procs.append(subprocess.Popen([sys.executable, str(WORKER), str(tmp_path)], env=env, stdout=log,
                                           stderr=subprocess.STDOUT))
@@ -94,6 +96,11 @@ def test_job_metrics_of_a_two_rank_job(tmp_path):
         # the policy's choice for 2 ranks on one host: tensor parallelism within the host
         assert {(labels["config"], labels["dp"], labels["tp"], labels["pp"]) for labels, _ in info} == \
             {("dp=1,tp=2,pp=1,sharding=none", "1", "2", "1")}
+        # tenplex run --log-format json reaches the workers as TENPLEX_LOG_FORMAT: JSON lines with the context
+        lines = [json.loads(line) for line in (tmp_path / "rank0.log").read_text().splitlines() if line.startswith("{")]
+        started = [line for line in lines if line["logger"] == "tenplex.elastic.job"]
+        assert started and started[0]["level"] == "INFO" and started[0]["host"] == "h0" and started[0]["world"]
+        assert started[0]["message"].startswith("rank 0 of 2 in world ")
     finally:
         (tmp_path / "stop").write_text("")
         if prometheus is not None:

@@ -44,6 +44,7 @@ nothing here; the restored step does.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
     from ..dataset import DatasetState
     from ..dataset.torch_data import RankDataset
 
+log = logging.getLogger(__name__)
 DATASET_KEY = "tenplex.dataset"  # where the data position travels in the saved ``extra``
 EXTRA_KEY = "user"               # the user's own ``extra`` dict
 
@@ -169,6 +171,7 @@ class Job:
         logs.from_environment(host=self.host, world=self.world_id)
         self.metrics = JobMetrics.from_environment()  # served when tenplex run --metrics-port set the port
         self.metrics.observe_world(self.world_size, self.config)
+        log.info("rank %d of %d in world %s: %s", self.rank, self.world_size, self.world_id, self.config.describe())
         self.global_batch, self.dataset, self.seed, self.drop_last = global_batch, dataset, seed, drop_last
         self.save_every, self.save_budget, self.on_save, self.on_exit = save_every, save_budget, on_save, on_exit
         self.checkpointer_options = dict(checkpointer_options or {}, replicas=replicas)
