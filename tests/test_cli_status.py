@@ -59,8 +59,8 @@ def test_status_of_two_stores_after_a_save_and_a_transformation(tmp_path):
 
         stores["h1"].kill()  # a lost host without copies: nothing complete survives
         lost = json.loads(_status(addresses["h0"], "--json", "--timeout", "2").stdout)
-        assert [(h["address"], h["reachable"], h.get("error")) for h in lost["hosts"]] == \
-            [(addresses["h0"], True, None), (addresses["h1"], False, "unreachable")]
+        assert [(h["host"], h["address"], h["reachable"], h.get("error")) for h in lost["hosts"]] == \
+            [("h0", addresses["h0"], True, None), ("h1", addresses["h1"], False, "unreachable")]
         assert lost["versions"][0]["missing"] == ["h1"] and lost["restorable"] is None
         assert "a recovery would restore: nothing" in _status(addresses["h0"], "--timeout", "2").stdout
     finally:

@@ -72,19 +72,23 @@ def gather(addresses: list[str], token: str | None = None, root_certificates: by
     clients: dict[str, StoreClient] = {}
     pending = list(dict.fromkeys(addresses))
     records: dict[int, dict] = {}  # version -> its tenplex.stores record
+    named: dict[str, str] = {}     # address -> host, from a record (names a store that does not answer)
     try:
         while pending:
             address = pending.pop(0)
             client = clients[address] = StoreClient(address, token=token, root_certificates=root_certificates,
                                                     timeout=timeout, retries=0, data_plane=False)
             hosts[address] = _ask(client, address, timeout, RemoteStoreError)
+            if not hosts[address]["reachable"] and address in named:
+                hosts[address]["host"] = named[address]
             for version in sorted(hosts[address].get("versions", []), reverse=True)[:shown]:
                 if version not in records:
                     record = _json(client, version, STORES_DOC, RemoteStoreError)
                     if record is not None:
                         records[version] = record
             for version in sorted(records, reverse=True)[:1]:  # the newest save names the job's stores
-                pending += [a for a in records[version]["stores"].values() if a and a not in hosts and a not in pending]
+                named.update({a: h for h, a in records[version]["stores"].items() if a})
+                pending += [a for a in named if a not in hosts and a not in pending]
         return _report(hosts, clients, records, shown, RemoteStoreError)
     finally:
         for client in clients.values():
