@@ -88,7 +88,8 @@ def gather(addresses: list[str], token: str | None = None, root_certificates: by
                         records[version] = record
             for version in sorted(records, reverse=True)[:1]:  # the newest save names the job's stores
                 named.update({a: h for h, a in records[version]["stores"].items() if a})
-                pending += [a for a in named if a not in hosts and a not in pending]
+                answered = {h["host"] for h in hosts.values() if h["reachable"]}  # a host may have moved
+                pending += [a for a, h in named.items() if a not in hosts and a not in pending and h not in answered]
         return _report(hosts, clients, records, shown, RemoteStoreError)
     finally:
         for client in clients.values():
