@@ -11,6 +11,7 @@ parallel configuration).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Callable, Iterator, Mapping
@@ -22,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from ..devices import host_of
 
+log = logging.getLogger(__name__)
 # From a 10 ms control call to a multi-minute transformation.
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 PORT_ENV = "TENPLEX_METRICS_PORT"   # tenplex run -> its workers: the first worker's port (+ LOCAL_RANK)
@@ -203,7 +205,10 @@ class JobMetrics:
         metrics = cls()
         if environ.get(PORT_ENV):
             port = int(environ[PORT_ENV]) + int(environ.get("LOCAL_RANK", "0"))
-            serve(metrics.registry, port, environ.get(BIND_ENV, "127.0.0.1"))
+            try:
+                serve(metrics.registry, port, environ.get(BIND_ENV, "127.0.0.1"))
+            except OSError as e:  # metrics must never stop training (e.g. the previous world's worker lingers)
+                log.warning("no metrics endpoint on port %d: %s", port, e)
         metrics.restarts.set(int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         return metrics
 
