@@ -69,3 +69,22 @@ def test_a_bad_log_format_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(["store", "serve", "--root", "r", "--host", "h0", "--log-format", "xml"])
     assert exit_.value.code == 2 and "invalid choice: 'xml'" in capsys.readouterr().err
+
+
+def test_a_taken_metrics_port_is_one_line_and_exit_2(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([str(Path(sys.executable).with_name("tenplex")), "store", "serve", "--root",
+                               str(tmp_path / "h0"), "--host", "h0", "--metrics-port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert done.returncode == 2 and errors == [
+        f"tenplex store: error: --metrics-port {port}: cannot serve metrics on 127.0.0.1 (Address already in use); "
+        f"choose another port"]

@@ -1,6 +1,6 @@
 """The operations options every long-running command shares: ``--log-format``, ``--metrics-port``/``-bind``.
 
-May import: ``tenplex.ops`` and the standard library.
+May import: ``tenplex.ops``, ``tenplex.errors`` and the standard library.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from ..errors import UsageError
 from ..ops import logs, metrics
 
 
@@ -34,7 +35,11 @@ def serve_metrics(args: argparse.Namespace, registry) -> int | None:
     """Serve ``registry`` when ``--metrics-port`` was given; the bound port (None: not served)."""
     if args.metrics_port is None:
         return None
-    port = metrics.serve(registry, args.metrics_port, args.metrics_bind)
+    try:
+        port = metrics.serve(registry, args.metrics_port, args.metrics_bind)
+    except OSError as e:
+        raise UsageError(f"--metrics-port {args.metrics_port}: cannot serve metrics on {args.metrics_bind} "
+                         f"({e.strerror or e}); choose another port") from None
     logging.getLogger("tenplex.ops").info("metrics on http://%s:%d/metrics", args.metrics_bind, port)
     return port
 

@@ -120,6 +120,7 @@ def _serve(args) -> int:
     store = Store(args.root, args.host)
     options = _client_options(args)
     observed = _store_metrics(store)
+    metrics_port = _operations.serve_metrics(args, observed.registry)  # a taken port fails before serving
     server, port = serve(store, bind=args.bind, port=args.port, token=options["token"], tls_cert=tls_cert,
                          tls_key=tls_key, transformer=observed.observed(run_host_part),
                          interceptors=[observed.interceptor()],
@@ -130,7 +131,6 @@ def _serve(args) -> int:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{port}\n")
         tmp.replace(args.port_file)
-    metrics_port = _operations.serve_metrics(args, observed.registry)
     print(f"tenplex store {args.host} serving {args.root} on {args.bind}:{port}"
           + (f" (metrics on port {metrics_port})" if metrics_port else ""), flush=True)
     stop = threading.Event()
