@@ -24,6 +24,15 @@ if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
   fi
 fi
 
+if ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing prometheus (the metrics tests scrape tenplex with a real one)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+  else
+    echo "[setup] warning: prometheus is not installed; the metrics tests fail in CI, skip elsewhere" >&2
+  fi
+fi
+
 if [ ! -x "$VENV/bin/python" ]; then
   echo "[setup] creating $VENV"
   python3 -m venv "$VENV"

@@ -134,3 +134,24 @@ def test_bad_schedules_are_refused_before_anything_starts():
                         ("jump:h2@2", "KIND:HOST@STEP"), ("join:h2@9", "within 1..7")]:
         with pytest.raises(ConfigError, match=words):
             demo.parse_schedule(text, ("h0", "h1"), STEPS)
+
+
+def test_status_of_the_stores_after_the_demo_matches_its_timeline(run, tmp_path):
+    from store_helpers import StoreProcess
+
+    from tenplex.cli.status import gather
+
+    workdir, summary, _, _ = run
+    last = summary["events"][-1]["to"]  # the world after the leave: h0 alone
+    shutil.copytree(workdir / "elastic" / "h0", tmp_path / "h0")
+    store = StoreProcess(tmp_path / "h0", "h0")  # a new server on the store h0 kept (another port)
+    try:
+        report = gather([store.address], timeout=2)
+    finally:
+        store.stop()
+    assert [(h["host"], h["reachable"]) for h in report["hosts"]] == [("h0", True)]  # the record's h0 is not asked
+    newest = report["versions"][0]
+    assert newest["saved_hosts"] == last["hosts"] and newest["missing"] == []
+    assert report["configuration"] == {"h0": last["world"]}
+    assert report["last_committed_step"] == STEPS  # the final save, after the last step
+    assert report["restorable"] == {"version": newest["version"], "step": STEPS}

@@ -1,7 +1,7 @@
 """``tenplex operator run``: the Kubernetes operator for TenplexJob resources (kopf).
 
 May import: ``tenplex.operator`` (and through it kopf and kubernetes, the
-``k8s`` extra), ``tenplex.errors`` and the standard library.
+``k8s`` extra), ``tenplex.errors``, ``tenplex.ops`` and the standard library.
 ``kopf run -m tenplex.operator.main`` runs the same operator with its settings
 from the environment.
 """
@@ -13,6 +13,7 @@ import os
 
 from ..errors import PermanentError, UsageError
 from ..operator.settings import WorkerSettings
+from ._operations import add_arguments as add_operations_arguments, serve_metrics, setup_logs
 
 
 def register(subparsers) -> None:
@@ -47,6 +48,7 @@ def register(subparsers) -> None:
     peering.add_argument("--peering", help="kopf peering object: only one operator replica is active")
     peering.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
     run.add_argument("--liveness", help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    add_operations_arguments(run)
     run.set_defaults(handler=run_operator)
 
 
@@ -71,8 +73,10 @@ def run_operator(args: argparse.Namespace) -> int:
                               rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
                               store_port=args.store_port, token_file=args.token_file,
                               unschedulable_grace=args.unschedulable_grace)
-    registry = Operator(kubernetes.client.ApiClient(), settings, interval=args.interval).register(
-        kopf.get_default_registry())
+    setup_logs(args)
+    operator = Operator(kubernetes.client.ApiClient(), settings, interval=args.interval)
+    serve_metrics(args, operator.metrics.registry)
+    registry = operator.register(kopf.get_default_registry())
     kopf.run(registry=registry, clusterwide=args.all_namespaces, namespaces=args.namespace,
              standalone=args.standalone or None, peering_name=args.peering, liveness_endpoint=args.liveness)
     return 0

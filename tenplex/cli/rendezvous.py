@@ -14,6 +14,7 @@ import signal
 import threading
 from pathlib import Path
 
+from ._operations import add_arguments as add_operations_arguments, setup_logs
 from .store import _port
 
 
@@ -27,12 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--port-file", type=Path, help="write the bound port to this file once serving")
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="allow a non-loopback bind: TCPStore has no authentication, use a trusted network")
+    add_operations_arguments(serve, with_metrics=False)
     serve.set_defaults(handler=_serve)
 
 
 def _serve(args) -> int:
     from ..elastic.rendezvous import serve
 
+    setup_logs(args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

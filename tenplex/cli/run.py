@@ -24,5 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run(args) -> int:
     from ..elastic.launcher import run
+    from . import _run_operations
 
-    return run(args.argv)
+    argv, operations = _run_operations.take(args.argv)
+    _run_operations.start(operations)
+    return run(argv)
+

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
 import threading
 from pathlib import Path
 
 from ..errors import UsageError
+from ._operations import add_arguments as add_operations_arguments
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             "aborted and unused for this long (default 3600)")
     serve.add_argument("--no-data-plane", action="store_true",
                        help="serve box reads over gRPC only (the plain-TCP data plane is also off with TLS)")
+    add_operations_arguments(serve)
     serve.set_defaults(handler=_serve)
 
     ls = sub.add_parser("ls", help="list a store's versions, or one version's shards")
@@ -114,16 +115,20 @@ def _serve(args) -> int:
     from ..store import Store
     from ..store.server import serve
     from ..transform.host import run_host_part
+    from . import _operations
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _operations.setup_logs(args, always=True, host=args.host)
     if args.tls_cert and args.tls_key:
         _check_tls_pair(args.tls_cert, args.tls_key)
     tls_cert = args.tls_cert.read_bytes() if args.tls_cert else None
     tls_key = args.tls_key.read_bytes() if args.tls_key else None
     store = Store(args.root, args.host)
     options = _client_options(args)
+    observed = _store_metrics(store)
+    metrics_port = _operations.serve_metrics(args, observed.registry)  # a taken port fails before serving
     server, port = serve(store, bind=args.bind, port=args.port, token=options["token"], tls_cert=tls_cert,
-                         tls_key=tls_key, transformer=run_host_part,
+                         tls_key=tls_key, transformer=observed.observed(run_host_part),
+                         interceptors=[observed.interceptor()],
                          peer_root_certificates=options["root_certificates"], data_plane=not args.no_data_plane,
                          max_streams=args.max_streams, stream_idle_s=args.stream_idle_s,
                          part_idle_s=args.part_idle_s)
@@ -131,13 +136,22 @@ def _serve(args) -> int:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{port}\n")
         tmp.replace(args.port_file)
-    print(f"tenplex store {args.host} serving {args.root} on {args.bind}:{port}", flush=True)
+    print(f"tenplex store {args.host} serving {args.root} on {args.bind}:{port}"
+          + (f" (metrics on port {metrics_port})" if metrics_port else ""), flush=True)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
+    server.health.drain()  # NOT_SERVING while the last calls finish
     server.stop(grace=2).wait()
     return 0
+
+
+def _store_metrics(store):
+    from ..ops.metrics import StoreMetrics
+    from ..replication.copier import held_versions
+
+    return StoreMetrics(store.versions, store.free_bytes, lambda: held_versions(store.root, store.host))
 
 
 def _check_tls_pair(cert: Path, key: Path) -> None:

@@ -2,7 +2,7 @@
 
 May import: ``tenplex`` (save, restore, Checkpointer), ``tenplex.elastic``
 (policy, launcher, envsettings), ``tenplex.integration``, ``tenplex.dataset``, ``tenplex.parallel``,
-``tenplex.errors``, torch, torch.distributed and the standard library.
+``tenplex.errors``, ``tenplex.ops``, torch, torch.distributed and the standard library.
 
 A script started by ``tenplex run`` (torchrun) is the same in every world::
 
@@ -44,6 +44,7 @@ nothing here; the restored step does.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -58,6 +59,8 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..integration.process_group import init_process_group, leave_process_group
+from ..ops import logs
+from ..ops.metrics import JobMetrics
 from ..parallel import ParallelConfig
 from .envsettings import settings_from_env
 from .launcher import EXIT_RESTART
@@ -67,6 +70,7 @@ if TYPE_CHECKING:
     from ..dataset import DatasetState
     from ..dataset.torch_data import RankDataset
 
+log = logging.getLogger(__name__)
 DATASET_KEY = "tenplex.dataset"  # where the data position travels in the saved ``extra``
 EXTRA_KEY = "user"               # the user's own ``extra`` dict
 
@@ -164,6 +168,10 @@ class Job:
         self.choice: Choice = choose(self.world_size, sizes, **caps, pp=pp, pinned=pinned, policy=policy, hosts=names)
         # Ranks left idle by the policy train nothing: the others save, restore and agree within their own group.
         self.group = dist.new_group(list(self.choice.ranks)) if self.choice.idle else None
+        logs.from_environment(host=self.host, world=self.world_id)
+        self.metrics = JobMetrics.from_environment()  # served when tenplex run --metrics-port set the port
+        self.metrics.observe_world(self.world_size, self.config)
+        log.info("rank %d of %d in world %s: %s", self.rank, self.world_size, self.world_id, self.config.describe())
         self.global_batch, self.dataset, self.seed, self.drop_last = global_batch, dataset, seed, drop_last
         self.save_every, self.save_budget, self.on_save, self.on_exit = save_every, save_budget, on_save, on_exit
         self.checkpointer_options = dict(checkpointer_options or {}, replicas=replicas)
@@ -231,6 +239,7 @@ class Job:
         self.restored = Restored(self.step, info.version, info.transformed, dict(info.plan_stats),
                                  time.monotonic() - begin, info.saved_version, info.read_through)
         self._last_boundary = time.monotonic()
+        self.metrics.observe_restore(self.step, step)
         if self.save_every:
             self._next_save = self.step + self.save_every
         elif self.save_every is None:
@@ -310,6 +319,7 @@ class Job:
         stop, self._step_s, last_save = bool(flags[0] > 0), float(flags[1]), float(flags[2])
         self._cost["train_s"] += self._step_s
         self._cost["steps"] += 1
+        self.metrics.observe_step(self._step_s, self.step)
         if last_save > 0:
             self._save_s = last_save
             if self.save_every is None:
@@ -356,6 +366,8 @@ class Job:
         self._cost["saves"] += 1
         self._cost["save_s"] += seconds
         self.last_save = {"step": self.step, "version": version, "why": why, "seconds": seconds}
+        self.metrics.observe_save(blocking=seconds, background=0.0, step=self.step, reason=why)
+        logs.set_context(version=version, step=self.step)
         if self.on_save is not None:
             self.on_save(dict(self.last_save))
         return version

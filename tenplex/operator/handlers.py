@@ -1,7 +1,7 @@
 """The kopf handlers: observe, decide (pure), act.
 
-May import: ``kopf``, ``kubernetes``, the package's modules and the standard
-library.
+May import: ``kopf``, ``kubernetes``, the package's modules, ``tenplex.ops.metrics`` and the
+standard library.
 
 Each TenplexJob gets a kopf daemon that reconciles it: read the job, its
 worker pods (label selector) and the Nodes; :func:`.decide.decide`; write the
@@ -30,6 +30,7 @@ import datetime
 import hashlib
 import json
 import logging
+import time
 from typing import Any, Mapping
 
 import kopf
@@ -37,6 +38,7 @@ import urllib3
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
+from ..ops.metrics import OperatorMetrics
 from . import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION, WORKER_ROLE
 from .decide import Decision, Event, decide, merge_patch, observed_events, worker_created
 from .observe import PodState, gpu_claim, node_state, pod_state, used_by_others
@@ -77,6 +79,7 @@ class Operator:
         self.rejected: dict[tuple[str, str], tuple[int, SpecError]] = {}
         # (namespace, name) -> keys of the Events posted (or found posted): saves a 409 per event and round
         self.posted: dict[tuple[str, str], set[str]] = {}
+        self.metrics = OperatorMetrics()  # served by `tenplex operator run --metrics-port`
 
     # -- kopf wiring ---------------------------------------------------------------------------------------------
     def register(self, registry: kopf.OperatorRegistry) -> kopf.OperatorRegistry:
@@ -165,17 +168,22 @@ class Operator:
         used = used_by_others([claim for claims in gpu_pods.values() for claim in claims], (namespace, name))
         for _ in range(CONFLICT_RETRIES):
             try:
+                begin = time.monotonic()
                 job, decision, pods = await asyncio.to_thread(self._decide_and_write, namespace, name, used)
+                self.metrics.decision_seconds.observe(time.monotonic() - begin)
                 if job is not None and decision is not None:
                     await asyncio.to_thread(self._act, job, decision, pods, logger)
+                self.metrics.reconciliations.labels("ok").inc()
                 return
             except ApiException as e:
+                self.metrics.observe_api_error(e.status)
                 if e.status == 409:
                     continue  # the job changed since we read it: read it again and decide again
                 if e.status == 404:
                     return  # deleted meanwhile; kopf stops this daemon
                 raise kopf.TemporaryError(f"Kubernetes API: {e.status} {e.reason}", delay=5) from e
             except (OSError, urllib3.exceptions.HTTPError) as e:
+                self.metrics.observe_api_error(0)
                 raise kopf.TemporaryError(f"Kubernetes API unreachable: {e}", delay=5) from e
         raise kopf.TemporaryError(f"TenplexJob {namespace}/{name} kept changing ({CONFLICT_RETRIES} conflicts)",
                                   delay=1)
@@ -258,7 +266,8 @@ class Operator:
         if decision.create and not self._create(job, decision.create):
             return
         for ev in (*observed_events(pods), *decision.events):
-            if self._post(job, ev):
+            if self._post(job, ev):  # decide() repeats its events every round: count each once, when posted
+                self.metrics.observe_events([ev.reason])
                 logger.info("%s: %s", ev.reason, ev.message)
 
     def _create(self, job: dict, nodes: tuple[str, ...]) -> bool:

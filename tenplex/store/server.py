@@ -1,7 +1,7 @@
 """The gRPC store service of one host (``tenplex.v1.Store``): thin handlers over ``tenplex.store.local``.
 
-May import: grpc, numpy, xxhash, this package, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``
-and the standard library. It never imports ``tenplex.transform``: the
+May import: grpc, numpy, xxhash, this package, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``,
+``tenplex.ops.health`` and the standard library. It never imports ``tenplex.transform``: the
 ``Transform`` RPC calls the ``transformer`` given to :func:`serve` (a
 ``transformer.Transformer``; the CLI passes
 ``tenplex.transform.host.run_host_part``) with a ``TransformRequest`` decoded
@@ -56,7 +56,7 @@ import threading
 import time
 from concurrent import futures
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -65,6 +65,7 @@ import xxhash
 from ..box import Box
 from ..dtypes import itemsize
 from ..errors import StoreError, TenplexError
+from ..ops.health import StoreHealth
 from . import _hooks, wire
 from ._proto import store_pb2 as pb
 from .datasets import resolve_dataset_path
@@ -540,7 +541,8 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
           peer_root_certificates: bytes | None = None, max_workers: int = 64,
           data_plane: bool = True, max_streams: int | None = None,
           stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
-          part_idle_s: float = DEFAULT_PART_IDLE_S) -> tuple[grpc.Server, int]:
+          part_idle_s: float = DEFAULT_PART_IDLE_S,
+          interceptors: Sequence[grpc.ServerInterceptor] = ()) -> tuple[grpc.Server, int]:
     """Start serving ``store``; return (server, bound port). Non-loopback binds need ``token``.
 
     ``data_plane``: also serve large box reads on a plain TCP port of the same
@@ -552,17 +554,21 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
 
     At most ``max_streams`` bulk streams (default: all but 16 of the ``max_workers`` threads) run at once,
     and one that makes no progress for ``stream_idle_s`` seconds is cancelled (see ``streams``). A remote
-    part (WriteShard/PutJson) unused for ``part_idle_s`` seconds without Prepare or Abort is aborted."""
+    part (WriteShard/PutJson) unused for ``part_idle_s`` seconds without Prepare or Abort is aborted.
+
+    ``interceptors`` (metrics) see every call before the token check. The server also answers
+    ``grpc.health.v1`` and reflection (``server.health``: ``tenplex.ops.health.StoreHealth``)."""
     max_streams = _check_options(store, bind, port, token, tls_cert, tls_key, max_workers, max_streams)
     wire.keep_freed_chunk_memory()
     service = StoreService(store, transformer=transformer, token=token,
                            peer_root_certificates=peer_root_certificates,
                            limits=StreamLimits(max_streams, stream_idle_s), part_idle_s=part_idle_s)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store"),
-                         interceptors=[TokenCheck(token)] if token else None,
+                         interceptors=[*interceptors, *([TokenCheck(token)] if token else [])],
                          # never share a port with another server (clients would be split between them)
                          options=[*wire.channel_options(), ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((_handlers(service),))
+    server.health = StoreHealth(server, store.root, SERVICE)
     bound = _bind(server, bind, port, tls_cert, tls_key)
     if data_plane and tls_cert is None:
         data = DataServer(bind, service._reader, lambda e: (_status_of(e).name, _message(e)), token=token)

@@ -1,0 +1,267 @@
+"""Prometheus metrics of the store server, ``tenplex run``'s workers (``Job``) and the operator.
+
+May import: grpc, prometheus_client, ``tenplex.devices`` and the standard library.
+
+Each component keeps its metrics in a registry of its own (several components may share a process in
+tests) and :func:`serve` exposes one on ``--metrics-port``. Names follow Prometheus' conventions: the unit
+in the name (``_bytes``, ``_seconds``), ``_total`` on counters (prometheus_client adds it). Labels never
+carry a step, a version or a tensor: only bounded sets (peer host, gRPC method and code, outcome, a job's
+parallel configuration).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Iterator, Mapping
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ..devices import host_of
+
+log = logging.getLogger(__name__)
+# From a 10 ms control call to a multi-minute transformation.
+SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+PORT_ENV = "TENPLEX_METRICS_PORT"   # tenplex run -> its workers: the first worker's port (+ LOCAL_RANK)
+BIND_ENV = "TENPLEX_METRICS_BIND"
+
+
+def serve(registry: CollectorRegistry, port: int, bind: str = "127.0.0.1") -> int:
+    """Serve ``registry`` over HTTP at ``bind:port`` (``/metrics``) from a daemon thread; return the port."""
+    server, _ = start_http_server(port, addr=bind, registry=registry)
+    return int(server.server_port)
+
+
+# ------------------------------------------------------------------ store --
+class StoreMetrics:
+    """The store server's metrics. ``versions``, ``free_bytes`` and ``copies`` (origin host -> versions of
+    its state this store holds copies of) are read when Prometheus scrapes."""
+
+    def __init__(self, versions: Callable[[], list[int]], free_bytes: Callable[[], int],
+                 copies: Callable[[], Mapping[str, list[int]]], registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.received = Counter("tenplex_store_received_bytes", "Bytes this host's transformations pulled from "
+                                "another host's store (the plan's cross-host transfers of each finished part)",
+                                ["peer_host"], registry=r)
+        self.refetched = Counter("tenplex_store_refetched_bytes", "Bytes pulled again from another replica after "
+                                 "a failed or corrupted read (verification failures on the pulling side)",
+                                 registry=r)
+        self.transformations = Counter("tenplex_store_transformations", "This host's parts of transformations, by "
+                                       "outcome (ok, failed)", ["outcome"], registry=r)
+        self.transformation_seconds = Histogram("tenplex_store_transformation_duration_seconds", "Duration of this "
+                                                "host's part of a transformation", buckets=SECONDS, registry=r)
+        self.rpcs = Counter("tenplex_store_rpcs", "gRPC calls served, by method and status code (Commit: commits; "
+                            "DATA_LOSS: a stored shard failed verification)", ["method", "code"], registry=r)
+        self.rpc_seconds = Histogram("tenplex_store_rpc_duration_seconds", "Duration of served gRPC calls, by method",
+                                     ["method"], buckets=SECONDS, registry=r)
+        r.register(_StoreState(versions, free_bytes, copies))
+
+    def interceptor(self) -> grpc.ServerInterceptor:
+        """Counts and times every ``tenplex.*`` call (health and reflection calls are not counted)."""
+        return _RpcMetrics(self)
+
+    def observed(self, transformer: Callable) -> Callable:
+        """``transformer`` (a ``tenplex.store.transformer.Transformer``), counted and timed."""
+        def run(store, request, progress, **kwargs):
+            begin = time.monotonic()
+            try:
+                result = transformer(store, request, progress, **kwargs)
+            except BaseException:
+                self.transformations.labels("failed").inc()
+                raise
+            finally:
+                self.transformation_seconds.observe(time.monotonic() - begin)
+            self.transformations.labels("ok").inc()
+            for peer, nbytes in received_by_peer(request).items():
+                self.received.labels(peer).inc(nbytes)
+            self.refetched.inc(result.refetched_bytes)
+            return result
+
+        return run
+
+
+def received_by_peer(request) -> dict[str, int]:
+    """Bytes the plan of a transform request pulls into ``request.host`` from each other host."""
+    itemsizes = {name: spec.itemsize for name, spec in request.new_layout.tensors.items()}
+    out: dict[str, int] = {}
+    for t in request.plan.transfers:
+        src = host_of(t.src)
+        if src != request.host and host_of(t.dst) == request.host:
+            out[src] = out.get(src, 0) + t.box.volume * itemsizes[t.tensor]
+    return out
+
+
+class _StoreState(Collector):
+    def __init__(self, versions, free_bytes, copies):
+        self.versions, self.free_bytes, self.copies = versions, free_bytes, copies
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        versions = self.versions()
+        newest = max(versions, default=-1)
+        yield GaugeMetricFamily("tenplex_store_versions", "Committed versions this store holds", value=len(versions))
+        yield GaugeMetricFamily("tenplex_store_newest_version", "The newest committed version (-1: none)",
+                                value=newest)
+        yield GaugeMetricFamily("tenplex_store_free_bytes", "Free bytes in the store's file system",
+                                value=self.free_bytes())
+        held = GaugeMetricFamily("tenplex_store_replica_versions", "Versions of another host's state of which this "
+                                 "store holds committed copies, by origin host", labels=["origin_host"])
+        lag = GaugeMetricFamily("tenplex_store_replica_lag_versions", "Versions between this store's newest and "
+                                "the newest copy it holds of the origin host's state", labels=["origin_host"])
+        for origin, copied in sorted(self.copies().items()):
+            held.add_metric([origin], len(copied))
+            lag.add_metric([origin], max(0, newest - max(copied)))
+        yield held
+        yield lag
+
+
+class _RpcMetrics(grpc.ServerInterceptor):
+    def __init__(self, metrics: StoreMetrics):
+        self.metrics = metrics
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or not details.method.startswith("/tenplex."):
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary:
+            return handler._replace(unary_unary=self._unary(handler.unary_unary, method))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=self._streaming(handler.unary_stream, method))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=self._unary(handler.stream_unary, method))
+        return handler._replace(stream_stream=self._streaming(handler.stream_stream, method))
+
+    def _observe(self, method: str, context, begin: float, failed: bool) -> None:
+        code = context.code() or (grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK)
+        self.metrics.rpcs.labels(method, code.name).inc()
+        self.metrics.rpc_seconds.labels(method).observe(time.monotonic() - begin)
+
+    def _unary(self, behavior, method):
+        def call(request, context):
+            begin, failed = time.monotonic(), True
+            try:
+                reply = behavior(request, context)
+                failed = False
+                return reply
+            finally:
+                self._observe(method, context, begin, failed)
+        return call
+
+    def _streaming(self, behavior, method):
+        def call(request, context):
+            begin, failed = time.monotonic(), True
+            try:
+                yield from behavior(request, context)
+                failed = False
+            finally:
+                self._observe(method, context, begin, failed)
+        return call
+
+
+# -------------------------------------------------------------------- job --
+def run_registry(host: str | None) -> CollectorRegistry:
+    """``tenplex run``'s own metrics: which node it is; the training numbers come from its workers."""
+    registry = CollectorRegistry()
+    Gauge("tenplex_run_info", "This node's tenplex run (value 1); its workers serve tenplex_job_* on the next "
+          "ports, one per LOCAL_RANK", ["host"], registry=registry).labels(host or "").set(1)
+    return registry
+
+
+class JobMetrics:
+    """A training worker's metrics (``tenplex.elastic.Job``): steps, saves, the world it runs in.
+
+    ``tenplex run --metrics-port P`` serves its own on P and sets ``TENPLEX_METRICS_PORT=P+1`` for the
+    workers, each of which serves on that port plus its ``LOCAL_RANK`` (:meth:`from_environment`)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.step_seconds = Histogram("tenplex_job_step_duration_seconds", "Duration of a training step (the max "
+                                      "over the ranks, without saving)", buckets=SECONDS, registry=r)
+        self.save_blocking = Histogram("tenplex_job_save_blocking_seconds", "Seconds a save stopped training",
+                                       buckets=SECONDS, registry=r)
+        self.save_background = Histogram("tenplex_job_save_background_seconds", "Seconds a save kept working after "
+                                         "training went on (copies to other hosts)", buckets=SECONDS, registry=r)
+        self.saves = Counter("tenplex_job_saves", "Saves committed, by reason (periodic, stopping, requested)",
+                             ["reason"], registry=r)
+        self.step = Gauge("tenplex_job_step", "The step this worker is at", registry=r)
+        self.committed_step = Gauge("tenplex_job_last_committed_step", "The step of the newest committed save "
+                                    "(-1: none yet)", registry=r)
+        self.committed_step.set(-1)
+        self.restored_step = Gauge("tenplex_job_restored_step", "The step this world restored (0: a fresh job)",
+                                   registry=r)
+        self.restarts = Gauge("tenplex_job_restarts", "Worker restarts by this node's agent "
+                              "(TORCHELASTIC_RESTART_COUNT): one per world change or failure it saw", registry=r)
+        self.world_size = Gauge("tenplex_job_world_size", "Processes in this world", registry=r)
+        self.configuration = Gauge("tenplex_job_configuration_info", "The parallel configuration of this world "
+                                   "(value 1)", ["config", "dp", "tp", "pp"], registry=r)
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "JobMetrics":
+        """Metrics served on ``TENPLEX_METRICS_PORT + LOCAL_RANK`` when that variable is set, else unserved."""
+        metrics = cls()
+        if environ.get(PORT_ENV):
+            port = int(environ[PORT_ENV]) + int(environ.get("LOCAL_RANK", "0"))
+            try:
+                serve(metrics.registry, port, environ.get(BIND_ENV, "127.0.0.1"))
+            except OSError as e:  # metrics must never stop training (e.g. the previous world's worker lingers)
+                log.warning("no metrics endpoint on port %d: %s", port, e)
+        metrics.restarts.set(int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+        return metrics
+
+    def observe_world(self, world_size: int, config) -> None:
+        self.world_size.set(world_size)
+        self.configuration.clear()
+        name = f"dp={config.dp},tp={config.tp},pp={config.pp},sharding={config.sharding}"  # no devices: bounded
+        self.configuration.labels(name, str(config.dp), str(config.tp), str(config.pp)).set(1)
+
+    def observe_restore(self, step: int, committed: int | None) -> None:
+        self.step.set(step)
+        self.restored_step.set(step)
+        self.committed_step.set(-1 if committed is None else committed)
+
+    def observe_step(self, seconds: float, step: int) -> None:
+        self.step_seconds.observe(seconds)
+        self.step.set(step)
+
+    def observe_save(self, blocking: float, background: float, step: int, reason: str) -> None:
+        self.save_blocking.observe(blocking)
+        if background:
+            self.save_background.observe(background)
+        self.saves.labels(reason).inc()
+        self.committed_step.set(step)
+
+
+# --------------------------------------------------------------- operator --
+class OperatorMetrics:
+    """The operator's metrics: reconciliations, their decisions, the rescales and recoveries they start."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.reconciliations = Counter("tenplex_operator_reconciliations", "Reconciliations of a TenplexJob, by "
+                                       "outcome (ok; conflict: decided again; gone: deleted meanwhile; error: the "
+                                       "API failed)",
+                                       ["outcome"], registry=r)
+        self.decision_seconds = Histogram("tenplex_operator_decision_duration_seconds", "Seconds from reading a "
+                                          "TenplexJob to its decision written", buckets=SECONDS, registry=r)
+        self.rescales = Counter("tenplex_operator_rescales", "Rescales started (the job's nodes changed)",
+                                registry=r)
+        self.recoveries = Counter("tenplex_operator_recoveries", "Recoveries started (a worker or node failed)",
+                                  registry=r)
+        self.api_errors = Counter("tenplex_operator_api_errors", "Failed Kubernetes API calls, by HTTP status "
+                                  "(0: unreachable)", ["status"], registry=r)
+
+    def observe_api_error(self, status: int | None) -> None:
+        status = int(status or 0)
+        self.api_errors.labels(str(status)).inc()
+        self.reconciliations.labels({409: "conflict", 404: "gone"}.get(status, "error")).inc()
+
+    def observe_events(self, reasons) -> None:
+        for reason in reasons:
+            if reason == "RescaleStarted":
+                self.rescales.inc()
+            elif reason == "RecoveryStarted":
+                self.recoveries.inc()

@@ -1,0 +1,52 @@
+"""The manifests expose what tenplex.ops serves: the stores' gRPC health probe, metrics ports with scrape
+annotations, and the optional PodMonitors (Prometheus operator) selecting those pods and ports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import yaml
+
+K8S = Path(__file__).parents[1] / "k8s"
+
+
+def _docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
+
+
+def _pod_template(name: str, kind: str) -> dict:
+    return next(d for d in _docs(name) if d["kind"] == kind)["spec"]["template"]
+
+
+def _metrics_port(template: dict, container: str) -> int:
+    c = next(c for c in template["spec"]["containers"] if c["name"] == container)
+    port = next(p["containerPort"] for p in c["ports"] if p["name"] == "metrics")
+    command = c["command"]
+    assert command[command.index("--metrics-port") + 1] == str(port)
+    assert command[command.index("--metrics-bind") + 1] == "0.0.0.0"  # the scraper is on another machine
+    assert template["metadata"]["annotations"] == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                                                   "prometheus.io/path": "/metrics"}
+    return port
+
+
+def test_store_daemonset_probes_grpc_health_and_exposes_metrics():
+    template = _pod_template("store.yaml", "DaemonSet")
+    store = template["spec"]["containers"][0]
+    assert store["readinessProbe"]["grpc"] == {"port": 29500}  # grpc.health.v1, answered without the token
+    assert _metrics_port(template, "store") == 9450
+    assert _metrics_port(_pod_template("operator.yaml", "Deployment"), "operator") == 9102
+
+
+def test_podmonitors_select_the_pods_and_their_metrics_ports():
+    monitors = _docs("podmonitor.yaml")
+    assert [m["kind"] for m in monitors] == ["PodMonitor", "PodMonitor"]
+    for monitor, (manifest, kind) in zip(monitors, (("store.yaml", "DaemonSet"), ("operator.yaml", "Deployment"))):
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        template = _pod_template(manifest, kind)
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+        assert monitor["spec"]["podMetricsEndpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s"}]
+    for name in ("store.yaml", "operator.yaml"):  # still valid built-in objects with the new fields
+        for doc in _docs(name):
+            if doc["kind"] in ("DaemonSet", "Deployment"):
+                kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
