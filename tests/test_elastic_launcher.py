@@ -232,6 +232,24 @@ def test_store_stop_leaves_a_process_that_reused_the_pid_alone(tmp_path):
         other.wait()
 
 
+def test_stop_store_kills_a_store_that_ignores_sigterm(tmp_path):
+    root = (tmp_path / "h0").resolve()
+    root.mkdir()
+    # Its command line is a store's for this root; it ignores SIGTERM (a store stuck in a slow commit).
+    stuck = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); print(flush=True); time.sleep(120)", "serve", "--root", str(root)],
+                             stdout=subprocess.PIPE)
+    try:
+        stuck.stdout.readline()  # SIGTERM is ignored from now on
+        (root / ".tenplex-store.pid").write_text(f"{stuck.pid}\n")
+        assert launcher.stop_store(root, timeout=0.5) == stuck.pid
+        assert stuck.wait(timeout=30) == -signal.SIGKILL
+        assert not (root / ".tenplex-store.pid").exists()
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
 def test_store_stop_of_a_missing_directory_is_a_usage_error(tmp_path):
     done = _store_cli("stop", "--store-root", str(tmp_path / "nope"))
     assert done.returncode == 2
