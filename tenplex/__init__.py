@@ -4,7 +4,7 @@ May import: every tenplex module, but only the pure core eagerly (the rest on
 first use of a name that needs it).
 
 The public face is curated: ``__all__`` lists what a user imports from
-``tenplex`` (the README's "Public API" section describes each group). Three
+``tenplex`` (docs/reference/python-api.md describes each group). Three
 public functions keep their module's name and so are reached through it, since
 binding them here would hide the module: ``tenplex.gpt.gpt`` (the built-in GPT
 partition rules), ``tenplex.ptc.layout`` (a PTC's layout under a

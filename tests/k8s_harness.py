@@ -99,7 +99,7 @@ class Cluster:
     # nodes
     def add_node(self, name: str, gpus: int = 8, ready: bool = True, ip: str | None = None,
                  labels: dict | None = None, taints: list | None = None) -> None:
-        """A node; labelled for the store DaemonSet (as the README's quick start says) unless ``labels`` says."""
+        """A node; labelled for the store DaemonSet (as the operator's quick start says) unless ``labels`` says."""
         labels = {STORE_LABEL: "true"} if labels is None else labels
         self.core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels},
                                "spec": {"taints": taints or []}})

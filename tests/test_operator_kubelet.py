@@ -47,7 +47,7 @@ def test_kubelet_stand_in_leaves_a_pod_whose_secret_is_missing_in_container_crea
 
 
 def test_worker_in_a_namespace_without_the_token_secret_runs(cluster):
-    """The Secret lives in tenplex-system only (the README's quick start): the job's namespace has none."""
+    """The Secret lives in tenplex-system only (the operator's quick start): the job's namespace has none."""
     c = cluster
     with operator(c.url):
         start_job(c, nodes=("n1",))

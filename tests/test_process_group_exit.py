@@ -1,5 +1,5 @@
-"""Issue 26, item 8: a DDP script on gloo that saves with ``tenplex.save`` and ends as the README's "Ending a script
-of your own on gloo" says frees every process group before interpreter shutdown: no gloo worker thread is left
+"""Issue 26, item 8: a DDP script on gloo that saves with ``tenplex.save`` and ends as the elastic guide's "Ending a
+script of your own on gloo" says frees every process group before interpreter shutdown: no gloo worker thread is left
 to abort or hang the exit (pytorch issue 190489). Two real ranks, a real DDP model, a real store."""
 
 from __future__ import annotations

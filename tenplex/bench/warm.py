@@ -7,8 +7,8 @@ touch and takes freed memory back within about half a minute (free page
 reporting). Writing memory the host has not backed is several times slower
 than writing memory just freed: a 4 GiB tmpfs file written in 4 MiB pieces
 took 3.8 s into fresh memory, 1.6-2.3 s rewritten right after a delete, and
-10.7 s for a second 4 GiB kept next to the first (2026-12-03; the README's
-performance section has the details). Every benchmark here writes gigabytes
+10.7 s for a second 4 GiB kept next to the first (2026-12-03; docs/performance.md
+has the details). Every benchmark here writes gigabytes
 of new tmpfs pages, so without care it times the hypervisor, by an amount
 that depends on what ran in the half minute before. :func:`warm` allocates
 and writes ``gib`` GiB and frees them again: the next step writes into memory

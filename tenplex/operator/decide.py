@@ -6,7 +6,7 @@ operator restarted at any point decides the same thing again from what it
 observes (level-based: the previous ``status`` only carries what cannot be
 observed, the last world that ran, the open rescale and the failures so far).
 
-The rules (README, "Kubernetes operator"):
+The rules (docs/guides/operator.md):
 
 * A node qualifies when it runs a store (labelled for the store DaemonSet),
   is Ready, not cordoned and has no NoSchedule taint the worker does not

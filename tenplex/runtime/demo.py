@@ -44,7 +44,7 @@ from .launch import place, run_spec_job
 SEQ, VOCAB, HEADS = GPTConfig().seq, GPTConfig().vocab, GPTConfig().heads
 CLI = "import sys; from tenplex.cli import main; sys.exit(main())"
 # Elastic run vs reference: tp, pp and dp sum in different orders, so losses agree up to float rounding,
-# compounded over the steps by AdamW (in practice 0 or a few 1e-7). The README and the tests use this value.
+# compounded over the steps by AdamW (in practice 0 or a few 1e-7). The demo guide and the tests use this value.
 LOSS_RTOL = 1e-4
 
 
