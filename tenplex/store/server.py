@@ -65,7 +65,7 @@ import xxhash
 from ..box import Box
 from ..dtypes import itemsize
 from ..errors import StoreError, TenplexError
-from . import _hooks, wire
+from . import _hooks, admission, wire
 from ._proto import store_pb2 as pb
 from .datasets import resolve_dataset_path
 from .manifest import RPC_PART, AlreadyCommitted, Conflict, CorruptShard, NotFound, OutOfRange
@@ -525,13 +525,21 @@ _METHODS = {
 
 
 def _handlers(service: StoreService) -> grpc.GenericRpcHandler:
-    make = {"uu": grpc.unary_unary_rpc_method_handler, "us": grpc.unary_stream_rpc_method_handler,
-            "su": grpc.stream_unary_rpc_method_handler}
+    """Every method registered request-streaming: requests are read, size-checked and parsed in ``admission``."""
+    requests = StreamLimits(CONTROL_THREADS // 2, service.limits.idle_s)  # reads of non-bulk requests
     table = {}
     for name, (kind, request, reply) in _METHODS.items():
         serializer = (lambda raw: raw) if name in _RAW else reply.SerializeToString
-        table[name] = make[kind](getattr(service, name), request_deserializer=request.FromString,
-                                 response_serializer=serializer)
+        behaviour = getattr(service, name)
+        if kind == "su":
+            handler = grpc.stream_unary_rpc_method_handler(admission.stream_request(name, request, behaviour),
+                                                           response_serializer=serializer)
+        else:
+            slots = service.limits if name in _RAW else requests
+            function = admission.unary_request(name, request, behaviour, slots, streaming=kind == "us")
+            make = grpc.stream_stream_rpc_method_handler if kind == "us" else grpc.stream_unary_rpc_method_handler
+            handler = make(function, response_serializer=serializer)
+        table[name] = handler
     return grpc.method_handlers_generic_handler(SERVICE, table)
 
 
