@@ -36,6 +36,30 @@ def test_limits_per_method_are_pinned():
     assert admission.limit_of("ReadBoxes") == 16 << 20
     for method in ("Health", "ReadBox", "GetJson", "Commit", "ReadFile", "StatFile"):
         assert admission.limit_of(method) == 1 << 20
+    assert (CONTROL_THREADS // 2, admission.SLOT_WAIT_S) == (8, 1.0)  # request slots, and the wait for one
+
+
+def test_a_burst_of_calls_is_served_not_refused(served):
+    """200 callers at once (a slot is held only while a request arrives): none refused for want of a slot."""
+    channel = served()
+    health = _raw_unary(channel, HEALTH)
+    codes = []
+
+    def call() -> None:
+        for _ in range(5):
+            try:
+                health(b"", timeout=120)
+                codes.append("OK")
+            except grpc.RpcError as e:
+                codes.append(e.code().name)
+
+    threads = [threading.Thread(target=call) for _ in range(200)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    channel.close()
+    assert codes == ["OK"] * 1000
 
 
 def test_an_unauthenticated_large_request_is_refused_unread(tmp_path):

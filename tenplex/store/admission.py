@@ -3,17 +3,20 @@
 May import: grpc, this package's ``streams`` and ``wire``, and the standard library.
 
 gRPC Python reads the request of a unary method, whole, on a server thread
-before it calls the handler, and gRPC's own size limit is one for all methods
-(the largest: a Transform request). A client that trickles its request, or
-many of them, would hold every thread; a large request to any method would be
-buffered up to that limit. So every handler is registered request-streaming
-(the wire format is the same: a unary request is a stream of one message) and
-reads its one message here, under a slot with a deadline (``streams``): bulk
-methods read in a bulk-stream slot, every other one in one of
-``CONTROL_THREADS // 2`` request slots, so half the control threads always
-stay free. A request that takes longer than the idle limit to arrive is
-cancelled; one beyond its method's limit (:data:`LIMITS`) is refused
-(RESOURCE_EXHAUSTED) before it is parsed.
+before it calls the handler: a client that trickles its request, or many of
+them, would hold every thread. So every handler is registered
+request-streaming (the wire format is the same: a unary request is a stream
+of one message) and reads its one message here, in a slot (``streams``):
+bulk methods in a bulk-stream slot, every other one in one of
+``CONTROL_THREADS // 2`` request slots (waiting up to ``SLOT_WAIT_S`` for
+one), so half the control threads always stay free. A request that does not
+arrive within the idle limit is cancelled.
+
+gRPC's own size limit is one for all methods (the largest, a Transform
+request's, 1 GiB), and gRPC buffers a request whole before the handler sees
+it: a request beyond its method's limit (:data:`LIMITS`) is refused
+(RESOURCE_EXHAUSTED) before it is parsed, not before it is buffered. Only
+callers with the token get that far (``auth`` refuses the others unread).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from google.protobuf.message import DecodeError
 from . import wire
 from .streams import Busy, StreamLimits
 
+# A request usually arrives with its call: a slot is held for microseconds, but a burst of calls (hundreds at once)
+# finds them all taken for a moment. Waiting this long for one keeps the burst from being refused; a request
+# that stalls holds its slot until the idle limit, so beyond the slots stalled calls are refused after it.
+SLOT_WAIT_S = 1.0
 _SMALL = 1 << 20  # names, a box, a path: a control or read request is a few hundred bytes
 # The largest serialized request each method accepts. Transform carries both whole layouts, PutJson may carry a
 # whole layout document (put_layout): up to wire.MAX_MESSAGE_BYTES, gRPC's limit for all. A WriteShard message
@@ -64,7 +71,7 @@ def parse(method: str, message_type, raw: bytes, context):
 def read_one(method: str, message_type, requests, context, slots: StreamLimits):
     """The one request message of a unary method, read in a slot of ``slots`` (cancelled after its idle limit)."""
     try:
-        with slots.slot(context, f"reading a {method} request"):
+        with slots.slot(context, f"reading a {method} request", wait_s=SLOT_WAIT_S):
             raw = next(requests, None)
     except Busy as e:
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
