@@ -1,6 +1,6 @@
 """How the store server receives requests: one message-size limit per method, and bounded request reads.
 
-May import: grpc, this package's ``streams`` and ``wire``, and the standard library.
+May import: grpc, protobuf, this package's ``streams`` and ``wire``, and the standard library.
 
 gRPC Python reads the request of a unary method, whole, on a server thread
 before it calls the handler: a client that trickles its request, or many of
