@@ -17,6 +17,7 @@ in which a host's store is killed and its directory deleted:
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -362,3 +363,27 @@ def test_without_replication_a_lost_only_copy_is_an_error_and_nothing_is_restore
     state = load_file(str(tmp_path / "restore" / "restored_r0.safetensors"))
     fresh = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
     assert torch.equal(state["w"], fresh) and torch.equal(state["b"], torch.zeros(COLS))  # the model is untouched
+
+
+def test_a_full_disk_is_reported_with_the_copy_and_its_directory(tmp_path, stores):
+    """Issue 31: a copy that does not fit its holder's disk fails naming the directory, not a bare OSError."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a 4 MiB tmpfs")
+    try:
+        tensors = {"w": TensorSpec((2048, 1024), F32)}  # 8 MiB, all on h0
+        layout = Layout.build(tensors, {"h0/0": [Shard("w", rows(0, 2048, 1024))], "h1/0": []})
+        roots = {"h0": tmp_path / "h0", "h1": mount / "h1"}
+        write_version(roots, layout, 1, random_globals(layout))
+        h0 = stores("h0")
+        replicator = Replicator(Store(roots["h1"], "h1"), 1, layout, 1, {"h0": h0.address}, timeout=30).start()
+        assert not replicator.wait(60)
+        status = replicator.status()
+        assert status["state"] == "failed", status
+        assert "No space left on device" in status["error"] and str(mount / "h1" / "replicas" / "h0") in \
+            status["error"] and "'w'" in status["error"], status["error"]
+        assert "h0" not in held_versions(roots["h1"], "h1")
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

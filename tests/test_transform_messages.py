@@ -93,7 +93,7 @@ def test_each_host_picks_its_own_number_of_pulls_unless_told(monkeypatch, tmp_pa
     old, new = gpt_layout(2, 2, 1, 2, 2), gpt_layout(1, 4, 1, 2, 2)
     stores = {"h0": "127.0.0.1:5001", "h1": "127.0.0.1:5002"}
     assert inspect.signature(coordinator.transform).parameters["streams"].default is None
-    for streams, expected in ((None, None), (0, None), (3, 3)):
+    for streams, expected in ((None, None), (3, 3)):  # 0 is refused (issue 31 item 16)
         requests = coordinator._requests(plan(old, new), old, new, stores, 1, 2, streams, 0, 5.0)
         assert {r.streams for r in requests.values()} == {expected}
     monkeypatch.setattr(host, "CGROUP_CPU_MAX", tmp_path / "absent")
@@ -105,3 +105,75 @@ def test_each_host_picks_its_own_number_of_pulls_unless_told(monkeypatch, tmp_pa
     for text, expected in (("250000 100000\n", 3), ("100000 100000\n", 2), ("max 100000\n", 4), ("", 4)):
         (tmp_path / "cpu.max").write_text(text)
         assert host.default_streams() == expected
+
+
+# ---- issue 31 item 16: counts below 1 are refused by the CLI, the API and the RPC ---------------------------------
+def test_requests_refuse_counts_below_one_and_timeouts_not_positive():
+    import pytest
+
+    from tenplex.errors import ConfigError
+
+    for bad in ({"streams": -2}, {"streams": 0}, {"chunk_bytes": -1}, {"stall_timeout_s": 0.0},
+                {"stall_timeout_s": -1.0}):
+        with pytest.raises(ConfigError, match=f"{next(iter(bad))} must be"):
+            _request(**bad)
+    message = wire.to_pb_transform_request(_request())
+    message.streams = -2  # what another client could send: refused on decoding, before any work
+    with pytest.raises(ConfigError, match="streams must be an integer >= 1"):
+        wire.from_pb_transform_request(message, "h1")
+
+
+def test_the_api_refuses_bad_counts_before_touching_a_host():
+    import pytest
+
+    from tenplex.errors import ConfigError
+    from tenplex.transform import transform
+
+    old, new = gpt_layout(2, 2, 1, 2, 2), gpt_layout(1, 4, 1, 2, 2)
+    stores = {"h0": "127.0.0.1:1", "h1": "127.0.0.1:1"}  # nothing listens: any call would fail otherwise
+    for bad, match in (({"streams": -2}, "streams must be"), ({"streams": 0}, "streams must be"),
+                       ({"chunk_bytes": -5}, "chunk_bytes must be"), ({"pull_timeout": 0}, "pull_timeout must be"),
+                       ({"timeout": -1}, "timeout must be")):
+        with pytest.raises(ConfigError, match=match):
+            transform(plan(old, new), old, new, stores, 1, 2, **bad)
+
+
+def test_the_rpc_answers_invalid_argument_for_negative_streams(tmp_path):
+    import grpc
+
+    from tenplex.store import Store
+    from tenplex.store.server import serve
+    from tenplex.transform.host import run_host_part
+
+    server, port = serve(Store(tmp_path / "h1", "h1"), port=0, transformer=run_host_part, data_plane=False)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=wire.channel_options())
+    try:
+        message = wire.to_pb_transform_request(_request())
+        message.streams = -2
+        call = channel.unary_stream("/tenplex.v1.Store/Transform", request_serializer=lambda m: m.SerializeToString(),
+                                    response_deserializer=pb.TransformProgress.FromString)
+        try:
+            list(call(message, timeout=60))
+            raise AssertionError("a Transform with streams -2 was accepted")
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
+            assert "streams must be an integer >= 1" in e.details()
+    finally:
+        channel.close()
+        server.stop(grace=None)
+
+
+def test_the_cli_refuses_bad_counts_with_exit_2(tmp_path):
+    import subprocess
+    import sys
+
+    for flag, value in (("--streams", "-2"), ("--streams", "0"), ("--streams", "two")):
+        done = subprocess.run([sys.executable, "-m", "tenplex.cli.store", "transform", "p.json", "o.json", "n.json",
+                               "--stores", "h0=127.0.0.1:1", "--old-version", "1", "--new-version", "2", flag, value],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert done.returncode == 2, done.stderr
+        assert f"{value!r} is not a count: use an integer >= 1" in done.stderr
+        assert "Traceback" not in done.stderr
+    done = subprocess.run([sys.executable, "-m", "tenplex.cli.store", "serve", "--max-streams", "0"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and "'0' is not a count" in done.stderr

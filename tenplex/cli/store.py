@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _token_arguments(serve)
     serve.add_argument("--tls-cert", type=Path, help="PEM certificate: serve TLS (needs --tls-key)")
     serve.add_argument("--tls-key", type=Path, help="PEM private key of --tls-cert")
-    serve.add_argument("--max-streams", type=int, default=None,
+    serve.add_argument("--max-streams", type=_positive, default=None,
                        help="bulk streams (WriteShard, ReadBox...) served at once; more are refused with "
                             "RESOURCE_EXHAUSTED (default: the server's threads but 16, kept for control calls)")
     serve.add_argument("--stream-idle-s", type=float, default=60.0,
@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tr.add_argument("--stores", required=True, help="comma-separated HOST=ADDRESS for every host of both layouts")
     tr.add_argument("--old-version", type=int, required=True)
     tr.add_argument("--new-version", type=int, required=True)
-    tr.add_argument("--streams", type=int, default=None,
+    tr.add_argument("--streams", type=_positive, default=None,
                     help="concurrent pulls per destination host (default: one per CPU of each store's host, 2 to 4)")
     _token_arguments(tr)
     tr.set_defaults(handler=_transform)
@@ -89,6 +89,16 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: use 0-65535 (0: any free port)")
     return port
+
+
+def _positive(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count: use an integer >= 1")
+    return count
 
 
 def _token_arguments(parser: argparse.ArgumentParser) -> None:

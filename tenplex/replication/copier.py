@@ -158,18 +158,30 @@ class Replicator:
         with StoreClient(address, token=self.token, timeout=self.timeout, chunk_bytes=CHUNK_BYTES) as client, \
                 target_store.begin(self.version, part=REPLICA_PART) as writer:
             for c in mine:
-                spec = self.saved.tensors[c.tensor]
-                target = writer.create(c.device, c.tensor, c.box, spec.dtype, spec.shape)
-
-                def sink(sub, data, digest, target=target):
-                    if self._cancel.is_set():
-                        raise ReplicationCancelled(f"replication of version {self.version} was cancelled")
-                    target.write(sub, data, digest)
-
-                for piece in wire.split_box(c.box, spec.itemsize, PIECE_BYTES):
-                    self.bytes += client.read_box_to(self.version, c.device, c.tensor, piece, spec.itemsize, sink,
-                                                     digests=True)
+                try:
+                    self._copy(client, writer, c)
+                except OSError as e:
+                    if e.filename is not None or e.errno is None:
+                        raise
+                    # a full disk says only "No space left on device": name the copy and where it goes
+                    raise OSError(e.errno, f"{e.strerror} while copying {c.tensor!r} {c.box} of {c.device} "
+                                           f"(version {self.version} of host {c.origin}) into",
+                                  str(getattr(target_store, "root", target_store))) from e
             if self._cancel.is_set():
                 raise ReplicationCancelled(f"replication of version {self.version} was cancelled")
             writer.put_layout(copy_layout(self.saved, mine))
             writer.commit()
+
+    def _copy(self, client, writer, c: Copy) -> None:
+        """Pull region copy ``c`` into a new shard of ``writer``, chunk by chunk."""
+        spec = self.saved.tensors[c.tensor]
+        target = writer.create(c.device, c.tensor, c.box, spec.dtype, spec.shape)
+
+        def sink(sub, data, digest):
+            if self._cancel.is_set():
+                raise ReplicationCancelled(f"replication of version {self.version} was cancelled")
+            target.write(sub, data, digest)
+
+        for piece in wire.split_box(c.box, spec.itemsize, PIECE_BYTES):
+            self.bytes += client.read_box_to(self.version, c.device, c.tensor, piece, spec.itemsize, sink,
+                                             digests=True)

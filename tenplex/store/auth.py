@@ -1,6 +1,12 @@
 """Shared-token authentication of store calls: ``authorization: Bearer TOKEN`` metadata on every call.
 
 May import: grpc and the standard library.
+
+The check runs on the call's metadata, before any byte of its request is read:
+gRPC Python reads (and buffers whole) the request of a unary method before it
+calls the handler, so a refused call is answered by a request-streaming handler
+that never reads. A client cannot tell: on the wire a unary request is a
+stream of one message.
 """
 
 from __future__ import annotations
@@ -13,6 +19,12 @@ import grpc
 # only SERVING or NOT_SERVING).
 PUBLIC_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
 
+_DENIED = "missing or wrong store token (send metadata 'authorization: Bearer TOKEN')"
+
+
+def _deny(request_iterator, context):
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+
 
 class TokenCheck(grpc.ServerInterceptor):
     def __init__(self, token: str):
@@ -24,15 +36,6 @@ class TokenCheck(grpc.ServerInterceptor):
         if handler is None or details.method in PUBLIC_METHODS \
                 or hmac.compare_digest(str(presented).encode(), self._expected):
             return handler
-
-        def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "missing or wrong store token (send metadata 'authorization: Bearer TOKEN')")
-
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(deny)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(deny)
         if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
+            return grpc.stream_stream_rpc_method_handler(_deny)
+        return grpc.stream_unary_rpc_method_handler(_deny)

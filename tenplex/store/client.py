@@ -304,7 +304,11 @@ class StoreClient:
                       digests: bool = False) -> int:
         """Read many (usually small) regions in one call: ``regions`` holds (device, tensor, box, itemsize,
         sink) and each sink receives its region's verified chunks (with their digests when ``digests``: see
-        :meth:`read_box_to`). Corrupted chunks are fetched again one by one. Returns the bytes delivered."""
+        :meth:`read_box_to`). Corrupted chunks are fetched again one by one. Returns the bytes delivered.
+        More regions than a request may name (``wire.MAX_READ_REGIONS``) go in several calls."""
+        if len(regions) > wire.MAX_READ_REGIONS:
+            return sum(self.read_boxes_to(version, regions[i:i + wire.MAX_READ_REGIONS], digests=digests)
+                       for i in range(0, len(regions), wire.MAX_READ_REGIONS))
         request = pb.ReadBoxesRequest(version=version, chunk_bytes=self.chunk_bytes, boxes=[
             pb.BoxRef(device=device, tensor=tensor, box=wire.to_pb_box(box)) for device, tensor, box, _, _ in regions])
         nbytes = sum(box.volume * itemsize for _, _, box, itemsize, _ in regions)

@@ -35,6 +35,7 @@ class VersionReader:
 
     def __init__(self, path: Path):
         self.path = path
+        self._deleted = False
         self._dirfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
             st = os.fstat(self._dirfd)
@@ -65,9 +66,18 @@ class VersionReader:
                                                 f"file {path}/{entry.file}")
 
     def _open(self, name: str) -> int:
-        if self._dirfd < 0:
-            raise StoreError(f"the reader of {self.path} is closed")
-        return os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._dirfd)
+        self._check_open()
+        try:
+            return os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._dirfd)
+        except FileNotFoundError:
+            if not self.current():  # its files go while a deleted version's directory is emptied
+                raise self._gone() from None
+            raise
+
+    def _gone(self) -> NotFound:
+        self._deleted = True
+        return NotFound(f"version {self.version} on host {self.host} was deleted (or replaced by a new commit) "
+                        f"while it was being read; {self.path} no longer holds what this read began")
 
     def _read_bytes(self, name: str) -> bytes:
         fd = self._open(name)
@@ -82,8 +92,16 @@ class VersionReader:
             return False
         return (st.st_dev, st.st_ino) == self.identity and os.path.exists(self.path / "manifest.json")
 
-    def close(self) -> None:
-        """Release the version directory; the reader reads nothing afterwards."""
+    def _check_open(self) -> None:
+        if self._dirfd < 0:
+            if self._deleted:
+                raise self._gone()
+            raise StoreError(f"the reader of {self.path} is closed")
+
+    def close(self, deleted: bool = False) -> None:
+        """Release the version directory; the reader reads nothing afterwards. ``deleted``: because the version
+        was deleted or replaced, which reads still under way then say."""
+        self._deleted = self._deleted or deleted
         fd, self._dirfd = self._dirfd, -1
         if fd >= 0:
             os.close(fd)
@@ -127,11 +145,12 @@ class VersionReader:
 
     def link_file(self, entry: ShardEntry, dest: Path) -> None:
         """Hard-link ``entry``'s file of exactly this version (opened through the version's directory) to ``dest``."""
-        if self._dirfd < 0:
-            raise StoreError(f"the reader of {self.path} is closed")
+        self._check_open()
         try:
             os.link(entry.file, dest, src_dir_fd=self._dirfd)
         except FileNotFoundError:
+            if not self.current():
+                raise self._gone() from None
             raise CorruptShard(f"version {self.version} on host {self.host}, device {entry.device}, tensor "
                                f"{entry.tensor!r}: the file {self.path}/{entry.file} is gone (deleted from the "
                                f"committed version)") from None

@@ -52,6 +52,7 @@ import json
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from concurrent import futures
@@ -66,7 +67,7 @@ from ..box import Box
 from ..dtypes import itemsize
 from ..errors import StoreError, TenplexError
 from ..ops.health import StoreHealth
-from . import _hooks, wire
+from . import _hooks, admission, wire
 from ._proto import store_pb2 as pb
 from .datasets import resolve_dataset_path
 from .manifest import RPC_PART, AlreadyCommitted, Conflict, CorruptShard, NotFound, OutOfRange
@@ -251,28 +252,34 @@ class StoreService:
         reader = self._reader(request.version)
         entry = reader.find(request.device, request.tensor, box)
         with self.limits.slot(context, f"ReadBox({request.version}, {request.tensor!r})") as progress:
-            for chunk in self._chunks(reader, entry, box, _chunk_bytes(request.chunk_bytes)):
+            for chunk in self._chunks(reader, entry, box, _chunk_bytes(request.chunk_bytes), {}):
                 yield chunk
                 progress()
 
     @_guard
     def ReadBoxes(self, request, context):
+        if len(request.boxes) > wire.MAX_READ_REGIONS:
+            raise ValueError(f"ReadBoxes names {len(request.boxes)} regions; a request may name at most "
+                             f"{wire.MAX_READ_REGIONS}: split it")
         reader = self._reader(request.version)
         regions = []
         for ref in request.boxes:  # all checked before any data is sent
             box = wire.from_pb_box(ref.box)
             regions.append((box, reader.find(ref.device, ref.tensor, box)))
         chunk_bytes = _chunk_bytes(request.chunk_bytes)
+        verified: dict[str, set] = {}  # blocks checked by this request, per file: each is checked once
         with self.limits.slot(context, f"ReadBoxes({request.version}, {len(regions)} regions)") as progress:
             for index, (box, entry) in enumerate(regions):
-                for chunk in self._chunks(reader, entry, box, chunk_bytes, index):
+                for chunk in self._chunks(reader, entry, box, chunk_bytes, verified, index):
                     yield chunk
                     progress()
 
-    def _chunks(self, reader: VersionReader, entry, box: Box, chunk_bytes: int, index: int = 0):
+    def _chunks(self, reader: VersionReader, entry, box: Box, chunk_bytes: int, checked: dict[str, set],
+                index: int = 0):
         """Chunks of region ``box`` of a stored shard; every block they come from is verified first, and a
-        chunk that is one run of the file gets its checksum in the same pass."""
-        verified: set = set()  # blocks checked by this call: consecutive chunks do not check them again
+        chunk that is one run of the file gets its checksum in the same pass. ``checked``: the blocks this
+        request checked so far, per file (later chunks and regions do not check them again)."""
+        verified = checked.setdefault(entry.file, set())
         buffer = None  # one buffer for every chunk: encode_with_data copies each out of it
         for sub in wire.split_box(box, itemsize(entry.dtype), chunk_bytes):
             start, span, _ = reader.byte_span(entry, sub)
@@ -351,6 +358,9 @@ class StoreService:
             doc = json.loads(request.json)
         except json.JSONDecodeError as e:
             raise ValueError(f"PutJson {request.name!r}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ValueError(f"PutJson {request.name!r}: nested deeper than the JSON parser can read (about "
+                             f"{sys.getrecursionlimit()} levels)") from None
         with self._writer(request.version, request.part) as writer:
             writer.put_json(request.name, doc)
         return pb.PutJsonReply()
@@ -385,12 +395,13 @@ class StoreService:
         return pb.AbortReply()
 
     def _forget_readers(self, versions) -> None:
-        """Drop cached readers of deleted versions so their memory maps (tmpfs RAM) can be freed."""
+        """Drop cached readers of deleted (or replaced) versions so that their directories can be freed; a read
+        still under way then fails saying so."""
         with self._lock:
             for version in versions:
                 reader = self._readers.pop(int(version), None)
                 if reader is not None:
-                    reader.close()
+                    reader.close(deleted=True)
 
     @_guard
     def Delete(self, request, context):
@@ -526,13 +537,21 @@ _METHODS = {
 
 
 def _handlers(service: StoreService) -> grpc.GenericRpcHandler:
-    make = {"uu": grpc.unary_unary_rpc_method_handler, "us": grpc.unary_stream_rpc_method_handler,
-            "su": grpc.stream_unary_rpc_method_handler}
+    """Every method registered request-streaming: requests are read, size-checked and parsed in ``admission``."""
+    requests = StreamLimits(CONTROL_THREADS // 2, service.limits.idle_s)  # reads of non-bulk requests
     table = {}
     for name, (kind, request, reply) in _METHODS.items():
         serializer = (lambda raw: raw) if name in _RAW else reply.SerializeToString
-        table[name] = make[kind](getattr(service, name), request_deserializer=request.FromString,
-                                 response_serializer=serializer)
+        behaviour = getattr(service, name)
+        if kind == "su":
+            handler = grpc.stream_unary_rpc_method_handler(admission.stream_request(name, request, behaviour),
+                                                           response_serializer=serializer)
+        else:
+            slots = service.limits if name in _RAW else requests
+            function = admission.unary_request(name, request, behaviour, slots, streaming=kind == "us")
+            make = grpc.stream_stream_rpc_method_handler if kind == "us" else grpc.stream_unary_rpc_method_handler
+            handler = make(function, response_serializer=serializer)
+        table[name] = handler
     return grpc.method_handlers_generic_handler(SERVICE, table)
 
 

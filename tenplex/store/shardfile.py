@@ -9,6 +9,17 @@ piece, checking every block of ``tenplex.store.blocks`` the read touches, so a
 bad file fails only its own reads, with a :class:`CorruptShard` that names it.
 A slice row's data start ``file_start`` bytes into its file's data; its blocks
 are its own (counted from that start).
+
+A row written before block checksums (no ``blocks``) has one checksum, of the
+whole data. The first read through a :class:`ShardFile` checks the whole file
+against it and, in the same pass, hashes every ``_PIECE`` of it: those digests
+are then the row's blocks, and every later read checks the blocks it touches,
+as for a row written with blocks. Trusting the first check for later reads
+would serve (and let a transformation commit, with fresh checksums) a byte
+damaged on disk after it; re-reading the whole file on every read would cost
+a whole-shard read per small read; a file's mtime or identity misses damage
+that does not go through ``write`` (the medium, a restored mtime). Derived
+digests are as good as the manifest's: they hash the bytes that matched it.
 """
 
 from __future__ import annotations
@@ -42,18 +53,16 @@ class ShardFile:
     ends of a range and when the caller only verifies, into a per-thread
     buffer), then hashed into its block's digest while it is
     still in cache: verifying adds one hash of cached data to the read. A row
-    without block checksums counts as one block: the whole shard is verified on
-    the first read through this object, later reads trust it."""
+    without block checksums is verified whole on the first read through this
+    object, which derives its block digests (see the module's docstring)."""
 
     def __init__(self, entry: ShardEntry, opener: Callable[[str], int], where: str):
         self.entry, self._open, self.where = entry, opener, where
         self.data_offset: int | None = None  # the file offset of the row's first data byte, once checked
-        self._blocks: tuple[str, ...]
-        if entry.blocks is None:  # written before block checksums: one block, the whole data
-            self._size, self._blocks = max(entry.nbytes, 1), (entry.xxh3,)
-        else:
-            self._size, self._blocks = entry.block_bytes, entry.blocks
-        self._trusted: set[int] = set()  # legacy rows: block 0 once verified
+        # (block bytes, digests): the row's, or for a row without blocks those derived by its first read
+        self._grid: tuple[int, tuple[str, ...]] | None = \
+            None if entry.blocks is None else (entry.block_bytes, tuple(entry.blocks))
+        self._derived = entry.blocks is None
 
     def _fail(self, what: str) -> CorruptShard:
         return CorruptShard(f"{self.where}: {what}; the stored shard is damaged: read it from another replica, or "
@@ -141,10 +150,12 @@ class ShardFile:
         """The stored xxh3_64 of data bytes [start, start + length) when they are exactly one checksum block of
         this shard (a row with block checksums), else None: a frame that is one block needs no checksum of
         its own, and the reader checks the bytes against the digest from the time they were committed."""
-        if self.entry.blocks is None or length <= 0 or start % self._size or \
-                length != min(self._size, self.entry.nbytes - start):
+        if self._derived or self._grid is None or length <= 0:
             return None
-        return int(self._blocks[start // self._size], 16)
+        size, blocks = self._grid
+        if start % size or length != min(size, self.entry.nbytes - start):
+            return None
+        return int(blocks[start // size], 16)
 
     def read_rows(self, start: int, stride: int, out: np.ndarray, verified: set | None = None) -> None:
         """Read ``len(out)`` rows of ``out.shape[1]`` data bytes, the first at ``start`` and each ``stride`` bytes after
@@ -179,11 +190,11 @@ class ShardFile:
         """Stream data bytes [start, end) through the piece buffer: verify, copy, digest (see read_into), and
         hand each piece's wanted bytes to ``consume(offset from start, bytes)`` while they are in cache. A
         block of one piece (blocks of up to ``_PIECE``: 1 MiB, the default) is checked before its bytes are
-        copied, digested or consumed; a larger one (a legacy row is one block) only after its last piece."""
-        verified = self._trusted if self.entry.blocks is None else (set() if verified is None else verified)
+        copied, digested or consumed; a larger one only after its last piece."""
+        verified = set() if verified is None else verified
         offset = self._check_size(fd)
+        size, blocks = self._grid if self._grid is not None else self._derive(fd, offset)
         scratch = self._piece_buffer()
-        size = self._size
         for index in range(start // size, (end - 1) // size + 1):
             lo, hi = index * size, min((index + 1) * size, self.entry.nbytes)
             check = index not in verified
@@ -201,8 +212,8 @@ class ShardFile:
                     hasher.update(view)
                     if piece_end == hi:  # the block's last piece: check it before its bytes go anywhere else
                         actual = f"{hasher.intdigest():016x}"
-                        if actual != self._blocks[index]:
-                            raise self._fail(self._mismatch(index, actual))
+                        if actual != blocks[index]:
+                            raise self._fail(self._mismatch(index, size, blocks[index], actual))
                         verified.add(index)
                 a, b = max(piece, start), min(piece_end, end)
                 if a < b:
@@ -214,19 +225,41 @@ class ShardFile:
                         consume(a - start, view[a - piece:b - piece])
         return offset + start
 
-    def _mismatch(self, index: int, actual: str) -> str:
-        if self.entry.blocks is None:
-            return (f"the whole shard has xxh3 {actual}, the manifest {self.entry.xxh3} (a version written "
-                    f"without block checksums: verified whole)")
-        start = index * self._size
-        return (f"block {index} (data bytes {start}-{min(start + self._size, self.entry.nbytes)}) has xxh3 "
-                f"{actual}, the manifest {self._blocks[index]}")
+    def _derive(self, fd: int, offset: int) -> tuple[int, tuple[str, ...]]:
+        """Check the whole data of a row without blocks against its checksum, hashing each ``_PIECE`` of it on
+        the way; keep and return (``_PIECE``, those digests) as the row's blocks."""
+        scratch = self._piece_buffer()
+        whole, blocks = xxhash.xxh3_64(), []
+        for piece in range(0, self.entry.nbytes, _PIECE):
+            view = scratch[:min(_PIECE, self.entry.nbytes - piece)]
+            self._pread(fd, view, offset + piece)
+            whole.update(view)
+            blocks.append(xxhash.xxh3_64_hexdigest(view))
+        if whole.hexdigest() != self.entry.xxh3:
+            raise self._fail(f"the whole shard has xxh3 {whole.hexdigest()}, the manifest {self.entry.xxh3} (a "
+                             f"version written without block checksums: verified whole)")
+        self._grid = (_PIECE, tuple(blocks))
+        return self._grid
+
+    def _mismatch(self, index: int, size: int, expected: str, actual: str) -> str:
+        start = index * size
+        source = ("the digest derived when the whole shard last matched the manifest (a version written without "
+                  "block checksums)") if self._derived else "the manifest"
+        return (f"block {index} (data bytes {start}-{min(start + size, self.entry.nbytes)}) has xxh3 {actual}, "
+                f"{source} {expected}")
 
     def verify(self) -> str | None:
-        """Check every byte of the shard; a description of the first problem, or None."""
-        self._trusted.clear()
+        """Check every byte of the shard (a row without blocks against its whole checksum again); a description
+        of the first problem, or None."""
         try:
-            self.read_into(0, None, self.entry.nbytes)
+            if not self._derived:
+                self.read_into(0, None, self.entry.nbytes)
+                return None
+            fd = self._open_file()
+            try:
+                self._derive(fd, self._check_size(fd))
+            finally:
+                os.close(fd)
         except (CorruptShard, OSError) as e:
             return str(e)
         return None

@@ -44,9 +44,10 @@ class StreamLimits:
         threading.Thread(target=self._watch, name="stream-watchdog", daemon=True).start()
 
     @contextmanager
-    def slot(self, context, what: str) -> Iterator[Callable[[], None]]:
-        """Hold a slot while the stream runs; the yielded ``progress()`` marks that data moved."""
-        if not self._slots.acquire(blocking=False):
+    def slot(self, context, what: str, wait_s: float = 0.0) -> Iterator[Callable[[], None]]:
+        """Hold a slot while the stream runs; the yielded ``progress()`` marks that data moved. ``wait_s``: how
+        long to wait for a slot when all are taken (0: refuse at once)."""
+        if not (self._slots.acquire(timeout=wait_s) if wait_s > 0 else self._slots.acquire(blocking=False)):
             raise Busy(f"the store server already runs {self.max_streams} bulk streams (the most it admits); "
                        f"{what} refused, retry later")
         key = next(self._ids)

@@ -1,7 +1,7 @@
 """What the store's ``Transform`` RPC hands its transformer, and what the transformer reports back.
 
-May import: ``tenplex.layout``, ``tenplex.transfer_plan``, this package's ``contract`` (for types) and the
-standard library. No protobuf:
+May import: ``tenplex.layout``, ``tenplex.transfer_plan``, ``tenplex.errors``, this package's ``contract``
+(for types) and the standard library. No protobuf:
 ``wire`` converts these values to and from the gRPC messages, on the server
 and on the client, and nothing else sees the messages.
 
@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Protocol
 
+from ..errors import ConfigError
 from ..layout import Layout
 from ..transfer_plan import Plan
 
@@ -53,6 +54,18 @@ class TransformRequest:
     chunk_bytes: int | None = None
     json_from_host: str | None = None
     stall_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        # Checked here, where the API and the Transform RPC meet: a count below 1 (streams -2 divided by zero
+        # deep in the host's schedule) or a timeout that is not positive.
+        for name in ("streams", "chunk_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"transform request for host {self.host}: {name} must be an integer >= 1 "
+                                  f"(or unset: the default), got {value!r}")
+        if self.stall_timeout_s is not None and not self.stall_timeout_s > 0:
+            raise ConfigError(f"transform request for host {self.host}: stall_timeout_s must be > 0 seconds (or "
+                              f"unset: the default), got {self.stall_timeout_s!r}")
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,9 @@ MAX_CHUNK_BYTES = 64 << 20
 # A Transform request carries the old and the new layout whole: 75 MB of JSON for GPT-3 175B with Adam on
 # 1,024 devices, about four times that on 4,096. Messages up to this size pass (protobuf's own limit is 2 GiB).
 MAX_MESSAGE_BYTES = 1 << 30
+# Regions one ReadBoxes request may name (a transforming host batches at most 512): the server's work per request
+# stays bounded (it checks each region's blocks once per request, whatever the regions' number).
+MAX_READ_REGIONS = 4096
 _DATA_FIELD = 3  # the ``bytes data = 3`` field of Chunk and FileChunk
 
 

@@ -62,6 +62,7 @@ def transform(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
     job initialises them.
     """
     _check(plan, old_layout, new_layout, stores, old_version, new_version)
+    _check_options(streams, chunk_bytes, timeout, pull_timeout)
     started = time.monotonic()
     requests = _requests(plan, old_layout, new_layout, stores, old_version, new_version, streams, chunk_bytes,
                          pull_timeout)
@@ -108,6 +109,17 @@ def _check(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[str,
                              {h: ConfigError(f"no store address for host {h}") for h in missing})
 
 
+def _check_options(streams: int | None, chunk_bytes: int, timeout: float, pull_timeout: float) -> None:
+    """Refuse counts below 1 and durations that are not positive, before any host is touched."""
+    if streams is not None and (not isinstance(streams, int) or streams < 1):
+        raise ConfigError(f"streams must be an integer >= 1 (None: each host's default), got {streams!r}")
+    if not isinstance(chunk_bytes, int) or chunk_bytes < 0:
+        raise ConfigError(f"chunk_bytes must be an integer >= 1 (0: the default), got {chunk_bytes!r}")
+    for name, seconds in (("timeout", timeout), ("pull_timeout", pull_timeout)):
+        if not seconds > 0:
+            raise ConfigError(f"{name} must be > 0 seconds, got {seconds!r}")
+
+
 def _requests(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[str, str], old_version: int,
               new_version: int, streams: int | None, chunk_bytes: int,
               pull_timeout: float) -> dict[str, TransformRequest]:
@@ -120,7 +132,7 @@ def _requests(plan: Plan, old_layout: Layout, new_layout: Layout, stores: dict[s
     return {host: TransformRequest(
         host=host, old_version=old_version, new_version=new_version,
         plan=Plan(tuple(ts), PlanStats(), plan.new_tensors), old_layout=old_layout, new_layout=new_layout,
-        peers=stores, streams=streams or None, chunk_bytes=chunk_bytes or None,
+        peers=stores, streams=streams, chunk_bytes=chunk_bytes or None,
         # The host whose old JSON documents the new version carries: this one when it held old state.
         json_from_host=host if host in old_hosts else next((h for h in old_hosts if h in stores), None),
         stall_timeout_s=pull_timeout) for host, ts in transfers_of.items()}
