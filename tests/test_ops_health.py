@@ -3,6 +3,7 @@ client such as grpcurl uses it), against real store servers."""
 
 from __future__ import annotations
 
+import socket
 import time
 
 import grpc
@@ -11,7 +12,7 @@ from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from tenplex.store import Store
+from tenplex.store import Store, wire
 from tenplex.store.server import serve
 
 from store_helpers import StoreProcess
@@ -33,22 +34,59 @@ def _await_status(address: str, status: int, deadline_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_probe_without_token_sees_serving_then_not_serving_when_the_root_is_unusable(tmp_path):
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    store = StoreProcess(tmp_path / "h0", "h0", token_file=token, full_cli=True)
+    probe_port = _free_port()
+    store = StoreProcess(tmp_path / "h0", "h0", token_file=token, full_cli=True,
+                         extra_args=("--probe-port", str(probe_port)))
+    probes = f"127.0.0.1:{probe_port}"
     try:
-        assert _probe(store.address) == SERVING
-        assert _probe(store.address, "tenplex.v1.Store") == SERVING
-        with grpc.insecure_channel(store.address) as channel:  # the store itself still wants the token
-            health = channel.unary_unary("/tenplex.v1.Store/Health")
-            with pytest.raises(grpc.RpcError) as refused:
-                health(b"", timeout=10)
-            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert _probe(probes) == SERVING
+        assert _probe(probes, "tenplex.v1.Store") == SERVING
+        with grpc.insecure_channel(store.address) as channel:  # the store's own port wants the token, health too
+            for method in ("/tenplex.v1.Store/Health", "/grpc.health.v1.Health/Check"):
+                with pytest.raises(grpc.RpcError) as refused:
+                    channel.unary_unary(method)(b"", timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         (tmp_path / "h0").rename(tmp_path / "h0.gone")  # the volume went away
-        _await_status(store.address, NOT_SERVING)
+        _await_status(probes, NOT_SERVING)
         (tmp_path / "h0.gone").rename(tmp_path / "h0")
-        _await_status(store.address, SERVING)
+        _await_status(probes, SERVING)
+    finally:
+        store.stop()
+
+
+def _peak_rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+def test_a_large_health_request_without_the_token_is_read_on_neither_port(tmp_path):
+    """Health answers without a token only on the probe port, which reads at most 1 KiB: a 128 MiB request
+    (it used to cost the server over 500 MiB on the store's port) is refused on both, unread."""
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    probe_port = _free_port()
+    store = StoreProcess(tmp_path / "h0", "h0", token_file=token, extra_args=("--probe-port", str(probe_port)))
+    body = health_pb2.HealthCheckRequest(service="x" * (128 << 20)).SerializeToString()
+    try:
+        for address, code in ((store.address, grpc.StatusCode.UNAUTHENTICATED),
+                              (f"127.0.0.1:{probe_port}", grpc.StatusCode.RESOURCE_EXHAUSTED)):
+            before = _peak_rss_kib(store.proc.pid)
+            with grpc.insecure_channel(address, options=wire.channel_options()) as channel:
+                check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=lambda raw: raw,
+                                            response_deserializer=lambda raw: raw)
+                with pytest.raises(grpc.RpcError) as refused:
+                    check(body, timeout=120)
+            assert refused.value.code() == code, address
+            assert _peak_rss_kib(store.proc.pid) - before < 32 << 10, address  # KiB: far below the 128 MiB sent
     finally:
         store.stop()
 

@@ -33,7 +33,9 @@ def _metrics_port(template: dict, container: str) -> int:
 def test_store_daemonset_probes_grpc_health_and_exposes_metrics():
     template = _pod_template("store.yaml", "DaemonSet")
     store = template["spec"]["containers"][0]
-    assert store["readinessProbe"]["grpc"] == {"port": 29500}  # grpc.health.v1, answered without the token
+    assert store["readinessProbe"]["grpc"] == {"port": 29501}  # grpc.health.v1 on the probe port: no token
+    command = store["command"]
+    assert command[command.index("--probe-port") + 1] == "29501"
     assert _metrics_port(template, "store") == 9450
     assert _metrics_port(_pod_template("operator.yaml", "Deployment"), "operator") == 9102
 

@@ -35,6 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", required=True, help="host name of this store, e.g. h0")
     serve.add_argument("--bind", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
     serve.add_argument("--port", type=_port, default=0, help="port (default 0: any free port; one in use is refused)")
+    serve.add_argument("--probe-port", type=_port, default=None,
+                       help="also answer grpc.health.v1 without a token on this port of the same address, for "
+                            "kubelet gRPC probes (health only, requests of at most 1 KiB; default: none)")
     serve.add_argument("--port-file", type=Path, help="write the bound port to this file once serving")
     _token_arguments(serve)
     serve.add_argument("--tls-cert", type=Path, help="PEM certificate: serve TLS (needs --tls-key)")
@@ -141,7 +144,7 @@ def _serve(args) -> int:
                          interceptors=[observed.interceptor()],
                          peer_root_certificates=options["root_certificates"], data_plane=not args.no_data_plane,
                          max_streams=args.max_streams, stream_idle_s=args.stream_idle_s,
-                         part_idle_s=args.part_idle_s)
+                         part_idle_s=args.part_idle_s, probe_port=args.probe_port)
     if args.port_file:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{port}\n")
@@ -154,6 +157,7 @@ def _serve(args) -> int:
     stop.wait()
     server.health.drain()  # NOT_SERVING while the last calls finish
     server.stop(grace=2).wait()
+    server.health.close()
     return 0
 
 

@@ -5,9 +5,10 @@ May import: grpc, grpc_health, grpc_reflection and the standard library.
 The health service reports SERVING for the overall server ("") and for ``tenplex.v1.Store`` while the
 store's root is usable (a directory in which a file can be created and removed), NOT_SERVING when it is not
 (removed, replaced, read-only, full of inodes) and, for good, once :meth:`StoreHealth.drain` was called (the
-server is about to stop). A kubelet ``grpc`` probe sends no token, so the store's token check lets the
-health service through (``tenplex.store.auth.PUBLIC_METHODS``); reflection keeps needing the token like every
-other call.
+server is about to stop). On the store's port both services need the token like every other call. A kubelet
+``grpc`` probe sends no token: :meth:`StoreHealth.serve_probes` answers it on a port of its own, which serves
+``grpc.health.v1`` alone and reads requests of at most :data:`PROBE_MAX_BYTES` (the store's port accepts the
+1 GiB its Transform requests need, and a caller without the token must not make it read anything).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -23,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
 CHECK_INTERVAL_S = 1.0  # a stat, a create and an unlink per second: negligible, and a probe sees changes soon
+PROBE_MAX_BYTES = 1024  # a HealthCheckRequest names one service: a few bytes
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -50,8 +53,31 @@ class StoreHealth:
         reflection.enable_server_reflection((service, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         self._draining = threading.Event()
         self._problem: str | None = "not checked yet"
+        self._probe_server: grpc.Server | None = None
         self.check()
         threading.Thread(target=self._watch, name="store-health", daemon=True).start()
+
+    def serve_probes(self, address: str) -> int:
+        """Answer ``grpc.health.v1`` without a token on ``address`` (``HOST:PORT``, port 0: any free one), with
+        requests of at most :data:`PROBE_MAX_BYTES` and two threads; return the port bound (0: could not bind)."""
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="store-probe"),
+                             options=[("grpc.max_receive_message_length", PROBE_MAX_BYTES),
+                                      ("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        try:
+            port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc's "Failed to bind to address"
+            port = 0
+        if port:
+            server.start()
+            self._probe_server = server
+        return port
+
+    def close(self) -> None:
+        """Stop the probe port (the store's own server is stopped by its owner)."""
+        if self._probe_server is not None:
+            self._probe_server.stop(grace=None)
+            self._probe_server = None
 
     def check(self) -> None:
         """Look at the root now and publish the status (a change is logged once)."""

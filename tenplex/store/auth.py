@@ -15,10 +15,6 @@ import hmac
 
 import grpc
 
-# A kubelet gRPC probe sends no metadata: the standard health check answers without the token (it tells
-# only SERVING or NOT_SERVING).
-PUBLIC_METHODS = frozenset({"/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch"})
-
 _DENIED = "missing or wrong store token (send metadata 'authorization: Bearer TOKEN')"
 
 
@@ -33,8 +29,7 @@ class TokenCheck(grpc.ServerInterceptor):
     def intercept_service(self, continuation, details):
         handler = continuation(details)
         presented = dict(details.invocation_metadata or ()).get("authorization", "")
-        if handler is None or details.method in PUBLIC_METHODS \
-                or hmac.compare_digest(str(presented).encode(), self._expected):
+        if handler is None or hmac.compare_digest(str(presented).encode(), self._expected):
             return handler
         if handler.response_streaming:
             return grpc.stream_stream_rpc_method_handler(_deny)

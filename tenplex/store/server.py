@@ -561,7 +561,8 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
           data_plane: bool = True, max_streams: int | None = None,
           stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
           part_idle_s: float = DEFAULT_PART_IDLE_S,
-          interceptors: Sequence[grpc.ServerInterceptor] = ()) -> tuple[grpc.Server, int]:
+          interceptors: Sequence[grpc.ServerInterceptor] = (),
+          probe_port: int | None = None) -> tuple[grpc.Server, int]:
     """Start serving ``store``; return (server, bound port). Non-loopback binds need ``token``.
 
     ``data_plane``: also serve large box reads on a plain TCP port of the same
@@ -576,8 +577,10 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
     part (WriteShard/PutJson) unused for ``part_idle_s`` seconds without Prepare or Abort is aborted.
 
     ``interceptors`` (metrics) see every call before the token check. The server also answers
-    ``grpc.health.v1`` and reflection (``server.health``: ``tenplex.ops.health.StoreHealth``)."""
-    max_streams = _check_options(store, bind, port, token, tls_cert, tls_key, max_workers, max_streams)
+    ``grpc.health.v1`` and reflection (``server.health``: ``tenplex.ops.health.StoreHealth``), with the token
+    like every call; ``probe_port`` (0: any free port) answers ``grpc.health.v1`` alone without a token, for
+    kubelet probes, on the same address (``server.probe_port``; ``server.health.close()`` stops it)."""
+    max_streams = _check_options(store, bind, port, token, tls_cert, tls_key, max_workers, max_streams, probe_port)
     wire.keep_freed_chunk_memory()
     service = StoreService(store, transformer=transformer, token=token,
                            peer_root_certificates=peer_root_certificates,
@@ -589,6 +592,13 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
     server.add_generic_rpc_handlers((_handlers(service),))
     server.health = StoreHealth(server, store.root, SERVICE)
     bound = _bind(server, bind, port, tls_cert, tls_key)
+    server.probe_port = None
+    if probe_port is not None:
+        address = _address(bind, probe_port)
+        server.probe_port = server.health.serve_probes(address)
+        if not server.probe_port:
+            raise StoreError(f"could not bind the health probe port {address}: it is in use, or {bind} is not an "
+                             f"address of this machine")
     if data_plane and tls_cert is None:
         data = DataServer(bind, service._reader, lambda e: (_status_of(e).name, _message(e)), token=token)
         service.data_port = data.port
@@ -604,15 +614,17 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
 
 
 def _check_options(store: Store, bind: str, port: int, token: str | None, tls_cert: bytes | None,
-                   tls_key: bytes | None, max_workers: int, max_streams: int | None) -> int:
+                   tls_key: bytes | None, max_workers: int, max_streams: int | None,
+                   probe_port: int | None = None) -> int:
     """Refuse what :func:`serve` must not run with; return the number of bulk streams allowed at once."""
     if bind not in LOOPBACK and not token:
         raise StoreError(f"refusing to serve store {store.root} on {bind} without a token: anything that reaches "
                          f"the port could read and overwrite state. Pass a token (--token-file) or bind 127.0.0.1")
     if (tls_cert is None) != (tls_key is None):
         raise StoreError("TLS needs both a certificate and its private key")
-    if not 0 <= int(port) <= 65535:
-        raise StoreError(f"port {port} is not a TCP port: use 0-65535 (0: any free port)")
+    for name, value in (("port", port), ("probe port", probe_port)):
+        if value is not None and not 0 <= int(value) <= 65535:
+            raise StoreError(f"{name} {value} is not a TCP port: use 0-65535 (0: any free port)")
     if max_streams is None:
         max_streams = max(1, max_workers - CONTROL_THREADS)
     if max_streams > max_workers - 1:
@@ -620,9 +632,13 @@ def _check_options(store: Store, bind: str, port: int, token: str | None, tls_ce
     return max_streams
 
 
+def _address(bind: str, port: int) -> str:
+    return f"[{bind.strip('[]')}]:{port}" if ":" in bind.strip("[]") else f"{bind}:{port}"
+
+
 def _bind(server: grpc.Server, bind: str, port: int, tls_cert: bytes | None, tls_key: bytes | None) -> int:
     """Add the server's port (TLS when a certificate is given); return the port bound, or raise a StoreError."""
-    address = f"[{bind.strip('[]')}]:{port}" if ":" in bind.strip("[]") else f"{bind}:{port}"
+    address = _address(bind, port)
     try:
         if tls_cert is not None:
             bound = server.add_secure_port(address, grpc.ssl_server_credentials([(tls_key, tls_cert)]))
