@@ -93,7 +93,8 @@ def full_state(model, optimizer) -> dict[str, torch.Tensor]:
     flat = {f"model.{k}": v.detach().clone() for k, v in get_model_state_dict(model, options=options).items()}
     for name, state in get_optimizer_state_dict(model, optimizer, options=options)["state"].items():
         for key, value in state.items():
-            flat[f"optim.{name}.{key}"] = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
+            value = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
+            flat[f"optim.{name}.{key}"] = value
     return flat
 
 
