@@ -50,8 +50,9 @@ def jobs(tmp_path_factory):
         saved = job("save", ["h0/0", "h1/0"], {"phase": "save", "cases": DDP_CASES + [FSDP_CASE]})
         truth = str(base / "save")
 
-        def at(cases):
-            return [{**c, "version": saved[0][c["name"]]["version"]} for c in cases]
+        def at(cases):  # the cases that could be saved, with their versions
+            return [{**c, "version": saved[0][c["name"]]["version"]} for c in cases
+                    if "error" not in saved[0][c["name"]]]
         swapped = job("swapped", ["h1/0", "h0/0"], {"phase": "restore", "cases": at(DDP_CASES), "truth": truth,
                                                      "continue": True})
         alone = job("alone", ["h1/0"], {"phase": "restore", "cases": at([{**c, "wrap": "bare"} for c in DDP_CASES]),
@@ -64,7 +65,8 @@ def jobs(tmp_path_factory):
             p.stop()
 
 
-def _restored(result: dict) -> dict:
+def _restored(result: dict | None) -> dict:
+    assert result is not None, "the case was not saved"
     assert "error" not in result, result["error"]
     assert result["step"] == 3
     return result
@@ -73,6 +75,7 @@ def _restored(result: dict) -> dict:
 def test_the_saving_job_has_replicas_that_differ_and_parameters_without_state(jobs):
     for case in DDP_CASES + [FSDP_CASE]:
         r0, r1 = (ranks[case["name"]] for ranks in jobs["saved"])
+        assert "error" not in r0, r0["error"]
         assert r0["eval"] != r1["eval"]  # each replica's BatchNorm statistics are its own
         assert set(r0["no_state"]) == WITHOUT_STATE
 
@@ -81,17 +84,17 @@ def test_the_saving_job_has_replicas_that_differ_and_parameters_without_state(jo
 def test_ddp_on_swapped_hosts_restores_rank_0s_state_and_continues_as_if_uninterrupted(jobs, case):
     saved = [ranks[case] for ranks in jobs["saved"]]
     for rank, ranks in enumerate(jobs["swapped"]):
-        result = _restored(ranks[case])
+        result = _restored(ranks.get(case))
         assert result["different"] == []  # model (BatchNorm statistics included) and optimizer, bit for bit
         assert result["eval"] == saved[0]["eval"]
         assert result["losses"] == saved[rank]["losses"]
         assert set(result["no_state"]) == WITHOUT_STATE
-    assert jobs["swapped"][0][case]["eval_after"] == saved[0]["eval_after"]
+    assert jobs["swapped"][0][case]["eval_after"] == saved[0]["eval_after"]  # the statistics that count
 
 
 @pytest.mark.parametrize("case", [c["name"] for c in DDP_CASES])
 def test_ddp_into_one_replica_on_the_other_host_restores_rank_0s_state(jobs, case):
-    result = _restored(jobs["alone"][0][case])
+    result = _restored(jobs["alone"][0].get(case))
     assert result["different"] == []
     assert result["eval"] == jobs["saved"][0][case]["eval"]
     assert set(result["no_state"]) == WITHOUT_STATE
@@ -99,7 +102,7 @@ def test_ddp_into_one_replica_on_the_other_host_restores_rank_0s_state(jobs, cas
 
 def test_fsdp2_onto_a_new_host_gives_every_rank_rank_0s_state(jobs):
     for ranks in jobs["wider"]:
-        result = _restored(ranks[FSDP_CASE["name"]])
+        result = _restored(ranks.get(FSDP_CASE["name"]))
         assert result["different"] == []
         assert result["eval"] == jobs["saved"][0][FSDP_CASE["name"]]["eval"]
 
