@@ -161,3 +161,37 @@ def test_a_state_of_its_own_shape_is_saved_whole_and_refused_on_a_part_of_its_pa
     assert str(e.value) == ("Preconditioned's state 'precond' of 'w' (shape [6, 6]) is neither shaped like its "
                             "parameter [4, 6] nor a factored moment of it, so tenplex saves and restores it only "
                             "whole, on ranks that hold the whole parameter; this rank holds [4:8, 0:6] of [8, 6]")
+
+
+def test_buffers_come_from_the_lowest_holding_rank_to_writers_on_other_hosts_only():
+    from tenplex.integration.canonical import canonical_sends
+    from tenplex.integration.layouts import first_holder_per_host
+
+    whole, half = [[0], [16]], [[0], [8]]
+    docs = [{"host": h, "buffers": ["bn.running_mean"],
+             "boxes": [["bn.running_mean", *whole], ["w", *whole], ["stage1.bn.running_mean", *half]][:2 + (r > 0)]}
+            for r, h in enumerate(["h0", "h0", "h1", "h2"])]
+    docs[2]["buffers"] = docs[3]["buffers"] = ["bn.running_mean", "stage1.bn.running_mean"]
+    sends = canonical_sends(docs, first_holder_per_host(docs))
+    # bn.running_mean: rank 0's values for h1 and h2 (h0 writes rank 0's own). A parameter (w) is never sent;
+    # stage1's buffer goes from rank 1 (its lowest holder) to h1 and h2.
+    assert sends == [(0, "bn.running_mean", Box((0,), (16,))), (1, "stage1.bn.running_mean", Box((0,), (8,)))]
+    assert canonical_sends(docs[:2], first_holder_per_host(docs[:2])) == []  # one host: one copy, rank 0's
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
+def test_restore_creates_state_only_for_the_parameters_saved_with_state(optimizer_class):
+    from tenplex.integration.pieces import init_optimizer_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    model[0].requires_grad_(False)
+    optimizer = optimizer_class(model.parameters(), lr=0.1, **({"momentum": 0.9} if optimizer_class is torch.optim.SGD
+                                                               else {}))
+    optimizer.state[model[0].weight]["stale"] = torch.ones(1)  # state the saved optimizer did not have goes
+    grad = torch.full((2,), 3.0)
+    model[1].bias.grad = grad
+    before = [p.detach().clone() for p in model.parameters()]
+    init_optimizer_state(optimizer, {"1.weight", "1.bias"}, model)
+    assert set(optimizer.state) == {model[1].weight, model[1].bias}
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # nothing was updated
+    assert model[1].bias.grad is grad and model[1].weight.grad is None and model[0].weight.grad is None

@@ -32,9 +32,13 @@ def canonical_sends(docs, writers: dict[tuple[str, str, Box], int]) -> list[tupl
         for name, offsets, lengths in d["boxes"]:
             if name in buffers:
                 holders.setdefault((name, Box(tuple(offsets), tuple(lengths))), rank)
+    writing_hosts: dict[tuple[str, Box], set[str]] = {}
+    for host, name, box in writers:
+        if (name, box) in holders:
+            writing_hosts.setdefault((name, box), set()).add(host)
     sends = []
     for (name, box), src in sorted(holders.items(), key=lambda kv: (kv[1], kv[0][0], kv[0][1])):
-        if any(t == name and b == box and docs[w]["host"] != docs[src]["host"] for (_h, t, b), w in writers.items()):
+        if writing_hosts[(name, box)] - {docs[src]["host"]}:
             sends.append((src, name, box))
     return sends
 
