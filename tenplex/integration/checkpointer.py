@@ -8,7 +8,8 @@ Save (every rank, collectively):
 1. map model and optimizer state to pieces (:mod:`.pieces`);
 2. all-gather every rank's tensor specs and boxes as JSON (no pickles); within
    a host, only the first rank holding a given box writes it (replicas on one
-   host would be identical copies);
+   host would be identical copies); a replicated buffer is written with the
+   lowest holding rank's values on every host (:mod:`.canonical`);
 3. each rank stages its shards as one part of version N+1 in its host's store
    (memory-mapped, no network); the first rank of each host adds the whole
    layout and the non-tensor state (``tenplex.torch_state``);
