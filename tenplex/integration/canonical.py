@@ -1,7 +1,7 @@
 """One canonical copy of every replicated buffer: the values of the lowest rank that holds it.
 
-May import: ``tenplex.box``, ``tenplex.layout`` and this package's :mod:`.pieces` and :mod:`.exchange`,
-torch and torch.distributed.
+May import: ``tenplex.box`` and this package's :mod:`.pieces` and :mod:`.exchange`, torch and
+torch.distributed.
 
 Data-parallel replicas of a parameter are identical: the optimizer applies the same averaged gradients
 everywhere. Buffers need not be: BatchNorm's running statistics under DDP or FSDP2 without SyncBatchNorm
