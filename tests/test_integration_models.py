@@ -1,9 +1,10 @@
 """Models and optimizers that commonly break checkpointing, saved and restored through real stores (gloo).
 
-Issue 32. One save job (2 ranks on hosts h0, h1) saves four cases: DDP with AdamW, SGD (Nesterov) and
-Adafactor, and FSDP2 with AdamW. The model has BatchNorm without SyncBatchNorm (each replica's running
-statistics differ), a frozen layer and a parameter that gets no gradient. The ground truth is DCP's full
-state (``get_model_state_dict``/``get_optimizer_state_dict``) on data-parallel rank 0 before the save:
+Issue 32. One save job (2 ranks on hosts h0, h1) saves five cases: DDP with AdamW, SGD (Nesterov),
+Adafactor and an optimizer with a [C, C] state, and FSDP2 with AdamW. The model has BatchNorm without
+SyncBatchNorm (each replica's running statistics differ), a frozen layer and a parameter that gets no
+gradient. The ground truth is DCP's full state (``get_model_state_dict``/``get_optimizer_state_dict``)
+on data-parallel rank 0 before the save:
 
 * DDP, restored on the same two hosts with the ranks swapped (rank 0 now on h1): bit for bit, and the next
   losses and the eval loss after them equal the uninterrupted run's;
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mp.models_worker import Preconditioned
 from store_helpers import StoreProcess
 from tenplex.box import Box
 from tenplex.errors import LayoutError
@@ -28,7 +30,7 @@ from tenplex.integration.pieces import optimizer_pieces, optimizer_scalars
 from tenplex.runtime.launch import run_spec_job
 
 WORKER = Path(__file__).parent / "mp" / "models_worker.py"
-DDP_CASES = [{"name": f"ddp-{o}", "optim": o, "wrap": "ddp"} for o in ("adamw", "sgd", "adafactor")]
+DDP_CASES = [{"name": f"ddp-{o}", "optim": o, "wrap": "ddp"} for o in ("adamw", "sgd", "adafactor", "precond")]
 FSDP_CASE = {"name": "fsdp-adamw", "optim": "adamw", "wrap": "fsdp"}
 WITHOUT_STATE = {"hidden.bias", "hidden.weight", "unused.bias", "unused.weight"}
 
@@ -108,22 +110,6 @@ def test_fsdp2_onto_a_new_host_gives_every_rank_rank_0s_state(jobs):
 
 
 # ----------------------------------------------------------------- single process: where each state goes
-class Preconditioned(torch.optim.Optimizer):
-    """A state of its own shape ([C, C] for a [R, C] parameter, like Shampoo's): tenplex cannot split it."""
-
-    def __init__(self, params):
-        super().__init__(params, {"lr": 0.1})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    state = self.state[p]
-                    state.setdefault("precond", torch.zeros(p.shape[-1], p.shape[-1])).add_(p.grad.T @ p.grad)
-                    p.sub_(group["lr"] * p.grad)
-
-
 def _stepped(optimizer_class, local_shape=(4, 6)):
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.randn(local_shape))

@@ -2,7 +2,7 @@
 optimizer state not shaped like its parameter (gloo; see ``tests/test_integration_models.py``).
 
 Usage: ``python models_worker.py SPEC.json`` under ``tenplex.runtime.launch.run_job``. Each case of
-``spec["cases"]`` names an optimizer (adamw, sgd, adafactor) and a wrapper (ddp, fsdp, bare). Phase
+``spec["cases"]`` names an optimizer (adamw, sgd, adafactor, precond) and a wrapper (ddp, fsdp, bare). Phase
 ``save``: train 3 steps, take the ground truth (DCP's full model and optimizer state dicts, and the eval
 loss, on rank 0), save, then train 2 more steps (the uninterrupted run). Phase ``restore``: build the
 model from another seed, restore ``version``, compare DCP's full state dicts with the ground truth bit
@@ -44,6 +44,23 @@ class Net(torch.nn.Module):
         return self.out(torch.relu(self.b2(self.hidden(torch.relu(self.b1(self.inp(x)))))))
 
 
+class Preconditioned(torch.optim.Optimizer):
+    """A state of its own shape ([C, C] for a [R, C] weight, like Shampoo's): saved whole by replicas."""
+
+    def __init__(self, params, lr: float = 0.1):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    g = p.grad.reshape(-1, p.shape[-1])
+                    state.setdefault("precond", torch.zeros(p.shape[-1], p.shape[-1])).add_(g.T @ g)
+                    p.sub_(group["lr"] * p.grad)
+
+
 def build(case: dict, seed: int):
     torch.manual_seed(seed)
     net = Net()
@@ -56,7 +73,8 @@ def build(case: dict, seed: int):
         model = net
     optimizer = {"adamw": lambda p: torch.optim.AdamW(p, lr=0.01),
                  "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
-                 "adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01)}[case["optim"]](model.parameters())
+                 "adafactor": lambda p: torch.optim.Adafactor(p, lr=0.01),
+                 "precond": lambda p: Preconditioned(p, lr=0.01)}[case["optim"]](model.parameters())
     return model, optimizer
 
 
