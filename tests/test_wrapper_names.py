@@ -49,7 +49,9 @@ def test_a_real_prefix_mismatch_leads_with_the_likely_cause(results):
                    for n in result["saved_names"])
         message = result["error"]
         assert message.startswith("all unmatched saved names start with `module.` and the restored job's names lack it")
-        assert "(48 differences)" in message
+        # 24 saved names and the 8 parameters: the restored optimizer gets state only for the parameters
+        # saved with state, and no saved name matches a restored one
+        assert "(32 differences)" in message
 
 
 def test_likely_cause_on_either_side_and_none_for_unrelated_names():

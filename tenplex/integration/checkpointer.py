@@ -8,7 +8,8 @@ Save (every rank, collectively):
 1. map model and optimizer state to pieces (:mod:`.pieces`);
 2. all-gather every rank's tensor specs and boxes as JSON (no pickles); within
    a host, only the first rank holding a given box writes it (replicas on one
-   host would be identical copies);
+   host would be identical copies); a replicated buffer is written with the
+   lowest holding rank's values on every host (:mod:`.canonical`);
 3. each rank stages its shards as one part of version N+1 in its host's store
    (memory-mapped, no network); the first rank of each host adds the whole
    layout and the non-tensor state (``tenplex.torch_state``);
@@ -72,12 +73,13 @@ from ..replication.stores import STORES_DOC, stores_doc
 from ..store import Store
 from ..store.manifest import PROMOTE_PART
 from .annotate import Annotations
+from .canonical import canonical_buffers
 from .exchange import agree, all_gather_json
 from .layouts import (check_and_build, check_optimizer, first_holder_per_host, group_names, local_sources,
                       merge_specs, saved_layout, specs_of, state_pieces)
 from .moves import read_plan_through, transform_stored
 from .nontensor import apply_rng, capture_rng, derived_seed, from_json, optimizer_doc, seed_rng, to_json
-from .pieces import Piece, init_optimizer_state, optimizer_scalars, set_optimizer_scalars
+from .pieces import Piece, buffer_names, init_optimizer_state, optimizer_scalars, set_optimizer_scalars, state_owners
 from .readthrough import fans_out, read_hosts
 from .shardio import read_piece, write_piece
 from .versions import STATE_DOC, STATE_FORMAT, Found, VersionFinder
@@ -177,10 +179,11 @@ class Checkpointer:
                                                     for p in pieces],
                 "coord": self._coord_key(rank), "rng": capture_rng() if rng else None,
                 "scalars": optimizer_scalars(model, optimizer) if optimizer is not None else {},
-                "groups": group_names(model, optimizer)}
+                "groups": group_names(model, optimizer), "buffers": buffer_names(model)}
         docs = all_gather_json(mine, self.group)
         tensors = agree("save: check tensors", lambda: merge_specs(docs), self.group)
         writers = first_holder_per_host(docs)
+        canonical = canonical_buffers(pieces, docs, writers, rank, self.group)  # replicas may differ: see .canonical
         version = 1 + max((d["latest"] for d in docs if d["latest"] is not None), default=0)
         leader = min(r for r, d in enumerate(docs) if d["host"] == self.host)
         addresses = self._addresses(docs)
@@ -192,7 +195,7 @@ class Checkpointer:
             with self.store.begin(version, part=f"rank{rank}") as writer:
                 for piece in pieces:
                     if writers[(self.host, piece.name, piece.box)] == rank:
-                        write_piece(writer, self.device, piece)
+                        write_piece(writer, self.device, canonical.get((piece.name, piece.box), piece))
                 if rank == leader:
                     saved.append(saved_layout(tensors, docs, writers))
                     writer.put_layout(saved[0])
@@ -314,17 +317,24 @@ class Checkpointer:
         the one gathered from the ranks; it must give every rank what it needs.
         """
         rank = dist.get_rank(self.group)
-        if optimizer is not None:
-            init_optimizer_state(optimizer)
-        pieces = [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
         mine = {"device": self.device, "host": self.host, "versions": self.store.versions(),
-                "copies": held_versions(self.store.root, self.host), "store": self.store_address,
-                "tensors": specs_of(pieces), "boxes": [[p.name, list(p.box.offsets), list(p.box.lengths)]
-                                                      for p in pieces]}
+                "copies": held_versions(self.store.root, self.host), "store": self.store_address}
         docs = all_gather_json(mine, self.group)
         found = VersionFinder(self.store, self.host, self.stores, self.token, self.group).find(docs, version)
         if found is None:
+            if optimizer is not None:
+                init_optimizer_state(optimizer)
             return None
+
+        def own_pieces():
+            if optimizer is not None:  # state for exactly the parameters that had some when saved
+                init_optimizer_state(optimizer, state_owners(found.layout.tensors, found.state["scalars"]), model)
+            return [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
+        pieces = agree("restore: map the state to tensors", own_pieces, self.group)
+        held = all_gather_json({"tensors": specs_of(pieces), "boxes": [[p.name, list(p.box.offsets),
+                                                                       list(p.box.lengths)] for p in pieces]},
+                               self.group)
+        docs = [{**d, **h} for d, h in zip(docs, held)]
         new = agree("restore: check the new layout",
                     lambda: check_and_build(found.layout, docs, layout, self.device, pieces,
                                             with_optimizer=optimizer is not None), self.group)

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from ..errors import TenplexError
 
 
-def _device(group) -> torch.device:
+def collective_device(group) -> torch.device:
+    """Where the process group's backend wants tensors: CUDA for NCCL, CPU otherwise."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -37,7 +38,7 @@ def _decode(tensor: torch.Tensor, length: int) -> Any:
 
 def all_gather_json(doc: Any, group=None) -> list[Any]:
     """Every rank's ``doc``, in rank order of ``group``, on every rank."""
-    device = _device(group)
+    device = collective_device(group)
     data = _encode(doc, device)
     world = dist.get_world_size(group)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=device)
@@ -53,7 +54,7 @@ def all_gather_json(doc: Any, group=None) -> list[Any]:
 
 def broadcast_json(doc: Any, src: int = 0, group=None) -> Any:
     """``doc`` of global rank ``src`` on every rank (other ranks' ``doc`` is ignored)."""
-    device = _device(group)
+    device = collective_device(group)
     is_src = dist.get_rank() == src
     data = _encode(doc if is_src else None, device)
     length = torch.tensor([data.numel() if is_src else 0], dtype=torch.int64, device=device)
