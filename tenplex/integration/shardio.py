@@ -1,7 +1,7 @@
 """Copy pieces between torch tensors and a host's store (no network).
 
 May import: ``tenplex.store``, ``tenplex.dtypes``, ``tenplex.box``,
-``tenplex.integration.pieces``, torch, numpy and the standard library.
+``tenplex.integration.pieces`` and ``.staging``, torch, numpy and the standard library.
 
 Both functions need only the store's contract (``StoreWriter.put`` and
 ``StoreReader.read``/``readinto``, ``tenplex.store.contract``), so any backend
@@ -18,6 +18,7 @@ their raw bits (uint16/uint8) because numpy has no such types.
 from __future__ import annotations
 
 import warnings
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -26,6 +27,9 @@ import torch
 from ..box import Box
 from ..dtypes import numpy_storage
 from ..store import StoreWriter
+from ..store.target import ShardTarget
+from ..store.wire import split_box
+from . import staging
 from .pieces import Piece
 
 _BITS = {"uint16": torch.uint16, "uint8": torch.uint8}
@@ -47,14 +51,45 @@ class RegionReader(Protocol):
 
 
 def write_piece(writer: StoreWriter, device: str, piece: Piece) -> None:
+    region = piece.local[piece.local_box.slices()]
+    if region.device.type != "cpu" and region.dim() > 0:
+        write_staged(writer, device, piece)
+        return
     values = _as_storage(piece.read(), piece.spec.dtype)
     writer.put(device, piece.name, piece.box, values.numpy(), piece.spec.dtype, piece.spec.shape)
+
+
+def write_staged(writer: StoreWriter, device: str, piece: Piece) -> None:
+    """Save ``piece`` (a tensor on any device) slab by slab through staging buffers: slab k+1 is copied off the
+    device while slab k is written to the new shard file."""
+    region = piece.local[piece.local_box.slices()]
+    target = writer.create(device, piece.name, piece.box, piece.spec.dtype, piece.spec.shape)
+    slabs = split_box(piece.box, region.element_size(), staging.SLAB_BYTES)
+    in_flight: list[tuple[Box, staging.Staged]] = []
+    try:
+        for slab in slabs:
+            in_flight.append((slab, staging.from_device(region[slab.local(piece.box).slices()])))
+            if len(in_flight) > 1:
+                _write_slab(target, *in_flight.pop(0))
+        while in_flight:
+            _write_slab(target, *in_flight.pop(0))
+    finally:
+        for _, staged in in_flight:  # a failed write: the copies still running must end before reuse
+            staged.release()
+
+
+def _write_slab(target: ShardTarget, slab: Box, staged: staging.Staged) -> None:
+    try:
+        target.write(slab, staged.host().reshape(-1).view(torch.uint8).numpy())  # C-order bytes, any dtype
+    finally:
+        staged.release()
 
 
 @torch.no_grad()
 def read_piece(reader: RegionReader, sources: list[tuple[str, Box]], piece: Piece) -> None:
     """Fill ``piece`` from stored shards: ``sources`` are (device, region) pairs that tile the piece's box.
-    Every byte read is verified against the shard's checksums (``StoreReader.readinto``)."""
+    Every byte read is verified against the shard's checksums (``StoreReader.readinto``). A piece on an
+    accelerator may still be copying when this returns; the current stream waits for it (:mod:`.staging`)."""
     own = piece.local[piece.local_box.slices()]
     for device, region in sources:
         dest = own[region.local(piece.box).slices()]
@@ -62,15 +97,16 @@ def read_piece(reader: RegionReader, sources: list[tuple[str, Box]], piece: Piec
             _copy_from_map(reader.read(device, piece.name, region), dest, piece.spec.dtype)
         elif dest.device.type == "cpu":  # contiguous or not (a column block of the local tensor): in place
             reader.readinto(device, piece.name, region, dest.view(_int_of_size(dest.element_size())).numpy())
-        else:  # a GPU tensor: read into host memory, then one copy
-            buffer = torch.empty(dest.shape, dtype=dest.dtype)
-            reader.readinto(device, piece.name, region, _bytes_of(buffer))
-            dest.copy_(buffer)
+        else:
+            read_staged(reader, device, piece.name, region, dest)
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable."""
-    return memoryview(tensor.view(_int_of_size(tensor.element_size())).numpy()).cast("B")
+def read_staged(reader: RegionReader, device: str, tensor: str, region: Box, dest: torch.Tensor) -> None:
+    """Read ``region`` of ``device``'s shard of ``tensor`` into ``dest`` (any device, ``region``'s shape) slab by
+    slab through staging buffers: each slab's copy to the device runs while the next slab is read."""
+    for slab in split_box(region, dest.element_size(), staging.SLAB_BYTES):
+        part = dest[slab.local(region).slices()]
+        staging.to_device(partial(reader.readinto, device, tensor, slab), part)
 
 
 def _copy_from_map(region: np.ndarray, dest: torch.Tensor, dtype: str) -> None:
