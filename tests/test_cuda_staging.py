@@ -97,7 +97,8 @@ def test_read_through_with_threads_restores_every_slab(tmp_path, device, small_s
     monkeypatch.setattr(readthrough, "SLAB_BYTES", SLAB)
     full = torch.randn(128, 32)
     specs = {"w": TensorSpec((128, 32), "float32")}
-    old = Layout.build(specs, {"h0/0": [Shard("w", Box((0, 0), (64, 32)))], "h0/1": [Shard("w", Box((64, 0), (64, 32)))]})
+    old = Layout.build(specs, {"h0/0": [Shard("w", Box((0, 0), (64, 32)))],
+                               "h0/1": [Shard("w", Box((64, 0), (64, 32)))]})
     new = Layout.build(specs, {"h0/2": [Shard("w", Box.whole((128, 32)))]})
     store = Store(tmp_path, "h0")
     with store.begin(1) as writer:
