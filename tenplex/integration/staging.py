@@ -139,37 +139,37 @@ def to_device(fill: Callable[[memoryview], None], dest: torch.Tensor) -> None:
 
     On CUDA the copy runs on the side stream and this returns once it is queued (the caller's current stream
     waits for it); elsewhere it is done when this returns."""
-    nbytes = dest.numel() * dest.element_size()
-    buffer = pool().take(nbytes)
+    buffers, nbytes = pool(), dest.numel() * dest.element_size()
+    buffer = buffers.take(nbytes)
     try:
         host = buffer.view(nbytes, dest.dtype, tuple(dest.shape))
         fill(memoryview(buffer.tensor[:nbytes].numpy()))
     except BaseException:
-        pool().give(buffer)
+        buffers.give(buffer)
         raise
     if dest.device.type != "cuda":
         dest.copy_(host)
-        pool().give(buffer)
+        buffers.give(buffer)
         return
-    pool().give(buffer, _copy_on_side_stream(dest, host))
+    buffers.give(buffer, _copy_on_side_stream(dest, host))
 
 
 def from_device(source: torch.Tensor) -> Staged:
     """Start copying ``source`` (any device, any strides) into a host buffer; :meth:`Staged.host` waits for it."""
-    nbytes = source.numel() * source.element_size()
-    buffer = pool().take(nbytes)
+    buffers, nbytes = pool(), source.numel() * source.element_size()
+    buffer = buffers.take(nbytes)
     host = buffer.view(nbytes, source.dtype, tuple(source.shape))
-    if source.device.type != "cuda":
+    event = _copy_on_side_stream(host, source) if source.device.type == "cuda" else None
+    if event is None:
         host.copy_(source)
-        return Staged(buffer, host, None)
-    return Staged(buffer, host, _copy_on_side_stream(host, source))
+    return Staged(buffers, buffer, host, event)
 
 
 class Staged:
     """A region on its way off the device into a pooled host buffer."""
 
-    def __init__(self, buffer: _Buffer, host: torch.Tensor, event: torch.cuda.Event | None):
-        self._buffer, self._host, self._event = buffer, host, event
+    def __init__(self, buffers: HostBuffers, buffer: _Buffer, host: torch.Tensor, event: torch.cuda.Event | None):
+        self._buffers, self._buffer, self._host, self._event = buffers, buffer, host, event
 
     def host(self) -> torch.Tensor:
         """The region's values in host memory (contiguous), once the copy is done."""
@@ -179,9 +179,10 @@ class Staged:
         return self._host
 
     def release(self) -> None:
-        """Hand the buffer back (after the copy, if it still runs: nothing may write into it meanwhile)."""
+        """Hand the buffer back to its pool (after the copy, if it still runs: nothing may write into it
+        meanwhile)."""
         self.host()
-        pool().give(self._buffer)
+        self._buffers.give(self._buffer)
 
 
 def _copy_on_side_stream(dest: torch.Tensor, source: torch.Tensor) -> torch.cuda.Event:
