@@ -3,16 +3,23 @@
 May import: ``tenplex.store``, ``tenplex.dtypes``, ``tenplex.box``,
 ``tenplex.integration.pieces`` and ``.staging``, torch, numpy and the standard library.
 
-Both functions need only the store's contract (``StoreWriter.put`` and
-``StoreReader.read``/``readinto``, ``tenplex.store.contract``), so any backend
-fits. Saving hands each piece's CPU values to ``StoreWriter.put`` (the POSIX
-store writes them with plain file writes, no intermediate copy for a
+Both directions need only the store's contract (``StoreWriter.put``/``create``
+and ``StoreReader.read``/``readinto``, ``tenplex.store.contract``), so any
+backend fits. Saving hands each piece's CPU values to ``StoreWriter.put`` (the
+POSIX store writes them with plain file writes, no intermediate copy for a
 contiguous CPU tensor). Restoring reads each region with
 ``StoreReader.readinto``, which verifies the bytes it reads, straight into the
 local CPU tensor (the POSIX store: a contiguous run with ``pread``, rows such
-as a column block copied into place piece by piece); a GPU tensor gets a host
-buffer and then one copy. bfloat16 and float8 travel as
-their raw bits (uint16/uint8) because numpy has no such types.
+as a column block copied into place piece by piece).
+
+A tensor on an accelerator goes through the pooled host buffers of
+:mod:`.staging` (pinned where CUDA is there), slab by slab
+(``staging.SLAB_BYTES``): a restore reads a slab into a buffer and queues its
+copy to the device on a side stream, then reads the next slab while that copy
+runs; a save writes each slab into a new shard file (``StoreWriter.create``)
+while the next one comes off the device. So a GPU piece of any size needs a
+few slabs of host memory, not a host copy of itself. bfloat16 and float8
+travel as their raw bits (uint16/uint8) because numpy has no such types.
 """
 
 from __future__ import annotations
