@@ -114,7 +114,7 @@ def test_read_through_with_threads_restores_every_slab(tmp_path, device, small_s
 
 def test_the_pool_reuses_its_buffers_and_waits_when_all_are_taken():
     assert (staging.SLAB_BYTES, staging.BUFFERS) == (64 << 20, 6)  # documented (README, performance)
-    buffers = staging.HostBuffers(SLAB, count=1, pinned=False)
+    buffers = staging.HostBuffers(SLAB, pinned=False, count=1)
     first = buffers.take(SLAB)
     got: list = []
     waiter = threading.Thread(target=lambda: got.append(buffers.take(100)))

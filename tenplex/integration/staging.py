@@ -43,7 +43,6 @@ class _Buffer:
 
     def __init__(self, nbytes: int, pinned: bool):
         self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        self.pinned = pinned
         self.event: torch.cuda.Event | None = None
 
     def idle(self) -> bool:
@@ -62,10 +61,8 @@ class _Buffer:
 class HostBuffers:
     """A bounded, thread-safe pool of host buffers of ``slab_bytes`` each, made on first need, then reused."""
 
-    def __init__(self, slab_bytes: int, count: int = BUFFERS, pinned: bool | None = None):
-        self.slab_bytes, self.count = slab_bytes, count
-        # Pinning needs the CUDA driver; without it the same pool holds plain (pageable) host tensors.
-        self.pinned = torch.cuda.is_available() if pinned is None else pinned
+    def __init__(self, slab_bytes: int, pinned: bool, count: int = BUFFERS):
+        self.slab_bytes, self.pinned, self.count = slab_bytes, pinned, count
         self.made = 0
         self._free: deque[_Buffer] = deque()
         self._ready = threading.Condition()
@@ -91,7 +88,13 @@ class HostBuffers:
                     break
                 self._ready.wait()
         if oldest is None:  # allocated outside the lock: pinning takes a while
-            return _Buffer(self.slab_bytes, self.pinned)
+            try:
+                return _Buffer(self.slab_bytes, self.pinned)
+            except BaseException:
+                with self._ready:
+                    self.made -= 1
+                    self._ready.notify()
+                raise
         oldest.wait()
         return oldest
 
@@ -110,7 +113,7 @@ _pinned = True  # whether staging uses pinned buffers where CUDA is there (the b
 
 def pool() -> HostBuffers:
     """This process's pool (pinned where CUDA is available, unless :func:`use_pinned` turned it off)."""
-    pinned = _pinned and torch.cuda.is_available()
+    pinned = _pinned and torch.cuda.is_available()  # pinning needs the CUDA driver
     with _pools_lock:
         if pinned not in _pools:
             _pools[pinned] = HostBuffers(SLAB_BYTES, pinned=pinned)
