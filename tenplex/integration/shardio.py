@@ -14,10 +14,11 @@ as a column block copied into place piece by piece).
 
 A tensor on an accelerator goes through the pooled host buffers of
 :mod:`.staging` (pinned where CUDA is there), slab by slab
-(``staging.SLAB_BYTES``): a restore reads a slab into a buffer and queues its
-copy to the device on a side stream, then reads the next slab while that copy
-runs; a save writes each slab into a new shard file (``StoreWriter.create``)
-while the next one comes off the device. So a GPU piece of any size needs a
+(``staging.SLAB_BYTES``), a few slabs at once (``staging.THREADS``): a
+restore reads a slab into a buffer and queues its copy to the device on a
+side stream, and reads on while that copy runs; a save copies each slab off
+the device and writes it into a new shard file (``StoreWriter.create``) while
+other slabs are copied. So a GPU piece of any size needs a
 few slabs of host memory, not a host copy of itself. bfloat16 and float8
 travel as their raw bits (uint16/uint8) because numpy has no such types.
 """
@@ -34,7 +35,6 @@ import torch
 from ..box import Box
 from ..dtypes import numpy_storage
 from ..store import StoreWriter
-from ..store.target import ShardTarget
 from ..store.wire import split_box
 from . import staging
 from .pieces import Piece
@@ -67,29 +67,21 @@ def write_piece(writer: StoreWriter, device: str, piece: Piece) -> None:
 
 
 def write_staged(writer: StoreWriter, device: str, piece: Piece) -> None:
-    """Save ``piece`` (a tensor on any device) slab by slab through staging buffers: slab k+1 is copied off the
-    device while slab k is written to the new shard file."""
-    region = piece.local[piece.local_box.slices()]
+    """Save ``piece`` (a tensor on any device) slab by slab through staging buffers, ``staging.THREADS`` slabs
+    at once: each thread copies its slab off the device and writes it into the new shard file, so copies run
+    while other slabs are written."""
+    region = piece.local[piece.local_box.slices()].detach()
     target = writer.create(device, piece.name, piece.box, piece.spec.dtype, piece.spec.shape)
-    slabs = split_box(piece.box, region.element_size(), staging.SLAB_BYTES)
-    in_flight: list[tuple[Box, staging.Staged]] = []
-    try:
-        for slab in slabs:
-            in_flight.append((slab, staging.from_device(region[slab.local(piece.box).slices()])))
-            if len(in_flight) > 1:
-                _write_slab(target, *in_flight.pop(0))
-        while in_flight:
-            _write_slab(target, *in_flight.pop(0))
-    finally:
-        for _, staged in in_flight:  # a failed write: the copies still running must end before reuse
+
+    def write(slab: Box) -> None:
+        staged = staging.from_device(region[slab.local(piece.box).slices()])
+        try:
+            target.write(slab, staged.host().reshape(-1).view(torch.uint8).numpy())  # C-order bytes, any dtype
+        finally:
             staged.release()
 
-
-def _write_slab(target: ShardTarget, slab: Box, staged: staging.Staged) -> None:
-    try:
-        target.write(slab, staged.host().reshape(-1).view(torch.uint8).numpy())  # C-order bytes, any dtype
-    finally:
-        staged.release()
+    staging.begin({region.device})  # the copies come after the caller's work on the tensor so far
+    staging.each(write, list(split_box(piece.box, region.element_size(), staging.SLAB_BYTES)))
 
 
 @torch.no_grad()
@@ -110,10 +102,16 @@ def read_piece(reader: RegionReader, sources: list[tuple[str, Box]], piece: Piec
 
 def read_staged(reader: RegionReader, device: str, tensor: str, region: Box, dest: torch.Tensor) -> None:
     """Read ``region`` of ``device``'s shard of ``tensor`` into ``dest`` (any device, ``region``'s shape) slab by
-    slab through staging buffers: each slab's copy to the device runs while the next slab is read."""
-    for slab in split_box(region, dest.element_size(), staging.SLAB_BYTES):
-        part = dest[slab.local(region).slices()]
-        staging.to_device(partial(reader.readinto, device, tensor, slab), part)
+    slab through staging buffers, ``staging.THREADS`` slabs at once; each slab's copy to the device runs while
+    other slabs are read. On CUDA the caller's current stream waits for every copy."""
+    dest = dest.detach()
+
+    def read(slab: Box) -> None:
+        staging.to_device(partial(reader.readinto, device, tensor, slab), dest[slab.local(region).slices()])
+
+    staging.begin({dest.device})
+    staging.each(read, list(split_box(region, dest.element_size(), staging.SLAB_BYTES)))
+    staging.publish({dest.device})
 
 
 def _copy_from_map(region: np.ndarray, dest: torch.Tensor, dtype: str) -> None:

@@ -7,9 +7,9 @@ and writes files. Copies between the device and *pinned* (page-locked) host
 memory run on the GPU's copy engine at full speed and asynchronously;
 copies from pageable memory are staged by the driver and block. So the
 restore reads each slab of a shard into a pinned buffer of this pool and
-copies it to the device on a side stream while the next slab is read into
-another buffer; the save copies slab k+1 off the device while slab k is
-written to its file. Buffers are reused: allocating pinned memory costs far
+copies it to the device on a side stream while other slabs are read into
+other buffers; the save copies slabs off the device while others are written
+to their file, a few threads at once (:func:`each`). Buffers are reused: allocating pinned memory costs far
 more than copying into it, and a pool of a few slabs bounds the host memory a
 rank holds for staging, whatever the size of its state.
 
@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, TypeVar
 
 import torch
 
 SLAB_BYTES = 64 << 20  # one buffer; a copy of this size runs at the link's full rate on current GPUs
-BUFFERS = 6  # at most this many per process: read-through's 4 reading threads plus 2 copies in flight
+BUFFERS = 6  # at most this many per process: 4 threads reading or writing slabs plus 2 copies in flight
+THREADS = 4  # slabs of one piece read or written at once (file I/O releases the GIL; copies overlap it)
 
 
 class _Buffer:
@@ -201,6 +203,24 @@ def _copy_on_side_stream(dest: torch.Tensor, source: torch.Tensor) -> torch.cuda
         event.record(stream)
     current.wait_event(event)
     return event
+
+
+_Item = TypeVar("_Item")
+
+
+def each(fn: Callable[[_Item], None], items: list[_Item]) -> None:
+    """``fn(item)`` for every item, up to ``THREADS`` at once (one item: in this thread), without autograd
+    (which is per thread); the first failure is raised after every call has ended."""
+    def run(item: _Item) -> None:
+        with torch.no_grad():
+            fn(item)
+
+    if len(items) == 1:
+        run(items[0])
+        return
+    with ThreadPoolExecutor(max_workers=min(THREADS, len(items)), thread_name_prefix="staging") as threads:
+        for _ in threads.map(run, items):
+            pass
 
 
 def begin(devices: set[torch.device]) -> None:
