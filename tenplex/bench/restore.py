@@ -3,10 +3,14 @@
 May import: every tenplex layer, torch and the standard library. The model
 is the reference GPT, :mod:`tenplex.models.gpt`.
 
-One run, two ranks (gloo, CPU), one ``tenplex store serve`` process per host:
+One run, two ranks (gloo), one ``tenplex store serve`` process per host; the
+state lives on the CPU, or with ``--device cuda`` in GPU memory (both ranks
+share the first GPU: gloo carries CUDA tensors, NCCL would need one GPU per
+rank):
 
 the model under the old configuration (default ``tp=2``) takes one training
-step so that Adam's moments are real. Every restore goes into a fresh model
+step so that Adam's moments are real (on CUDA they are filled from the
+parameters instead: gloo may lack CUDA versions of the step's collectives). Every restore goes into a fresh model
 and optimizer under the new configuration (default FSDP2 over dp=2), as after a
 restart, so each one also creates the optimizer's state. In this order:
 
@@ -26,10 +30,23 @@ transform it (``tenplex_transformed``). Each store or DCP directory
 is deleted once measured, so that tmpfs holds one
 copy of the state at a time.
 
-Each timed step is preceded by a barrier and ends with one, so it measures the
-slowest rank. ``state_bytes`` is the global size of parameters and Adam states.
-The disk checkpoint's page cache is dropped (``posix_fadvise``) before loading,
-so that the disk load reads the disk, as after a restart on another machine.
+With ``--device cuda`` the same run also measures, on the same state:
+
+* ``tenplex_restore_pageable_s`` / ``tenplex_save_pageable_s``: a restore and a
+  save staged through pageable instead of pinned host buffers
+  (``tenplex.integration.staging``);
+* ``copy_{d2h,h2d}_{pinned,pageable}_s``: the floor, a plain ``copy_`` of
+  each rank's bytes between the GPU and one host buffer of their size, both
+  ranks at once as in the save and restore;
+* every ``*_s`` above as ``*_gbps`` (``state_bytes`` / seconds / 1e9), and
+  ``tenplex_{save,restore}_over_{d2h,h2d}_floor``: tenplex's rate over the
+  pinned floor's (the targets are 0.7 or more).
+
+Each timed step is preceded by a barrier and ends with one (on CUDA, after
+waiting for the device), so it measures the slowest rank. ``state_bytes`` is
+the global size of parameters and Adam states. The disk checkpoint's page
+cache is dropped (``posix_fadvise``) before loading, so that the disk load
+reads the disk, as after a restart on another machine.
 """
 
 from __future__ import annotations
@@ -62,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new", default="dp=2,fsdp=1", help="configuration that restores (default dp=2,fsdp=1)")
     parser.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"), help="tmpfs directory (tenplex store, DCP)")
     parser.add_argument("--disk", type=Path, default=Path("/var/tmp"), help="disk directory for DCP")
+    parser.add_argument("--no-disk", action="store_true", help="skip DCP on disk (tmpfs only)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the state lives (cuda: both ranks on the first GPU, plus the copy floors and "
+                             "pageable staging)")
     add_warm_argument(parser)
     parser.add_argument("--new-hosts", type=int, default=1,
                         help="1: both ranks on host h0 throughout (default); 2: the new configuration's rank 1 runs "
@@ -72,6 +93,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     if args.new_hosts not in (1, 2):
         raise UsageError(f"--new-hosts must be 1 or 2 (the benchmark has 2 ranks), got {args.new_hosts}")
+    if args.device == "cuda" and not _cuda_available():
+        raise UsageError("--device cuda needs a CUDA device, and torch sees none here; use --device cpu")
     work = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.tmpfs))
     disk = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.disk))
     hosts = [f"h{i}" for i in range(args.new_hosts)]
@@ -82,7 +105,8 @@ def run(args: argparse.Namespace) -> dict:
                               "heads": 16, "seq": 8},
                     "old": args.old, "new": args.new, "roots": {h: str(stores.root(h)) for h in hosts},
                     "stores": dict(stores.addresses), "dcp_tmpfs": str(work / "dcp"), "dcp_disk": str(disk / "dcp"),
-                    "result": str(work / "result.json"), "warm_gb": args.warm_gb}
+                    "result": str(work / "result.json"), "warm_gb": args.warm_gb, "device": args.device,
+                    "dcp_where": ["tmpfs"] if args.no_disk else ["tmpfs", "disk"]}
             # Both ranks launch on h0; each worker takes its store root and host from the spec.
             run_spec_job([sys.executable, "-m", "tenplex.bench.restore"], spec, work / "spec.json", ["h0/0", "h0/1"],
                          {"h0": stores.root("h0")}, dict(stores.addresses), work / "logs")
@@ -90,6 +114,12 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 # ------------------------------------------------------------------ worker
@@ -107,6 +137,10 @@ class _Timed:
         dist.barrier()
         start = time.perf_counter()
         fn()
+        if self.spec["device"] == "cuda":
+            import torch
+
+            torch.cuda.synchronize()  # a restore returns with copies still queued: count them
         dist.barrier()
         self.result[key] = round(time.perf_counter() - start, 3)
 
@@ -115,7 +149,8 @@ class _Timed:
         from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
         cfg = GPTConfig(**self.spec["model"])
-        self(key, partial(load, Trainer(cfg, Parallel.parse(self.spec["new"]), global_batch=8)))
+        self(key, partial(load, Trainer(cfg, Parallel.parse(self.spec["new"]), global_batch=8,
+                                        device=self.spec["device"])))
 
 
 def _worker(spec_path: str) -> None:
@@ -125,22 +160,44 @@ def _worker(spec_path: str) -> None:
     from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
     spec = json.loads(Path(spec_path).read_text())
+    if spec["device"] == "cuda":
+        import torch
+
+        torch.cuda.set_device(0)
+        torch.cuda.init()  # initialised: DeviceMesh then keeps device 0 instead of taking LOCAL_RANK's
     init_process_group("gloo")
     result: dict = {"old": spec["old"], "new": spec["new"], "model": spec["model"],
-                    "tenplex_new_hosts": len(spec["roots"])}
+                    "tenplex_new_hosts": len(spec["roots"]), "device": spec["device"]}
     timed = _Timed(result, spec)
-    old = Trainer(GPTConfig(**spec["model"]), Parallel.parse(spec["old"]), global_batch=8)
-    old.train_step(0)
+    old = Trainer(GPTConfig(**spec["model"]), Parallel.parse(spec["old"]), global_batch=8, device=spec["device"])
+    old.train_step(0) if spec["device"] == "cpu" else _fill_moments(old)
     result["state_bytes"] = _state_bytes(old)
     _time_tenplex(timed, old, spec)
     _time_dcp(timed, old, spec)
+    if spec["device"] == "cuda":
+        _time_copies(timed, result["state_bytes"])
     if dist.get_rank() == 0:
         for what, key in (("save", "save"), ("restore", "load")):
-            for where in ("tmpfs", "disk"):
+            for where in spec["dcp_where"]:
                 result[f"dcp_{where}_{key}_over_tenplex"] = round(result[f"dcp_{where}_{key}_s"]
                                                                  / max(result[f"tenplex_{what}_s"], 1e-9), 2)
+        if spec["device"] == "cuda":
+            _rates(result)
         Path(spec["result"]).write_text(json.dumps(result))
     leave_process_group()
+
+
+def _fill_moments(trainer) -> None:
+    """Adam's moments from the parameters (exp_avg = p / 2, exp_avg_sq = p * p): local, equal on replicas."""
+    import torch
+
+    from tenplex.integration.pieces import init_optimizer_state
+
+    init_optimizer_state(trainer.optimizer)
+    with torch.no_grad():
+        for param, state in trainer.optimizer.state.items():
+            state["exp_avg"].copy_(param * 0.5)
+            state["exp_avg_sq"].copy_(param * param)
 
 
 def _time_tenplex(timed: _Timed, old, spec: dict) -> None:
@@ -160,6 +217,15 @@ def _time_tenplex(timed: _Timed, old, spec: dict) -> None:
                                                                    scheduler=new.scheduler, checkpointer=new_ckpt))
     timed.result["tenplex_transformed"] = new_ckpt.last_restore.transformed
     timed.result["tenplex_read_through"] = new_ckpt.last_restore.read_through
+    if spec["device"] == "cuda":  # the same restore and save, staged through pageable host memory
+        from tenplex.integration import staging
+
+        staging.use_pinned(False)
+        timed.restore("tenplex_restore_pageable_s", lambda new: tenplex.restore(
+            new.model, new.optimizer, scheduler=new.scheduler, checkpointer=new_ckpt))
+        timed("tenplex_save_pageable_s", partial(tenplex.save, old.model, old.optimizer, step=2,
+                                                 scheduler=old.scheduler, checkpointer=ckpt))
+        staging.use_pinned(True)
     dist.barrier()
     if rank < len(roots):  # free the tmpfs before DCP writes there (the machine's memory is the limit)
         for version in new_ckpt.store.versions():
@@ -170,7 +236,7 @@ def _time_dcp(timed: _Timed, old, spec: dict) -> None:
     """dcp.save and dcp.load (with resharding) on tmpfs, then on disk with its page cache dropped."""
     import torch.distributed as dist
 
-    for where in ("tmpfs", "disk"):
+    for where in spec["dcp_where"]:
         path = spec[f"dcp_{where}"]
         timed(f"dcp_{where}_save_s", partial(_dcp_save, old, path))
         if dist.get_rank() == 0 and where == "disk":
@@ -179,6 +245,31 @@ def _time_dcp(timed: _Timed, old, spec: dict) -> None:
         dist.barrier()
         if dist.get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _time_copies(timed: _Timed, state_bytes: int) -> None:
+    """The floor: each rank copies its share of ``state_bytes`` between the GPU and one host buffer of that size,
+    pinned and pageable, both ways, both ranks at once (as they save and restore)."""
+    import torch
+    import torch.distributed as dist
+
+    share = state_bytes // dist.get_world_size()
+    on_gpu = torch.empty(share, dtype=torch.uint8, device="cuda").fill_(1)
+    for kind in ("pinned", "pageable"):
+        host = torch.empty(share, dtype=torch.uint8, pin_memory=kind == "pinned")
+        host.fill_(2)  # touched: the copy measures the link, not page faults
+        timed(f"copy_d2h_{kind}_s", partial(host.copy_, on_gpu, non_blocking=True))
+        timed(f"copy_h2d_{kind}_s", partial(on_gpu.copy_, host, non_blocking=True))
+        del host
+
+
+def _rates(result: dict) -> None:
+    """GB/s of every timed step on ``state_bytes``, and tenplex's save and restore over the pinned floor."""
+    for key in [k for k in result if k.endswith("_s")]:
+        result[key.removesuffix("_s") + "_gbps"] = round(result["state_bytes"] / max(result[key], 1e-9) / 1e9, 2)
+    for what, floor in (("save", "d2h"), ("restore", "h2d")):
+        result[f"tenplex_{what}_over_{floor}_floor"] = round(result[f"tenplex_{what}_gbps"]
+                                                             / max(result[f"copy_{floor}_pinned_gbps"], 1e-9), 2)
 
 
 def _dcp_save(trainer, path: str) -> None:

@@ -1,8 +1,8 @@
 """Restore by reading the plan's transfers straight into the model: no new version in the stores.
 
 May import: ``tenplex.store``, ``tenplex.transfer_plan``, ``tenplex.box``,
-``tenplex.devices``, ``tenplex.dtypes``, this package's ``pieces`` and
-``shardio``, numpy and the standard library.
+``tenplex.devices``, ``tenplex.dtypes``, this package's ``pieces``,
+``shardio`` and ``staging``, numpy and the standard library.
 
 A restore whose new layout needs state from other hosts has two ways to get
 it. The stores can run the plan (``tenplex.transform``) and commit a new
@@ -34,11 +34,12 @@ from ..dtypes import numpy_storage
 from ..store.client import StoreClient
 from ..store.wire import split_box
 from ..transfer_plan import Plan, Transfer
+from . import staging
 from .pieces import Piece
 from .shardio import RegionReader, read_piece
 
 THREADS = 4  # regions read at once per rank: waits on the network overlap with local reads and checksums
-SLAB_BYTES = 64 << 20  # regions are read in slabs of at most this (a GPU piece stages a slab in host memory)
+SLAB_BYTES = staging.SLAB_BYTES  # regions are read in slabs of at most this (a GPU piece stages each one)
 
 
 def fans_out(plan: Plan) -> bool:
@@ -80,7 +81,10 @@ def read_through(plan: Plan, device: str, pieces: list[Piece], readers: Mapping[
     no piece are skipped (a layout given in advance may hold more than the
     model needs). Regions are read in slabs of at most ``SLAB_BYTES``, larger
     regions first, up to ``threads`` at once; after the first failure the
-    slabs not started yet are dropped and the failure is raised."""
+    slabs not started yet are dropped and the failure is raised. Pieces on
+    a GPU: each slab read into a pinned buffer is copied to the device on a
+    side stream while the threads read on; the caller's current stream waits
+    for every copy (:mod:`.staging`)."""
     by_tensor: dict[str, list[Piece]] = {}
     for p in pieces:
         by_tensor.setdefault(p.name, []).append(p)
@@ -103,8 +107,12 @@ def read_through(plan: Plan, device: str, pieces: list[Piece], readers: Mapping[
             raise
         return slab.volume * piece.local.element_size()
 
+    devices = {p.local.device for p in pieces}
+    staging.begin(devices)  # the worker threads' copies come after the caller's work on these tensors so far
     with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="read-through") as pool:
-        return sum(pool.map(run, jobs))
+        done = sum(pool.map(run, jobs))
+    staging.publish(devices)
+    return done
 
 
 def _containing(transfer: Transfer, pieces: list[Piece]) -> Piece | None:
