@@ -63,6 +63,7 @@ from .versions import STATE_DOC
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.005  # how often a host's first rank looks for the commit decision (one small request each)
+_COPY_TRIES, _COPY_RETRY_S = 20, 0.25  # a snapshot's copy is retried for ~5 s: other hosts commit a moment later
 
 
 class SnapshotError(TenplexError, RuntimeError):
@@ -104,8 +105,11 @@ class Snapshotter:
         self._kv_tried = False
         self._next_copy: tuple[int, int, Layout, dict, int] | None = None  # newest committed, not yet copied
         self._copying_step: int | None = None
+        self._copy_wanted = threading.Condition()
+        self._copier: threading.Thread | None = None
+        self._closed = False
         self.stats: dict[str, Any] = {"snapshots": 0, "committed": 0, "failed": 0, "blocking_s": 0.0,
-                                      "waited_s": 0.0, "last_blocking_s": 0.0, "last_write_s": 0.0,
+                                      "waited_s": 0.0, "last_blocking_s": 0.0, "write_s": 0.0, "last_write_s": 0.0,
                                       "last_commit_s": None, "staging_bytes": 0, "committed_step": None,
                                       "replicated_step": None}
 
@@ -148,6 +152,7 @@ class Snapshotter:
         job.thread.start()
         blocking = time.monotonic() - begin
         self.stats.update(snapshots=self.stats["snapshots"] + 1, blocking_s=self.stats["blocking_s"] + blocking,
+                          staged_version=version, staged_step=step,
                           waited_s=self.stats["waited_s"] + waited, last_blocking_s=blocking,
                           staging_bytes=self.staging.nbytes)
         return job.future
@@ -176,6 +181,7 @@ class Snapshotter:
         reports = [d["previous"] for d in docs if d["previous"]]
         if job is None or not reports:
             return
+        self.stats["write_s"] += job.write_s
         failed = [(r, d["previous"]["error"]) for r, d in enumerate(docs) if d["previous"] and d["previous"]["error"]]
         store = self.ckpt.store
         if not failed and any(p["leader"] and not p["committed"] for p in reports):
@@ -199,9 +205,6 @@ class Snapshotter:
         self.stats.update(committed=self.stats["committed"] + 1, committed_step=job.step,
                           committed_version=job.version, last_write_s=job.write_s, last_commit_s=job.commit_s)
         self.ckpt._replicated_version = job.version
-        if job.leader and job.replicas and job.layout is not None:
-            self._next_copy = (job.version, job.step, job.layout, job.addresses, job.replicas)
-        self._replicate()
         job.future.set_result(job.version)
 
     # ------------------------------------------------------------ background
@@ -255,6 +258,7 @@ class Snapshotter:
         job.committed = True
         job.commit_s = time.monotonic() - job.staged_at
         store.gc(self.ckpt.keep)  # retention, off the training thread (unless the boundary had to commit)
+        self._queue_copy(job)
 
     def _key_value_store(self):
         """A client of the job's c10d key-value store for this snapshotter's thread (None: not reachable)."""
@@ -270,33 +274,70 @@ class Snapshotter:
         return self._kv
 
     # ----------------------------------------------------------- replication
-    def _replicate(self) -> None:
-        """Copy the newest committed snapshot to the ring's next hosts, one at a time: a copy still running is
-        not cancelled, newer snapshots wait and only the newest of them is copied next."""
+    def _queue_copy(self, job: _InFlight) -> None:
+        """Have the newest committed snapshot copied to the ring's next hosts (see :meth:`_copy_loop`)."""
+        if not (job.leader and job.replicas and job.layout is not None):
+            return
+        with self._copy_wanted:
+            self._next_copy = (job.version, job.step, job.layout, job.addresses, job.replicas)
+            if self._copier is None:
+                self._copier = threading.Thread(target=self._copy_loop, name="tenplex-snapshot-copies", daemon=True)
+                self._copier.start()
+            self._copy_wanted.notify()
+
+    def _copy_loop(self) -> None:
+        """Copy one snapshot at a time, the newest first: a copy still running is not cancelled by a newer
+        snapshot, and of the snapshots committed meanwhile only the newest is copied next."""
         ckpt = self.ckpt
-        running = ckpt._replicator
-        if running is not None and running.state in ("pending", "running"):
-            return
-        if running is not None and running.state == "replicated" and self._copying_step is not None:
-            self.stats["replicated_step"] = self._copying_step
-        if self._next_copy is None:
-            return
-        version, step, layout, addresses, replicas = self._next_copy
-        self._next_copy = None
-        self._copying_step = step
-        ckpt._replicator = Replicator(ckpt.store, version, layout, replicas, addresses, token=ckpt.token,
-                                      keep=ckpt.keep).start()
+        while True:
+            with self._copy_wanted:
+                while self._next_copy is None and not self._closed:
+                    self._copy_wanted.wait()
+                if self._closed:
+                    return
+                assert self._next_copy is not None
+                version, step, layout, addresses, replicas = self._next_copy
+                self._next_copy = None
+                self._copying_step = step
+            for _ in range(_COPY_TRIES):
+                with self._copy_wanted:
+                    if self._closed or self._next_copy is not None:
+                        break  # superseded: copy the newer one instead
+                    replicator = ckpt._replicator = Replicator(ckpt.store, version, layout, replicas, addresses,
+                                                               token=ckpt.token, keep=ckpt.keep)
+                if replicator.start().wait():
+                    self.stats["replicated_step"] = step
+                    break
+                if replicator.state == "cancelled":
+                    break
+                # Each host commits on its own once every rank prepared: the origin's commit may come a moment
+                # after ours (its store answers NOT_FOUND until then).
+                time.sleep(_COPY_RETRY_S)
+
+    def wait_copies(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` seconds until no snapshot waits to be copied (the newest one's copy may still run:
+        :meth:`Checkpointer.wait_replicated` waits for it)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._copy_wanted:
+            while self._next_copy is not None and not self._closed:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self._copy_wanted.wait(0.05 if left is None else min(0.05, left))
 
     def replication_lag(self) -> int:
-        """Steps between the newest committed snapshot and the newest one whose copies are committed (0 when this
-        rank pulls no copies)."""
-        self._replicate()
+        """Steps between the newest committed snapshot and the newest one whose copies are committed on this
+        host (0 when this rank pulls no copies)."""
         committed, replicated = self.stats["committed_step"], self.stats["replicated_step"]
-        if committed is None or (self._copying_step is None and self._next_copy is None):
+        if committed is None or self._copying_step is None:
             return 0
         return committed - (replicated if replicated is not None else 0)
 
     def close(self) -> None:
-        """Stop polling for a decision (the process is going away); what was staged stays uncommitted."""
+        """Stop polling for a decision and copying (the process is going away); what was staged stays
+        uncommitted."""
         if self.inflight is not None:
             self.inflight.give_up.set()
+        with self._copy_wanted:
+            self._closed = True
+            self._copy_wanted.notify()

@@ -31,8 +31,8 @@ class Staging:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
-        self._event = None  # torch.cuda.Event of the last staging's copies, when some piece lives on a GPU
-        self._stream = None
+        self._event: torch.cuda.Event | None = None  # the last staging's copies, when some piece is on a GPU
+        self._stream: torch.cuda.Stream | None = None
 
     @property
     def nbytes(self) -> int:
@@ -54,16 +54,15 @@ class Staging:
                 self._stage_cuda(on_gpu)
 
     def _stage_cuda(self, pieces: list[Piece]) -> None:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
+        side = self._stream = self._stream or torch.cuda.Stream()
         current = torch.cuda.current_stream()
-        self._stream.wait_stream(current)  # the step's kernels that wrote the tensors come first
-        with torch.cuda.stream(self._stream):
+        side.wait_stream(current)  # the step's kernels that wrote the tensors come first
+        with torch.cuda.stream(side):
             for p in pieces:
                 self._buffer(p).copy_(p.local[p.local_box.slices()], non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(self._stream)
-        current.wait_event(self._event)  # the next optimizer step may not overwrite a tensor mid-copy
+            event = self._event = torch.cuda.Event()
+            event.record(side)
+        current.wait_event(event)  # the next optimizer step may not overwrite a tensor mid-copy
 
     def wait_copied(self) -> None:
         """Block until the last :meth:`stage`'s copies are in host memory (immediate on CPU)."""
