@@ -6,6 +6,8 @@ The worker is ``mp/replica_worker.py`` (ops ``snapshot``, ``wait_snapshot``, ``l
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -102,3 +104,41 @@ def test_a_rank_killed_during_the_background_write_leaves_the_previous_snapshot_
         assert ops[0]["step"] == 1 and ops[0]["info"]["version"] == 1
         assert_bit_equal(load_file(str(tmp_path / "restore" / f"restored_r{rank}.safetensors")),
                          load_file(str(tmp_path / "train" / f"snap_step1_r{rank}.safetensors")))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """h0's store on a 256 KiB tmpfs of its own (mounted as root, unmounted after)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    root = tmp_path / "stores" / "h0"
+    root.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(root)], check=True)
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=True)
+
+
+def test_a_full_disk_fails_one_snapshot_in_one_log_line_and_training_goes_on(tmp_path, small_tmpfs):
+    filler = {"rank": 0, "path": str(small_tmpfs / "filler")}
+    ranks = run(tmp_path, "train", [{"op": "train", "steps": 1}, {"op": "snapshot"}, {"op": "wait_snapshot"},
+                                    {"op": "fill_disk", **filler}, {"op": "snapshot"}, {"op": "wait_snapshot"},
+                                    {"op": "free_disk", **filler}, {"op": "snapshot"}, {"op": "wait_snapshot"}],
+                keep=5)
+    for ops in ranks:
+        done = [r for r in ops if r["op"] == "wait_snapshot"]
+        assert done[0]["outcomes"] == [1]
+        # The second snapshot (version 2) failed on rank 0 and was dropped everywhere; the third is tried and lands.
+        assert "version 2" in done[1]["outcomes"][1] and "No space left on device" in done[1]["outcomes"][1]
+        assert done[2]["outcomes"][2] == 2 and done[2]["stats"]["failed"] == 1  # its number, free again
+        assert [r["step"] for r in ops if r["op"] == "snapshot"] == [1, 2, 3]  # training went on
+    for host in ("h0", "h1"):
+        assert Store(tmp_path / "stores" / host, host).versions() == [1, 2]
+    lines = [line for line in (tmp_path / "train" / "logs" / "rank0.log").read_text().splitlines()
+             if "snapshot" in line]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("tenplex: snapshot of step 2 (version 2) failed on rank 0: OSError: [Errno 28] No "
+                               "space left on device")
+    assert "training goes on" in lines[0]
+    assert "snapshot" not in (tmp_path / "train" / "logs" / "rank1.log").read_text()

@@ -9,12 +9,12 @@ directories on tmpfs. Each measure is the median of ``--repeat`` rounds, each
 round the slowest rank (barriers around it):
 
 * ``memcpy_s``: each rank copies its local tensors into preallocated buffers
-  (the floor of any staging);
+  (the floor of any staging), measured in the same rounds as the snapshot;
 * ``tenplex_save_s``: ``tenplex.save``, blocking (the store's write path);
 * ``tenplex_snapshot_blocking_s``: ``Checkpointer.async_save`` until it
   returns (staging buffers reused; ``tenplex_snapshot_first_blocking_s`` is the
   first call, which allocates them); ``tenplex_snapshot_commit_s``: from the
-  call until ``wait_snapshot`` returns with the version committed on every host;
+  call until the host committed the version (in the background);
 * ``dcp_save_s``: ``torch.distributed.checkpoint.save``;
   ``dcp_async_blocking_s``: ``dcp.async_save`` (on a gloo group of its own, as
   its documentation asks) until it returns; ``dcp_async_commit_s``: until its
@@ -130,14 +130,12 @@ def _worker(spec_path: str) -> None:
                        *(v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0)]]
     buffers = [torch.empty_like(t) for t in local]
 
-    def memcpy(_: int) -> tuple[float]:
+    def memcpy() -> float:
         begin = time.perf_counter()
         with torch.no_grad():
             for b, t in zip(buffers, local):
                 b.copy_(t)
-        return (time.perf_counter() - begin,)
-    result["memcpy_s"], = _rounds(repeat, memcpy)
-    buffers.clear()  # free them before the stores and DCP take memory
+        return time.perf_counter() - begin
 
     ckpt = tenplex.Checkpointer(store_root=work / "store", host="h0", device=f"h0/{rank}", replicas=0, keep=1)
 
@@ -147,14 +145,19 @@ def _worker(spec_path: str) -> None:
         return (time.perf_counter() - begin,)
     result["tenplex_save_s"], = _rounds(repeat, save)
 
-    def snapshot(i: int) -> tuple[float, float]:
+    def snapshot(i: int) -> tuple[float, float, float]:
+        floor = memcpy()  # the floor, measured next to each snapshot: this machine's load varies
+        dist.barrier()
         begin = time.perf_counter()
         ckpt.async_save(trainer.model, trainer.optimizer, step=100 + i, scheduler=trainer.scheduler)
         returned = time.perf_counter()
         ckpt.wait_snapshot()
-        return returned - begin, time.perf_counter() - begin
-    result["tenplex_snapshot_first_blocking_s"], _ = _rounds(1, snapshot)
-    result["tenplex_snapshot_blocking_s"], result["tenplex_snapshot_commit_s"] = _rounds(repeat, snapshot)
+        # From the call until this host committed (the first rank of the host; the others report 0).
+        return floor, returned - begin, ckpt.snapshot_stats()["last_commit_s"] or 0.0
+    _, result["tenplex_snapshot_first_blocking_s"], _ = _rounds(1, snapshot)
+    result["memcpy_s"], result["tenplex_snapshot_blocking_s"], result["tenplex_snapshot_commit_s"] = _rounds(
+        repeat, snapshot)
+    buffers.clear()  # free them before DCP takes memory
     stats = ckpt.snapshot_stats()
     result["tenplex_staging_bytes"] = int(_summed(stats["staging_bytes"]))
     result["tenplex_snapshot_failed"] = int(_summed(stats["failed"]))

@@ -84,14 +84,14 @@ class _InFlight:
     addresses: dict[str, str]
     replicas: int
     future: Future = field(default_factory=Future)
-    staged_at: float = field(default_factory=time.monotonic)
+    called_at: float = field(default_factory=time.monotonic)  # when async_save was called
     written: threading.Event = field(default_factory=threading.Event)
     give_up: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     error: str | None = None
     committed: bool = False
     write_s: float = 0.0
-    commit_s: float | None = None    # seconds from staging until this host committed
+    commit_s: float | None = None    # seconds from the call until this host committed
 
 
 class Snapshotter:
@@ -145,7 +145,8 @@ class Snapshotter:
         kv = self._key_value_store()
         job = self.inflight = _InFlight(
             version, step, rank == leader, [f"rank{r}" for r, d in enumerate(docs) if d["host"] == ckpt.host], world,
-            None if kv is None else f"tenplex/snapshot/{docs[0]['nonce']}", layout, addresses, replicas)
+            None if kv is None else f"tenplex/snapshot/{docs[0]['nonce']}", layout, addresses, replicas,
+            called_at=begin)
         specs = {p.name: p.spec for p in own}
         job.thread = threading.Thread(target=self._write, args=(job, specs, documents, rank),
                                       name=f"tenplex-snapshot-{version}", daemon=True)
@@ -256,7 +257,7 @@ class Snapshotter:
         store = self.ckpt.store
         store.commit(job.version, parts=job.parts)
         job.committed = True
-        job.commit_s = time.monotonic() - job.staged_at
+        job.commit_s = time.monotonic() - job.called_at
         store.gc(self.ckpt.keep)  # retention, off the training thread (unless the boundary had to commit)
         self._queue_copy(job)
 

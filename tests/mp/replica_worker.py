@@ -19,6 +19,7 @@ under every world size. Ops (``spec["ops"]``, run in order):
   ``slow_write: SECONDS`` every shard write sleeps first; with ``die_in_write_on_rank: R`` rank R
   dies (exit 9) a second after its first shard write, before its part is prepared;
 * ``wait_snapshot``: ``Checkpointer.wait_snapshot``; record the futures' outcomes and the store's versions;
+* ``fill_disk`` / ``free_disk`` (on rank ``rank``): fill the file system with the file ``path``, delete it;
 * ``leave_unsettled``: write the results, wait for this rank's write, linger, exit without settling;
 * ``restore``: restore; record the returned step and ``last_restore``, or the error's type and
   message; dump the local state afterwards (``restored_r{R}``) and the store's versions. With
@@ -159,6 +160,17 @@ def main() -> None:
                         for f in futures]
             results.append({"op": kind, "version": version, "outcomes": outcomes, "stats": ckpt.snapshot_stats(),
                             "versions": Store(os.environ["TENPLEX_STORE_ROOT"], host).versions()})
+        elif kind == "fill_disk" and rank == op["rank"]:  # the store's file system full: writes get ENOSPC
+            with open(op["path"], "wb", buffering=0) as filler:
+                try:
+                    while True:
+                        filler.write(b"\0" * 4096)
+                except OSError:
+                    pass
+        elif kind == "free_disk" and rank == op["rank"]:
+            os.unlink(op["path"])
+        elif kind in ("fill_disk", "free_disk"):
+            pass
         elif kind == "leave_unsettled":  # a killed job: nothing settles what is in flight
             (out / f"result_r{rank}.json").write_text(json.dumps(results))
             if ckpt._snapshots is not None and ckpt._snapshots.inflight is not None:
