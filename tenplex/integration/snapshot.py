@@ -1,7 +1,8 @@
 """Snapshots: a save that returns once the state is staged in host memory; a background thread stores and commits it.
 
-May import: ``tenplex.store``, ``tenplex.replication``, ``tenplex.errors``, ``tenplex.integration`` (pieces,
-layouts, staging, exchange, nontensor, versions), torch, torch.distributed and the standard library.
+May import: ``tenplex.store``, ``tenplex.replication``, ``tenplex.layout``, ``tenplex.errors``,
+``tenplex.integration`` (pieces, layouts, staging, exchange, nontensor, versions), torch, torch.distributed and
+the standard library.
 
 A snapshot is a version like any other: the same parts, manifest and commit
 as :meth:`Checkpointer.save`, so a restore (into any layout) reads it
