@@ -65,7 +65,7 @@ def test_each_event_changes_the_world_and_the_configuration(run):
     # killed after (the demo kills once that snapshot's copies exist): nothing is lost.
     assert fail["lost_steps"] == 0 and fail["resumed_from_step"] == fail["at_step"]
     saves = summary["saves"]
-    assert saves["kinds"]["snapshot"] >= STEPS - 3 and saves["max_replication_lag"] >= 0
+    assert saves["kinds"]["snapshot"] >= 3 and saves["max_replication_lag"] >= 0
     # The joining node's store starts empty: its stage crosses hosts. After the failure, h1's pipeline stage had
     # no data-parallel copy: it came back from the replicated copies, then moved to the new configuration.
     assert join["bytes"]["inter_host"] > 0 and fail["bytes"]["inter_host"] > 0

@@ -251,9 +251,9 @@ def _saves(worlds: list[World]) -> dict:
     replication lag in steps that a save reported (the newest snapshot minus the newest with committed copies)."""
     saves = [s for w in worlds for s in w.saves]
     kinds: dict[str, int] = {}
-    for s in saves:
-        kinds[s.get("why", "periodic")] = kinds.get(s.get("why", "periodic"), 0) + 1
-    return {"count": len(saves), "kinds": dict(sorted(kinds.items())),
+    for _version, why in {(s["version"], s.get("why", "periodic")) for s in saves}:  # every rank records each save
+        kinds[why] = kinds.get(why, 0) + 1
+    return {"count": sum(kinds.values()), "kinds": dict(sorted(kinds.items())),
             "max_replication_lag": max((s.get("replication_lag", 0) for s in saves), default=0)}
 
 
