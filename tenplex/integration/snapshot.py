@@ -80,7 +80,7 @@ class _InFlight:
     leader: bool
     parts: list[str]
     world: int
-    key: str | None                  # the version's keys in the job's key-value store (None: settle at the boundary)
+    key: str                         # the version's keys in the job's key-value store
     layout: Layout | None            # leaders: the saved layout (replication)
     addresses: dict[str, str]
     replicas: int
@@ -143,11 +143,9 @@ class Snapshotter:
             layout = saved_layout(tensors, docs, writers)
             documents = {STATE_DOC: ckpt._state_doc(docs, step, extra, scheduler, scaler, optimizer),
                          STORES_DOC: stores_doc(version, {h: addresses.get(h) for h in ring}, replicas, ring)}
-        kv = self._key_value_store()
         job = self.inflight = _InFlight(
             version, step, rank == leader, [f"rank{r}" for r, d in enumerate(docs) if d["host"] == ckpt.host], world,
-            None if kv is None else f"tenplex/snapshot/{docs[0]['nonce']}", layout, addresses, replicas,
-            called_at=begin)
+            f"tenplex/snapshot/{docs[0]['nonce']}", layout, addresses, replicas, called_at=begin)
         specs = {p.name: p.spec for p in own}
         job.thread = threading.Thread(target=self._write, args=(job, specs, documents, rank),
                                       name=f"tenplex-snapshot-{version}", daemon=True)
@@ -231,7 +229,7 @@ class Snapshotter:
                       "snapshot is tried", job.step, job.version, rank, job.error)
         job.write_s = time.monotonic() - begin
         job.written.set()
-        if job.key is not None:
+        if self._key_value_store() is not None:  # connected here, off the training thread
             try:
                 self._agree_through_store(job)
             except Exception as e:  # noqa: BLE001 -- the boundary's all-gather settles it instead
