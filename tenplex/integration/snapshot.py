@@ -233,8 +233,8 @@ class Snapshotter:
             try:
                 self._agree_through_store(job)
             except Exception as e:  # noqa: BLE001 -- the boundary's all-gather settles it instead
-                log.debug("snapshot %d: key-value store unavailable (%s); settling at the next boundary",
-                          job.version, e)
+                log.warning("tenplex: snapshot of step %d (version %d): %s: %s; it is settled at the next step "
+                            "boundary", job.step, job.version, type(e).__name__, e)
 
     def _agree_through_store(self, job: _InFlight) -> None:
         kv, decision = self._kv, f"{job.key}/decision"
