@@ -20,7 +20,9 @@ this process: the training runs in the workers (``examples/01-gpt-train/train.py
      larger world;
    * ``fail:HOST@STEP``: SIGKILL of the node's process group and of its store;
      the survivors' next collective fails, they exit without saving, and the
-     next world restores the newest version the survivors can assemble
+     next world restores the newest version (the job snapshots every step:
+     ``save_every=1``, staged at the boundary, committed and copied in the
+     background) the survivors can assemble
      completely (from data-parallel copies or replicated ones), replaying the
      steps after it on the same global batches;
    * ``leave:HOST@STEP``: SIGTERM to the node's agent: the ranks agree at the
@@ -324,7 +326,7 @@ def require_links() -> None:
 
 
 def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initial: tuple[str, ...] = ("h0", "h1"),
-        save_every: int = 5, pins: dict[int, str] | None = None,
+        save_every: int = 1, pins: dict[int, str] | None = None,
         say: Callable[[str], None] = print, link_mbit: float | None = None) -> tuple[dict, dict]:
     """Everything: dataset, reference, elastic run, summary. Returns the summary and the loss histories.
 

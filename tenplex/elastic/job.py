@@ -28,7 +28,12 @@ What happens at ``step_done`` (collective; every rank calls it after its optimiz
 4. otherwise it saves when the interval is due: ``save_every`` steps, or,
    with ``save_every=None``, the smallest interval that keeps saving at most
    ``save_budget`` (5%) of training time (:func:`auto_interval`), measured as
-   the job runs (:meth:`Job.save_cost` reports it);
+   the job runs (:meth:`Job.save_cost` reports it). Periodic saves are
+   snapshots (``snapshots=True``, the default: :meth:`tenplex.Checkpointer.async_save`):
+   only their staging blocks the loop and counts against the budget, so the
+   interval is one step unless staging alone exceeds 5% of a step; the write
+   and the commit run in the background. Stopping saves block (after the
+   snapshot in flight is settled), so a planned leave loses nothing;
 5. if a collective fails because a peer is gone (a node died), the rank
    exits at once without saving, with ``EXIT_RESTART``: the next world
    restores the newest version that was committed completely.
@@ -122,8 +127,12 @@ class Job:
     peer before the rank gives up (a dead node that sent no reset; gloo's
     point-to-point receives, as in pipelining, ignore it and wait until the
     host's TCP gives up on the peer: see ``net.ipv4.tcp_retries2``).
-    ``on_save(info)`` runs on every rank after each committed save (``info``:
-    step, version, why, seconds), for example to log it; ``on_exit(code, why)``
+    ``snapshots`` (default True): periodic saves are snapshots, staged at the
+    boundary and committed in the background (a failed one is logged, training
+    goes on). ``on_save(info)`` runs on every rank after each committed save,
+    and after each snapshot is staged (``info``: step, version, why — periodic,
+    snapshot, stopping, final, requested —, seconds the loop was blocked, and the
+    replication lag in steps), for example to log it; ``on_exit(code, why)``
     runs before the job exits at a step boundary (stopping, or a peer gone). ``replicas``: copies
     of each region that no other host holds, made in the background after
     each save (None: one when there are two or more hosts; see
@@ -139,7 +148,8 @@ class Job:
                  policy: Callable | None = None, save_every: int | None = None, save_budget: float = 0.05,
                  replicas: int | None = None, backend: str = "gloo", timeout: float = 120.0,
                  checkpointer_options: Mapping[str, Any] | None = None, on_save: Callable[[dict], None] | None = None,
-                 on_exit: Callable[[int, str], None] | None = None, replication_wait: float = 10.0):
+                 on_exit: Callable[[int, str], None] | None = None, replication_wait: float = 10.0,
+                 snapshots: bool = True):
         # Arguments left out (None) take the launcher's settings: the operator's pods set them (envsettings).
         given: dict[str, Any] = {"max_tp": max_tp, "pp": pp, "pinned": pinned, "replicas": replicas,
                                  "save_every": save_every, "dataset": dataset}
@@ -176,6 +186,7 @@ class Job:
         self.save_every, self.save_budget, self.on_save, self.on_exit = save_every, save_budget, on_save, on_exit
         self.checkpointer_options = dict(checkpointer_options or {}, replicas=replicas)
         self.replication_wait = replication_wait
+        self.snapshots = snapshots
         self.step = 0
         self.extra: dict = {}
         self.restored: Restored | None = None
@@ -192,6 +203,7 @@ class Job:
         self._save_s_local = 0.0      # this rank's duration of its last save, until the next boundary shares it
         self._next_save: int | None = None
         self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
+        self._replication_lag = 0     # agreed (max over ranks), in steps
         signal.signal(signal.SIGTERM, self._on_sigterm)
 
     # ----------------------------------------------------------------- configuration
@@ -310,13 +322,15 @@ class Job:
         step_s = now - self._last_boundary
         self.step += 1
         try:
-            flags = torch.tensor([1.0 if self.stop_requested else 0.0, step_s, self._save_s_local], dtype=torch.float64)
+            flags = torch.tensor([1.0 if self.stop_requested else 0.0, step_s, self._save_s_local,
+                                  float(self._local_lag())], dtype=torch.float64)
             self._save_s_local = 0.0
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as e:  # noqa: BLE001 -- a peer is gone: nothing can be agreed, nothing is saved
             self._die(f"step {self.step}: the ranks cannot agree ({type(e).__name__}: {e}); a peer is gone, "
                       f"exiting without saving")
         stop, self._step_s, last_save = bool(flags[0] > 0), float(flags[1]), float(flags[2])
+        self._replication_lag = int(flags[3])
         self._cost["train_s"] += self._step_s
         self._cost["steps"] += 1
         self.metrics.observe_step(self._step_s, self.step)
@@ -334,7 +348,7 @@ class Job:
             self._exit(0 if self.stop_requested else EXIT_RESTART,
                        "stopped by SIGTERM" if self.stop_requested else "a peer was stopped")
         if self._next_save is not None and self.step >= self._next_save:
-            self._save("periodic")
+            self._save("snapshot" if self.snapshots else "periodic")
             if self.save_every:
                 self._next_save = self.step + self.save_every
         self._last_boundary = time.monotonic()
@@ -352,11 +366,18 @@ class Job:
         extra = {EXTRA_KEY: self.extra}
         if self._state0 is not None:
             extra[DATASET_KEY] = self.data_state.to_dict()
+        ckpt = t["checkpointer"]
         begin = time.monotonic()
         try:
-            version = tenplex.save(t["model"], t["optimizer"], step=self.step, scheduler=t["scheduler"],
-                                   scaler=t["scaler"], annotations=t["annotations"], extra=extra,
-                                   checkpointer=t["checkpointer"])
+            if why == "snapshot":
+                # Returns once the state is staged; a write that fails later is logged and the next one is tried.
+                ckpt.async_save(t["model"], t["optimizer"], step=self.step, scheduler=t["scheduler"],
+                                scaler=t["scaler"], annotations=t["annotations"], extra=extra)
+                version = ckpt.snapshot_stats()["staged_version"]
+            else:
+                version = tenplex.save(t["model"], t["optimizer"], step=self.step, scheduler=t["scheduler"],
+                                       scaler=t["scaler"], annotations=t["annotations"], extra=extra,
+                                       checkpointer=ckpt)
         except Exception as e:  # noqa: BLE001 -- the save was not committed anywhere (atomic commit)
             self._die(f"step {self.step}: the {why} save failed ({type(e).__name__}: {e}); nothing was committed, "
                       f"exiting")
@@ -365,19 +386,36 @@ class Job:
         self._saved_step = self.step
         self._cost["saves"] += 1
         self._cost["save_s"] += seconds
-        self.last_save = {"step": self.step, "version": version, "why": why, "seconds": seconds}
-        self.metrics.observe_save(blocking=seconds, background=0.0, step=self.step, reason=why)
+        self.last_save = {"step": self.step, "version": version, "why": why, "seconds": seconds,
+                          "replication_lag": self._replication_lag}
+        self.metrics.observe_save(blocking=seconds, background=self._background_s(), step=self.step, reason=why)
         logs.set_context(version=version, step=self.step)
         if self.on_save is not None:
             self.on_save(dict(self.last_save))
         return version
 
+    def _local_lag(self) -> int:
+        t = self._tracked
+        return 0 if t is None else t["checkpointer"].snapshot_stats().get("replication_lag", 0)
+
+    def _background_s(self) -> float:
+        """Seconds of this rank's last finished background snapshot write (0: none yet, or blocking saves only)."""
+        t = self._tracked
+        return 0.0 if t is None else float(t["checkpointer"].snapshot_stats().get("last_write_s", 0.0))
+
     def save_cost(self) -> dict:
-        """Saves so far and their total time, steps and their total time (agreed over the ranks, without saves),
-        the ratio of the two times, and the current interval."""
+        """Saves so far and the seconds they blocked training (``save_s``), steps and their total time (agreed
+        over the ranks, without saves), the ratio of the two times, and the current interval. With snapshots
+        also: this rank's seconds of background writing (``background_s``), snapshots committed and failed, its
+        staging memory (``staging_bytes``) and the replication lag in steps (agreed: the largest over the ranks)
+        between the newest committed snapshot and the newest whose copies are committed."""
         c: dict[str, Any] = dict(self._cost)
         c["fraction"] = c["save_s"] / c["train_s"] if c["train_s"] else 0.0
         c["interval"] = None if self._next_save is None else max(1, self._next_save - (self._saved_step or 0))
+        stats = {} if self._tracked is None else self._tracked["checkpointer"].snapshot_stats()
+        if stats:
+            c.update(background_s=stats["write_s"], snapshots=stats["committed"], failed_snapshots=stats["failed"],
+                     staging_bytes=stats["staging_bytes"], replication_lag=self._replication_lag)
         return c
 
     def wait_idle(self) -> None:
@@ -447,7 +485,9 @@ class Job:
     def finish(self) -> None:
         """End of training: a final save (collective) and the process group's teardown."""
         if self._tracked is not None:
-            if self._saved_step != self.step:
+            ckpt = self._tracked["checkpointer"]
+            ckpt.wait_snapshot()  # the snapshot in flight is committed, or dropped everywhere
+            if ckpt.snapshot_stats().get("committed_step", self._saved_step) != self.step:
                 self._save("final")
             self._tracked["checkpointer"].wait_replicated(self.replication_wait)
         self._tell_idle(stopping=False)

@@ -183,7 +183,8 @@ def summarize(reference: Path, elastic: Path, events: list, fired: list[dict], r
     ok = (checks["loss_max_rel_diff"] <= LOSS_TOLERANCE and checks["samples_read_twice"] == 0
           and checks["samples_skipped"] == 0 and checks["state_bit_exact"] and checks["position_restored"]
           and checks.get("cut_off_saves_restored", 0) == 0 and all("error" not in e for e in out_events))
-    summary = {"format": FORMAT, "ok": bool(ok), "events": out_events, "checks": checks}
+    summary = {"format": FORMAT, "ok": bool(ok), "events": out_events, "checks": checks,
+               "saves": _saves(worlds)}
     # Attempts that a failure threw away (their steps were trained again after the restore).
     lost = [(s, h["loss"]) for w in worlds for s, h in w.steps.items() if history[s] is not h]
     return summary, {"elastic": {s: h["loss"] for s, h in history.items()},
@@ -245,6 +246,17 @@ def _checks(history: dict, ref_history: dict, out_events: list[dict], bit_exact:
     return checks
 
 
+def _saves(worlds: list[World]) -> dict:
+    """How the job saved: saves per kind (snapshot, periodic, stopping, final, requested) and the largest
+    replication lag in steps that a save reported (the newest snapshot minus the newest with committed copies)."""
+    saves = [s for w in worlds for s in w.saves]
+    kinds: dict[str, int] = {}
+    for _version, why in {(s["version"], s.get("why", "periodic")) for s in saves}:  # every rank records each save
+        kinds[why] = kinds.get(why, 0) + 1
+    return {"count": sum(kinds.values()), "kinds": dict(sorted(kinds.items())),
+            "max_replication_lag": max((s.get("replication_lag", 0) for s in saves), default=0)}
+
+
 def print_timeline(summary: dict, say) -> None:
     for i, e in enumerate(summary["events"], 1):
         if "error" in e:
@@ -268,6 +280,9 @@ def print_timeline(summary: dict, say) -> None:
         links = summary["links"]
         say(f"links ({links['mbit']:g} Mbit/s each way; kernel counters): " + ", ".join(
             f"{h} out {v['out']} B, in {v['in']} B" for h, v in links["hosts"].items()))
+    saves = summary["saves"]
+    say(f"saves: {saves['count']} ({', '.join(f'{n} {k}' for k, n in saves['kinds'].items())}); replication lag "
+        f"at most {saves['max_replication_lag']} step(s)")
     c = summary["checks"]
     say(f"checks: losses vs reference max rel diff {c['loss_max_rel_diff']:.2e} (<= {LOSS_TOLERANCE:g}); samples "
         f"read twice {c['samples_read_twice']}, skipped {c['samples_skipped']}; restored state bit-exact "

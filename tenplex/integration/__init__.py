@@ -15,9 +15,10 @@ Modules: :mod:`.pieces` (state -> named global tensors with boxes),
 :mod:`.annotate` (plain local tensors), :mod:`.nontensor` (RNG, scheduler,
 scaler, optimizer hyper-parameters as JSON), :mod:`.exchange` (JSON between
 ranks without pickles), :mod:`.shardio` (pieces <-> store files),
-:mod:`.checkpointer` (the collective save and restore), :mod:`.layouts` (what each
-rank holds, who writes what, whether a restore matches the save), :mod:`.versions`
-(which saved version a restore reads), :mod:`.moves` (read-through and
+:mod:`.checkpointer` (the collective save and restore), :mod:`.snapshot` and
+:mod:`.staging` (snapshots: staged at a step boundary, stored and committed in the
+background), :mod:`.layouts` (what each rank holds, who writes what, whether a
+restore matches the save), :mod:`.versions` (which saved version a restore reads), :mod:`.moves` (read-through and
 transformation when a restore moves state between devices).
 """
 
@@ -29,9 +30,10 @@ from .annotate import Annotation, ShardMap, annotations_from_layout, annotations
 from .checkpointer import Checkpointer, RestoreInfo
 from .exchange import CollectiveError
 from .nontensor import StateMismatchError
+from .snapshot import SnapshotError
 
 __all__ = ["Checkpointer", "RestoreInfo", "save", "restore", "Annotation", "ShardMap", "annotations_from_layout",
-           "annotations_from_ptc", "StateMismatchError", "CollectiveError"]
+           "annotations_from_ptc", "StateMismatchError", "CollectiveError", "SnapshotError"]
 
 # The checkpointer of save() and restore() called without one: built from the environment on first use and kept
 # for the life of the process (README, "The default checkpointer"). Pass checkpointer= to be explicit.
@@ -48,14 +50,20 @@ def _checkpointer(given: Checkpointer | None) -> Checkpointer:
 
 
 def save(model, optimizer=None, *, step: int, extra: Any = None, scheduler=None, scaler=None,
-         annotations=None, rng: bool = True, checkpointer: Checkpointer | None = None) -> int:
+         annotations=None, rng: bool = True, checkpointer: Checkpointer | None = None, blocking: bool = True):
     """Save model, optimizer and training state at ``step`` as a new version; returns the version.
 
     Collective: every rank of the job calls it. See :meth:`Checkpointer.save`. Without ``checkpointer``
     it uses the process-wide default, built from the environment on the first call and then kept.
+    ``blocking=False`` takes a snapshot instead (:meth:`Checkpointer.async_save`): it returns once the state
+    is staged in host memory, with a future of the version.
     """
-    return _checkpointer(checkpointer).save(model, optimizer, step=step, extra=extra, scheduler=scheduler,
-                                            scaler=scaler, annotations=annotations, rng=rng)
+    ckpt = _checkpointer(checkpointer)
+    if not blocking:
+        return ckpt.async_save(model, optimizer, step=step, extra=extra, scheduler=scheduler, scaler=scaler,
+                               annotations=annotations, rng=rng)
+    return ckpt.save(model, optimizer, step=step, extra=extra, scheduler=scheduler, scaler=scaler,
+                     annotations=annotations, rng=rng)
 
 
 def restore(model, optimizer=None, *, extra: dict | None = None, scheduler=None, scaler=None, annotations=None,

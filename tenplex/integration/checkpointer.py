@@ -56,6 +56,7 @@ import atexit
 import logging
 import os
 import weakref
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -82,6 +83,7 @@ from .nontensor import apply_rng, capture_rng, derived_seed, from_json, optimize
 from .pieces import Piece, buffer_names, init_optimizer_state, optimizer_scalars, set_optimizer_scalars, state_owners
 from .readthrough import fans_out, read_hosts
 from .shardio import read_piece, write_piece
+from .snapshot import Snapshotter
 from .versions import STATE_DOC, STATE_FORMAT, Found, VersionFinder
 
 log = logging.getLogger(__name__)
@@ -164,6 +166,7 @@ class Checkpointer:
         self._replicator: Replicator | None = None
         self._replicated_version: int | None = None  # the last saved version, once replication was set up
         self.last_replication: list[dict] = []  # every host's copier status, as the last wait_replicated saw it
+        self._snapshots: Snapshotter | None = None  # made by the first async_save
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ save
@@ -172,15 +175,11 @@ class Checkpointer:
              rng: bool = True) -> int:
         """Save the state at ``step`` as a new version on every host; returns the version. Collective."""
         rank = dist.get_rank(self.group)
+        if self._snapshots is not None:
+            self._snapshots.settle()  # a snapshot in flight is committed (or dropped) first: versions stay ordered
         self._cancel_replication()  # the new version supersedes the one still being copied
         pieces = [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
-        mine = {"device": self.device, "host": self.host, "latest": self.store.latest(), "store": self.store_address,
-                "tensors": specs_of(pieces), "boxes": [[p.name, list(p.box.offsets), list(p.box.lengths)]
-                                                    for p in pieces],
-                "coord": self._coord_key(rank), "rng": capture_rng() if rng else None,
-                "scalars": optimizer_scalars(model, optimizer) if optimizer is not None else {},
-                "groups": group_names(model, optimizer), "buffers": buffer_names(model)}
-        docs = all_gather_json(mine, self.group)
+        docs = all_gather_json(self._save_doc(pieces, rank, rng, model, optimizer), self.group)
         tensors = agree("save: check tensors", lambda: merge_specs(docs), self.group)
         writers = first_holder_per_host(docs)
         canonical = canonical_buffers(pieces, docs, writers, rank, self.group)  # replicas may differ: see .canonical
@@ -215,6 +214,49 @@ class Checkpointer:
         self._replicated_version = version
         return version
 
+    def _save_doc(self, pieces: list[Piece], rank: int, rng: bool, model, optimizer) -> dict:
+        """What a saving rank tells the others: where it is, what it holds, its RNG and optimizer scalars."""
+        return {"device": self.device, "host": self.host, "latest": self.store.latest(), "store": self.store_address,
+                "tensors": specs_of(pieces), "boxes": [[p.name, list(p.box.offsets), list(p.box.lengths)]
+                                                    for p in pieces],
+                "coord": self._coord_key(rank), "rng": capture_rng() if rng else None,
+                "scalars": optimizer_scalars(model, optimizer) if optimizer is not None else {},
+                "groups": group_names(model, optimizer), "buffers": buffer_names(model)}
+
+    # -------------------------------------------------------------- snapshots
+    def async_save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int,
+                   extra: Any = None, scheduler=None, scaler=None, annotations: Annotations | None = None,
+                   rng: bool = True) -> Future:
+        """Snapshot the state at ``step``: stage it in host memory and return; a background thread stores it as a
+        new version and commits it on every host or on none. Collective (every rank calls it at the same step).
+
+        The state is copied before the call returns, so the training loop may change its tensors at once. At
+        most one snapshot is in flight per rank: the call first waits until this rank's previous snapshot is
+        written, and settles it (committed everywhere, or dropped everywhere and logged). The returned future
+        resolves when it is settled, at the next ``async_save``, :meth:`save` or :meth:`wait_snapshot`: to the
+        version, or to :class:`~tenplex.integration.snapshot.SnapshotError` (training goes on). Protocol, and
+        what a reader sees meanwhile: :mod:`tenplex.integration.snapshot`; :meth:`snapshot_stats` reports the
+        blocking and background seconds and the staging memory (at most one copy of the rank's state)."""
+        if self._snapshots is None:
+            self._snapshots = Snapshotter(self)
+        return self._snapshots.snapshot(model, optimizer, step=step, extra=extra, scheduler=scheduler,
+                                        scaler=scaler, annotations=annotations, rng=rng)
+
+    def wait_snapshot(self) -> int | None:
+        """Settle the snapshot in flight (wait for its write; commit or drop it on every host); returns the newest
+        committed snapshot's version (None: none yet). Collective."""
+        return None if self._snapshots is None else self._snapshots.settle()
+
+    def snapshot_stats(self) -> dict:
+        """This rank's snapshots: counts (snapshots, committed, failed), the seconds the training loop was blocked
+        (total, last, of which waiting for the previous write), the last background write and commit seconds,
+        the staging bytes, the newest committed and replicated steps and the replication lag in steps."""
+        if self._snapshots is None:
+            return {}
+        stats = dict(self._snapshots.stats)
+        stats["replication_lag"] = self._snapshots.replication_lag()
+        return stats
+
     def _stage_and_commit(self, what: str, version: int, stage: Callable[[], None], parts: list[str],
                           leader: bool) -> None:
         """Every rank runs ``stage``, then the ranks with ``leader`` set (one per host) commit their host's
@@ -240,6 +282,8 @@ class Checkpointer:
         or one host); False when some copy failed, was cancelled, is not done in
         time, or nothing was saved yet. :meth:`replication_status` says why.
         """
+        if self._snapshots is not None:
+            self._snapshots.wait_copies(timeout)  # the newest committed snapshot's copy is then the one running
         replicator = self._replicator
         ok = self._replicated_version is not None and (replicator is None or replicator.wait(timeout))
         reports = all_gather_json({"host": self.host, "ok": ok,
@@ -253,7 +297,10 @@ class Checkpointer:
         return None if self._replicator is None else self._replicator.status()
 
     def close(self) -> None:
-        """Cancel background replication (its staged copy is dropped; committed copies stay)."""
+        """Cancel background replication (its staged copy is dropped; committed copies stay) and stop waiting for a
+        snapshot's commit decision (a snapshot not settled stays uncommitted)."""
+        if self._snapshots is not None:
+            self._snapshots.close()
         self._cancel_replication()
 
     def _cancel_replication(self) -> None:

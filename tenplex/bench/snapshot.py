@@ -1,0 +1,222 @@
+"""``tenplex bench snapshot``: how long the training loop is blocked per save, tenplex's snapshot vs its baselines.
+
+May import: every tenplex layer, torch and the standard library. The model is
+the reference GPT (:mod:`tenplex.models.gpt`).
+
+One run, two ranks (gloo, CPU) on one host, the state after one training
+step (parameters and Adam moments, ``state_bytes`` in all), stores and DCP
+directories on tmpfs. Each measure is the median of ``--repeat`` rounds, each
+round the slowest rank (barriers around it):
+
+* ``memcpy_s``: each rank copies its local tensors into preallocated buffers
+  (the floor of any staging), measured in the same rounds as the snapshot;
+* ``tenplex_save_s``: ``tenplex.save``, blocking (the store's write path);
+* ``tenplex_snapshot_blocking_s``: ``Checkpointer.async_save`` until it
+  returns (staging buffers reused; ``tenplex_snapshot_first_blocking_s`` is the
+  first call, which allocates them); ``tenplex_snapshot_commit_s``: from the
+  call until the host committed the version (in the background);
+* ``dcp_save_s``: ``torch.distributed.checkpoint.save``;
+  ``dcp_async_blocking_s``: ``dcp.async_save`` (on a gloo group of its own, as
+  its documentation asks) until it returns; ``dcp_async_commit_s``: until its
+  future is done;
+* memory: ``tenplex_staging_bytes`` (the snapshot's buffers, all ranks) and
+  ``dcp_async_extra_rss_bytes`` (resident memory grown during ``async_save``,
+  all ranks);
+* the end-to-end cost on this machine: ``train_step_s`` without saving and
+  ``train_step_snapshot_s`` with a snapshot after every step (the background
+  writer shares the CPU with training), and their ratio ``snapshot_slowdown``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from concurrent.futures import Future
+from typing import Any, Callable, cast
+
+from ..runtime.launch import run_spec_job
+
+DESCRIPTION = "seconds a save blocks training: tenplex snapshot vs tenplex save, DCP save/async_save, memcpy"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--ffn", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--config", default="tp=2", help="parallel configuration of the two ranks (default tp=2)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds per measure (median; default 3)")
+    parser.add_argument("--steps", type=int, default=4, help="training steps for the end-to-end cost (default 4)")
+    parser.add_argument("--tmpfs", type=Path, default=Path("/dev/shm"), help="tmpfs directory (stores, DCP)")
+
+
+def run(args: argparse.Namespace) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="tenplex-bench-snapshot-", dir=args.tmpfs))
+    try:
+        spec = {"model": {"hidden": args.hidden, "layers": args.layers, "ffn": args.ffn, "vocab": args.vocab,
+                          "heads": 16, "seq": 8},
+                "config": args.config, "repeat": args.repeat, "steps": args.steps, "work": str(work),
+                "result": str(work / "result.json")}
+        run_spec_job([sys.executable, "-m", "tenplex.bench.snapshot"], spec, work / "spec.json", ["h0/0", "h0/1"],
+                     {"h0": work / "store"}, {}, work / "logs")
+        return json.loads((work / "result.json").read_text())
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ worker
+def _slowest(seconds: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _summed(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def _rounds(repeat: int, fn: Callable[[int], tuple[float, ...]]) -> list[float]:
+    """Median over ``repeat`` rounds of each of ``fn(round)``'s seconds, each the slowest rank's."""
+    import torch.distributed as dist
+
+    samples: list[list[float]] = []
+    for i in range(repeat):
+        dist.barrier()
+        samples.append([_slowest(s) for s in fn(i)])
+    return [round(statistics.median(column), 4) for column in zip(*samples)]
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _worker(spec_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import tenplex
+    from tenplex.integration.process_group import init_process_group, leave_process_group
+    from tenplex.models.gpt import GPTConfig, Parallel, Trainer
+
+    from .restore import _state_bytes
+
+    spec = json.loads(Path(spec_path).read_text())
+    init_process_group("gloo")
+    rank, work, repeat = dist.get_rank(), Path(spec["work"]), spec["repeat"]
+    trainer = Trainer(GPTConfig(**spec["model"]), Parallel.parse(spec["config"]), global_batch=8)
+    trainer.train_step(0)
+    result: dict[str, Any] = {"config": spec["config"], "model": spec["model"], "repeat": repeat,
+                              "state_bytes": _state_bytes(trainer)}
+    local = [t.to_local() if hasattr(t, "to_local") else t
+             for t in [*trainer.model.parameters(),
+                       *(v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0)]]
+    buffers = [torch.empty_like(t) for t in local]
+
+    def memcpy() -> float:
+        begin = time.perf_counter()
+        with torch.no_grad():
+            for b, t in zip(buffers, local):
+                b.copy_(t)
+        return time.perf_counter() - begin
+
+    ckpt = tenplex.Checkpointer(store_root=work / "store", host="h0", device=f"h0/{rank}", replicas=0, keep=1)
+
+    def save(i: int) -> tuple[float]:
+        begin = time.perf_counter()
+        tenplex.save(trainer.model, trainer.optimizer, step=i, scheduler=trainer.scheduler, checkpointer=ckpt)
+        return (time.perf_counter() - begin,)
+    result["tenplex_save_s"], = _rounds(repeat, save)
+
+    def snapshot(i: int) -> tuple[float, float, float]:
+        floor = memcpy()  # the floor, measured next to each snapshot: this machine's load varies
+        dist.barrier()
+        begin = time.perf_counter()
+        ckpt.async_save(trainer.model, trainer.optimizer, step=100 + i, scheduler=trainer.scheduler)
+        returned = time.perf_counter()
+        ckpt.wait_snapshot()
+        # From the call until this host committed (the first rank of the host; the others report 0).
+        return floor, returned - begin, ckpt.snapshot_stats()["last_commit_s"] or 0.0
+    _, result["tenplex_snapshot_first_blocking_s"], _ = _rounds(1, snapshot)
+    result["memcpy_s"], result["tenplex_snapshot_blocking_s"], result["tenplex_snapshot_commit_s"] = _rounds(
+        repeat, snapshot)
+    buffers.clear()  # free them before DCP takes memory
+    stats = ckpt.snapshot_stats()
+    result["tenplex_staging_bytes"] = int(_summed(stats["staging_bytes"]))
+    result["tenplex_snapshot_failed"] = int(_summed(stats["failed"]))
+
+    state_dict = dict(zip(("model", "optim"), get_state_dict(trainer.model, trainer.optimizer)))
+    dcp_group = dist.new_group(backend="gloo")
+
+    def dcp_save(i: int) -> tuple[float]:
+        begin = time.perf_counter()
+        dcp.save(state_dict, checkpoint_id=str(work / f"dcp-{i}"))
+        took = time.perf_counter() - begin
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(work / f"dcp-{i}", ignore_errors=True)
+        return (took,)
+    result["dcp_save_s"], = _rounds(repeat, dcp_save)
+    extra_rss: list[int] = []
+
+    def dcp_async(i: int) -> tuple[float, float]:
+        before = _rss()
+        begin = time.perf_counter()
+        future = cast(Future, dcp.async_save(state_dict, checkpoint_id=str(work / f"dcp-async-{i}"),
+                                             process_group=dcp_group))
+        returned = time.perf_counter()
+        extra_rss.append(_rss() - before)
+        future.result()
+        done = time.perf_counter()
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(work / f"dcp-async-{i}", ignore_errors=True)
+        return returned - begin, done - begin
+    result["dcp_async_blocking_s"], result["dcp_async_commit_s"] = _rounds(repeat, dcp_async)
+    result["dcp_async_extra_rss_bytes"] = int(_summed(max(extra_rss)))
+
+    def train(snapshots: bool) -> float:
+        dist.barrier()
+        begin = time.perf_counter()
+        for step in range(spec["steps"]):
+            trainer.train_step(step)
+            if snapshots:
+                ckpt.async_save(trainer.model, trainer.optimizer, step=1000 + step, scheduler=trainer.scheduler)
+        if snapshots:
+            ckpt.wait_snapshot()
+        return _slowest(time.perf_counter() - begin) / spec["steps"]
+    result["train_step_s"] = round(train(False), 4)
+    result["train_step_snapshot_s"] = round(train(True), 4)
+    result["snapshot_slowdown"] = round(result["train_step_snapshot_s"] / result["train_step_s"], 3)
+    floor = max(result["memcpy_s"], 1e-9)
+    result["snapshot_over_memcpy"] = round(result["tenplex_snapshot_blocking_s"] / floor, 2)
+    result["snapshot_over_dcp_async"] = round(result["tenplex_snapshot_blocking_s"]
+                                              / max(result["dcp_async_blocking_s"], 1e-9), 2)
+    result["snapshot_commit_over_save"] = round(result["tenplex_snapshot_commit_s"]
+                                                / max(result["tenplex_save_s"], 1e-9), 2)
+    ckpt.close()
+    if rank == 0:
+        Path(spec["result"]).write_text(json.dumps(result))
+    dist.destroy_process_group(dcp_group)
+    leave_process_group()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

@@ -1,0 +1,345 @@
+"""Snapshots: a save that returns once the state is staged in host memory; a background thread stores and commits it.
+
+May import: ``tenplex.store``, ``tenplex.replication``, ``tenplex.layout``, ``tenplex.errors``,
+``tenplex.integration`` (pieces, layouts, canonical, snapshot_buffers, exchange, nontensor, versions), torch,
+torch.distributed and the standard library.
+
+A snapshot is a version like any other: the same parts, manifest and commit
+as :meth:`Checkpointer.save`, so a restore (into any layout) reads it
+unchanged. What differs is when the work happens (README, "Snapshots every step"):
+
+1. **At the step boundary** (the training thread, collective): the rank waits
+   until its previous snapshot's write is done (back-pressure: at most one
+   snapshot in flight per rank), then one small all-gather of JSON carries
+   every rank's tensors and boxes, RNG state and optimizer scalars, *and the
+   outcome of the previous snapshot* (settled below). The rank copies the
+   pieces it writes into reused staging buffers (:mod:`.snapshot_buffers`) and returns.
+2. **In the background** (one thread per rank, no collective): the rank
+   writes its buffers as its part of version N and prepares it; the first
+   rank of each host first collects old versions (``keep``) and adds the
+   layout and state documents.
+3. **The commit, through the job's key-value store** (the c10d TCPStore at
+   ``MASTER_ADDR:MASTER_PORT``; a client connection of the thread's own, not
+   the process group): each rank that prepared adds 1 to the version's
+   counter; the rank that brings it to the world size writes the decision
+   ``commit``; a rank whose write failed writes ``abort``. The first rank of
+   each host polls the decision and commits (or drops) its host's parts. No
+   rank commits before every rank prepared, so a rank killed during its
+   write leaves the version uncommitted everywhere.
+4. **Settled at the next boundary** (or :meth:`Checkpointer.wait_snapshot`, or
+   a blocking save): the thread stops polling, the outcomes travel in that
+   boundary's all-gather; hosts that did not commit yet commit then (an
+   ``agree`` that only runs when needed), a failure anywhere takes the version
+   back on every host and is logged once, on the rank where it happened. The
+   returned future resolves there: to the version, or to :class:`SnapshotError`.
+
+Meanwhile a reader (a restore after a failure) sees the previous committed
+version as the newest on a host until that host's commit; a version that
+some host lacks is never restored from (the restore's version choice).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..errors import TenplexError
+from ..layout import Layout
+from ..replication.copier import Replicator
+from ..replication.stores import STORES_DOC, stores_doc
+from .exchange import agree, all_gather_json
+from .layouts import first_holder_per_host, merge_specs, saved_layout, state_pieces
+from .shardio import _as_storage
+from .canonical import canonical_buffers
+from .snapshot_buffers import SnapshotBuffers
+from .versions import STATE_DOC
+
+log = logging.getLogger(__name__)
+_POLL_S = 0.005  # how often a host's first rank looks for the commit decision (one small request each)
+_COPY_TRIES, _COPY_RETRY_S = 20, 0.25  # a snapshot's copy is retried for ~5 s: other hosts commit a moment later
+
+
+class SnapshotError(TenplexError, RuntimeError):
+    """A snapshot was not committed (its write failed on some rank); training goes on, the next one is tried."""
+
+
+@dataclass
+class _InFlight:
+    """One rank's snapshot between its staging and its settlement."""
+
+    version: int
+    step: int
+    leader: bool
+    parts: list[str]
+    world: int
+    key: str                         # the version's keys in the job's key-value store
+    layout: Layout | None            # leaders: the saved layout (replication)
+    addresses: dict[str, str]
+    replicas: int
+    future: Future = field(default_factory=Future)
+    called_at: float = field(default_factory=time.monotonic)  # when async_save was called
+    written: threading.Event = field(default_factory=threading.Event)
+    give_up: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    error: str | None = None
+    committed: bool = False
+    write_s: float = 0.0
+    commit_s: float | None = None    # seconds from the call until this host committed
+
+
+class Snapshotter:
+    """The snapshots of one :class:`~tenplex.Checkpointer` (see the module docstring)."""
+
+    def __init__(self, ckpt) -> None:
+        self.ckpt = ckpt
+        self.staging = SnapshotBuffers()
+        self.inflight: _InFlight | None = None
+        self._kv: Any = None
+        self._kv_tried = False
+        self._next_copy: tuple[int, int, Layout, dict, int] | None = None  # newest committed, not yet copied
+        self._copying_step: int | None = None
+        self._copy_wanted = threading.Condition()
+        self._copier: threading.Thread | None = None
+        self._closed = False
+        self.stats: dict[str, Any] = {"snapshots": 0, "committed": 0, "failed": 0, "blocking_s": 0.0,
+                                      "waited_s": 0.0, "last_blocking_s": 0.0, "write_s": 0.0, "last_write_s": 0.0,
+                                      "last_commit_s": None, "staging_bytes": 0, "committed_step": None,
+                                      "replicated_step": None}
+
+    # ------------------------------------------------------------------ boundary
+    def snapshot(self, model, optimizer, *, step: int, extra, scheduler, scaler, annotations, rng: bool) -> Future:
+        """Stage the state at ``step`` and start its background write; returns its future. Collective."""
+        ckpt, group = self.ckpt, self.ckpt.group
+        begin = time.monotonic()
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        previous = self._stop_background()
+        waited = time.monotonic() - begin
+        pieces = [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
+        mine = ckpt._save_doc(pieces, rank, rng, model, optimizer)
+        mine.update(previous=previous, nonce=uuid.uuid4().hex)
+        docs = all_gather_json(mine, group)
+        self._settle(docs)
+        tensors = merge_specs(docs)  # the same on every rank: a mismatch raises everywhere
+        writers = first_holder_per_host(docs)
+        canonical = canonical_buffers(pieces, docs, writers, rank, group)  # replicas may differ: see .canonical
+        pending = [d["previous"]["version"] for d in docs if d["previous"]]
+        version = 1 + max([d["latest"] for d in docs if d["latest"] is not None] + pending, default=0)
+        leader = min(r for r, d in enumerate(docs) if d["host"] == ckpt.host)
+        addresses = ckpt._addresses(docs)
+        ring = sorted({d["host"] for d in docs if d["boxes"]})
+        replicas = ckpt._replica_count(addresses, ring)
+        own = [canonical.get((p.name, p.box), p) for p in pieces if writers[(ckpt.host, p.name, p.box)] == rank]
+        self.staging.stage(own)
+        documents: dict[str, Any] = {}
+        layout = None
+        if rank == leader:
+            layout = saved_layout(tensors, docs, writers)
+            documents = {STATE_DOC: ckpt._state_doc(docs, step, extra, scheduler, scaler, optimizer),
+                         STORES_DOC: stores_doc(version, {h: addresses.get(h) for h in ring}, replicas, ring)}
+        job = self.inflight = _InFlight(
+            version, step, rank == leader, [f"rank{r}" for r, d in enumerate(docs) if d["host"] == ckpt.host], world,
+            f"tenplex/snapshot/{docs[0]['nonce']}", layout, addresses, replicas, called_at=begin)
+        specs = {p.name: p.spec for p in own}
+        job.thread = threading.Thread(target=self._write, args=(job, specs, documents, rank),
+                                      name=f"tenplex-snapshot-{version}", daemon=True)
+        job.thread.start()
+        blocking = time.monotonic() - begin
+        self.stats.update(snapshots=self.stats["snapshots"] + 1, blocking_s=self.stats["blocking_s"] + blocking,
+                          staged_version=version, staged_step=step,
+                          waited_s=self.stats["waited_s"] + waited, last_blocking_s=blocking,
+                          staging_bytes=self.staging.nbytes)
+        return job.future
+
+    def settle(self) -> int | None:
+        """Finish the snapshot in flight (wait for its write, commit or drop it everywhere); the newest committed
+        snapshot's version, or None. Collective."""
+        previous = self._stop_background()
+        docs = all_gather_json({"previous": previous}, self.ckpt.group)
+        self._settle(docs)
+        return self.stats.get("committed_version")
+
+    def _stop_background(self) -> dict | None:
+        """Wait for this rank's write (back-pressure), stop its polling; what it did, for the all-gather."""
+        job = self.inflight
+        if job is None:
+            return None
+        job.written.wait()
+        job.give_up.set()
+        assert job.thread is not None
+        job.thread.join()
+        return {"version": job.version, "error": job.error, "committed": job.committed, "leader": job.leader}
+
+    def _settle(self, docs: list[dict]) -> None:
+        job, self.inflight = self.inflight, None
+        reports = [d["previous"] for d in docs if d["previous"]]
+        if job is None or not reports:
+            return
+        self.stats["write_s"] += job.write_s
+        failed = [(r, d["previous"]["error"]) for r, d in enumerate(docs) if d["previous"] and d["previous"]["error"]]
+        store = self.ckpt.store
+        if not failed and any(p["leader"] and not p["committed"] for p in reports):
+            # Some host did not see the decision in time (or there is no key-value store): commit it now.
+            def commit():
+                if job.leader and not job.committed:
+                    self._commit(job)
+            try:
+                agree(f"snapshot of step {job.step} (committing version {job.version})", commit, self.ckpt.group)
+            except Exception as e:  # noqa: BLE001 -- reported below, like a failed write
+                failed = [(-1, f"{type(e).__name__}: {e}")]
+        if failed:
+            if job.leader:
+                store.abort(job.version)
+                store.delete(job.version)  # committed on this host, not on another: take it back
+            self.stats["failed"] += 1
+            rank, error = failed[0]
+            job.future.set_exception(SnapshotError(f"snapshot of step {job.step} (version {job.version}) was not "
+                                                   f"committed: rank {rank}: {error}"))
+            return
+        self.stats.update(committed=self.stats["committed"] + 1, committed_step=job.step,
+                          committed_version=job.version, last_write_s=job.write_s, last_commit_s=job.commit_s)
+        self.ckpt._replicated_version = job.version
+        job.future.set_result(job.version)
+
+    # ------------------------------------------------------------ background
+    def _write(self, job: _InFlight, specs, documents: dict[str, Any], rank: int) -> None:
+        """Write and prepare this rank's part, then take part in the commit (see the module docstring)."""
+        ckpt, store = self.ckpt, self.ckpt.store
+        begin = time.monotonic()
+        try:
+            self.staging.wait_copied()
+            with store.begin(job.version, part=f"rank{rank}") as writer:
+                for name, box, buffer in self.staging.buffers():
+                    spec = specs[name]
+                    writer.put(ckpt.device, name, box, _as_storage(buffer, spec.dtype).numpy(), spec.dtype, spec.shape)
+                if job.layout is not None:
+                    writer.put_layout(job.layout)
+                for doc_name, doc in documents.items():
+                    writer.put_json(doc_name, doc)
+                writer.prepare()
+        except Exception as e:  # noqa: BLE001 -- training goes on; the boundary settles it
+            job.error = f"{type(e).__name__}: {e}"
+            log.error("tenplex: snapshot of step %d (version %d) failed on rank %d: %s; training goes on, the next "
+                      "snapshot is tried", job.step, job.version, rank, job.error)
+        job.write_s = time.monotonic() - begin
+        job.written.set()
+        if self._key_value_store() is not None:  # connected here, off the training thread
+            try:
+                self._agree_through_store(job)
+            except Exception as e:  # noqa: BLE001 -- the boundary's all-gather settles it instead
+                log.warning("tenplex: snapshot of step %d (version %d): %s: %s; it is settled at the next step "
+                            "boundary", job.step, job.version, type(e).__name__, e)
+
+    def _agree_through_store(self, job: _InFlight) -> None:
+        kv, decision = self._kv, f"{job.key}/decision"
+        if job.error is not None:
+            kv.set(decision, "abort")
+            return
+        if kv.add(f"{job.key}/prepared", 1) == job.world:
+            kv.set(decision, "commit")  # every rank prepared its part
+        if not job.leader:
+            return
+        while not job.give_up.is_set():
+            if kv.check([decision]):
+                if kv.get(decision) == b"commit":
+                    self._commit(job)
+                return
+            time.sleep(_POLL_S)
+
+    def _commit(self, job: _InFlight) -> None:
+        store = self.ckpt.store
+        store.commit(job.version, parts=job.parts)
+        job.committed = True
+        job.commit_s = time.monotonic() - job.called_at
+        store.gc(self.ckpt.keep)  # retention, off the training thread (unless the boundary had to commit)
+        self._queue_copy(job)
+
+    def _key_value_store(self):
+        """A client of the job's c10d key-value store for this snapshotter's thread (None: not reachable)."""
+        if not self._kv_tried:
+            self._kv_tried = True
+            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+            if addr and port:
+                try:
+                    self._kv = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=10))
+                except Exception as e:  # noqa: BLE001 -- snapshots then commit at the next boundary
+                    log.info("tenplex: no key-value store at %s:%s (%s); snapshots commit at the next step "
+                             "boundary", addr, port, e)
+        return self._kv
+
+    # ----------------------------------------------------------- replication
+    def _queue_copy(self, job: _InFlight) -> None:
+        """Have the newest committed snapshot copied to the ring's next hosts (see :meth:`_copy_loop`)."""
+        if not (job.leader and job.replicas and job.layout is not None):
+            return
+        with self._copy_wanted:
+            self._next_copy = (job.version, job.step, job.layout, job.addresses, job.replicas)
+            if self._copier is None:
+                self._copier = threading.Thread(target=self._copy_loop, name="tenplex-snapshot-copies", daemon=True)
+                self._copier.start()
+            self._copy_wanted.notify()
+
+    def _copy_loop(self) -> None:
+        """Copy one snapshot at a time, the newest first: a copy still running is not cancelled by a newer
+        snapshot, and of the snapshots committed meanwhile only the newest is copied next."""
+        ckpt = self.ckpt
+        while True:
+            with self._copy_wanted:
+                while self._next_copy is None and not self._closed:
+                    self._copy_wanted.wait()
+                if self._closed:
+                    return
+                assert self._next_copy is not None
+                version, step, layout, addresses, replicas = self._next_copy
+                self._next_copy = None
+                self._copying_step = step
+            for _ in range(_COPY_TRIES):
+                with self._copy_wanted:
+                    if self._closed or self._next_copy is not None:
+                        break  # superseded: copy the newer one instead
+                    replicator = ckpt._replicator = Replicator(ckpt.store, version, layout, replicas, addresses,
+                                                               token=ckpt.token, keep=ckpt.keep)
+                if replicator.start().wait():
+                    self.stats["replicated_step"] = step
+                    break
+                if replicator.state == "cancelled":
+                    break
+                # Each host commits on its own once every rank prepared: the origin's commit may come a moment
+                # after ours (its store answers NOT_FOUND until then).
+                time.sleep(_COPY_RETRY_S)
+
+    def wait_copies(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` seconds until no snapshot waits to be copied (the newest one's copy may still run:
+        :meth:`Checkpointer.wait_replicated` waits for it)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._copy_wanted:
+            while self._next_copy is not None and not self._closed:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self._copy_wanted.wait(0.05 if left is None else min(0.05, left))
+
+    def replication_lag(self) -> int:
+        """Steps between the newest committed snapshot and the newest one whose copies are committed on this
+        host (0 when this rank pulls no copies)."""
+        committed, replicated = self.stats["committed_step"], self.stats["replicated_step"]
+        if committed is None or self._copying_step is None:
+            return 0
+        return committed - (replicated if replicated is not None else 0)
+
+    def close(self) -> None:
+        """Stop polling for a decision and copying (the process is going away); what was staged stays
+        uncommitted."""
+        if self.inflight is not None:
+            self.inflight.give_up.set()
+        with self._copy_wanted:
+            self._closed = True
+            self._copy_wanted.notify()
