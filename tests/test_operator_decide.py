@@ -511,6 +511,8 @@ def test_min_gpus_per_node_defaults_to_gpus_per_node_and_the_pod_requests_what_t
     from tenplex.operator.settings import WorkerSettings
 
     assert spec().min_gpus_per_node == 8 and spec(minGpusPerNode=6).min_gpus_per_node == 6
+    # golden (README): tp groups stay within a node, so under the default maxTp a node of 7 next to one of 8 idles
+    assert spec(minGpusPerNode=7).parallel([8, 7]) == "dp=1,tp=8,pp=1 (7 idle)"
     job = {"apiVersion": "tenplex.io/v1alpha1", "kind": "TenplexJob",
            "metadata": {"name": "j", "namespace": "default", "uid": "u"}}
     raw = worker_pod(job, spec(minGpusPerNode=6), "n2", WorkerSettings(), 7)
