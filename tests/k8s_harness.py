@@ -8,8 +8,11 @@ condition, never a fixed sleep.
 TEST DOUBLE: :meth:`Cluster.kubelet` plays the scheduler and the kubelet where
 it matters to the operator, written from the Kubernetes documentation, not
 from the operator's code: a pod is bound only to a node whose labels match its
-``nodeSelector`` and node affinity and whose NoSchedule/NoExecute taints it
-tolerates (else Pending, ``PodScheduled=False`` reason ``Unschedulable``); a
+``nodeSelector`` and node affinity, whose NoSchedule/NoExecute taints it
+tolerates and whose allocatable ``nvidia.com/gpu`` minus what the pods bound
+there request covers the pod's request (else Pending, ``PodScheduled=False``
+reason ``Unschedulable``); a bound pod keeps running when its node's
+allocatable drops below its request (the kubelet evicts nothing for it); a
 bound pod whose Secret volume names a Secret missing in the pod's namespace
 stays Pending in ``ContainerCreating`` with a ``FailedMount`` Event, as the
 kubelet leaves it. :func:`daemonset_nodes` is where a DaemonSet runs pods.
@@ -37,6 +40,7 @@ from tenplex.operator.settings import WorkerSettings
 
 STORE_LABEL = "tenplex.io/gpu-node"  # k8s/store.yaml's nodeSelector (the README's quick start labels the nodes)
 NS = "ml"
+GPU = "nvidia.com/gpu"
 
 
 @contextlib.contextmanager
@@ -108,6 +112,10 @@ class Cluster:
             "allocatable": {"nvidia.com/gpu": str(gpus), "cpu": "16"},
             "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}})
 
+    def set_gpus(self, name: str, gpus: int) -> None:
+        """The node's allocatable GPUs, as the device plugin reports them (fewer when it marks one unhealthy)."""
+        self.core.patch_node_status(name, {"status": {"allocatable": {"nvidia.com/gpu": str(gpus), "cpu": "16"}}})
+
     def set_ready(self, name: str, ready: bool) -> None:
         self.core.patch_node_status(name, {"status": {"conditions": [
             {"type": "Ready", "status": "True" if ready else "False"}]}})
@@ -154,7 +162,11 @@ class Cluster:
 
     def _schedule(self, pod: dict, nodes: list[dict], namespace: str) -> str | None:
         """Bind ``pod`` to the first node that fits it, or mark it Unschedulable saying why."""
-        fits = [n["metadata"]["name"] for n in nodes if fits_node(pod["spec"], n)]
+        bound = [p for p in self._raw(self.core.list_namespaced_pod, namespace)["items"]
+                 if p["spec"].get("nodeName") and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")]
+        fits = [n["metadata"]["name"] for n in nodes if fits_node(pod["spec"], n) and
+                _gpus(pod) <= int(n["status"]["allocatable"].get(GPU, 0)) -
+                sum(_gpus(p) for p in bound if p["spec"]["nodeName"] == n["metadata"]["name"])]
         name = pod["metadata"]["name"]
         if fits:
             self.core.patch_namespaced_pod(name, namespace, {"spec": {"nodeName": fits[0]}})
@@ -163,7 +175,7 @@ class Cluster:
                    None)
         if old is None:
             message = (f"0/{len(nodes)} nodes are available: {len(nodes)} node(s) didn't match Pod's node "
-                       f"affinity/selector or had untolerated taints")
+                       f"affinity/selector, had untolerated taints or Insufficient {GPU}")
             self.core.patch_namespaced_pod_status(name, namespace, {"status": {"phase": "Pending", "conditions": [
                 {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message,
                  "lastTransitionTime": _now()}]}})
@@ -199,6 +211,15 @@ class Cluster:
 
     def set_pod_phase(self, name: str, phase: str) -> None:
         self.core.patch_namespaced_pod_status(name, NS, {"status": {"phase": phase}})
+
+
+def _gpus(pod: dict) -> int:
+    """The GPUs a pod requests (a limit alone is the request)."""
+    total = 0
+    for c in pod["spec"].get("containers") or []:
+        res = c.get("resources") or {}
+        total += int((res.get("requests") or {}).get(GPU, (res.get("limits") or {}).get(GPU, 0)))
+    return total
 
 
 def _now() -> str:

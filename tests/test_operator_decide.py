@@ -275,8 +275,8 @@ def test_spec_that_no_longer_allows_the_running_world_still_decides():
     d = run(spec(minNodes=3, parallel={"pp": 24}), [node(n) for n in ("n1", "n2", "n3")], [pod("n1"), pod("n2")],
             stable("n1", "n2"))
     assert d.phase == "Rescaling" and d.create == ("n3",)
-    assert d.status["lastRescale"]["from"] == {"nodes": 2, "nodeNames": ["n1", "n2"], "worldSize": 16,
-                                               "parallel": "dp=2,tp=8,pp=1"}
+    assert d.status["lastRescale"]["from"] == {"nodes": 2, "nodeNames": ["n1", "n2"], "nodeGpus": {"n1": 8, "n2": 8},
+                                               "worldSize": 16, "parallel": "dp=2,tp=8,pp=1"}
     assert d.status["lastRescale"]["to"]["parallel"] == "dp=1,tp=1,pp=24"
 
 
@@ -423,3 +423,101 @@ def test_joining_node_lost_before_its_worker_ran_closes_the_record_as_abandoned(
     # the next scale-up is a new record again (`abandoned` removed by the merge patch)
     d2 = run(spec(), nodes, [pod("n1"), pod("n2")], merge_patch(st, d.status), now=T2)
     assert "abandoned" not in merge_patch(merge_patch(st, d.status), d2.status)["lastRescale"]
+
+
+# -- a node with fewer healthy GPUs (minGpusPerNode) -----------------------------------------------------------------
+def test_node_that_lost_a_gpu_keeps_its_worker_recreated_with_the_gpus_left():
+    """The device plugin took an unhealthy GPU out of n2's allocatable: with minGpusPerNode=7 the node stays, its
+    worker is recreated requesting 7 (a Resize: its own record type, phase and events), and the world is 8+7."""
+    s = spec(minGpusPerNode=7, parallel={"maxTp": 1})
+    old = stable("n1", "n2")
+    nodes = [node("n1"), node("n2", gpus=7)]
+    full = [pod("n1", gpus=8), pod("n2", gpus=8)]
+    d = run(s, nodes, full, old)
+    assert (d.phase, d.target, d.create) == ("Resizing", ("n1", "n2"), ())
+    assert d.delete == (Deletion("j-n2", 120, "resize: node n2: 8 -> 7 nvidia.com/gpu"),)  # grace: it saves
+    rec = d.status["lastRescale"]
+    assert (rec["type"], rec["reason"]) == ("Resize", "node n2: 8 -> 7 nvidia.com/gpu")
+    # golden: 8+7 ranks, tp=1 (maxTp=1): every GPU trains
+    assert (rec["from"]["nodeGpus"], rec["from"]["worldSize"]) == ({"n1": 8, "n2": 8}, 16)
+    assert (rec["to"]["nodeGpus"], rec["to"]["worldSize"], rec["to"]["parallel"]) == \
+        ({"n1": 8, "n2": 7}, 15, "dp=15,tp=1,pp=1")
+    assert reasons(d) == ["ResizeStarted"] and d.events[0].message.startswith("2 -> 2 nodes, world 16 -> 15")
+    mid = merge_patch(old, d.status)
+    # the old worker terminating holds the name: nothing is created yet
+    d2 = run(s, nodes, [full[0], pod("n2", gpus=8, terminating=True)], mid, now=T2)
+    assert (d2.phase, d2.create, d2.delete, fresh(d2, d)) == ("Resizing", (), (), [])
+    # gone: recreated on n2 with 7 (Decision.gpus is what the handler puts in the pod)
+    d3 = run(s, nodes, [full[0]], merge_patch(mid, d2.status), now=T2)
+    assert (d3.phase, d3.create, d3.gpus) == ("Resizing", ("n2",), {"n1": 8, "n2": 7})
+    d4 = run(s, nodes, [full[0], pod("n2", gen="b", gpus=7)], merge_patch(mid, d3.status), now=T2)
+    assert d4.phase == "Running" and fresh(d4, d, d2, d3) == ["Resized"]
+    assert (d4.status["nodeGpus"], d4.status["worldSize"], d4.status["parallel"]) == \
+        ({"n1": 8, "n2": 7}, 15, "dp=15,tp=1,pp=1")
+    settled = merge_patch(merge_patch(mid, d3.status), d4.status)
+    d5 = run(s, nodes, [full[0], pod("n2", gen="b", gpus=7)], settled, now=T2)
+    assert (d5.phase, d5.delete, d5.create, fresh(d5, d, d2, d3, d4)) == ("Running", (), (), [])
+    # the GPU is healthy again: the worker grows back the same way
+    d6 = run(s, [node("n1"), node("n2")], [full[0], pod("n2", gen="b", gpus=7)], settled, now=T2)
+    assert d6.phase == "Resizing" and d6.delete == (Deletion("j-n2", 120, "resize: node n2: 7 -> 8 nvidia.com/gpu"),)
+
+
+def test_default_min_gpus_per_node_leaves_a_node_that_lost_a_gpu_out():
+    """minGpusPerNode defaults to gpusPerNode: a node with 7 of 8 is scaled down (its worker saves on SIGTERM)."""
+    d = run(spec(), [node("n1"), node("n2", gpus=7)], [pod("n1", gpus=8), pod("n2", gpus=8)], stable("n1", "n2"))
+    assert (d.phase, d.target) == ("Rescaling", ("n1",))
+    assert d.delete == (Deletion("j-n2", 120, "scale down: 7 free nvidia.com/gpu"),)
+    assert d.status["lastRescale"]["type"] == "Rescale"
+
+
+def test_min_gpus_per_node_qualifies_new_nodes_with_what_they_have_fuller_nodes_first():
+    s = spec(minGpusPerNode=4, maxNodes=2, parallel={"maxTp": 4})
+    # n1: 3 free (another job holds 5), n2: 6, n3: 8 -> n1 is out, n3 then n2
+    d = run(s, [node("n1"), node("n2", gpus=6), node("n3")], [], used={"n1": 5})
+    assert (d.target, d.create, d.gpus) == (("n2", "n3"), ("n2", "n3"), {"n2": 6, "n3": 8})
+    d = run(s, [node("n1"), node("n2", gpus=6), node("n3")], [pod("n2", gpus=6), pod("n3", gpus=8)],
+            used={"n1": 5})
+    assert (d.phase, d.status["nodeGpus"], d.status["worldSize"]) == ("Running", {"n2": 6, "n3": 8}, 14)
+    assert d.status["parallel"] == "dp=3,tp=4,pp=1 (2 idle)"  # golden: n2 trains on 4 of its 6 (tp=4)
+    d = run(spec(minGpusPerNode=7, minNodes=2), [node("n1", gpus=6), node("n2")], [])
+    assert d.phase == "Pending"
+    assert "needs minNodes=2 nodes with 7 free nvidia.com/gpu each; 1 qualify (n2); n1: 6 free" in \
+        next(c["message"] for c in d.status["conditions"] if c["type"] == "NodesAvailable")
+
+
+def test_a_pin_that_does_not_fit_uneven_nodes_is_pending_not_a_crash():
+    s = spec(minGpusPerNode=7, parallel={"pinned": {"15": "tp=8,dp=2"}})
+    d = run(s, [node("n1"), node("n2", gpus=7)], [])
+    assert (d.phase, d.create, reasons(d)) == ("Pending", (), ["NoConfiguration"])
+    cond = next(c for c in d.status["conditions"] if c["type"] == "NodesAvailable")
+    assert cond["message"].startswith("no parallel configuration for the 2 nodes that qualify (n1: 8, n2: 7): "
+                                      "pinned for world size 15")
+
+
+@pytest.mark.parametrize("over, field, text", [
+    ({"minGpusPerNode": 9}, "spec.minGpusPerNode", "minGpusPerNode=9 is greater than gpusPerNode=8"),
+    ({"minGpusPerNode": 0}, "spec.minGpusPerNode", "must be an integer >= 1"),
+    ({"minGpusPerNode": 1, "minNodes": 1, "parallel": {"pp": 2}}, "spec.parallel",
+     "no parallel configuration for 1 nodes with 1 GPUs (1 ranks)"),
+])
+def test_min_gpus_per_node_spec_errors(over, field, text):
+    with pytest.raises(SpecError) as e:
+        spec(**over)
+    assert e.value.field == field and text in str(e.value)
+
+
+def test_min_gpus_per_node_defaults_to_gpus_per_node_and_the_pod_requests_what_the_node_has():
+    from tenplex.operator.pods import worker_pod
+    from tenplex.operator.settings import WorkerSettings
+
+    assert spec().min_gpus_per_node == 8 and spec(minGpusPerNode=6).min_gpus_per_node == 6
+    # golden (README): tp groups stay within a node, so under the default maxTp a node of 7 next to one of 8 idles
+    assert spec(minGpusPerNode=7).parallel([8, 7]) == "dp=1,tp=8,pp=1 (7 idle)"
+    job = {"apiVersion": "tenplex.io/v1alpha1", "kind": "TenplexJob",
+           "metadata": {"name": "j", "namespace": "default", "uid": "u"}}
+    raw = worker_pod(job, spec(minGpusPerNode=6), "n2", WorkerSettings(), 7)
+    container = raw["spec"]["containers"][0]
+    assert container["resources"] == {"limits": {GPU: "7"}, "requests": {GPU: "7"}}
+    command = container["command"]
+    assert command[command.index("--nproc-per-node") + 1] == "7"
+    assert pod_state(raw, GPU).gpus == 7 and pod_state(raw).gpus is None

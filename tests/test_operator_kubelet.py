@@ -112,3 +112,29 @@ def test_operator_killed_after_the_status_write_posts_the_events_on_its_next_rou
     assert len(c.events("RescaleStarted")) == 1 and len(c.events("Rescaled")) == 1
     assert len([e for e in c.events("WorkerCreated") if e["message"].startswith("j-n3 ")]) == 1
     assert len(c.events("WorkerCreated")) == 3 and len(c.events("Started")) == 1
+
+
+def test_node_that_lost_a_gpu_keeps_a_worker_with_the_gpus_left(cluster):
+    """The device plugin marks one of n2's GPUs unhealthy (allocatable 8 -> 7): with minGpusPerNode=6 the worker
+    there is recreated requesting 7 and running 7 workers; the scheduler would not place one asking for 8."""
+    c = cluster
+    with operator(c.url):
+        start_job(c, minGpusPerNode=6, parallel={"maxTp": 1})
+        old_uid = c.pods_by_node("j")["n2"]["metadata"]["uid"]
+        c.set_gpus("n2", 7)
+        st = wait_for(lambda: (c.kubelet("j"), c.status("j"))[1].get("nodeGpus") == {"n1": 8, "n2": 7}
+                      and c.status("j"), "the world of 8+7")
+        started, resized = c.events("ResizeStarted"), c.events("Resized")
+    assert (st["phase"], st["worldSize"], st["parallel"]) == ("Running", 15, "dp=15,tp=1,pp=1")
+    rec = st["lastRescale"]
+    assert (rec["type"], rec["reason"], rec["finishedAt"] is not None) == ("Resize", "node n2: 8 -> 7 nvidia.com/gpu",
+                                                                           True)
+    pod = c.pods_by_node("j")["n2"]
+    assert pod["metadata"]["uid"] != old_uid and pod["status"]["phase"] == "Running"
+    container = pod["spec"]["containers"][0]
+    assert container["resources"]["requests"] == {"nvidia.com/gpu": "7"}
+    assert container["command"][container["command"].index("--nproc-per-node") + 1] == "7"
+    assert c.pods_by_node("j")["n1"]["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "8"}
+    assert len(started) == len(resized) == 1 and resized[0]["message"].startswith("2 -> 2 nodes, world 16 -> 15")
+    deleted = [e["message"] for e in c.events("WorkerDeleted")]
+    assert deleted == ["j-n2 (grace 120s): resize: node n2: 8 -> 7 nvidia.com/gpu"]

@@ -93,9 +93,9 @@ def test_job_metrics_of_a_two_rank_job(tmp_path):
         assert both(2)(prometheus.await_query('tenplex_job_saves_total{reason="periodic"}', both(2)))
         assert both(2)(prometheus.await_query("tenplex_job_world_size", both(2)))
         info = prometheus.await_query("tenplex_job_configuration_info", both(1))
-        # the policy's choice for 2 ranks on one host: tensor parallelism within the host
+        # the policy's choice for 2 ranks on one host under the worker's max_tp=1: data parallelism
         assert {(labels["config"], labels["dp"], labels["tp"], labels["pp"]) for labels, _ in info} == \
-            {("dp=1,tp=2,pp=1,sharding=none", "1", "2", "1")}
+            {("dp=2,tp=1,pp=1,sharding=none", "2", "1", "1")}
         # tenplex run --log-format json reaches the workers as TENPLEX_LOG_FORMAT: JSON lines with the context
         lines = [json.loads(line) for line in (tmp_path / "rank0.log").read_text().splitlines() if line.startswith("{")]
         started = [line for line in lines if line["logger"] == "tenplex.elastic.job"]

@@ -49,6 +49,7 @@ nothing here; the restored step does.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -115,6 +116,10 @@ class Job:
 
     ``dataset``: a packed tenplex dataset directory (``tenplex data pack``), or
     None if the script reads its data itself (the position is then the step).
+    ``seed``: the seed of the dataset's sample order, used when the job starts
+    fresh (a restored job keeps the order it saved). ``group``: the process
+    group of the training ranks when the policy leaves ranks idle, else None,
+    which ``torch.distributed`` takes as the default group (all ranks train).
     Arguments left at None take the settings the launcher put in the
     environment (``TENPLEX_MAX_TP``, ``TENPLEX_PP``, ``TENPLEX_PINNED``,
     ``TENPLEX_REPLICAS``, ``TENPLEX_SAVE_INTERVAL``, ``TENPLEX_DATASET``: the
@@ -235,6 +240,7 @@ class Job:
         if self.idle:
             raise ConfigError(f"rank {self.rank} is idle in this world ({self.choice.reason}); idle ranks train "
                               f"nothing: call job.wait_idle() instead")
+        self._check_model_is_parallel(model, annotations)
         begin = time.monotonic()
         ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), group=self.group, **self.checkpointer_options)
         extra: dict = {}
@@ -257,6 +263,32 @@ class Job:
         elif self.save_every is None:
             self._next_save = self.step + 1  # measure a save early; the interval follows from it
         return self.step
+
+    def _check_model_is_parallel(self, model: torch.nn.Module, annotations) -> None:
+        """Under tp or pp > 1, fail fast when the model has no such structure (collective over the training ranks).
+
+        A plain data-parallel script under the default ``max_tp`` would silently get tp > 1: its tp peers read
+        the same batch, so every sample is trained more than once per step. Structure is a DTensor parameter,
+        annotations, or ranks that hold different parameters (pipeline stages); the ranks compare a digest of
+        their parameter names, shapes and dtypes (a tensor, never a pickle).
+        """
+        c = self.config
+        if c.tp == 1 and c.pp == 1:
+            return
+        from torch.distributed.tensor import DTensor
+
+        state = model.state_dict()
+        structured = annotations is not None or any(isinstance(v, DTensor) for v in state.values())
+        names = "\n".join(f"{k}:{tuple(v.shape)}:{v.dtype}" for k, v in sorted(state.items()))
+        digest = int.from_bytes(hashlib.sha256(names.encode()).digest()[:7], "big")  # fits an int64
+        seen = torch.tensor([int(structured), digest, -digest], dtype=torch.int64)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)  # [any structured, max digest, -min digest]
+        if not seen[0] and seen[1] == -seen[2]:
+            raise ConfigError(
+                f"the policy chose {self.choice.degrees()} for {self.world_size} ranks, but every rank holds the "
+                f"same full model (no DTensor, no annotations, no pipeline stages), so each sample would be trained "
+                f"{c.tp * c.pp} times per step: pass max_tp=1 to Job (TENPLEX_MAX_TP=1; spec.parallel.maxTp: 1 "
+                f"on Kubernetes) for a data-parallel script, or build the model for job.config")
 
     # ----------------------------------------------------------------- data
     def _open_data(self, saved: dict | None) -> None:

@@ -1,6 +1,6 @@
 """The reconciliation step as a pure function: observed state in, desired state out.
 
-May import: :mod:`.spec`, :mod:`.observe` and the standard library. Pure: no
+May import: :mod:`.spec`, :mod:`.observe`, ``tenplex.errors`` and the standard library. Pure: no
 clock (``now`` is an argument), no I/O, so it is tested as a function and an
 operator restarted at any point decides the same thing again from what it
 observes (level-based: the previous ``status`` only carries what cannot be
@@ -13,10 +13,18 @@ The rules (docs/guides/operator.md):
   tolerate (unless it already runs this job's worker; an untolerated
   NoExecute taint always disqualifies), has fewer than
   :data:`NODE_FAILURE_LIMIT` failed workers, was not left out because a
-  worker stayed Unschedulable there, and has ``gpusPerNode`` free units of
-  the accelerator resource (a node that already runs our worker keeps it). The target is the most
-  qualifying nodes up to ``maxNodes``, nodes that run a worker first, then by
-  name: the job never moves a worker to get the same size.
+  worker stayed Unschedulable there, and has at least ``minGpusPerNode``
+  (default ``gpusPerNode``) free units of the accelerator resource (free:
+  allocatable minus what other pods request; our own worker's units count as
+  free). The node gets ``min(gpusPerNode, free)``. The target is the most
+  qualifying nodes up to ``maxNodes``, nodes that run a worker first, then
+  those with more free units, then by name: the job never moves a worker to
+  get the same size.
+* A worker whose GPU count differs from its node's (the device plugin took an
+  unhealthy GPU out of the node's allocatable, or it came back) is deleted
+  with the grace period and recreated with the node's count: a ``Resize``
+  (phase ``Resizing``, events ``ResizeStarted`` and ``Resized``) when no node
+  joins, leaves or fails with it.
 * Fewer than ``minNodes`` qualify: phase ``Pending``, condition
   ``NodesAvailable=False`` saying what is missing; running workers stay
   (their agents wait in the rendezvous), no worker is added.
@@ -50,6 +58,7 @@ from typing import Any, Mapping, Sequence
 
 from .observe import NodeState, PodState, blocking_taints
 from . import STORE_NODE_LABELS
+from ..errors import ConfigError
 from .spec import JobSpec, SpecError
 
 NODE_FAILURE_LIMIT = 3  # a node whose workers failed this often is left out (a bad GPU, a full disk)
@@ -79,6 +88,7 @@ class Decision:
     delete: tuple[Deletion, ...]
     status: dict  # the TenplexJob's new status (a merge patch: None removes a key)
     events: tuple[Event, ...]
+    gpus: Mapping[str, int] = field(default_factory=dict)  # units of the resource per target node
 
 
 def merge_patch(old: Any, patch: Any) -> Any:
@@ -130,6 +140,7 @@ class _Decider:
         self.unschedulable: dict[str, str] = dict(status.get("unschedulable") or {}) if same_spec else {}
         self.events: list[Event] = []
         self.conditions: list[dict] = []
+        self.gpus: dict[str, int] = {}  # qualifying node -> the units of the resource its worker gets
 
     # -- helpers -----------------------------------------------------------------------------------------------
     def condition(self, type_: str, ok: bool, reason: str, message: str) -> None:
@@ -149,8 +160,9 @@ class _Decider:
         self.events.append(Event(type_, reason, message, key=f"{reason}/{since}"))
 
     def world(self, names: Sequence[str]) -> dict:
-        return {"nodes": len(names), "nodeNames": list(names), "worldSize": len(names) * self.spec.gpus_per_node,
-                "parallel": self.spec.parallel(len(names))}
+        counts = [self.gpus[n] for n in names]
+        return {"nodes": len(names), "nodeNames": list(names), "nodeGpus": dict(zip(names, counts)),
+                "worldSize": sum(counts), "parallel": self.spec.parallel(counts)}
 
     def finish(self, phase: str, target=(), create=(), delete=(), **status) -> Decision:
         for type_ in ("SpecValid", "NodesAvailable", "WorkersHealthy", "WorkersScheduled"):
@@ -159,7 +171,8 @@ class _Decider:
         self.condition("Ready", phase == "Running", phase, f"the job is {phase}")
         out = {"phase": phase, "observedGeneration": self.generation, "conditions": self.conditions,
                "unschedulable": self.unschedulable or None, **status}
-        return Decision(phase, tuple(target), tuple(create), tuple(delete), out, tuple(self.events))
+        return Decision(phase, tuple(target), tuple(create), tuple(delete), out, tuple(self.events),
+                        {n: self.gpus[n] for n in target})
 
     # -- the decision --------------------------------------------------------------------------------------------
     def run(self) -> Decision:
@@ -189,26 +202,39 @@ class _Decider:
 
         self.report_unschedulable()
         eligible, why_not = self.qualify(failures, active)
-        order = sorted(eligible, key=lambda name: (name not in active, name))
+        order = sorted(eligible, key=lambda name: (name not in active, -self.gpus[name], name))
         target = tuple(sorted(order[: spec.max_nodes]))
         for name in order[spec.max_nodes:]:
             why_not[name] = f"maxNodes={spec.max_nodes}"
 
         if len(target) < spec.min_nodes:
-            message = (f"needs minNodes={spec.min_nodes} nodes with {spec.gpus_per_node} free {self.resource} "
+            message = (f"needs minNodes={spec.min_nodes} nodes with {spec.min_gpus_per_node} free {self.resource} "
                        f"each; {len(target)} qualify" + (f" ({', '.join(target)})" if target else "")
                        + "".join(f"; {n}: {why}" for n, why in sorted(why_not.items())))
             self.condition("NodesAvailable", False, "InsufficientNodes", message)
             self.condition_event("Warning", "InsufficientNodes", message)
             return self.finish("Pending", target, (), deletions, failures=failures)
+        try:
+            self.world(target)
+        except ConfigError as e:  # a pin that does not fit nodes of uneven sizes (parse_spec checks even ones)
+            gpus = ", ".join(f"{n}: {self.gpus[n]}" for n in target)
+            message = f"no parallel configuration for the {len(target)} nodes that qualify ({gpus}): {e}"
+            self.condition("NodesAvailable", False, "NoConfiguration", message)
+            self.condition_event("Warning", "NoConfiguration", message)
+            return self.finish("Pending", target, (), deletions, failures=failures)
 
+        resized: dict[str, str] = {}
         for node, pod in active.items():
             if node not in target:
                 why = why_not.get(node, "not needed")
                 deletions.append(Deletion(pod.name, spec.grace_seconds, f"scale down: {why}"))
+            elif pod.gpus is not None and pod.gpus != self.gpus[node]:
+                # Recreated (same name, once gone) with the units the node has now; SIGTERM first, so it saves.
+                resized[node] = f"node {node}: {pod.gpus} -> {self.gpus[node]} {self.resource}"
+                deletions.append(Deletion(pod.name, spec.grace_seconds, f"resize: {resized[node]}"))
         create = tuple(n for n in target if n not in active and n not in busy)
-        running = {n for n, p in active.items() if p.phase == "Running"}
-        return self.progress(target, create, deletions, failures, running, lost, failed, why_not)
+        running = {n for n, p in active.items() if p.phase == "Running" and n not in resized}
+        return self.progress(target, create, deletions, failures, running, lost, failed, why_not, resized)
 
     def classify(self):
         """Split our pods: lost (node gone), failed, terminating (busy) and active; what to delete now."""
@@ -287,31 +313,41 @@ class _Decider:
                 why_not[name] = "cordoned"
             elif len(failures.get(name, ())) >= NODE_FAILURE_LIMIT:
                 why_not[name] = f"{len(failures[name])} failed workers"
-            elif name not in active and free < self.spec.gpus_per_node:
+            elif free < self.spec.min_gpus_per_node:
                 why_not[name] = f"{max(free, 0)} free {self.resource}"
             else:
                 eligible.append(name)
+                self.gpus[name] = min(free, self.spec.gpus_per_node)
         return eligible, why_not
 
-    def progress(self, target, create, deletions, failures, running, lost, failed, why_not) -> Decision:
+    def ran(self) -> dict[str, int]:
+        """The world that last ran, node -> units (a status written before nodeGpus: equal nodes)."""
+        names = list(self.old.get("nodeNames") or ())
+        if "nodeGpus" in self.old:
+            return {n: self.old["nodeGpus"].get(n, 0) for n in names}
+        return {n: (self.old.get("worldSize") or 0) // len(names) for n in names}
+
+    def progress(self, target, create, deletions, failures, running, lost, failed, why_not, resized) -> Decision:
         stable = tuple(self.old.get("nodeNames") or ())
+        wanted = {n: self.gpus[n] for n in target}
         record = self.old.get("lastRescale") or None
         open_record = record if record and not record.get("finishedAt") else None
         complete = set(target) == running
         keep: dict = {"failures": failures}
         abandoned = None
-        if open_record and open_record.get("to", {}).get("nodeNames") != list(target):
+        to = (open_record or {}).get("to", {})
+        if open_record and (to.get("nodeNames") != list(target) or to.get("nodeGpus", wanted) != wanted):
             # The target moved on (a joining node went NotReady, another failed): this record is dropped.
             record = abandoned = self.abandon(open_record, why_not, lost)
             open_record = None
         if not stable and not open_record:
             # The first world: starting, not a rescale.
             if complete:
-                world = f"{len(target)} nodes, {self.spec.parallel(len(target))}"
+                world = f"{len(target)} nodes, {self.world(target)['parallel']}"
                 self.events.append(Event("Normal", "Started", world, key="Started"))
                 return self.finish("Running", target, create, deletions, **keep, **self.world(target))
             return self.finish("Pending", target, create, deletions, **keep)
-        if complete and not open_record and tuple(target) == stable:
+        if complete and not open_record and wanted == self.ran():
             self.record_events(record)
             if abandoned:
                 keep["lastRescale"] = abandoned  # back where it was: the dropped record, closed, says why
@@ -320,15 +356,15 @@ class _Decider:
                                          key="Started"))
             return self.finish("Running", target, create, deletions, **keep, **self.world(target))
         if not open_record:
-            open_record = self.new_record(stable, target, running, lost, failed, why_not)
+            open_record = self.new_record(stable, target, running, lost, failed, why_not, resized)
         if complete:
             open_record = {**open_record, "finishedAt": self.now}
             self.record_events(open_record)
             return self.finish("Running", target, create, deletions, lastRescale=open_record, **keep,
                                **self.world(target))
         self.record_events(open_record)
-        return self.finish("Rescaling" if open_record["type"] == "Rescale" else "Recovering", target, create,
-                           deletions, lastRescale=open_record, **keep)
+        phase = {"Rescale": "Rescaling", "Resize": "Resizing", "Recovery": "Recovering"}[open_record["type"]]
+        return self.finish(phase, target, create, deletions, lastRescale=open_record, **keep)
 
     def abandon(self, record: dict, why_not: dict, lost: dict) -> dict:
         """``record`` closed as dropped, saying which of its nodes fell out and why."""
@@ -344,29 +380,35 @@ class _Decider:
         """The events a rescale record stands for (its start, its end or abandonment), keyed by its start."""
         if not record:
             return
-        recovery = record["type"] == "Recovery"
+        started, finished = {"Rescale": ("RescaleStarted", "Rescaled"), "Resize": ("ResizeStarted", "Resized"),
+                             "Recovery": ("RecoveryStarted", "Recovered")}[record["type"]]
         start = record["startedAt"]
-        self.emit(Event("Normal", "RecoveryStarted" if recovery else "RescaleStarted", self.describe(record),
-                        key=f"Started/{start}"))
+        self.emit(Event("Normal", started, self.describe(record), key=f"Started/{start}"))
         if record.get("abandoned"):
             self.emit(Event("Warning", "RescaleAbandoned", f"{self.describe(record)}: dropped, "
                             f"{record['abandoned']}", key=f"Abandoned/{start}"))
         elif record.get("finishedAt"):
-            self.emit(Event("Normal", "Recovered" if recovery else "Rescaled", self.describe(record),
-                                     key=f"Finished/{start}"))
+            self.emit(Event("Normal", finished, self.describe(record), key=f"Finished/{start}"))
 
-    def new_record(self, stable, target, running, lost, failed, why_not) -> dict:
+    def new_record(self, stable, target, running, lost, failed, why_not, resized) -> dict:
         parts = [f"node {n} added" for n in target if n not in stable]
+        was = self.ran()
         for n in stable:
             if n not in target:
                 parts.append(lost.get(n) or (f"worker {failed[n]} failed on {n}" if n in failed else None)
                              or f"node {n} removed: {why_not.get(n, 'not needed')}")
+            elif n in resized or (n not in running and n not in failed and was[n] != self.gpus[n]):
+                # (a resize in flight when the operator restarted: the worker is gone, the counts say why)
+                parts.append(resized.get(n) or f"node {n}: {was[n]} -> {self.gpus[n]} {self.resource}")
             elif n not in running:
                 parts.append(f"worker {failed[n]} failed on {n}" if n in failed else f"worker on {n} missing")
-        recovery = bool(lost or failed) or any(n in stable and n not in running for n in target)
+        recovery = bool(lost or failed) or any(n in stable and n not in running and n not in resized
+                                               and was[n] == self.gpus[n] for n in target)
+        kind = "Recovery" if recovery else "Rescale" if set(stable) != set(target) else "Resize"
         # `from` is the world as it ran (the status says so): the current spec may not even allow its size.
         ran = {key: self.old.get(key) for key in ("nodes", "nodeNames", "worldSize", "parallel")}
-        return {"type": "Recovery" if recovery else "Rescale", "reason": "; ".join(parts),
+        ran["nodeGpus"] = was
+        return {"type": kind, "reason": "; ".join(parts),
                 "from": ran, "to": self.world(target), "startedAt": self.now, "finishedAt": None, "abandoned": None}
 
     @staticmethod

@@ -198,7 +198,7 @@ class Operator:
         if (job.get("metadata") or {}).get("deletionTimestamp"):
             return None, None, []  # being deleted: the garbage collector removes the workers (owner references)
         selector = f"{JOB_LABEL}={name},{ROLE_LABEL}={WORKER_ROLE}"
-        pods = [pod_state(p) for p in
+        pods = [pod_state(p, self.settings.resource) for p in
                 self._get(self.core.list_namespaced_pod, namespace, label_selector=selector)["items"]]
         nodes = self._get(self.core.list_node)["items"]
         spec = _spec_or_error(job)
@@ -263,19 +263,20 @@ class Operator:
             else:
                 self._post(job, Event("Normal", "WorkerDeleted", f"{d.pod} (grace {d.grace_seconds}s): {d.reason}",
                                       key=f"WorkerDeleted/{d.uid or d.pod}"))
-        if decision.create and not self._create(job, decision.create):
+        if decision.create and not self._create(job, {n: decision.gpus[n] for n in decision.create}):
             return
         for ev in (*observed_events(pods), *decision.events):
             if self._post(job, ev):  # decide() repeats its events every round: count each once, when posted
                 self.metrics.observe_events([ev.reason])
                 logger.info("%s: %s", ev.reason, ev.message)
 
-    def _create(self, job: dict, nodes: tuple[str, ...]) -> bool:
-        """Create the workers on ``nodes``; False when the API server refused one for the spec's fault."""
+    def _create(self, job: dict, nodes: Mapping[str, int]) -> bool:
+        """Create the workers on ``nodes`` (node -> units of the resource); False when the API server refused one
+        for the spec's fault."""
         namespace = job["metadata"]["namespace"]
         spec = parse_spec(job["spec"])  # decide() only asks for pods when the spec is valid
-        for node in nodes:
-            pod = worker_pod(job, spec, node, self.settings)
+        for node, gpus in nodes.items():
+            pod = worker_pod(job, spec, node, self.settings, gpus)
             try:
                 created = self._get(self.core.create_namespaced_pod, namespace, pod)
             except ApiException as e:

@@ -39,6 +39,7 @@ class PodState:
     crash_looping: bool = False  # a container waits in CrashLoopBackOff (restartPolicy OnFailure/Always)
     unschedulable_since: str | None = None  # PodScheduled=False, reason Unschedulable: since when
     unschedulable_message: str = ""  # the scheduler's reason, e.g. "0/3 nodes are available: ..."
+    gpus: int | None = None  # units of the accelerator resource it requests (None: not read, never resized)
 
     @property
     def failed(self) -> bool:
@@ -94,7 +95,8 @@ def blocking_taints(node: NodeState, tolerations: Iterable[Mapping[str, Any]]) -
     return [t for t in node.taints if t.effect != "PreferNoSchedule" and not tolerates(tolerations, t)]
 
 
-def pod_state(pod: Mapping[str, Any]) -> PodState:
+def pod_state(pod: Mapping[str, Any], resource: str | None = None) -> PodState:
+    """The pod as a decision sees it; with ``resource``, how many units of it the pod requests."""
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
     node = (meta.get("annotations") or {}).get(NODE_ANNOTATION) or (pod.get("spec") or {}).get("nodeName")
@@ -106,13 +108,19 @@ def pod_state(pod: Mapping[str, Any]) -> PodState:
                     terminating=bool(meta.get("deletionTimestamp")), crash_looping=crash,
                     unschedulable_since=None if unschedulable is None else
                     unschedulable.get("lastTransitionTime") or meta.get("creationTimestamp") or "",
-                    unschedulable_message=(unschedulable or {}).get("message") or "")
+                    unschedulable_message=(unschedulable or {}).get("message") or "",
+                    gpus=None if resource is None else _requested(pod, resource))
 
 
 def pod_requests(pod: Mapping[str, Any], resource: str) -> int:
     """How many units of ``resource`` a pod holds on its node (0 once it has finished)."""
     if (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
         return 0
+    return _requested(pod, resource)
+
+
+def _requested(pod: Mapping[str, Any], resource: str) -> int:
+    """The units of ``resource`` a pod's containers request (a limit alone counts as the request, as in the API)."""
     spec = pod.get("spec") or {}
     total = 0
     for c in spec.get("containers") or []:

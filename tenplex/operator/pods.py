@@ -40,13 +40,13 @@ def pod_name(job: str, node: str) -> str:
     return f"{name[:54].rstrip('-')}-{digest}"
 
 
-def worker_command(spec: JobSpec, job_uid: str, settings: WorkerSettings) -> list[str]:
+def worker_command(spec: JobSpec, job_uid: str, settings: WorkerSettings, gpus: int) -> list[str]:
     # The node's store is the DaemonSet's (host network, same root and host name): `tenplex run` finds it through
     # the port file in the root and reaches it at the node's address with the token.
     return ["tenplex", "run", "--host", "$(NODE_NAME)", "--store-root", settings.store_root,
             "--store-advertise", "$(NODE_IP)", "--token-file",
             f"{settings.store_root}/{TOKEN_FILE_NAME}",
-            "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}", "--nproc-per-node", str(spec.gpus_per_node),
+            "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}", "--nproc-per-node", str(gpus),
             "--rdzv-backend", settings.rdzv_backend, "--rdzv-endpoint", settings.rdzv_endpoint,
             "--rdzv-id", job_uid, *spec.command]
 
@@ -76,12 +76,14 @@ def _merge(ours: Any, theirs: Any) -> Any:
     return ours
 
 
-def worker_pod(job: Mapping[str, Any], spec: JobSpec, node: str, settings: WorkerSettings) -> dict:
-    """The worker pod of TenplexJob ``job`` (its raw object) on ``node``, as a JSON-able dict."""
+def worker_pod(job: Mapping[str, Any], spec: JobSpec, node: str, settings: WorkerSettings,
+               gpus: int | None = None) -> dict:
+    """The worker pod of TenplexJob ``job`` (its raw object) on ``node``, as a JSON-able dict: one worker per
+    unit of the resource, ``gpus`` of them (default ``gpusPerNode``; fewer on a node that lost some)."""
     meta = job["metadata"]
     name, namespace, uid = meta["name"], meta["namespace"], meta["uid"]
-    resources = {"limits": {settings.resource: str(spec.gpus_per_node)},
-                 "requests": {settings.resource: str(spec.gpus_per_node)}}
+    gpus = spec.gpus_per_node if gpus is None else gpus
+    resources = {"limits": {settings.resource: str(gpus)}, "requests": {settings.resource: str(gpus)}}
     resources = _merge(resources, dict(spec.resources))
     host = k8s.V1HostPathVolumeSource
     pod = k8s.V1Pod(
@@ -102,7 +104,8 @@ def worker_pod(job: Mapping[str, Any], spec: JobSpec, node: str, settings: Worke
                     k8s.V1NodeSelectorTerm(match_fields=[k8s.V1NodeSelectorRequirement(
                         key="metadata.name", operator="In", values=[node])])]))),
             containers=[k8s.V1Container(
-                name="worker", image=spec.image, command=worker_command(spec, uid, settings), env=_env(spec, settings),
+                name="worker", image=spec.image, command=worker_command(spec, uid, settings, gpus),
+                env=_env(spec, settings),
                 resources=k8s.V1ResourceRequirements(limits=resources.get("limits"),
                                                      requests=resources.get("requests")),
                 volume_mounts=[

@@ -10,7 +10,7 @@ instead of an operator crash.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from ..elastic.policy import choose
 from ..errors import ConfigError
@@ -31,6 +31,7 @@ class JobSpec:
     min_nodes: int
     max_nodes: int
     gpus_per_node: int = 1
+    min_gpus_per_node: int = 1  # a node with fewer free GPUs than gpus_per_node still qualifies with this many
     max_tp: int = 8
     pp: int | None = None
     pinned: Mapping[int, str] = field(default_factory=dict)
@@ -43,12 +44,13 @@ class JobSpec:
     resources: Mapping[str, Any] = field(default_factory=dict)
     template: Mapping[str, Any] = field(default_factory=dict)
 
-    def parallel(self, nodes: int) -> str:
-        """The parallel configuration of ``nodes`` nodes (``tenplex.elastic.policy``), as status shows it."""
-        if nodes == 0:
+    def parallel(self, nodes: int | Sequence[int]) -> str:
+        """The parallel configuration (``tenplex.elastic.policy``) as status shows it, of ``nodes`` nodes of
+        ``gpus_per_node`` or of nodes with these GPU counts (a node that lost GPUs runs fewer workers)."""
+        sizes = [self.gpus_per_node] * nodes if isinstance(nodes, int) else list(nodes)
+        if not sizes:
             return ""
-        c = choose(nodes * self.gpus_per_node, self.gpus_per_node, max_tp=self.max_tp, pp=self.pp,
-                   pinned=dict(self.pinned))
+        c = choose(sum(sizes), sizes, max_tp=self.max_tp, pp=self.pp, pinned=dict(self.pinned))
         return c.degrees() + (f" ({len(c.idle)} idle)" if c.idle else "")
 
     def tolerations(self, resource: str) -> list[dict[str, Any]]:
@@ -107,6 +109,9 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
     if min_nodes > max_nodes:
         raise SpecError(f"{p}.minNodes", f"minNodes={min_nodes} is greater than maxNodes={max_nodes}")
     gpus = _count(spec, "gpusPerNode", p, default=1)
+    min_gpus = _count(spec, "minGpusPerNode", p, default=gpus)
+    if min_gpus > gpus:
+        raise SpecError(f"{p}.minGpusPerNode", f"minGpusPerNode={min_gpus} is greater than gpusPerNode={gpus}")
 
     par = _mapping(spec, "parallel", p)
     max_tp = _count(par, "maxTp", f"{p}.parallel", default=8)
@@ -129,7 +134,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
     dataset = _mapping(spec, "dataset", p)
     job = JobSpec(
         image=image, command=tuple(command), min_nodes=min_nodes, max_nodes=max_nodes, gpus_per_node=gpus,
-        max_tp=max_tp, pp=pp, pinned=pinned, env=tuple(env),
+        min_gpus_per_node=min_gpus, max_tp=max_tp, pp=pp, pinned=pinned, env=tuple(env),
         dataset=_text(dataset, "path", f"{p}.dataset") if "path" in dataset else None,
         replicas=_optional_count(spec, "replicas", p, minimum=0),
         save_interval=_optional_count(spec, "saveInterval", p),
@@ -138,20 +143,30 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         resources=_mapping(spec, "resources", p), template=_mapping(spec, "template", p))
 
     # Every world the job may run in must have a configuration: catch a bad pin or pp now, not mid-run.
-    # pp only fails in small worlds and max_tp never does, so the smallest, largest and pinned sizes suffice.
+    # pp only fails in worlds smaller than pp and max_tp never does, so the smallest, largest and pinned sizes
+    # suffice, with full nodes and with every node at minGpusPerNode. A pin for a world of uneven nodes may not
+    # fit the nodes' shape: decide() checks the world it targets.
     for world in pinned:
-        if world % gpus:
+        if world % gpus and min_gpus == gpus:
             raise SpecError(f"{p}.parallel.pinned[{str(world)!r}]", f"world size {world} is not a multiple of "
                             f"gpusPerNode={gpus}, so no world of this job has that size")
     sizes = {min_nodes, max_nodes} | {w // gpus for w in pinned if min_nodes <= w // gpus <= max_nodes}
     for nodes in sorted(sizes):
-        try:
-            job.parallel(nodes)
-        except ConfigError as e:
-            world = nodes * gpus
-            where = f"{p}.parallel.pinned[{str(world)!r}]" if world in pinned else f"{p}.parallel"
-            raise SpecError(where, f"no parallel configuration for {nodes} nodes ({world} ranks): {e}") from None
+        for shape in _shapes(nodes, gpus, min_gpus):
+            try:
+                job.parallel(shape)
+            except ConfigError as e:
+                world = sum(shape)
+                where = f"{p}.parallel.pinned[{str(world)!r}]" if world in pinned else f"{p}.parallel"
+                gpus_of = "" if min_gpus == gpus else f" with {'+'.join(map(str, shape))} GPUs"
+                raise SpecError(where, f"no parallel configuration for {nodes} nodes{gpus_of} ({world} ranks): "
+                                f"{e}") from None
     return job
+
+
+def _shapes(nodes: int, gpus: int, min_gpus: int) -> list[list[int]]:
+    """GPU counts per node that :func:`parse_spec` checks for a world of ``nodes`` nodes."""
+    return [[gpus] * nodes] + ([[min_gpus] * nodes] if min_gpus < gpus else [])
 
 
 def check_name(name: str) -> None:

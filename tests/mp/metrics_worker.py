@@ -19,7 +19,8 @@ import tenplex.elastic
 
 def main() -> None:
     out = Path(sys.argv[1])
-    job = tenplex.elastic.Job(global_batch=4, save_every=2, replicas=0, timeout=60)
+    # max_tp=1: a data-parallel script (under tp > 1 Job.restore refuses a model without tp structure)
+    job = tenplex.elastic.Job(global_batch=4, save_every=2, replicas=0, timeout=60, max_tp=1)
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -28,7 +28,7 @@ from tenplex.store.writer import VersionWriter
 
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
-    job = tenplex.elastic.Job(global_batch=4, save_every=2, replicas=0, timeout=60, pinned={3: "dp=2"},
+    job = tenplex.elastic.Job(global_batch=4, save_every=2, replicas=0, timeout=60, pinned={3: "dp=2"}, max_tp=1,
                               on_save=lambda info: save_file(
                                   {k: v.contiguous() for k, v in model.state_dict().items()},
                                   str(out / f"saved-{info['step']}-r{job.rank}.safetensors")),
