@@ -1,0 +1,195 @@
+"""The durable tier against a real S3 server (moto's, in its own process on loopback), reached only through
+obstore as in production: flush from two hosts, lose every store, restore bit for bit into three."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tenplex.box import Box
+from tenplex.durable import Bucket, DurableError, durable_versions, flush_host, restore_host
+from tenplex.durable.flush import assignment, version_key
+from tenplex.layout import Layout, Shard, TensorSpec
+from tenplex.store import Store
+from tenplex.store.manifest import CorruptShard
+
+KEY, SECRET = "AKIATENPLEXTEST00001", "tenplex-test-secret"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server with authentication on: its first three requests (IAM) are unauthenticated and make
+    the one user whose key the tests use, so that wrong credentials are refused as by a real S3."""
+    boto3 = pytest.importorskip("boto3")  # the admin side only (IAM, buckets): data goes through obstore
+    port = _free_port()
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
+    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert time.monotonic() < deadline and proc.poll() is None, "moto server did not start"
+            time.sleep(0.2)
+    iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="x",
+                       aws_secret_access_key="x")
+    iam.create_user(UserName="tenplex")
+    made = iam.create_access_key(UserName="tenplex")["AccessKey"]
+    iam.put_user_policy(UserName="tenplex", PolicyName="all", PolicyDocument=json.dumps(
+        {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
+    yield {"url": url, "key": made["AccessKeyId"], "secret": made["SecretAccessKey"], "boto3": boto3}
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch, request):
+    """A fresh bucket for the test, credentials and endpoint in the standard environment variables."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server["secret"])
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server["url"])
+    name = "t-" + request.node.name.lower().replace("_", "-")[:40] + f"-{os.getpid()}"
+    s3_server["boto3"].client("s3", endpoint_url=s3_server["url"], region_name="us-east-1",
+                              aws_access_key_id=s3_server["key"],
+                              aws_secret_access_key=s3_server["secret"]).create_bucket(Bucket=name)
+    return {**s3_server, "bucket": name, "location": f"s3://{name}/job-a"}
+
+
+# ------------------------------------------------------------------ a saved version on two hosts
+TENSORS = {"emb": TensorSpec((96, 40), "float32"), "w": TensorSpec((64, 48), "bfloat16"),
+           "step": TensorSpec((), "int64")}
+
+
+def old_layout() -> Layout:
+    """Two hosts, two devices each: ``emb`` split by rows over h0 and replicated on h1 (dp), ``w`` split by
+    columns on every device (tp 4), the scalar on h0/0."""
+    devices: dict[str, list[Shard]] = {}
+    for i, device in enumerate(["h0/0", "h0/1", "h1/0", "h1/1"]):
+        devices[device] = [Shard("w", Box((0, 12 * i), (64, 12)))]
+    devices["h0/0"] += [Shard("emb", Box((0, 0), (48, 40))), Shard("step", Box((), ()))]
+    devices["h0/1"] += [Shard("emb", Box((48, 0), (48, 40)))]
+    devices["h1/0"] += [Shard("emb", Box((0, 0), (96, 40)))]
+    return Layout.build(TENSORS, devices)
+
+
+def new_layout() -> Layout:
+    """Three hosts, one device each: ``emb`` split by rows in three, ``w`` by rows in two plus a full copy."""
+    return Layout.build(TENSORS, {
+        "n0/0": [Shard("emb", Box((0, 0), (32, 40))), Shard("w", Box((0, 0), (32, 48))), Shard("step", Box((), ()))],
+        "n1/0": [Shard("emb", Box((32, 0), (32, 40))), Shard("w", Box((32, 0), (32, 48)))],
+        "n2/0": [Shard("emb", Box((64, 0), (32, 40))), Shard("w", Box((0, 0), (64, 48)))]})
+
+
+def full_tensors() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(7)
+    return {"emb": rng.standard_normal((96, 40)).astype(np.float32),
+            "w": rng.integers(0, 1 << 16, (64, 48), dtype=np.uint16),  # bfloat16 as its bits
+            "step": np.array(1234, np.int64)}
+
+
+def save(roots, layout: Layout, version: int, full: dict[str, np.ndarray]) -> dict[str, Store]:
+    stores = {}
+    for host in layout.hosts():
+        store = stores[host] = Store(roots / host, host)
+        with store.begin(version, part="rank0") as writer:
+            for device, shard in layout.iter_shards():
+                if device.startswith(host + "/"):
+                    spec = layout.tensors[shard.tensor]
+                    writer.put(device, shard.tensor, shard.box, np.array(full[shard.tensor][
+                        shard.box.slices()]), spec.dtype, spec.shape)
+            writer.put_layout(layout)
+            writer.put_json("tenplex.torch_state", {"step": 1234, "position": 5678})
+            writer.commit()
+    return stores
+
+
+def flush_all(stores: dict[str, Store], version: int, bucket: Bucket) -> list:
+    return [flush_host(store, version, bucket) for _, store in sorted(stores.items())]
+
+
+def test_whole_job_loss_restores_bit_for_bit_into_three_hosts(s3, tmp_path):
+    """Flush from two hosts, delete every store directory, restore into three hosts of another layout."""
+    full = full_tensors()
+    bucket = Bucket(s3["location"])
+    stores = save(tmp_path / "old", old_layout(), 3, full)
+    results = flush_all(stores, 3, bucket)
+    assert [r.durable for r in results] == [False, True]  # h1 finished last and wrote the marker
+    assert durable_versions(bucket) == [3]
+    # each region went up once: the bytes uploaded are the tensors' bytes, no more
+    assert sum(r.bytes for r in results) == sum(spec.nbytes for spec in TENSORS.values())
+    # the planner spreads the replicated emb over both of its holders: h1 uploads one half of it
+    assert {h: sorted((t, str(b)) for _, t, b in items) for h, items in assignment(old_layout()).items()} == {
+        "h0": [("emb", "[0:48, 0:40]"), ("step", "[]"), ("w", "[0:64, 0:12]"), ("w", "[0:64, 12:24]")],
+        "h1": [("emb", "[48:96, 0:40]"), ("w", "[0:64, 24:36]"), ("w", "[0:64, 36:48]")]}
+    for store in stores.values():
+        import shutil
+        shutil.rmtree(store.root)
+    new = new_layout()
+    fetched = {}
+    for host in new.hosts():
+        fetched[host] = restore_host(Bucket(s3["location"]), 3, new, Store(tmp_path / "new" / host, host))
+    for device, shard in new.iter_shards():
+        store = Store(tmp_path / "new" / device.split("/")[0], device.split("/")[0])
+        reader = store.open(3)
+        got = reader.read(device, shard.tensor, shard.box)
+        np.testing.assert_array_equal(got, full[shard.tensor][shard.box.slices()])
+        assert reader.get_json("tenplex.torch_state") == {"step": 1234, "position": 5678}
+        assert reader.layout() == new
+    # each host fetched only its own regions: n2's full copy of w is all of w
+    assert fetched == {"n0": 32 * 40 * 4 + 32 * 48 * 2 + 8, "n1": 32 * 40 * 4 + 32 * 48 * 2,
+                       "n2": 32 * 40 * 4 + 64 * 48 * 2}
+
+
+def test_objects_are_safetensors_files(s3, tmp_path):
+    """An object is a safetensors file that the official reader opens: its header names the tensor."""
+    from safetensors.numpy import load
+
+    full = full_tensors()
+    bucket = Bucket(s3["location"])
+    flush_all(save(tmp_path, old_layout(), 1, full), 1, bucket)
+    manifest = json.loads(bucket.get(version_key(1, "manifest.json")))
+    for row in manifest["shards"]:
+        if row["dtype"] == "float32":
+            loaded = load(bucket.get(version_key(1, row["file"])))
+            box = Box(tuple(row["offsets"]), tuple(row["lengths"]))
+            np.testing.assert_array_equal(loaded[row["tensor"]], full[row["tensor"]][box.slices()])
+
+
+def test_damaged_object_is_detected_and_never_restored(s3, tmp_path):
+    full = full_tensors()
+    bucket = Bucket(s3["location"])
+    flush_all(save(tmp_path / "old", old_layout(), 2, full), 2, bucket)
+    manifest = json.loads(bucket.get(version_key(2, "manifest.json")))
+    row = next(r for r in manifest["shards"] if r["tensor"] == "emb")
+    data = bytearray(bucket.get(version_key(2, row["file"])))
+    data[row["data_offset"] + 100] ^= 0xFF
+    bucket.put(version_key(2, row["file"]), bytes(data))
+    store = Store(tmp_path / "new" / "n0", "n0")
+    with pytest.raises(CorruptShard, match=f"object {row['file']}.*block 0 has xxh3"):
+        restore_host(bucket, 2, new_layout(), store)
+    assert store.versions() == []  # nothing committed
+
+
+def test_wrong_credentials_one_line_naming_the_bucket(s3, monkeypatch, tmp_path):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    with pytest.raises(DurableError) as err:
+        flush_all(save(tmp_path, old_layout(), 1, full_tensors()), 1, Bucket(s3["location"]))
+    text = str(err.value)
+    assert "\n" not in text and f"bucket {s3['bucket']}: access denied" in text and not err.value.retryable
