@@ -193,3 +193,83 @@ def test_wrong_credentials_one_line_naming_the_bucket(s3, monkeypatch, tmp_path)
         flush_all(save(tmp_path, old_layout(), 1, full_tensors()), 1, Bucket(s3["location"]))
     text = str(err.value)
     assert "\n" not in text and f"bucket {s3['bucket']}: access denied" in text and not err.value.retryable
+
+
+# ------------------------------------------------------------------ the background policy and its faults
+def one_host_layout() -> Layout:
+    return Layout.build(TENSORS, {"h0/0": [Shard(t, Box((0,) * len(s.shape), s.shape)) for t, s in TENSORS.items()]})
+
+
+def wait_for(check, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_flusher_every_n_versions_newest_first_keeps_two(s3, tmp_path):
+    from tenplex.durable.uploader import Flusher
+
+    full, bucket = full_tensors(), Bucket(s3["location"])
+    for v in (1, 2, 3, 4):
+        store = save(tmp_path, one_host_layout(), v, full)["h0"]
+    flusher = Flusher(store, bucket, every_versions=2, keep=2, poll_s=0.05).start()
+    try:
+        wait_for(lambda: flusher.done == 4, "version 4")
+        assert durable_versions(bucket) == [4]  # newest first: 2 was never uploaded
+        for v in (5, 6):
+            save(tmp_path, one_host_layout(), v, full)
+        flusher.notify()
+        wait_for(lambda: flusher.done == 6, "version 6")
+        save(tmp_path, one_host_layout(), 8, full)
+        wait_for(lambda: flusher.done == 8, "version 8")
+        assert durable_versions(bucket) == [6, 8]  # keep=2; 5 does not qualify
+        assert not bucket.keys("versions/4/")      # the older one's objects went with its marker
+        assert flusher.status()["durable"] == 8 and flusher.status()["state"] == "idle"
+    finally:
+        flusher.close()
+
+
+def test_unreachable_bucket_saving_goes_on_retries_one_log_line(s3, tmp_path, caplog):
+    from tenplex.durable.uploader import Flusher
+
+    full = full_tensors()
+    store = save(tmp_path, one_host_layout(), 1, full)["h0"]
+    bucket = Bucket(s3["location"], endpoint=f"http://127.0.0.1:{_free_port()}", timeout_s=2, retries=0)
+    flusher = Flusher(store, bucket, poll_s=0.05, backoff_s=0.05, max_backoff_s=0.2).start()
+    try:
+        with caplog.at_level("WARNING", logger="tenplex.durable"):
+            wait_for(lambda: flusher.attempts >= 3, "three attempts")
+            save(tmp_path, one_host_layout(), 2, full)  # saving goes on meanwhile
+            wait_for(lambda: flusher.attempts >= 5, "more attempts")
+        assert store.versions() == [1, 2] and flusher.state == "retrying"
+        lines = [r.getMessage() for r in caplog.records if r.name.startswith("tenplex.durable")]
+        assert len(lines) == 1 and f"bucket {s3['bucket']} unreachable" in lines[0] and "back-off" in lines[0]
+    finally:
+        flusher.close()
+
+
+KILLED_FLUSH = """
+import sys
+from tenplex.durable import Bucket, RateLimit, flush_host
+from tenplex.store import Store
+flush_host(Store(sys.argv[1], "h0"), 1, Bucket(sys.argv[2], limit=RateLimit(2000)))
+"""
+
+
+def test_upload_killed_midway_leaves_nothing_durable(s3, tmp_path):
+    full, bucket = full_tensors(), Bucket(s3["location"])
+    stores = save(tmp_path, old_layout(), 1, full)
+    assert not flush_host(stores["h1"], 1, bucket).durable  # h1's part is in; h0's would complete the version
+    child = subprocess.Popen([sys.executable, "-c", KILLED_FLUSH, str(stores["h0"].root), s3["location"]])
+    try:
+        wait_for(lambda: any(k.startswith("versions/1/objects/h0-") for k in bucket.keys("versions/1/")),
+                 "h0's first object")
+    finally:
+        child.kill()
+        child.wait()
+    assert durable_versions(bucket) == [] and not bucket.exists("versions/1/parts/h0.json")
+    with pytest.raises(DurableError, match="no object 'versions/1/manifest.json'"):
+        restore_host(bucket, 1, new_layout(), Store(tmp_path / "n0", "n0"))
+    assert flush_host(stores["h0"], 1, bucket).durable  # flushing again completes it
+    assert durable_versions(bucket) == [1]

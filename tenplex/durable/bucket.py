@@ -201,7 +201,7 @@ class Bucket:
         except Exception as e:  # noqa: BLE001
             raise self._error("look up", key, e) from None
 
-    def list(self, prefix: str) -> list[str]:
+    def keys(self, prefix: str) -> list[str]:
         """Keys under ``prefix`` (relative to the job's prefix), sorted."""
         import obstore
 

@@ -144,7 +144,7 @@ def commit_if_complete(bucket: Bucket, version: int, expected: list[str]) -> boo
     """Write ``version``'s manifest when the part of every ``expected`` host is in the bucket. Every host calls
     this after writing its part, so the last one to finish sees them all (S3 lists what it wrote); two hosts
     finishing together write the same manifest."""
-    have = {key.rsplit("/", 1)[-1][:-len(".json")] for key in bucket.list(version_key(version, "parts/"))}
+    have = {key.rsplit("/", 1)[-1][:-len(".json")] for key in bucket.keys(version_key(version, "parts/"))}
     if not set(expected) <= have:
         return False
     manifest: dict = {"format": MANIFEST_FORMAT, "version": int(version), "host": host_of(DURABLE_DEVICE),
@@ -161,7 +161,7 @@ def commit_if_complete(bucket: Bucket, version: int, expected: list[str]) -> boo
 def durable_versions(bucket: Bucket) -> list[int]:
     """Versions whose manifest is in the bucket, ascending."""
     found = []
-    for key in bucket.list("versions/"):
+    for key in bucket.keys("versions/"):
         parts = key.split("/")
         if len(parts) == 3 and parts[2] == "manifest.json" and parts[1].isdigit():
             found.append(int(parts[1]))
@@ -171,7 +171,7 @@ def durable_versions(bucket: Bucket) -> list[int]:
 def gc(bucket: Bucket, keep: int) -> list[int]:
     """Delete all but the newest ``keep`` durable versions (their manifest first) and every version left
     without a manifest that is older than the newest durable one (an interrupted or superseded flush)."""
-    keys = bucket.list("versions/")
+    keys = bucket.keys("versions/")
     by_version: dict[int, list[str]] = {}
     for key in keys:
         number = key.split("/")[1]
