@@ -273,3 +273,52 @@ def test_upload_killed_midway_leaves_nothing_durable(s3, tmp_path):
         restore_host(bucket, 1, new_layout(), Store(tmp_path / "n0", "n0"))
     assert flush_host(stores["h0"], 1, bucket).durable  # flushing again completes it
     assert durable_versions(bucket) == [1]
+
+
+# ------------------------------------------------------------------ a whole job lost, restored through Checkpointer
+def _full_state(out, stem: str, results: list[list[dict]]) -> dict:
+    """Each rank's dumped local state put together: rows of w and its moments; b from rank 0."""
+    import torch
+    from safetensors.torch import load_file
+
+    parts = sorted(((next(o for o in ops if o["op"] == "save")["rows"][0],
+                     load_file(str(out / f"{stem}_r{rank}.safetensors"))) for rank, ops in enumerate(results)),
+                   key=lambda p: p[0])
+    state = {k: v for k, v in parts[0][1].items() if k.endswith("b")}
+    for key in [k for k in parts[0][1] if not k.endswith("b")]:
+        state[key] = torch.cat([p[key] for _, p in parts])
+    return state
+
+
+def test_a_job_lost_whole_restores_from_the_bucket_into_three_hosts_and_continues(s3, tmp_path, monkeypatch):
+    """Two hosts save at steps 2 and 4; step 2's version is flushed; every store directory is deleted; a job of
+    four ranks on three hosts restores step 2 from the bucket (TENPLEX_DURABLE) and trains on to step 4, where
+    its state equals the first job's bit for bit."""
+    import shutil
+
+    from store_helpers import StoreProcess, assert_bit_equal, run_replica_job
+
+    roots = tmp_path / "stores"
+    procs = {h: StoreProcess(roots / h, h) for h in ("h0", "h1")}
+    try:
+        first = run_replica_job(tmp_path, "first", ["h0/0", "h1/0"], procs,
+                                [{"op": "train", "steps": 2}, {"op": "save"}, {"op": "train", "steps": 2},
+                                 {"op": "save"}], replicas=0, keep=3)
+    finally:
+        for proc in procs.values():
+            proc.stop()
+    bucket = Bucket(s3["location"])
+    assert [flush_host(Store(roots / h, h), 1, bucket).durable for h in ("h0", "h1")] == [False, True]
+    shutil.rmtree(roots)
+    monkeypatch.setenv("TENPLEX_DURABLE", s3["location"])
+    procs = {h: StoreProcess(roots / h, h) for h in ("n0", "n1", "n2")}
+    try:
+        second = run_replica_job(tmp_path, "second", ["n0/0", "n0/1", "n1/0", "n2/0"], procs,
+                                 [{"op": "restore"}, {"op": "train", "steps": 2}, {"op": "save"}], replicas=0)
+    finally:
+        for proc in procs.values():
+            proc.stop()
+    assert [ops[0].get("step") for ops in second] == [2, 2, 2, 2], second[0][0].get("message")
+    assert [ops[0]["versions"] for ops in second] == [[1]] * 4  # the durable version, committed on every host
+    assert_bit_equal(_full_state(tmp_path / "first", "saved_step4", first),
+                     _full_state(tmp_path / "second", "saved_step4", second))
