@@ -322,3 +322,46 @@ def test_a_job_lost_whole_restores_from_the_bucket_into_three_hosts_and_continue
     assert [ops[0]["versions"] for ops in second] == [[1]] * 4  # the durable version, committed on every host
     assert_bit_equal(_full_state(tmp_path / "first", "saved_step4", first),
                      _full_state(tmp_path / "second", "saved_step4", second))
+
+
+# ------------------------------------------------------------------ the command line
+def test_tenplex_run_durable_option_reaches_the_workers():
+    from tenplex.elastic.launcher import parse, worker_env
+    from tenplex.errors import ConfigError
+
+    spec = parse(["--host", "h0", "--store-root", "/tmp/s", "--durable", "s3://bkt/job-a", "--nproc-per-node", "1",
+                  "train.py", "--lr", "1"])
+    assert spec.durable == "s3://bkt/job-a" and spec.args == ["--lr", "1"] and "--durable" not in spec.torchrun
+    assert worker_env(spec, "127.0.0.1:1", None)["TENPLEX_DURABLE"] == "s3://bkt/job-a"
+    with pytest.raises(ConfigError, match="is not s3://BUCKET/PREFIX"):
+        parse(["--host", "h0", "--store-root", "/tmp/s", "--durable", "bkt/job-a", "train.py"])
+
+
+def _tenplex(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tenplex.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_tenplex_durable_status_lists_durable_versions_and_unfinished_flushes(s3, tmp_path):
+    bucket = Bucket(s3["location"])
+    stores = save(tmp_path, old_layout(), 1, full_tensors())
+    flush_all(stores, 1, bucket)
+    save(tmp_path, old_layout(), 2, full_tensors())
+    flush_host(stores["h0"], 2, bucket)  # h1 never flushes 2: unfinished
+    proc = _tenplex("durable", "status", s3["location"], "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["durable"] == [{"version": 1, "step": 1234, "objects": 7,
+                               "bytes": sum(spec.nbytes for spec in TENSORS.values())}]
+    assert doc["unfinished"] == [2]
+    bad = _tenplex("durable", "status", "bucket-without-scheme")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "s3://BUCKET/PREFIX" in bad.stderr
+
+
+def test_bench_durable_json_keys(s3):
+    proc = _tenplex("bench", "durable", "--json", "--mib", "1", "--endpoint", s3["url"], "--bucket", s3["bucket"])
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["state_bytes"] == 8 * 24 * 1024 * 4  # eight float32 tensors of 24 rows (1 MiB, cut to 12s) x 1024
+    for key in ("flush_MBps", "restore_MBps", "raw_upload_MBps", "raw_download_MBps", "flush_vs_raw",
+                "restore_vs_raw"):
+        assert doc[key] > 0, key
