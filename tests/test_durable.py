@@ -365,3 +365,49 @@ def test_bench_durable_json_keys(s3):
     for key in ("flush_MBps", "restore_MBps", "raw_upload_MBps", "raw_download_MBps", "flush_vs_raw",
                 "restore_vs_raw"):
         assert doc[key] > 0, key
+
+
+# ------------------------------------------------------------------ Checkpointer: flusher after saves, which state wins
+CHECKPOINTER_JOB = """
+import json, sys
+import torch, torch.distributed as dist
+import tenplex
+base, location = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{base}/pg", rank=0, world_size=1)
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 3)
+optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+ckpt = tenplex.Checkpointer(store_root=f"{base}/h0", host="h0", replicas=0, durable=location)
+weights = {}
+for step in (1, 2, 3):
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    version = ckpt.save(model, optimizer, step=step)
+    weights[step] = model.weight.detach().clone()
+    if step == 2:
+        assert ckpt.durable.wait(version, timeout=60), ckpt.durable.flusher.status()
+ckpt.close()
+out = {}
+for name, root in (("hosts_newer", f"{base}/h0"), ("hosts_lost", f"{base}/h0-new")):
+    fresh = torch.nn.Linear(4, 3)
+    again = tenplex.Checkpointer(store_root=root, host="h0", replicas=0, durable=location)
+    step = again.restore(fresh, torch.optim.Adam(fresh.parameters(), lr=0.1))
+    out[name] = {"step": step, "equal": bool(torch.equal(fresh.weight, weights[step])),
+                 "versions": again.store.versions()}
+    again.close()
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_checkpointer_flushes_in_the_background_and_a_newer_host_version_wins(s3, tmp_path, monkeypatch):
+    """Every 2nd version is flushed (TENPLEX_DURABLE_EVERY=2): the bucket holds step 2 while the host holds step 3.
+    With the host's store, its step 3 wins; with every store lost, step 2 comes back from the bucket."""
+    monkeypatch.setenv("TENPLEX_DURABLE_EVERY", "2")
+    proc = subprocess.run([sys.executable, "-c", CHECKPOINTER_JOB, str(tmp_path), s3["location"]],
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["hosts_newer"] == {"step": 3, "equal": True, "versions": [2, 3]}
+    assert out["hosts_lost"] == {"step": 2, "equal": True, "versions": [2]}
+    assert durable_versions(Bucket(s3["location"])) == [2]
