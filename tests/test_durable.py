@@ -195,6 +195,19 @@ def test_wrong_credentials_one_line_naming_the_bucket(s3, monkeypatch, tmp_path)
     assert "\n" not in text and f"bucket {s3['bucket']}: access denied" in text and not err.value.retryable
 
 
+def test_flusher_with_wrong_credentials_logs_one_error_line_and_stops(s3, monkeypatch, tmp_path, caplog):
+    from tenplex.durable.uploader import Flusher
+
+    store = save(tmp_path, one_host_layout(), 1, full_tensors())["h0"]
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    flusher = Flusher(store, Bucket(s3["location"]), poll_s=0.05, backoff_s=0.05).start()
+    with caplog.at_level("WARNING", logger="tenplex.durable"):
+        wait_for(lambda: flusher.state == "stopped", "the flusher to stop")
+        flusher.close()
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("tenplex.durable")]
+    assert len(lines) == 1 and f"bucket {s3['bucket']}: access denied" in lines[0] and "\n" not in lines[0]
+
+
 # ------------------------------------------------------------------ the background policy and its faults
 def one_host_layout() -> Layout:
     return Layout.build(TENSORS, {"h0/0": [Shard(t, Box((0,) * len(s.shape), s.shape)) for t, s in TENSORS.items()]})

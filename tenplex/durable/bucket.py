@@ -99,7 +99,11 @@ class Bucket:
 
     def __init__(self, url: str, *, endpoint: str | None = None, limit: RateLimit | None = None,
                  timeout_s: float = 30.0, retries: int = 2):
-        from obstore.store import S3Store  # the durable extra: imported only where a bucket is used
+        try:
+            from obstore.store import S3Store  # the durable extra: imported only where a bucket is used
+        except ImportError:
+            raise ConfigError(f"durable location {url}: the S3 client is not installed: "
+                              f"pip install 'tenplex[durable]' (obstore)") from None
 
         self.url = url
         self.name, self.prefix = parse_url(url)

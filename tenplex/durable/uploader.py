@@ -129,13 +129,13 @@ class Flusher:
         except Superseded:
             log.info("durable tier: version %d superseded while uploading; the newer one goes instead", version)
             return
-        self.done = version
         if result.durable:
-            self.durable = version
             gc(self.bucket, self.keep)
+            self.durable = version
         elif self.durable is None:
             known = durable_versions(self.bucket)
             self.durable = known[-1] if known else None
+        self.done = version  # last: whoever waits for it sees the bucket tidied
 
     def _newer_qualifies(self, version: int) -> bool:
         return any(v > version and self.every_versions and v % self.every_versions == 0
