@@ -424,3 +424,22 @@ def test_checkpointer_flushes_in_the_background_and_a_newer_host_version_wins(s3
     assert out["hosts_newer"] == {"step": 3, "equal": True, "versions": [2, 3]}
     assert out["hosts_lost"] == {"step": 2, "equal": True, "versions": [2]}
     assert durable_versions(Bucket(s3["location"])) == [2]
+
+
+def test_upload_cap_is_a_token_bucket_of_one_seconds_burst(monkeypatch):
+    """Golden waits: 1000 B/s, a burst of one second's worth; a take beyond the tokens sleeps for the debt."""
+    from tenplex.durable import RateLimit
+    from tenplex.durable import bucket as bucket_module
+
+    clock, slept = [100.0], []
+    monkeypatch.setattr(bucket_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(bucket_module.time, "sleep", slept.append)
+    limit = RateLimit(1000)
+    limit.take(600)      # 1000 tokens at the start: no wait
+    limit.take(900)      # 400 left: 0.5 s of debt
+    clock[0] += 10.0     # idle time refills at most one second's worth
+    limit.take(1000)     # the bucket was at 1000 again (not 9500): no wait
+    limit.take(250)
+    assert slept == [0.5, 0.25]
+    RateLimit(None).take(1 << 40)  # no cap: never waits
+    assert slept == [0.5, 0.25]
