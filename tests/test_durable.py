@@ -443,3 +443,27 @@ def test_upload_cap_is_a_token_bucket_of_one_seconds_burst(monkeypatch):
     assert slept == [0.5, 0.25]
     RateLimit(None).take(1 << 40)  # no cap: never waits
     assert slept == [0.5, 0.25]
+
+
+def test_tenplexjob_spec_durable_reaches_tenplex_run_and_the_crd_accepts_it():
+    import jsonschema
+    import yaml
+
+    from tenplex.operator.pods import worker_command
+    from tenplex.operator.settings import WorkerSettings
+    from tenplex.operator.spec import SpecError, parse_spec
+
+    root = os.path.join(os.path.dirname(__file__), "..", "k8s")
+    base = {"image": "i", "command": ["train.py"], "minNodes": 1, "maxNodes": 2}
+    spec = parse_spec({**base, "durable": "s3://bkt/job-a"})
+    command = worker_command(spec, "uid", WorkerSettings())
+    assert command[command.index("--durable") + 1] == "s3://bkt/job-a" and command[-1] == "train.py"
+    assert "--durable" not in worker_command(parse_spec(base), "uid", WorkerSettings())
+    with pytest.raises(SpecError, match=r"spec.durable: must be s3://BUCKET/PREFIX"):
+        parse_spec({**base, "durable": "bkt/job-a"})
+    with open(os.path.join(root, "crd.yaml")) as f:
+        crd = next(d for d in yaml.safe_load_all(f) if d and d["kind"] == "CustomResourceDefinition")
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    jsonschema.validate({**base, "durable": "s3://bkt/job-a"}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**base, "durable": "bkt/job-a"}, schema)
