@@ -25,7 +25,7 @@ import sys
 from ..errors import TenplexError
 
 # Subcommand modules, in the order ``tenplex --help`` lists them.
-COMMANDS = ("layout", "plan", "data", "vfs", "store", "bench", "demo", "rendezvous", "run", "operator",
+COMMANDS = ("layout", "plan", "data", "vfs", "store", "durable", "bench", "demo", "rendezvous", "run", "operator",
             "status")
 
 

@@ -1,11 +1,12 @@
 """``tenplex run``: one per node. Start (or reuse) the node's store, then run torchrun's elastic agent.
 
 May import: ``tenplex.runtime.hosts`` (the store process), ``tenplex.store.client`` (is a store already
-serving?), ``tenplex.errors``, torch's ``torch.distributed.run`` (the agent) and ``torch.distributed.elastic`` (its
-signal and rendezvous errors), and the standard library.
+serving?), ``tenplex.errors``, ``tenplex.durable.bucket`` (checks ``--durable``), torch's
+``torch.distributed.run`` (the agent) and ``torch.distributed.elastic`` (its signal and rendezvous errors), and
+the standard library.
 
     tenplex run --host NAME --store-root DIR [--store-bind ADDR] [--store-advertise HOST] [--token-file F]
-                [torchrun options] script.py [args]
+                [--durable s3://BUCKET/PREFIX] [torchrun options] script.py [args]
 
 Every option that is not one of the above goes to torchrun unchanged
 (``--nnodes=MIN:MAX``, ``--nproc-per-node``, ``--rdzv-endpoint``, ``--max-restarts``…).
@@ -57,7 +58,7 @@ DEFAULT_RDZV_CONF = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3", 
 # so that its agent restarts it in the next world instead of treating the job as finished.
 EXIT_RESTART = 75
 
-_OURS = ("--host", "--store-root", "--store-bind", "--store-advertise", "--token-file")
+_OURS = ("--host", "--store-root", "--store-bind", "--store-advertise", "--token-file", "--durable")
 _MODES = {"-m": "module", "--module": "module", "--no-python": "exec", "--no_python": "exec",
           "--run-path": "script", "--run_path": "script"}
 
@@ -75,6 +76,7 @@ class RunSpec:
     mode: str = "script"
     target: str = ""
     args: list[str] = field(default_factory=list)
+    durable: str | None = None
 
 
 def parser():
@@ -91,6 +93,8 @@ def parser():
                    help="address other nodes reach this store at (default: the bind address, or this machine's "
                         "name when binding 0.0.0.0)")
     p.add_argument("--token-file", type=Path, help="the stores' shared token (needed beyond loopback)")
+    p.add_argument("--durable", metavar="s3://BUCKET/PREFIX",
+                   help="flush saved versions to this bucket and restore from it (sets TENPLEX_DURABLE)")
     return p
 
 
@@ -113,8 +117,11 @@ def parse(argv: list[str]) -> RunSpec:
         else:
             passthrough.append(token)
         i += 1
+    if ns.durable is not None:
+        from ..durable.bucket import parse_url
+        parse_url(ns.durable)  # a malformed location fails here, not in every worker
     return RunSpec(ns.host, ns.store_root, ns.store_bind, ns.store_advertise, ns.token_file, passthrough, mode,
-                   ns.training_script, list(ns.training_script_args))
+                   ns.training_script, list(ns.training_script_args), ns.durable)
 
 
 def _given(options: list[str], *names: str) -> str | None:
@@ -308,6 +315,8 @@ def worker_env(spec: RunSpec, address: str, token: str | None) -> dict[str, str]
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     if token:
         env["TENPLEX_TOKEN"] = token
+    if spec.durable:
+        env["TENPLEX_DURABLE"] = spec.durable
     return env
 
 

@@ -75,6 +75,7 @@ from ..store import Store
 from ..store.manifest import PROMOTE_PART
 from .annotate import Annotations
 from .canonical import canonical_buffers
+from .durable import DurableTier
 from .exchange import agree, all_gather_json
 from .layouts import (check_and_build, check_optimizer, first_holder_per_host, group_names, local_sources,
                       merge_specs, saved_layout, specs_of, state_pieces)
@@ -136,13 +137,15 @@ class Checkpointer:
       ``{"pp": 0, "dp": 1, "tp": 0}``; RNG states are keyed by them (default: the rank);
     * ``keep``: committed versions kept per store after a save (default 2);
     * ``group``: the process group (default: the world);
-    * ``token``: ``TENPLEX_TOKEN`` — the shared token of stores bound beyond loopback.
+    * ``token``: ``TENPLEX_TOKEN`` — the shared token of stores bound beyond loopback;
+    * ``durable``: ``TENPLEX_DURABLE`` = ``s3://BUCKET/PREFIX`` — flush saved versions to a bucket in the
+      background and restore from it when it holds a newer version than every host (see :mod:`.durable`).
     """
 
     def __init__(self, store_root: str | os.PathLike | None = None, host: str | None = None,
                  device: str | None = None, stores: Mapping[str, str] | None = None,
                  coords: Mapping[str, int] | None = None, keep: int = 2, group=None, token: str | None = None,
-                 store_address: str | None = None, replicas: int | None = None):
+                 store_address: str | None = None, replicas: int | None = None, durable: str | None = None):
         env = os.environ
         root = store_root or env.get("TENPLEX_STORE_ROOT")
         if not root:
@@ -167,6 +170,7 @@ class Checkpointer:
         self._replicated_version: int | None = None  # the last saved version, once replication was set up
         self.last_replication: list[dict] = []  # every host's copier status, as the last wait_replicated saw it
         self._snapshots: Snapshotter | None = None  # made by the first async_save
+        self.durable = DurableTier.from_env(durable, self.store)  # s3://BUCKET/PREFIX, or TENPLEX_DURABLE
         _LIVE.add(self)
 
     # ------------------------------------------------------------------ save
@@ -208,6 +212,8 @@ class Checkpointer:
         self._stage_and_commit(f"save of step {step}", version, stage, parts, rank == leader)
         if rank == leader:
             self.store.gc(self.keep)
+            if self.durable is not None:
+                self.durable.saved()
             if replicas:
                 self._replicator = Replicator(self.store, version, saved[0], replicas, addresses, token=self.token,
                                               keep=self.keep).start()
@@ -302,6 +308,8 @@ class Checkpointer:
         if self._snapshots is not None:
             self._snapshots.close()
         self._cancel_replication()
+        if self.durable is not None:
+            self.durable.close()
 
     def _cancel_replication(self) -> None:
         if self._replicator is not None:
@@ -364,6 +372,13 @@ class Checkpointer:
         the one gathered from the ranks; it must give every rank what it needs.
         """
         rank = dist.get_rank(self.group)
+
+        def pieces_for(saved_tensors, scalars) -> list[Piece]:
+            if optimizer is not None:  # state for exactly the parameters that had some when saved
+                init_optimizer_state(optimizer, state_owners(saved_tensors, scalars), model)
+            return [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
+        if self.durable is not None and version is None:
+            self.durable.restore_if_newer(self.host, self.device, pieces_for, layout, optimizer is not None, self.group)
         mine = {"device": self.device, "host": self.host, "versions": self.store.versions(),
                 "copies": held_versions(self.store.root, self.host), "store": self.store_address}
         docs = all_gather_json(mine, self.group)
@@ -373,11 +388,8 @@ class Checkpointer:
                 init_optimizer_state(optimizer)
             return None
 
-        def own_pieces():
-            if optimizer is not None:  # state for exactly the parameters that had some when saved
-                init_optimizer_state(optimizer, state_owners(found.layout.tensors, found.state["scalars"]), model)
-            return [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
-        pieces = agree("restore: map the state to tensors", own_pieces, self.group)
+        pieces = agree("restore: map the state to tensors",
+                       lambda: pieces_for(found.layout.tensors, found.state["scalars"]), self.group)
         held = all_gather_json({"tensors": specs_of(pieces), "boxes": [[p.name, list(p.box.offsets),
                                                                        list(p.box.lengths)] for p in pieces]},
                                self.group)

@@ -261,6 +261,8 @@ class Snapshotter:
         job.commit_s = time.monotonic() - job.called_at
         store.gc(self.ckpt.keep)  # retention, off the training thread (unless the boundary had to commit)
         self._queue_copy(job)
+        if self.ckpt.durable is not None:  # the durable tier flushes snapshots like saves (its own policy)
+            self.ckpt.durable.saved()
 
     def _key_value_store(self):
         """A client of the job's c10d key-value store for this snapshotter's thread (None: not reachable)."""

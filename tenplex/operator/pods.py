@@ -48,7 +48,7 @@ def worker_command(spec: JobSpec, job_uid: str, settings: WorkerSettings, gpus: 
             f"{settings.store_root}/{TOKEN_FILE_NAME}",
             "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}", "--nproc-per-node", str(gpus),
             "--rdzv-backend", settings.rdzv_backend, "--rdzv-endpoint", settings.rdzv_endpoint,
-            "--rdzv-id", job_uid, *spec.command]
+            "--rdzv-id", job_uid, *(["--durable", spec.durable] if spec.durable else []), *spec.command]
 
 
 def _env(spec: JobSpec, settings: WorkerSettings) -> list[k8s.V1EnvVar]:

@@ -39,6 +39,7 @@ class JobSpec:
     dataset: str | None = None
     replicas: int | None = None
     save_interval: int | None = None
+    durable: str | None = None  # s3://BUCKET/PREFIX: the job's durable tier (tenplex run --durable)
     grace_seconds: int = 120
     backoff_limit: int = 6
     resources: Mapping[str, Any] = field(default_factory=dict)
@@ -84,6 +85,16 @@ def _text(spec: Mapping[str, Any], key: str, path: str) -> str:
     value = spec.get(key)
     if not isinstance(value, str) or not value:
         raise SpecError(f"{path}.{key}", f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _durable(spec: Mapping[str, Any], path: str) -> str | None:
+    """``spec.durable``: an ``s3://BUCKET/PREFIX`` location, or None."""
+    if spec.get("durable") is None:
+        return None
+    value = _text(spec, "durable", path)
+    if not value.startswith("s3://") or not value[5:].split("/", 1)[0]:
+        raise SpecError(f"{path}.durable", f"must be s3://BUCKET/PREFIX (the prefix names the job), got {value!r}")
     return value
 
 
@@ -138,6 +149,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         dataset=_text(dataset, "path", f"{p}.dataset") if "path" in dataset else None,
         replicas=_optional_count(spec, "replicas", p, minimum=0),
         save_interval=_optional_count(spec, "saveInterval", p),
+        durable=_durable(spec, p),
         grace_seconds=_count(spec, "terminationGracePeriodSeconds", p, default=120, minimum=0),
         backoff_limit=_count(spec, "backoffLimit", p, default=6, minimum=0),
         resources=_mapping(spec, "resources", p), template=_mapping(spec, "template", p))
