@@ -458,7 +458,7 @@ def test_tenplexjob_spec_durable_reaches_tenplex_run_and_the_crd_accepts_it():
     spec = parse_spec({**base, "durable": "s3://bkt/job-a"})
     command = worker_command(spec, "uid", WorkerSettings(), spec.gpus_per_node)
     assert command[command.index("--durable") + 1] == "s3://bkt/job-a" and command[-1] == "train.py"
-    assert "--durable" not in worker_command(parse_spec(base), "uid", WorkerSettings())
+    assert "--durable" not in worker_command(parse_spec(base), "uid", WorkerSettings(), 8)
     with pytest.raises(SpecError, match=r"spec.durable: must be s3://BUCKET/PREFIX"):
         parse_spec({**base, "durable": "bkt/job-a"})
     with open(os.path.join(root, "crd.yaml")) as f:
