@@ -18,7 +18,9 @@ import numpy as np
 from tenplex.box import Box
 from tenplex.devices import host_of
 from tenplex.ops.metrics import StoreMetrics
+from tenplex.layout import Layout, Shard, TensorSpec
 from tenplex.planner import plan
+from tenplex.replication.copier import Replicator
 from tenplex.runtime.launch import free_port
 from tenplex.store import Store
 from tenplex.store.client import StoreClient
@@ -195,5 +197,17 @@ def test_the_data_plane_request_field_peer_host(tmp_path):
                 length, _digest = struct.unpack("<QQ", files.read(16))
                 assert files.read(length) == data[box.slices()].tobytes()
         assert _sent(metrics) == {"h9": box.volume * 4, "unknown": box.volume * 4}
+    finally:
+        server.stop(None)
+
+
+def test_replica_copies_declare_the_copying_host(tmp_path):
+    data, metrics, server, address = _served_store(tmp_path / "h0")
+    saved = Layout.build({"w": TensorSpec(SHAPE, "float32"), "v": TensorSpec((8,), "float32")},  # h1 copies w
+                         {"h0/0": [Shard("w", Box((0, 0), SHAPE))], "h1/0": [Shard("v", Box((0,), (8,)))]})
+    try:
+        replicator = Replicator(Store(tmp_path / "h1", "h1"), 1, saved, 1, {"h0": address}, timeout=30).start()
+        assert replicator.wait(60), replicator.status()
+        assert _sent(metrics) == {"h1": data.nbytes} and replicator.status()["bytes"] == data.nbytes
     finally:
         server.stop(None)
