@@ -31,6 +31,7 @@ from prometheus_helpers import Prometheus
 from store_helpers import StoreProcess, gpt_layout, random_globals, write_version
 
 WORKER = Path(__file__).parent / "mp" / "metrics_worker.py"
+READ_THROUGH = Path(__file__).parent / "mp" / "readthrough_sent_worker.py"
 
 
 def _by(result, label: str) -> dict[str, float]:
@@ -211,3 +212,10 @@ def test_replica_copies_declare_the_copying_host(tmp_path):
         assert _sent(metrics) == {"h1": data.nbytes} and replicator.status()["bytes"] == data.nbytes
     finally:
         server.stop(None)
+
+
+def test_a_read_through_restore_declares_the_restoring_host(tmp_path):
+    proc = subprocess.run([sys.executable, str(READ_THROUGH), str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"ok": True, "equal": True, "sent": {"h1": 64 * 64 * 4}}
