@@ -144,7 +144,7 @@ def _serve(args) -> int:
                          interceptors=[observed.interceptor()],
                          peer_root_certificates=options["root_certificates"], data_plane=not args.no_data_plane,
                          max_streams=args.max_streams, stream_idle_s=args.stream_idle_s,
-                         part_idle_s=args.part_idle_s, probe_port=args.probe_port)
+                         part_idle_s=args.part_idle_s, probe_port=args.probe_port, on_sent=observed.count_sent)
     if args.port_file:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{port}\n")

@@ -48,7 +48,8 @@ def read_plan_through(the_plan: Plan, old: Layout, version: int, pieces: list[Pi
                 if host == store.host:
                     readers[host] = local = store.open(version)
                 else:
-                    clients.append(StoreClient(addresses[host], token=token, stall_timeout=READ_STALL_S))
+                    clients.append(StoreClient(addresses[host], token=token, stall_timeout=READ_STALL_S,
+                                                   peer_host=store.host))
                     readers[host] = RemoteVersion(clients[-1], version, dtypes)
             read_through(the_plan, device, pieces, readers)
             return None

@@ -26,6 +26,7 @@ from ..devices import host_of
 log = logging.getLogger(__name__)
 # From a 10 ms control call to a multi-minute transformation.
 SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+UNKNOWN_PEER = "unknown"  # the peer_host of bytes sent to a reader that declared no host (one that predates it)
 PORT_ENV = "TENPLEX_METRICS_PORT"   # tenplex run -> its workers: the first worker's port (+ LOCAL_RANK)
 BIND_ENV = "TENPLEX_METRICS_BIND"
 
@@ -47,6 +48,9 @@ class StoreMetrics:
         self.received = Counter("tenplex_store_received_bytes", "Bytes this host's transformations pulled from "
                                 "another host's store (the plan's cross-host transfers of each finished part)",
                                 ["peer_host"], registry=r)
+        self.sent = Counter("tenplex_store_sent_bytes", "Box data bytes this store sent to readers (ReadBox, "
+                            "ReadBoxes, the data plane), counted as they go out, by the host each reader declared "
+                            f"({UNKNOWN_PEER}: none declared)", ["peer_host"], registry=r)
         self.refetched = Counter("tenplex_store_refetched_bytes", "Bytes pulled again from another replica after "
                                  "a failed or corrupted read (verification failures on the pulling side)",
                                  registry=r)
@@ -59,6 +63,10 @@ class StoreMetrics:
         self.rpc_seconds = Histogram("tenplex_store_rpc_duration_seconds", "Duration of served gRPC calls, by method",
                                      ["method"], buckets=SECONDS, registry=r)
         r.register(_StoreState(versions, free_bytes, copies))
+
+    def count_sent(self, peer_host: str, nbytes: int) -> None:
+        """``serve(on_sent=)``: ``nbytes`` of box data went out to a reader of ``peer_host`` ("": undeclared)."""
+        self.sent.labels(peer_host or UNKNOWN_PEER).inc(nbytes)
 
     def interceptor(self) -> grpc.ServerInterceptor:
         """Counts and times every ``tenplex.*`` call (health and reflection calls are not counted)."""

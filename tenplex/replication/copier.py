@@ -155,7 +155,8 @@ class Replicator:
     def _fill(self, target_store: TensorStore, address: str, mine: list[Copy]) -> None:
         from ..store.client import StoreClient  # grpc: loaded only where copies are pulled
 
-        with StoreClient(address, token=self.token, timeout=self.timeout, chunk_bytes=CHUNK_BYTES) as client, \
+        with StoreClient(address, token=self.token, timeout=self.timeout, chunk_bytes=CHUNK_BYTES,
+                         peer_host=self.store.host) as client, \
                 target_store.begin(self.version, part=REPLICA_PART) as writer:
             for c in mine:
                 try:

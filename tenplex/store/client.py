@@ -27,6 +27,10 @@ as dead (a partitioned peer sends no reset, so connections just hang): unary
 calls get it as their deadline, streams are cancelled when no message arrives
 for that long, data-plane sockets time out, and the channel's keepalive pings
 a silent peer at that scale.
+
+``peer_host``: the host this client reads for, declared on every call (gRPC
+metadata, a data-plane request field) so that the server counts the bytes it
+sends per reading host; servers that predate it ignore it.
 """
 
 from __future__ import annotations
@@ -78,8 +82,10 @@ class StoreClient:
     def __init__(self, address: str, token: str | None = None, root_certificates: bytes | None = None,
                  timeout: float = 60.0, chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES, retries: int = 3,
                  min_read_gbps: float = 0.02, own_connection: bool = False, data_plane: bool = True,
-                 data_plane_min_bytes: int = DATA_PLANE_MIN_BYTES, stall_timeout: float | None = None):
+                 data_plane_min_bytes: int = DATA_PLANE_MIN_BYTES, stall_timeout: float | None = None,
+                 peer_host: str | None = None):
         self.address = address
+        self.peer_host = peer_host  # declared to the server, which counts the bytes it sends us under it
         self.stall_timeout = stall_timeout
         # Large box reads use the server's data plane when it runs one (asked once, through Health);
         # never with TLS, since the data plane is not encrypted.
@@ -106,7 +112,8 @@ class StoreClient:
             self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates), options)
         else:
             self._channel = grpc.insecure_channel(address, options)
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._metadata = ((("authorization", f"Bearer {token}"),) if token else ()) + \
+            (((wire.PEER_HOST_METADATA, peer_host),) if peer_host else ())
         self._stub = pb_grpc.StoreStub(self._channel)
         self._read_box = self._channel.unary_stream(
             "/tenplex.v1.Store/ReadBox", request_serializer=pb.ReadBoxRequest.SerializeToString,
@@ -189,7 +196,8 @@ class StoreClient:
                 port = self.health()["data_port"]
                 if port:
                     host = self.address.rsplit(":", 1)[0].strip("[]")
-                    self._data_pool = DataPool(host, port, self._token, self.stall_timeout or self.timeout)
+                    self._data_pool = DataPool(host, port, self._token, self.stall_timeout or self.timeout,
+                                               peer_host=self.peer_host)
                 self._data_checked = True
             return self._data_pool
 

@@ -30,7 +30,9 @@ Protocol (version 1; every message is [u32 length][UTF-8 JSON], never pickle):
 1. server -> client, on connect: ``{"tenplex_data": 1, "nonce": HEX, "auth": bool}``.
 2. client -> server, per read: ``{"v": 1, "auth": HMAC, "version": N, "device": D,
    "tensor": T, "box": {"offsets": [...], "lengths": [...]}, "frame_bytes": F,
-   "align": bool, "verify": bool}`` (the last two optional, false when absent).
+   "align": bool, "verify": bool, "peer_host": H}`` (the last three optional: false, false, and
+   none declared when absent). ``peer_host`` is the host the client reads for: the server counts the
+   payload bytes it sends under it (``on_sent``); a server that predates it ignores it.
    ``auth`` is hex HMAC-SHA256(token, nonce) when the server has a token (the
    token itself never crosses the wire); a wrong one closes the connection.
 3. server -> client: ``{"ok": true, "itemsize": S, "frame_bytes": F, "lead": L}``
@@ -171,7 +173,8 @@ class DataServer:
     """Serves boxes of committed versions on a plain TCP port; one thread per connection.
 
     ``reader_of(version)`` returns the VersionReader; ``describe(exc)`` returns
-    (status code name, message) for an error frame.
+    (status code name, message) for an error frame; ``on_sent(peer_host, nbytes)``, when given, is called
+    as each frame's payload is sent, with the host the request declared ("" when none).
 
     Hostile clients: a connection must send its first request (which carries
     the token's HMAC) within ``handshake_s`` seconds or it is closed. At most
@@ -183,8 +186,9 @@ class DataServer:
 
     def __init__(self, bind: str, reader_of: Callable, describe: Callable[[BaseException], tuple[str, str]],
                  token: str | None = None, port: int = 0, handshake_s: float = HANDSHAKE_S,
-                 max_connections: int = MAX_CONNECTIONS):
+                 max_connections: int = MAX_CONNECTIONS, on_sent: Callable[[str, int], None] | None = None):
         self._reader_of, self._describe, self._token = reader_of, describe, token
+        self._on_sent = on_sent
         self._handshake_s, self._max_connections = handshake_s, max_connections
         self._hooks = _hooks.from_environment()
         host = bind.strip("[]")
@@ -337,10 +341,14 @@ class DataServer:
             code, message = self._describe(e)
             _send_json(conn, {"ok": False, "code": code, "message": message})
             return
+        sent = self._on_sent
+        peer = wire.declared_peer(request.get(wire.PEER_HOST_FIELD)) if sent is not None else ""
         try:
             _send_json(conn, {"ok": True, "itemsize": size, "frame_bytes": frame_bytes, "lead": lead})
             for index, (sub, start, span, stored) in enumerate(frames):
                 if stored is not None:
+                    if sent is not None:  # counted before it goes: a client that received it finds it counted
+                        sent(peer, span)
                     conn.sendall(_FRAME.pack(span, stored), socket.MSG_MORE)
                     _send_file(conn, fd, data_offset + start, span, shard.where)
                     continue
@@ -352,6 +360,8 @@ class DataServer:
                     conn.sendall(_FRAME.pack(_ERROR_FRAME, 0))
                     _send_json(conn, {"ok": False, "code": code, "message": message})
                     return
+                if sent is not None:
+                    sent(peer, payload.nbytes)
                 _send_parts(conn, header, payload)
         finally:
             if fd >= 0:
@@ -434,8 +444,9 @@ def _frame_buffer(nbytes: int) -> memoryview:
 class DataConnection:
     """One client connection to a data server; not thread-safe (see ``DataPool``)."""
 
-    def __init__(self, host: str, port: int, token: str | None, timeout: float):
+    def __init__(self, host: str, port: int, token: str | None, timeout: float, peer_host: str | None = None):
         self.where = f"{host}:{port}"
+        self._declared = {wire.PEER_HOST_FIELD: peer_host} if peer_host else {}
         sock = None
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
@@ -472,7 +483,7 @@ class DataConnection:
         _send_json(self._sock, {"v": PROTOCOL, "auth": self._auth, "version": version, "device": device,
                                 "tensor": tensor, "box": {"offsets": list(region.offsets),
                                                           "lengths": list(region.lengths)},
-                                "frame_bytes": frame_bytes, "align": True, "verify": verify})
+                                "frame_bytes": frame_bytes, "align": True, "verify": verify, **self._declared})
         try:
             reply = _recv_json(self._sock)
         except (ConnectionError, BrokenPipeError) as e:  # e.g. the server dropped this connection while idle
@@ -519,8 +530,9 @@ class DataConnection:
 class DataPool:
     """Idle connections to one data server, shared by a client's threads: a thread takes one per read."""
 
-    def __init__(self, host: str, port: int, token: str | None, timeout: float):
+    def __init__(self, host: str, port: int, token: str | None, timeout: float, peer_host: str | None = None):
         self.host, self.port, self._token, self._timeout = host, port, token, timeout
+        self._peer_host = peer_host  # declared in every request (``DataConnection``)
         self._idle: list[DataConnection] = []
         self._lock = threading.Lock()
 
@@ -532,7 +544,8 @@ class DataPool:
                 return self._read_on(conn, *args, **kwargs)
             except _ClosedBeforeReply:
                 pass  # the server had closed this idle connection (idle too long, or replaced): a new one
-        return self._read_on(DataConnection(self.host, self.port, self._token, self._timeout), *args, **kwargs)
+        return self._read_on(DataConnection(self.host, self.port, self._token, self._timeout, self._peer_host),
+                             *args, **kwargs)
 
     def _read_on(self, conn: DataConnection, *args, **kwargs) -> tuple[int, list[Box]]:
         try:

@@ -57,7 +57,7 @@ import threading
 import time
 from concurrent import futures
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import grpc
 import numpy as np
@@ -148,8 +148,9 @@ def _guard(method):
 class StoreService:
     def __init__(self, store: Store, transformer: Transformer | None = None, token: str | None = None,
                  peer_root_certificates: bytes | None = None, limits: StreamLimits | None = None,
-                 part_idle_s: float = DEFAULT_PART_IDLE_S):
+                 part_idle_s: float = DEFAULT_PART_IDLE_S, on_sent: Callable[[str, int], None] | None = None):
         self.store = store
+        self.on_sent = on_sent
         self.part_idle_s = part_idle_s
         self.limits = limits or StreamLimits(DEFAULT_MAX_STREAMS, DEFAULT_STREAM_IDLE_S)
         self.transformer = transformer
@@ -251,8 +252,9 @@ class StoreService:
         box = wire.from_pb_box(request.box)
         reader = self._reader(request.version)
         entry = reader.find(request.device, request.tensor, box)
+        sent = self._sent_to(context)
         with self.limits.slot(context, f"ReadBox({request.version}, {request.tensor!r})") as progress:
-            for chunk in self._chunks(reader, entry, box, _chunk_bytes(request.chunk_bytes), {}):
+            for chunk in self._chunks(reader, entry, box, _chunk_bytes(request.chunk_bytes), {}, sent=sent):
                 yield chunk
                 progress()
 
@@ -268,17 +270,26 @@ class StoreService:
             regions.append((box, reader.find(ref.device, ref.tensor, box)))
         chunk_bytes = _chunk_bytes(request.chunk_bytes)
         verified: dict[str, set] = {}  # blocks checked by this request, per file: each is checked once
+        sent = self._sent_to(context)
         with self.limits.slot(context, f"ReadBoxes({request.version}, {len(regions)} regions)") as progress:
             for index, (box, entry) in enumerate(regions):
-                for chunk in self._chunks(reader, entry, box, chunk_bytes, verified, index):
+                for chunk in self._chunks(reader, entry, box, chunk_bytes, verified, index, sent):
                     yield chunk
                     progress()
 
+    def _sent_to(self, context) -> Callable[[int], None] | None:
+        """What counts the box data bytes a read call sends (``on_sent`` with the reader's declared host), or
+        None when nothing counts them."""
+        if self.on_sent is None:
+            return None
+        return functools.partial(self.on_sent, wire.peer_of(context.invocation_metadata()))
+
     def _chunks(self, reader: VersionReader, entry, box: Box, chunk_bytes: int, checked: dict[str, set],
-                index: int = 0):
+                index: int = 0, sent: Callable[[int], None] | None = None):
         """Chunks of region ``box`` of a stored shard; every block they come from is verified first, and a
         chunk that is one run of the file gets its checksum in the same pass. ``checked``: the blocks this
-        request checked so far, per file (later chunks and regions do not check them again)."""
+        request checked so far, per file (later chunks and regions do not check them again). ``sent(nbytes)``
+        counts each chunk's data as it is handed to gRPC: a reader that received it finds it counted."""
         verified = checked.setdefault(entry.file, set())
         buffer = None  # one buffer for every chunk: encode_with_data copies each out of it
         for sub in wire.split_box(box, itemsize(entry.dtype), chunk_bytes):
@@ -296,6 +307,8 @@ class StoreService:
                 digest = xxhash.xxh3_64_intdigest(view)
             head = pb.Chunk(box=wire.to_pb_box(sub), xxh3=digest, index=index)
             payload = wire.encode_with_data(head.SerializeToString(), view)
+            if sent is not None:
+                sent(view.nbytes)
             yield self._hooks.before_send(payload) if self._hooks else payload
 
     @_guard
@@ -562,7 +575,8 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
           stream_idle_s: float = DEFAULT_STREAM_IDLE_S,
           part_idle_s: float = DEFAULT_PART_IDLE_S,
           interceptors: Sequence[grpc.ServerInterceptor] = (),
-          probe_port: int | None = None) -> tuple[grpc.Server, int]:
+          probe_port: int | None = None,
+          on_sent: Callable[[str, int], None] | None = None) -> tuple[grpc.Server, int]:
     """Start serving ``store``; return (server, bound port). Non-loopback binds need ``token``.
 
     ``data_plane``: also serve large box reads on a plain TCP port of the same
@@ -579,12 +593,17 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
     ``interceptors`` (metrics) see every call before the token check. The server also answers
     ``grpc.health.v1`` and reflection (``server.health``: ``tenplex.ops.health.StoreHealth``), with the token
     like every call; ``probe_port`` (0: any free port) answers ``grpc.health.v1`` alone without a token, for
-    kubelet probes, on the same address (``server.probe_port``; ``server.health.close()`` stops it)."""
+    kubelet probes, on the same address (``server.probe_port``; ``server.health.close()`` stops it).
+
+    ``on_sent(peer_host, nbytes)`` (metrics) is called as box data goes out (ReadBox and ReadBoxes chunks,
+    data-plane frames: the tensor bytes, not their framing), from the serving threads, with the host the
+    reader declared (``StoreClient(peer_host=)``; "" when it declared none)."""
     max_streams = _check_options(store, bind, port, token, tls_cert, tls_key, max_workers, max_streams, probe_port)
     wire.keep_freed_chunk_memory()
     service = StoreService(store, transformer=transformer, token=token,
                            peer_root_certificates=peer_root_certificates,
-                           limits=StreamLimits(max_streams, stream_idle_s), part_idle_s=part_idle_s)
+                           limits=StreamLimits(max_streams, stream_idle_s), part_idle_s=part_idle_s,
+                           on_sent=on_sent)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="store"),
                          interceptors=[*interceptors, *([TokenCheck(token)] if token else [])],
                          # never share a port with another server (clients would be split between them)
@@ -600,7 +619,8 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
             raise StoreError(f"could not bind the health probe port {address}: it is in use, or {bind} is not an "
                              f"address of this machine")
     if data_plane and tls_cert is None:
-        data = DataServer(bind, service._reader, lambda e: (_status_of(e).name, _message(e)), token=token)
+        data = DataServer(bind, service._reader, lambda e: (_status_of(e).name, _message(e)), token=token,
+                          on_sent=on_sent)
         service.data_port = data.port
         server.data_server = data  # kept alive with the gRPC server; its threads are daemons
     server.start()

@@ -1,7 +1,7 @@
 """Chunk framing, chunk splitting, channel options and message conversions shared by the store server and client.
 
 May import: grpc, xxhash, ``tenplex.box``, ``tenplex.layout``, ``tenplex.transfer_plan``, ``tenplex.files``
-(its JSON codec: orjson when installed), ``tenplex._gc``, this package's generated ``_proto`` and
+(its JSON codec: orjson when installed), ``tenplex._gc``, this package's generated ``_proto``, ``manifest`` and
 ``transformer``, and the standard library.
 
 Chunks (``Chunk``, ``FileChunk``) carry up to ``chunk_bytes`` of payload. To
@@ -27,6 +27,7 @@ from ..files import dumps as json_bytes, loads as parse_json
 from ..layout import Layout, from_dict as layout_from_dict
 from ..transfer_plan import plan_from_dict
 from ._proto import store_pb2 as pb
+from .manifest import NAME_PATTERN
 from .transformer import TransformProgress, TransformRequest
 
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -38,6 +39,22 @@ MAX_MESSAGE_BYTES = 1 << 30
 # stays bounded (it checks each region's blocks once per request, whatever the regions' number).
 MAX_READ_REGIONS = 4096
 _DATA_FIELD = 3  # the ``bytes data = 3`` field of Chunk and FileChunk
+# A reader declares its host (the host it reads for) so that the serving store can count the bytes it sends per
+# peer host: as this gRPC metadata key, and as this field of a data-plane request. Servers that predate it ignore
+# both; a reader that declares none is counted under "" (``declared_peer``).
+PEER_HOST_METADATA = "tenplex-peer-host"
+PEER_HOST_FIELD = "peer_host"
+
+
+def declared_peer(value) -> str:
+    """The host a reader declared, or "" when it declared none or something that is no host name (a simple
+    identifier, as store names are): a metrics label takes only such names."""
+    return value if isinstance(value, str) and NAME_PATTERN.match(value) else ""
+
+
+def peer_of(metadata) -> str:
+    """The reader's declared host in a call's invocation metadata (``declared_peer``)."""
+    return declared_peer(next((value for key, value in metadata or () if key == PEER_HOST_METADATA), None))
 
 
 def channel_options(chunk_bytes: int = MAX_CHUNK_BYTES) -> list[tuple[str, int]]:

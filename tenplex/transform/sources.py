@@ -49,7 +49,7 @@ class Sources:
                     raise StoreError(f"no store address for host {host} (peers: {sorted(self._peers)})")
                 # One connection per stream: streams sharing a connection share one socket and one
                 # receiving thread in gRPC, which caps throughput well below the link's.
-                pool = [StoreClient(address, token=self._token, root_certificates=self._roots,
+                pool = [StoreClient(address, token=self._token, root_certificates=self._roots, peer_host=self.host,
                                     chunk_bytes=self._chunk_bytes, timeout=CALL_TIMEOUT_S, stall_timeout=self._stall,
                                     own_connection=True) for _ in range(self._streams)]
                 self._clients[host] = pool
