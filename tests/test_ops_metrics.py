@@ -106,9 +106,11 @@ def test_job_metrics_of_a_two_rank_job(tmp_path):
         def both(value):
             return lambda result: len(result) == 2 and all(v == value for _, v in result)
 
-        assert both(4)(prometheus.await_query("tenplex_job_last_committed_step", both(4)))
+        # The periodic saves are snapshots: step 2's was settled (committed everywhere) at step 4's boundary;
+        # step 4's is still in flight until the next boundary or finish(), so the newest committed step is 2.
+        assert both(2)(prometheus.await_query("tenplex_job_last_committed_step", both(2)))
         assert both(4)(prometheus.await_query("tenplex_job_step_duration_seconds_count", both(4)))
-        assert both(2)(prometheus.await_query('tenplex_job_saves_total{reason="periodic"}', both(2)))
+        assert both(2)(prometheus.await_query('tenplex_job_saves_total{reason="snapshot"}', both(2)))
         assert both(2)(prometheus.await_query("tenplex_job_world_size", both(2)))
         info = prometheus.await_query("tenplex_job_configuration_info", both(1))
         # the policy's choice for 2 ranks on one host under the worker's max_tp=1: data parallelism

@@ -196,6 +196,7 @@ class Job:
         self.extra: dict = {}
         self.restored: Restored | None = None
         self._saved_step: int | None = None
+        self._committed_blocking: int | None = None
         self._tracked: dict[str, Any] | None = None
         # (first step, RankDataset, micro-batches) of the current stretch
         self._data: tuple[int, RankDataset, list[list[int]]] | None = None
@@ -252,12 +253,13 @@ class Job:
         self._tracked = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
                          "annotations": annotations, "checkpointer": ckpt}
         self._saved_step = step
+        self._committed_blocking = step  # the restored version is committed
         if self.dataset is not None:
             self._open_data(extra.get(DATASET_KEY))
         self.restored = Restored(self.step, info.version, info.transformed, dict(info.plan_stats),
                                  time.monotonic() - begin, info.saved_version, info.read_through)
         self._last_boundary = time.monotonic()
-        self.metrics.observe_restore(self.step, step)
+        self.metrics.observe_restore(self.step, self._last_committed_step)
         if self.save_every:
             self._next_save = self.step + self.save_every
         elif self.save_every is None:
@@ -420,7 +422,9 @@ class Job:
         self._cost["save_s"] += seconds
         self.last_save = {"step": self.step, "version": version, "why": why, "seconds": seconds,
                           "replication_lag": self._replication_lag}
-        self.metrics.observe_save(blocking=seconds, background=self._background_s(), step=self.step, reason=why)
+        if why != "snapshot":
+            self._committed_blocking = self.step
+        self.metrics.observe_save(blocking=seconds, background=self._background_s(), reason=why)
         logs.set_context(version=version, step=self.step)
         if self.on_save is not None:
             self.on_save(dict(self.last_save))
@@ -429,6 +433,13 @@ class Job:
     def _local_lag(self) -> int:
         t = self._tracked
         return 0 if t is None else t["checkpointer"].snapshot_stats().get("replication_lag", 0)
+
+    def _last_committed_step(self) -> int | None:
+        """The step of this job's newest committed save: the last blocking one, or a newer committed snapshot."""
+        t = self._tracked
+        snapshot = None if t is None else t["checkpointer"].snapshot_stats().get("committed_step")
+        steps = [s for s in (self._committed_blocking, snapshot) if s is not None]
+        return max(steps, default=None)
 
     def _background_s(self) -> float:
         """Seconds of this rank's last finished background snapshot write (0: none yet, or blocking saves only)."""

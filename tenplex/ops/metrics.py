@@ -193,7 +193,8 @@ class JobMetrics:
                                        buckets=SECONDS, registry=r)
         self.save_background = Histogram("tenplex_job_save_background_seconds", "Seconds a save kept working after "
                                          "training went on (copies to other hosts)", buckets=SECONDS, registry=r)
-        self.saves = Counter("tenplex_job_saves", "Saves committed, by reason (periodic, stopping, requested)",
+        self.saves = Counter("tenplex_job_saves", "Saves made, by reason (snapshot: staged at the boundary and "
+                             "committed in the background; periodic: blocking, with snapshots off; stopping; final)",
                              ["reason"], registry=r)
         self.step = Gauge("tenplex_job_step", "The step this worker is at", registry=r)
         self.committed_step = Gauge("tenplex_job_last_committed_step", "The step of the newest committed save "
@@ -226,21 +227,22 @@ class JobMetrics:
         name = f"dp={config.dp},tp={config.tp},pp={config.pp},sharding={config.sharding}"  # no devices: bounded
         self.configuration.labels(name, str(config.dp), str(config.tp), str(config.pp)).set(1)
 
-    def observe_restore(self, step: int, committed: int | None) -> None:
+    def observe_restore(self, step: int, committed: Callable[[], int | None]) -> None:
+        """``committed()``: the step of the newest committed save, read when Prometheus scrapes (a snapshot
+        commits in the background, after the boundary that staged it)."""
         self.step.set(step)
         self.restored_step.set(step)
-        self.committed_step.set(-1 if committed is None else committed)
+        self.committed_step.set_function(lambda: -1 if (last := committed()) is None else last)
 
     def observe_step(self, seconds: float, step: int) -> None:
         self.step_seconds.observe(seconds)
         self.step.set(step)
 
-    def observe_save(self, blocking: float, background: float, step: int, reason: str) -> None:
+    def observe_save(self, blocking: float, background: float, reason: str) -> None:
         self.save_blocking.observe(blocking)
         if background:
             self.save_background.observe(background)
         self.saves.labels(reason).inc()
-        self.committed_step.set(step)
 
 
 # --------------------------------------------------------------- operator --
