@@ -167,9 +167,11 @@ def _records(folder: Path) -> list[dict]:
 
 def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], initial: tuple[str, ...],
                 save_every: int, pins: dict[int, str], say: Callable[[str], None],
-                timeout: float = 900.0, cluster: "EmulatedCluster | None" = None) -> tuple[Path, list[dict]]:
-    """The elastic run (with ``cluster``: each node in its own network namespace); returns its record folder
-    and when each event was set off (wall time)."""
+                timeout: float = 900.0, cluster: "EmulatedCluster | None" = None, fuse: bool = False,
+                script: list[str] | None = None) -> tuple[Path, list[dict]]:
+    """The elastic run (with ``cluster``: each node in its own network namespace; with ``fuse``: each node's
+    workers read through its FUSE view of ``data``; ``script``: another worker program); returns its record
+    folder and when each event was set off (wall time)."""
     record = workdir / "elastic" / "record"
     record.mkdir(parents=True)
     for e in events:
@@ -179,8 +181,9 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
     deadline = time.monotonic() + timeout
     env = dict(os.environ, OMP_NUM_THREADS="1")
     max_nodes = len(set(initial) | {e.host for e in events})
-    script = _script(data, steps, record, save_every, pins, LINKED_TIMEOUT_S if cluster is not None else None)
-    with Nodes(workdir / "elastic", 2, max_nodes, script, env, cluster) as nodes:
+    script = script or _script(data, steps, record, save_every, pins,
+                               LINKED_TIMEOUT_S if cluster is not None else None)
+    with Nodes(workdir / "elastic", 2, max_nodes, script, env, cluster, dataset=data if fuse else None) as nodes:
         before = cluster.counters() if cluster is not None else None
         nodes.start_rendezvous()
         for host in initial:
@@ -199,6 +202,8 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
         # A cut-off node is not waited for by anyone, but it must end by itself: its agent gives up its rendezvous.
         _wait(lambda: progress.update() and not nodes.running(), deadline, nodes, f"the job to reach step {steps}")
         codes = nodes.wait(0)
+        if fuse:
+            _write_views(workdir / "elastic" / "views.json", nodes)
         if cluster is not None and before is not None:
             _write_links(workdir / "elastic" / "links.json", cluster, cluster.counters() - before)
     _write_outcome(workdir / "elastic", fired, codes, nodes.partitioned)
@@ -233,6 +238,13 @@ def _set_off(nodes: Nodes, e: Event, record: Path) -> None:
     if e.kind != "join":
         # The survivors go on (and find out), the leaving node's ranks save with them.
         (record / f"hold-{e.at}").unlink()
+
+
+def _write_views(path: Path, nodes: Nodes) -> None:
+    """How often each node's dataset view was switched (a failed node's view died with it: null)."""
+    from .dataview import switches
+
+    path.write_text(json.dumps({h: switches(nodes.view(h)) for h in sorted(nodes.agents)}))
 
 
 def _write_links(path: Path, cluster: "EmulatedCluster", moved: "Counters") -> None:

@@ -3,6 +3,8 @@
 May import: ``tenplex`` (save, restore, Checkpointer), ``tenplex.elastic``
 (policy, launcher, envsettings), ``tenplex.integration``, ``tenplex.dataset``, ``tenplex.parallel``,
 ``tenplex.errors``, ``tenplex.ops``, torch, torch.distributed and the standard library.
+With ``tenplex run --data-mount``, :meth:`Job.restore` switches the node's dataset view and
+:meth:`Job.batch` reads through it (:mod:`tenplex.elastic.dataview`).
 
 A script started by ``tenplex run`` (torchrun) is the same in every world::
 
@@ -52,6 +54,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
@@ -64,6 +67,7 @@ from ..ops.metrics import JobMetrics
 from ..parallel import ParallelConfig
 from .envsettings import settings_from_env
 from .launcher import EXIT_RESTART
+from . import dataview
 from .policy import Choice, choose
 
 if TYPE_CHECKING:
@@ -185,6 +189,8 @@ class Job:
         self._data: tuple[int, RankDataset, list[list[int]]] | None = None
         self._data_start = 0
         self._state0: DatasetState | None = None
+        # This rank's directory of the node's dataset view, switched to this world (tenplex run --data-mount)
+        self.data_view: Path | None = None
         self._terminated_at: float | None = None
         self._last_boundary = time.monotonic()
         self._step_s = 0.0            # agreed (max over ranks) duration of the last step, without saving
@@ -236,6 +242,8 @@ class Job:
         self._saved_step = step
         if self.dataset is not None:
             self._open_data(extra.get(DATASET_KEY))
+            # tenplex run --data-mount: switch this node's view to this world before anyone reads (collective)
+            self.data_view = dataview.follow(self, self._state0)
         self.restored = Restored(self.step, info.version, info.transformed, dict(info.plan_stats),
                                  time.monotonic() - begin, info.saved_version, info.read_through)
         self._last_boundary = time.monotonic()
@@ -283,7 +291,10 @@ class Job:
         else:
             # A reader per stretch of steps within one epoch: it yields the rest of that epoch's micro-batches.
             first, state = self.step, self.data_state
-            data = RankDataset.fallback(self._info, state, self.config.dp, self.coords["dp"])
+            if self.data_view is None:
+                data = RankDataset.fallback(self._info, state, self.config.dp, self.coords["dp"])
+            else:
+                data = dataview.open_rank(self, state, switch=self._data is not None)  # a new epoch: switch
             batches = list(RankBatchSampler(data))
             self._data = (first, data, batches)
         positions = batches[self.step - first]

@@ -5,7 +5,7 @@ serving?), ``tenplex.errors``, torch's ``torch.distributed.run`` (the agent) and
 signal and rendezvous errors), and the standard library.
 
     tenplex run --host NAME --store-root DIR [--store-bind ADDR] [--store-advertise HOST] [--token-file F]
-                [torchrun options] script.py [args]
+                [--dataset DIR --data-mount PATH] [torchrun options] script.py [args]
 
 Every option that is not one of the above goes to torchrun unchanged
 (``--nnodes=MIN:MAX``, ``--nproc-per-node``, ``--rdzv-endpoint``, ``--max-restarts``…).
@@ -29,7 +29,8 @@ Its port, pid and log are ``DIR/.tenplex-store.{port,pid,log}``; a later
 (``flock``) keeps one store per root when runs start at once.
 
 May import: ``tenplex.runtime.hosts``, ``tenplex.store.client``, ``tenplex.errors``,
-torch (torchrun's ``torch.distributed.run``, on use) and the standard library.
+``tenplex.elastic.dataview`` (``--data-mount``, on use), torch (torchrun's ``torch.distributed.run``, on use)
+and the standard library.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ DEFAULT_RDZV_CONF = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3", 
 # so that its agent restarts it in the next world instead of treating the job as finished.
 EXIT_RESTART = 75
 
-_OURS = ("--host", "--store-root", "--store-bind", "--store-advertise", "--token-file")
+_OURS = ("--host", "--store-root", "--store-bind", "--store-advertise", "--token-file", "--dataset", "--data-mount")
 _MODES = {"-m": "module", "--module": "module", "--no-python": "exec", "--no_python": "exec",
           "--run-path": "script", "--run_path": "script"}
 
@@ -75,6 +76,8 @@ class RunSpec:
     mode: str = "script"
     target: str = ""
     args: list[str] = field(default_factory=list)
+    dataset: Path | None = None       # with data_mount: the node's FUSE view of it (tenplex.elastic.dataview)
+    data_mount: Path | None = None
 
 
 def parser():
@@ -91,6 +94,10 @@ def parser():
                    help="address other nodes reach this store at (default: the bind address, or this machine's "
                         "name when binding 0.0.0.0)")
     p.add_argument("--token-file", type=Path, help="the stores' shared token (needed beyond loopback)")
+    p.add_argument("--dataset", type=Path, help="a packed dataset the workers read through a FUSE view "
+                                                "(with --data-mount)")
+    p.add_argument("--data-mount", type=Path, help="where this node mounts the job's view of --dataset (once per "
+                                                   "node; every world switches it before its workers read)")
     return p
 
 
@@ -113,8 +120,10 @@ def parse(argv: list[str]) -> RunSpec:
         else:
             passthrough.append(token)
         i += 1
+    if (ns.dataset is None) != (ns.data_mount is None):
+        raise ConfigError("--dataset and --data-mount go together: the dataset and where this node mounts its view")
     return RunSpec(ns.host, ns.store_root, ns.store_bind, ns.store_advertise, ns.token_file, passthrough, mode,
-                   ns.training_script, list(ns.training_script_args))
+                   ns.training_script, list(ns.training_script_args), ns.dataset, ns.data_mount)
 
 
 def _given(options: list[str], *names: str) -> str | None:
@@ -324,6 +333,13 @@ def run(argv: list[str]) -> int:
     args = torchrun_argv(spec)
     address = ensure_store(spec, token)
     os.environ.update(worker_env(spec, address, token))  # the agent passes its environment on to the workers
+    if spec.dataset is not None and spec.data_mount is not None:
+        from .dataview import STATE_DIR, VIEW_ENV, ensure_view
+
+        root = ensure_view(spec.dataset, spec.data_mount, spec.store_root / STATE_DIR)
+        os.environ.update({VIEW_ENV: str(spec.data_mount.resolve()), "TENPLEX_DATASET": str(spec.dataset.resolve())})
+        print(f"tenplex run: dataset view of {spec.dataset} at {spec.data_mount} (generation {root['generation']}, "
+              f"world {root['world'] or 'none yet'})", file=sys.stderr, flush=True)
     print(f"tenplex run: host {spec.host}, store {address} ({spec.store_root}); torchrun {' '.join(args)}",
           file=sys.stderr, flush=True)
     try:
