@@ -61,7 +61,8 @@ class Server:
 
     def root_doc(self) -> dict[str, Any]:
         gen: Generation = self.fs.generation
-        return {"format": ROOT_FORMAT, "generation": gen.number, "world": gen.world, "dp": gen.dp, "state": gen.state.to_dict(),
+        return {"format": ROOT_FORMAT, "generation": gen.number, "world": gen.world, "dp": gen.dp,
+                "state": gen.state.to_dict(),
                 "dataset": self.info.identity, "dataset_path": str(self.info.root),
                 "state_file": str(self.state_file), "loads": self.loads, "state_error": self.state_error,
                 "error": self.fs.error, "pid": os.getpid(), "libfuse": LIBFUSE_VERSION}

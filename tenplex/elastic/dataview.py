@@ -209,3 +209,23 @@ def unmount_views(mountpoints: list[Path]) -> None:
     for mount in mountpoints:
         with contextlib.suppress(fuse_vfs.VfsError):  # not mounted
             fuse_vfs.unmount(mount, lazy=True)
+
+
+def summarize_views(record: Path, views: Path) -> dict[str, Any]:
+    """``tenplex demo --elastic --fuse``: whether every worker of every world read through its node's view of its
+    own world (the ``data_view`` its record's start names, a ``.gN`` directory), and how often each node's view
+    was switched (``views``, written before the views were unmounted)."""
+    starts = [json.loads(line) for path in sorted(record.glob("rank-*.jsonl"))
+              for line in path.read_text().splitlines() if '"event": "start"' in line]
+    read = bool(starts) and all(d.get("data_view") and "/.g" in d["data_view"] for d in starts)
+    return {"read": read, "worlds": len({d["world_id"] for d in starts}), "switches": json.loads(views.read_text())}
+
+
+def require_fuse() -> None:
+    """Raise :class:`fuse_vfs.FuseUnavailableError` (one line) where FUSE cannot be used: no fallback to in-process
+    reading where a view was asked for."""
+    import fuse_vfs
+
+    reason = fuse_vfs.fuse_unavailable_reason()
+    if reason:
+        raise fuse_vfs.FuseUnavailableError(f"--fuse: {reason}")

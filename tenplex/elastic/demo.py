@@ -337,12 +337,13 @@ def require_links() -> None:
 
 def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initial: tuple[str, ...] = ("h0", "h1"),
         save_every: int = 5, pins: dict[int, str] | None = None,
-        say: Callable[[str], None] = print, link_mbit: float | None = None) -> tuple[dict, dict]:
+        say: Callable[[str], None] = print, link_mbit: float | None = None, fuse: bool = False) -> tuple[dict, dict]:
     """Everything: dataset, reference, elastic run, summary. Returns the summary and the loss histories.
 
     ``link_mbit``: run every node in its own network namespace with a link of that rate; raises
     :class:`~tenplex.cluster.ClusterUnavailable` (one line) before anything starts where namespaces
-    cannot be used, never falls back to loopback."""
+    cannot be used, never falls back to loopback. ``fuse``: the workers read through each node's FUSE view
+    (``tenplex run --data-mount``); the summary's ``view`` says whether they did and how often each was switched."""
     from ..runtime.demo import make_dataset
     from .timeline import summarize
 
@@ -358,7 +359,7 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
     reference = run_reference(workdir, data, steps, say)
     pins = DEFAULT_PINS if pins is None else pins
     if link_mbit is None:
-        record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say)
+        record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say, fuse=fuse)
     else:
         from ..cluster import EmulatedCluster
 
@@ -366,10 +367,16 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
             say(f"links: every node in its own network namespace, {link_mbit:g} Mbit/s each way "
                 f"({', '.join(f'{h} {cluster.address(h)}' for h in hosts)})")
             record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say,
-                                        cluster=cluster)
+                                        cluster=cluster, fuse=fuse)
     summary, history = summarize(reference, record, events, fired, [workdir / "elastic" / h for h in hosts],
                                  expected_hosts(initial, events))
     links = workdir / "elastic" / "links.json"
     if links.exists():
         summary["links"] = json.loads(links.read_text())
+    if fuse:
+        from .dataview import summarize_views
+
+        summary["view"] = summarize_views(record, workdir / "elastic" / "views.json")
+        summary["checks"]["read_through_view"] = summary["view"]["read"]
+        summary["ok"] = summary["ok"] and summary["view"]["read"]
     return summary, history

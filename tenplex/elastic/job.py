@@ -243,7 +243,7 @@ class Job:
         if self.dataset is not None:
             self._open_data(extra.get(DATASET_KEY))
             # tenplex run --data-mount: switch this node's view to this world before anyone reads (collective)
-            self.data_view = dataview.follow(self, self._state0)
+            self.data_view = dataview.follow(self, self.data_state)
         self.restored = Restored(self.step, info.version, info.transformed, dict(info.plan_stats),
                                  time.monotonic() - begin, info.saved_version, info.read_through)
         self._last_boundary = time.monotonic()

@@ -1,6 +1,7 @@
 """Simulated nodes on this machine: a ``tenplex rendezvous serve`` process and one ``tenplex run`` per node.
 
-May import: ``tenplex.runtime.hosts``, ``tenplex.elastic.dataview`` (the nodes' dataset views), ``tenplex.cluster`` (the emulated cluster: its type, its
+May import: ``tenplex.runtime.hosts``, ``tenplex.elastic.dataview`` (the nodes' dataset views),
+``tenplex.cluster`` (the emulated cluster: its type, its
 control host and its hosts' link device), ``tenplex.errors`` and the standard library (no torch: the
 demo's driver only starts, signals and kills processes).
 
