@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 VIEW_ENV = "TENPLEX_DATA_VIEW"              # the node's mount point of this job's view (set by tenplex run)
 GENERATION_ENV = "TENPLEX_DATA_GENERATION"  # the world the view serves (set in each worker by follow)
 STATE_DIR = ".tenplex-view"                 # under the store root: each mount's state file and server log
+SAVED_KEY = "tenplex.data_view"             # in a save's extra: the world whose view it read (operator status)
 
 
 class DataViewError(TenplexError, RuntimeError):
@@ -229,3 +230,8 @@ def require_fuse() -> None:
     reason = fuse_vfs.fuse_unavailable_reason()
     if reason:
         raise fuse_vfs.FuseUnavailableError(f"--fuse: {reason}")
+
+
+def saved_doc(job: "Job") -> dict[str, Any]:
+    """What a save records of the view: its generation (the world that switched it) and its dp degree."""
+    return {"generation": job.world_id, "dp": job.config.dp}

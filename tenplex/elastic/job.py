@@ -363,6 +363,8 @@ class Job:
         extra = {EXTRA_KEY: self.extra}
         if self._state0 is not None:
             extra[DATASET_KEY] = self.data_state.to_dict()
+        if self.data_view is not None:  # the operator's status.dataView reads it from the committed state
+            extra[dataview.SAVED_KEY] = dataview.saved_doc(self)
         begin = time.monotonic()
         try:
             version = tenplex.save(t["model"], t["optimizer"], step=self.step, scheduler=t["scheduler"],
