@@ -38,7 +38,10 @@ from ..errors import ConfigError, TenplexError
 
 if TYPE_CHECKING:
     from ..dataset import DatasetState
-    from .job import Job
+
+# A tenplex.elastic.Job (its host, group, config, coords, world_id and data_view); not imported: job imports
+# launcher, which imports this module.
+Job = Any
 
 VIEW_ENV = "TENPLEX_DATA_VIEW"              # the node's mount point of this job's view (set by tenplex run)
 GENERATION_ENV = "TENPLEX_DATA_GENERATION"  # the world the view serves (set in each worker by follow)
@@ -133,7 +136,7 @@ def rank_dir(mountpoint: str | os.PathLike, dp_rank: int, world: str | None) -> 
     return target
 
 
-def follow(job: "Job", state: "DatasetState") -> Path | None:
+def follow(job: Job, state: "DatasetState") -> Path | None:
     """Switch this node's view to ``job``'s world at ``state`` (collective over the training ranks) and return
     this rank's view directory; None when the job runs without a view (no ``TENPLEX_DATA_VIEW``)."""
     from ..integration.exchange import all_gather_json
@@ -157,14 +160,14 @@ def follow(job: "Job", state: "DatasetState") -> Path | None:
     return rank_dir(mount, job.coords["dp"], job.world_id)
 
 
-def _first_here(hosts: list[str], job: "Job") -> bool:
+def _first_here(hosts: list[str], job: Job) -> bool:
     """Whether this rank is the first training rank on its host (it switches the host's view)."""
     import torch.distributed as dist
 
     return hosts.index(job.host) == dist.get_rank(job.group)
 
 
-def open_rank(job: "Job", state: "DatasetState", switch: bool = False):
+def open_rank(job: Job, state: "DatasetState", switch: bool = False):
     """A :class:`~tenplex.dataset.torch_data.RankDataset` over this rank's view at ``state``: the rest of that
     epoch (``switch``: at the start of a new epoch, switch the view first; collective like ``job.batch()``)."""
     from ..dataset.reader import MountedRankReader
@@ -232,6 +235,6 @@ def require_fuse() -> None:
         raise fuse_vfs.FuseUnavailableError(f"--fuse: {reason}")
 
 
-def saved_doc(job: "Job") -> dict[str, Any]:
+def saved_doc(job: Job) -> dict[str, Any]:
     """What a save records of the view: its generation (the world that switched it) and its dp degree."""
     return {"generation": job.world_id, "dp": job.config.dp}

@@ -331,15 +331,15 @@ def run(argv: list[str]) -> int:
     if spec.token_file and not token:
         raise ConfigError(f"token file {spec.token_file} is empty")
     args = torchrun_argv(spec)
-    address = ensure_store(spec, token)
-    os.environ.update(worker_env(spec, address, token))  # the agent passes its environment on to the workers
-    if spec.dataset is not None and spec.data_mount is not None:
+    if spec.dataset is not None and spec.data_mount is not None:  # first: a bad dataset starts nothing
         from .dataview import STATE_DIR, VIEW_ENV, ensure_view
 
         root = ensure_view(spec.dataset, spec.data_mount, spec.store_root / STATE_DIR)
         os.environ.update({VIEW_ENV: str(spec.data_mount.resolve()), "TENPLEX_DATASET": str(spec.dataset.resolve())})
         print(f"tenplex run: dataset view of {spec.dataset} at {spec.data_mount} (generation {root['generation']}, "
-              f"world {root['world'] or 'none yet'})", file=sys.stderr, flush=True)
+              f"world {root.get('world') or 'none yet'})", file=sys.stderr, flush=True)
+    address = ensure_store(spec, token)
+    os.environ.update(worker_env(spec, address, token))  # the agent passes its environment on to the workers
     print(f"tenplex run: host {spec.host}, store {address} ({spec.store_root}); torchrun {' '.join(args)}",
           file=sys.stderr, flush=True)
     try:
