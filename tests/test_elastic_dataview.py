@@ -109,3 +109,12 @@ def test_dataset_and_data_mount_go_together():
     spec = parse(["--host", "h0", "--store-root", "/s", "--dataset", "/d", "--data-mount", "/m", "--standalone",
                   "x.py"])
     assert (spec.dataset, spec.data_mount, spec.torchrun) == (Path("/d"), Path("/m"), ["--standalone"])
+
+
+def test_a_job_with_a_view_has_no_view_directory_before_its_world_switched_it(monkeypatch, tmp_path):
+    monkeypatch.delenv(dataview.VIEW_ENV, raising=False)
+    assert dataview.checked(None, restored=False) is None  # no view: nothing to refuse
+    monkeypatch.setenv(dataview.VIEW_ENV, str(tmp_path))
+    with pytest.raises(dataview.DataViewError, match="not switched for this world yet: call job.restore"):
+        dataview.checked(None, restored=False)
+    assert dataview.checked(tmp_path / ".g2" / "rank0", restored=True) == tmp_path / ".g2" / "rank0"

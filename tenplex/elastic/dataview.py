@@ -167,23 +167,28 @@ def _first_here(hosts: list[str], job: Job) -> bool:
     return hosts.index(job.host) == dist.get_rank(job.group)
 
 
-def open_rank(job: Job, state: "DatasetState", switch: bool = False):
-    """A :class:`~tenplex.dataset.torch_data.RankDataset` over this rank's view at ``state``: the rest of that
-    epoch (``switch``: at the start of a new epoch, switch the view first; collective like ``job.batch()``)."""
+def open_rank(view: Path | None, state: "DatasetState"):
+    """A :class:`~tenplex.dataset.torch_data.RankDataset` over the rank's view directory ``view``, which must serve
+    ``state`` (the rest of that epoch)."""
     from ..dataset.reader import MountedRankReader
     from ..dataset.torch_data import RankDataset
 
-    if switch:
-        job.data_view = follow(job, state)
-    if job.data_view is None:
-        raise DataViewError("this job has no dataset view (tenplex run --data-mount)")
-    data = RankDataset(MountedRankReader(job.data_view))
+    if view is None:  # follow() found no TENPLEX_DATA_VIEW at the epoch's switch
+        raise DataViewError(f"{VIEW_ENV} was unset while the job read through its dataset view")
+    data = RankDataset(MountedRankReader(view))
     if data.reader.state != state:
-        raise DataViewError(f"the dataset view {job.data_view} serves position {data.reader.state.position}, not "
+        raise DataViewError(f"the dataset view {view} serves position {data.reader.state.position}, not "
                             f"this rank's {state.position}: it was switched by another world")
     return data
 
 
+def checked(view: Path | None, restored: bool) -> Path | None:
+    """``Job.data_view``: the rank's view directory; a job with a view (``TENPLEX_DATA_VIEW``) that has not
+    restored yet has none of this world: it is switched in ``Job.restore``."""
+    if view is None and not restored and os.environ.get(VIEW_ENV, "").strip():
+        raise DataViewError(f"the dataset view at {os.environ[VIEW_ENV]} is not switched for this world yet: "
+                            f"call job.restore(...) before reading it")
+    return view
 
 def server_pid(mountpoint: str | os.PathLike) -> int | None:
     """The pid of the FUSE server of the view at ``mountpoint``; None when nothing serves there."""

@@ -190,7 +190,7 @@ class Job:
         self._data_start = 0
         self._state0: DatasetState | None = None
         # This rank's directory of the node's dataset view, switched to this world (tenplex run --data-mount)
-        self.data_view: Path | None = None
+        self._data_view: Path | None = None
         self._terminated_at: float | None = None
         self._last_boundary = time.monotonic()
         self._step_s = 0.0            # agreed (max over ranks) duration of the last step, without saving
@@ -243,7 +243,7 @@ class Job:
         if self.dataset is not None:
             self._open_data(extra.get(DATASET_KEY))
             # tenplex run --data-mount: switch this node's view to this world before anyone reads (collective)
-            self.data_view = dataview.follow(self, self.data_state)
+            self._data_view = dataview.follow(self, self.data_state)
         self.restored = Restored(self.step, info.version, info.transformed, dict(info.plan_stats),
                                  time.monotonic() - begin, info.saved_version, info.read_through)
         self._last_boundary = time.monotonic()
@@ -274,6 +274,12 @@ class Job:
         self._data = None
 
     @property
+    def data_view(self) -> Path | None:
+        """This rank's directory of its node's dataset view, switched to this world (``tenplex run --data-mount``);
+        None without a view. Before :meth:`restore` (which switches it) a job with a view raises, in one line."""
+        return dataview.checked(self._data_view, restored=self._tracked is not None)
+
+    @property
     def data_state(self):
         """The dataset state (position) at :attr:`step`; None without a dataset."""
         if self._state0 is None:
@@ -291,10 +297,12 @@ class Job:
         else:
             # A reader per stretch of steps within one epoch: it yields the rest of that epoch's micro-batches.
             first, state = self.step, self.data_state
-            if self.data_view is None:
+            if self._data_view is None:
                 data = RankDataset.fallback(self._info, state, self.config.dp, self.coords["dp"])
             else:
-                data = dataview.open_rank(self, state, switch=self._data is not None)  # a new epoch: switch
+                if self._data is not None:  # a new epoch: the view held the rest of the last one
+                    self._data_view = dataview.follow(self, state)
+                data = dataview.open_rank(self._data_view, state)
             batches = list(RankBatchSampler(data))
             self._data = (first, data, batches)
         positions = batches[self.step - first]
@@ -363,7 +371,7 @@ class Job:
         extra = {EXTRA_KEY: self.extra}
         if self._state0 is not None:
             extra[DATASET_KEY] = self.data_state.to_dict()
-        if self.data_view is not None:  # the operator's status.dataView reads it from the committed state
+        if self._data_view is not None:  # the operator's status.dataView reads it from the committed state
             extra[dataview.SAVED_KEY] = dataview.saved_doc(self)
         begin = time.monotonic()
         try:
