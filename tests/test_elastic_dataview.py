@@ -6,6 +6,8 @@ node stay apart; a view of no world or of another world is refused with one line
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -118,3 +120,40 @@ def test_a_job_with_a_view_has_no_view_directory_before_its_world_switched_it(mo
     with pytest.raises(dataview.DataViewError, match="not switched for this world yet: call job.restore"):
         dataview.checked(None, restored=False)
     assert dataview.checked(tmp_path / ".g2" / "rank0", restored=True) == tmp_path / ".g2" / "rank0"
+
+
+EPOCHS_SCRIPT = """
+import json, sys
+import torch
+import tenplex.elastic
+job = tenplex.elastic.Job(dataset=sys.argv[1], global_batch=4, save_every=0, replicas=0, timeout=60)
+model = torch.nn.Linear(2, 1)
+job.restore(model, torch.optim.SGD(model.parameters(), lr=0.1))
+steps = []
+while job.step < 5:
+    steps.append({"ids": job.batch().ids, "view": str(job.data_view)})
+    job.step_done()
+job.finish()
+print(json.dumps(steps))
+"""
+
+
+def test_job_batch_reads_through_the_view_and_switches_it_at_the_next_epoch(tmp_path, two_views):
+    import subprocess
+
+    from tenplex.runtime.launch import free_port
+
+    info = _dataset(tmp_path / "data", 12)  # 3 global batches of 4 per epoch: 5 steps cross into epoch 1
+    dataview.ensure_view(info.root, two_views[0], tmp_path / "h0" / dataview.STATE_DIR)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1", TENPLEX_HOST="h0",
+               TENPLEX_STORE_ROOT=str(tmp_path / "h0"), **{dataview.VIEW_ENV: str(two_views[0])})
+    result = subprocess.run([sys.executable, "-c", EPOCHS_SCRIPT, str(info.root)], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = json.loads(result.stdout.strip().splitlines()[-1])
+    expected = upcoming_batches(DatasetState(info.identity, 12, 0, 0, 4), 1, 5)["batches"]
+    assert [s["ids"] for s in steps] == expected
+    # The restore switched the view (generation 2), the first batch of epoch 1 switched it again (generation 3).
+    assert [Path(s["view"]).parent.name for s in steps] == [".g2"] * 3 + [".g3"] * 2
+    assert dataview.switches(two_views[0]) == 2

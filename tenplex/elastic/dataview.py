@@ -178,7 +178,7 @@ def open_rank(view: Path | None, state: "DatasetState"):
     data = RankDataset(MountedRankReader(view))
     if data.reader.state != state:
         raise DataViewError(f"the dataset view {view} serves position {data.reader.state.position}, not "
-                            f"this rank's {state.position}: it was switched by another world")
+                            f"this rank's {state.position}: it was not switched to this world's position in this epoch")
     return data
 
 
