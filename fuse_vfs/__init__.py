@@ -2,8 +2,8 @@
 
 May import: ``tenplex.dataset``, ``tenplex.files``, ``tenplex.errors``, mfusepy (or fusepy),
 numpy and the standard library. Nothing in ``tenplex`` imports this package except the
-CLI, lazily. The server runs in its own process (``python -m fuse_vfs.server``);
-``mount`` starts it and waits until the view is served.
+CLI and ``tenplex.elastic.dataview`` (an elastic job's view), lazily. The server runs in
+its own process (``python -m fuse_vfs.server``); ``mount`` starts it and waits until the view is served.
 """
 
 from .errors import FuseUnavailableError, VfsError

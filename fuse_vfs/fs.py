@@ -4,7 +4,7 @@ May import: mfusepy (or fusepy), numpy, the standard library, ``fuse_vfs`` (bind
 
 Tree::
 
-    /state.json               the mount: generation, dataset, state, dp, state file, pid, error
+    /state.json               the mount: generation, world, dataset, state, dp, state file, pid, error
     /rank{r}                  symlink to .g{N}/rank{r}, N the current generation
     /.g{N}/rank{r}/data       rank r's remaining samples of the epoch, back to back (zero-copy view)
     /.g{N}/rank{r}/index.npy  (n, 4) int64: sample id, offset in data, length, crc32
@@ -91,12 +91,14 @@ class Generation:
     files: tuple[dict[str, bytes], ...]  # per rank: index.npy and state.json contents
     created_ns: int = field(default_factory=time.time_ns)
     pieces: tuple[PieceTable, ...] = ()  # per rank, when the records have descriptors (set by TenplexFS)
+    world: str | None = None             # the elastic job's world that switched to it (tenplex run)
 
 
-def build_generation(info: DatasetInfo, state: DatasetState, dp: int, number: int) -> Generation:
-    views = tuple(build_view(info, state, dp, r, number) for r in range(dp))
+def build_generation(info: DatasetInfo, state: DatasetState, dp: int, number: int,
+                     world: str | None = None) -> Generation:
+    views = tuple(build_view(info, state, dp, r, number, world) for r in range(dp))
     files = tuple({"index.npy": v.index_npy(), STATE_NAME: v.state_json()} for v in views)
-    return Generation(number, state, dp, views, files)
+    return Generation(number, state, dp, views, files, world=world)
 
 
 @dataclass

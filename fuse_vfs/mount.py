@@ -150,15 +150,17 @@ def unmount(mountpoint: str | os.PathLike, lazy: bool = False) -> None:
 
 
 def switch(mountpoint: str | os.PathLike, *, dp: int | None = None, position: int | None = None,
-           state: DatasetState | None = None, timeout: float = 60) -> dict[str, Any]:
+           state: DatasetState | None = None, world: str | None = None, timeout: float = 60) -> dict[str, Any]:
     """Switch a mount to a new dp degree and/or position; returns the new ``/state.json`` once it serves it.
+
+    ``world`` names the elastic job's world that switches (``tenplex run``); the view then carries it.
 
     Raises VfsError, leaving the old view in place, when the server refuses the new state.
     """
     root = read_root(mountpoint)
     current = DatasetState.from_dict(root["state"])
     new_state = state or (current if position is None else dataclasses.replace(current, position=position))
-    write_state_file(root["state_file"], new_state, dp or root["dp"])
+    write_state_file(root["state_file"], new_state, dp or root["dp"], world)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         now = read_root(mountpoint)

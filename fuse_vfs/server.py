@@ -23,7 +23,7 @@ from typing import Any
 from tenplex.dataset.format import DatasetError, DatasetInfo, open_dataset
 from tenplex.dataset.source import LocalRecords, RecordSource
 from tenplex.dataset.state import StateError
-from tenplex.dataset.statefile import load_state_file
+from tenplex.dataset.statefile import load_state_file_world
 
 from . import binding
 from .errors import VfsError
@@ -50,10 +50,10 @@ class Server:
         self.mountpoint, self.state_file = Path(mountpoint), Path(state_file).resolve()
         self.loads, self.state_error = 1, None  # type: int, str | None
         self._state_key = _stat_key(self.state_file)
-        state, dp = load_state_file(self.state_file, self.info)
+        state, dp, world = load_state_file_world(self.state_file, self.info)
         self._meta_keys = self._dataset_keys()
         self.stop = threading.Event()
-        self.fs = TenplexFS(self.info, self.source, build_generation(self.info, state, dp, 1),
+        self.fs = TenplexFS(self.info, self.source, build_generation(self.info, state, dp, 1, world),
                             self.root_doc, self.watch)
 
     def _dataset_keys(self) -> list[Any]:
@@ -61,7 +61,8 @@ class Server:
 
     def root_doc(self) -> dict[str, Any]:
         gen: Generation = self.fs.generation
-        return {"format": ROOT_FORMAT, "generation": gen.number, "dp": gen.dp, "state": gen.state.to_dict(),
+        return {"format": ROOT_FORMAT, "generation": gen.number, "world": gen.world, "dp": gen.dp,
+                "state": gen.state.to_dict(),
                 "dataset": self.info.identity, "dataset_path": str(self.info.root),
                 "state_file": str(self.state_file), "loads": self.loads, "state_error": self.state_error,
                 "error": self.fs.error, "pid": os.getpid(), "libfuse": LIBFUSE_VERSION}
@@ -69,12 +70,12 @@ class Server:
     def reload(self) -> None:
         """Build the generation of the current state file aside, then switch to it (or record why not)."""
         try:
-            state, dp = load_state_file(self.state_file, self.info)
-            gen = build_generation(self.info, state, dp, self.fs.generation.number + 1)
+            state, dp, world = load_state_file_world(self.state_file, self.info)
+            gen = build_generation(self.info, state, dp, self.fs.generation.number + 1, world)
             self.fs.switch(gen)
             self.state_error = None
             print(f"tenplex vfs: generation {gen.number}: dp={dp} position={state.position} "
-                  f"epoch={state.epoch}", file=sys.stderr, flush=True)
+                  f"epoch={state.epoch}" + (f" world={world}" if world else ""), file=sys.stderr, flush=True)
         except (StateError, DatasetError, ValueError, OSError) as e:
             self.state_error = str(e)
             print(f"tenplex vfs: kept generation {self.fs.generation.number}: {e}", file=sys.stderr, flush=True)

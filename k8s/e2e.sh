@@ -37,7 +37,7 @@ kubectl label nodes -l '!node-role.kubernetes.io/control-plane' tenplex.io/gpu-n
 if [ "$CLUSTER" = kind ]; then
   kubectl -n tenplex-system set env deployment/tenplex-operator TENPLEX_GPU_RESOURCE=cpu
 fi
-# The example dataset on every node (the store DaemonSet mounts it; its dataset container restarts until then).
+# The example dataset on every node (each job's worker pods mount their own view of it: tenplex run --data-mount).
 kubectl -n tenplex-system apply -f - <<'YAML'
 apiVersion: batch/v1
 kind: Job

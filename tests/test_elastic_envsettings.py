@@ -48,8 +48,10 @@ def test_the_operators_worker_pod_settings_reach_the_job():
     job = {**example, "metadata": {**example["metadata"], "uid": "1234"}}
     pod = worker_pod(job, parse_spec(example["spec"]), "node-a", WorkerSettings())
     env = {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"] if "value" in e}
-    assert settings_from_env(env) == {"max_tp": 8, "replicas": 1, "save_every": 50, "pinned": {24: "tp=8,pp=3"},
-                                      "dataset": "/var/lib/tenplex/data/example"}
+    assert settings_from_env(env) == {"max_tp": 8, "replicas": 1, "save_every": 50, "pinned": {24: "tp=8,pp=3"}}
+    # the dataset: `tenplex run --dataset` mounts the job's view and sets TENPLEX_DATASET for the workers
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[command.index("--dataset") + 1] == "/var/lib/tenplex/datasets/example"
 
 
 @pytest.mark.parametrize("var,value,match", [

@@ -1,7 +1,8 @@
 """An elastic job on real torchrun agents (`tenplex run`) on loopback: a node joins, a node is SIGKILLed with its
-process group and store, a node leaves by SIGTERM. The example GPT trains through tenplex.elastic.Job; the
-demo's checks (losses vs an uninterrupted run, exactly-once data, bit-exact restores, step and position) must
-hold, and must fail on doctored records."""
+process group and store, a node leaves by SIGTERM. The example GPT trains through tenplex.elastic.Job, reading
+its data through each node's FUSE view (`tenplex demo --elastic --fuse`; in process where FUSE is unavailable:
+test_elastic_partition covers that path too); the demo's checks (losses vs an uninterrupted run, exactly-once
+data, bit-exact restores, step and position) must hold, and must fail on doctored records."""
 
 from __future__ import annotations
 
@@ -12,19 +13,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import fuse_vfs
 from tenplex.elastic import demo
 from tenplex.elastic.launcher import alive
 from tenplex.elastic.timeline import FORMAT, final_history, read_worlds, summarize
 
 SCHEDULE = "join:h2@2,fail:h1@4,leave:h2@6"
 STEPS = 8
+FUSE = fuse_vfs.fuse_unavailable_reason() is None
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("elastic")
     lines: list[str] = []
-    summary, history = demo.run(workdir, SCHEDULE, STEPS, say=lines.append)  # a snapshot every step
+    summary, history = demo.run(workdir, SCHEDULE, STEPS, say=lines.append, fuse=FUSE)  # a snapshot every step
     # Nothing may outlive the demo: every agent, worker, store and the rendezvous were stopped.
     for host in ("h0", "h1", "h2"):
         pid = int((workdir / "elastic" / host / ".tenplex-store.pid").read_text())
@@ -34,15 +37,25 @@ def run(tmp_path_factory):
 
 def test_summary_format_and_checks(run):
     _, summary, _, lines = run
-    assert list(summary) == ["format", "ok", "events", "checks", "saves"] and summary["format"] == FORMAT
+    assert list(summary) == ["format", "ok", "events", "checks", "saves"] + (["view"] if FUSE else [])
+    assert summary["format"] == FORMAT
     assert summary["ok"], "\n".join(lines[-30:])
     c = summary["checks"]
     assert set(c) == {"loss_max_rel_diff", "samples_read_twice", "samples_skipped", "state_bit_exact",
-                      "position_restored"}
+                      "position_restored"} | ({"read_through_view"} if FUSE else set())
     assert c["loss_max_rel_diff"] <= 1e-4
     assert (c["samples_read_twice"], c["samples_skipped"], c["state_bit_exact"], c["position_restored"]) == \
         (0, 0, True, True)
     json.dumps(summary)  # plain JSON
+
+
+@pytest.mark.skipif(not FUSE, reason="FUSE unavailable: the workers read in process")
+def test_every_worker_read_through_its_nodes_view_switched_by_every_world(run):
+    workdir, summary, _, _ = run
+    # h0 is in all four worlds, h2 in the two between its join and its leave; h1's view died with it.
+    assert summary["view"] == {"read": True, "worlds": 4, "switches": {"h0": 4, "h1": None, "h2": 2}}
+    assert summary["checks"]["read_through_view"] is True
+    assert not any((workdir / "elastic" / f"view-{h}").is_mount() for h in ("h0", "h1", "h2"))
 
 
 def test_each_event_changes_the_world_and_the_configuration(run):

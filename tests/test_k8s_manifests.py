@@ -149,7 +149,12 @@ def test_worker_pod_is_a_valid_pod_with_the_exact_labels():
     validate_builtin(pod)
     assert pod["metadata"]["labels"] == {"tenplex.io/job": "gpt-example", "tenplex.io/role": "worker"}
     mounts = {m["name"]: m for m in pod["spec"]["containers"][0]["volumeMounts"]}
-    assert mounts["data"]["mountPropagation"] == "HostToContainer"
+    # the job's own dataset view: the pod mounts it (FUSE: /dev/fuse, privileged) at a path named by the job's uid
+    assert mounts["data"] == {"name": "data", "mountPath": "/var/lib/tenplex/datasets", "readOnly": True}
+    assert mounts["fuse"]["mountPath"] == "/dev/fuse" and pod["spec"]["containers"][0]["securityContext"]["privileged"]
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[command.index("--dataset"):command.index("--data-mount") + 2] == [
+        "--dataset", "/var/lib/tenplex/datasets/example", "--data-mount", "/var/lib/tenplex/views/1234"]
     # the worker's `tenplex run` reuses the DaemonSet's store: same root, host name, token file and port file
     ds = next(d for d in manifests()["store.yaml"] if d["kind"] == "DaemonSet")
     store = next(c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "store")
@@ -169,20 +174,19 @@ def test_worker_pod_is_a_valid_pod_with_the_exact_labels():
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert {k: v for k, v in env.items() if k.startswith("TENPLEX_")} == {
         "TENPLEX_MAX_TP": "8", "TENPLEX_REPLICAS": "1", "TENPLEX_SAVE_INTERVAL": "50",
-        "TENPLEX_PINNED": '{"24": "tp=8,pp=3"}', "TENPLEX_DATASET": "/var/lib/tenplex/data/example"}
+        "TENPLEX_PINNED": '{"24": "tp=8,pp=3"}'}  # TENPLEX_DATASET: tenplex run --dataset sets it
     assert pod["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "8", "cpu": "8",
                                                                       "memory": "64Gi"}
 
 
-def test_store_daemonset_mounts_token_and_propagates_the_fuse_mount():
+def test_store_daemonset_mounts_token_and_no_dataset():
     ds = next(d for d in manifests()["store.yaml"] if d["kind"] == "DaemonSet")
     containers = {c["name"]: c for c in ds["spec"]["template"]["spec"]["containers"]}
     assert "--token-file" in containers["store"]["command"]
     volumes = {v["name"]: v for v in ds["spec"]["template"]["spec"]["volumes"]}
     assert volumes["token"]["secret"]["secretName"] == "tenplex-store-token"
-    data = next(m for m in containers["dataset"]["volumeMounts"] if m["name"] == "data")
-    assert data["mountPropagation"] == "Bidirectional" and containers["dataset"]["securityContext"]["privileged"]
-    assert volumes["data"]["hostPath"]["path"] == WorkerSettings().data_root
+    # each job's worker pods mount their own view (tenplex.operator.views): no fixed dataset, nothing privileged
+    assert list(containers) == ["store"] and set(volumes) == {"store", "token"}
     assert volumes["store"]["hostPath"]["path"] == WorkerSettings().store_root
 
 

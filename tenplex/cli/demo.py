@@ -153,6 +153,10 @@ def elastic(args: argparse.Namespace) -> int:
 
     steps = 16 if args.steps is None else args.steps
     schedule = args.schedule or DEFAULT_SCHEDULE
+    if args.fuse:
+        from ..elastic.dataview import require_fuse
+
+        require_fuse()  # one line where FUSE cannot be used, before anything starts
     if args.link_mbit is not None and args.link_mbit <= 0:
         raise UsageError(f"--link-mbit must be positive, got {args.link_mbit:g}")
     # bad input: one line, before anything starts
@@ -162,7 +166,7 @@ def elastic(args: argparse.Namespace) -> int:
     say, workdir = _output_and_workdir(args, "tenplex-elastic-")
     start = time.monotonic()
     try:
-        summary, history = run(workdir, schedule, steps, say=say, link_mbit=args.link_mbit)
+        summary, history = run(workdir, schedule, steps, say=say, link_mbit=args.link_mbit, fuse=args.fuse)
     finally:
         if args.workdir is None and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -170,6 +174,11 @@ def elastic(args: argparse.Namespace) -> int:
             say(f"kept {workdir}")
     say(f"timeline ({time.monotonic() - start:.0f} s):")
     print_timeline(summary, say)
+    if "view" in summary:
+        v = summary["view"]
+        say(f"dataset view: {'read by every worker of' if v['read'] else 'NOT read by every worker of'} "
+            f"{v['worlds']} worlds; switches per node: "
+            + ", ".join(f"{h} {n if n is not None else '(failed)'}" for h, n in v["switches"].items()))
     if args.plot:
         plot(summary, history, args.plot)
         say(f"plot: {args.plot}")

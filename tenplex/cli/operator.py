@@ -35,7 +35,9 @@ def register(subparsers) -> None:
                      help="the rendezvous Service the workers' torchrun agents meet at")
     run.add_argument("--store-root", default=d.store_root,
                      help="host directory the store DaemonSet serves (mounted into the workers)")
-    run.add_argument("--data-root", default=d.data_root, help="host directory where the DaemonSet mounts datasets")
+    run.add_argument("--data-root", default=d.data_root,
+                     help="host directory of the packed datasets; each job's worker pods mount their view of "
+                          "spec.dataset.path under it")
     run.add_argument("--store-port", type=int, default=d.store_port, help="the stores' port on every node (29500)")
     run.add_argument("--token-file", default=d.token_file,
                      help="the store token, to read each job's last committed step from its stores")

@@ -31,19 +31,33 @@ def check_state_matches(state: DatasetState, info: DatasetInfo, *, require_ident
                     f"{info.num_samples}")
 
 
-def write_state_file(path: str | os.PathLike, state: DatasetState, dp: int) -> None:
-    """Write the state a mount serves (atomically: a mount never reads half a file)."""
-    write_json_atomic(path, {**state.to_dict(), "dp": dp})
+def write_state_file(path: str | os.PathLike, state: DatasetState, dp: int, world: str | None = None) -> None:
+    """Write the state a mount serves (atomically: a mount never reads half a file).
+
+    ``world``: the elastic job's world that switched the view to this state (``tenplex run``); every
+    rank directory's ``state.json`` then names it, so a worker can refuse a view of another world.
+    """
+    write_json_atomic(path, {**state.to_dict(), "dp": dp, **({"world": world} if world is not None else {})})
 
 
 def load_state_file(path: str | os.PathLike, info: DatasetInfo) -> tuple[DatasetState, int]:
     """The state and dp degree in ``path``, checked against the dataset ``info`` (StateError if not)."""
+    state, dp, _ = load_state_file_world(path, info)
+    return state, dp
+
+
+def load_state_file_world(path: str | os.PathLike, info: DatasetInfo) -> tuple[DatasetState, int, str | None]:
+    """:func:`load_state_file` plus the world that wrote it (None when no elastic job did)."""
     path = Path(path)
     doc = read_json(path, StateError, missing="state file is missing; create it with `tenplex data state`")
     state = DatasetState.from_dict(doc, source=str(path))
     dp = doc.get("dp")
     if not isinstance(dp, int) or isinstance(dp, bool) or dp <= 0:
         raise StateError(f"{path}: 'dp' must be a positive integer (the data-parallel degree), got {dp!r}")
+    world = doc.get("world")
+    if world is not None and (not isinstance(world, str) or not world):
+        raise StateError(f"{path}: 'world' must be a non-empty string (the world that switched the view), got "
+                         f"{world!r}")
     check_state_matches(state, info, require_identity=True, error=StateError, source=str(path),
                         holder="the mount serves")
-    return state, dp
+    return state, dp, world

@@ -9,7 +9,8 @@ disagree. A rank directory holds::
     data        the rank's samples' records back to back, in read order
     index.npy   int64 (n, 4): sample id, offset in ``data``, length, crc32
     state.json  the dataset state, dp degree and rank, generation, decode info,
-                and the micro-batch size of every remaining step
+                the micro-batch size of every remaining step, and the elastic
+                job's world that switched the view to it (null when none did)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class RankView:
     data_offsets: np.ndarray    # (n + 1,) start of each sample in ``data``; the last entry is its size
     micro_batches: np.ndarray   # (steps,) this rank's micro-batch size in each remaining global batch
     decode_info: dict[str, Any]
+    world: str | None = None    # the elastic job's world that switched the mount to this view
 
     @property
     def data_size(self) -> int:
@@ -56,7 +58,7 @@ class RankView:
 
     def state_doc(self) -> dict[str, Any]:
         return {"format": VIEW_FORMAT, "rank": self.rank, "dp": self.dp, "generation": self.generation,
-                "state": self.state.to_dict(), "num_samples": int(len(self.sample_ids)),
+                "world": self.world, "state": self.state.to_dict(), "num_samples": int(len(self.sample_ids)),
                 "data_bytes": self.data_size, "micro_batches": self.micro_batches.tolist(),
                 **self.decode_info}
 
@@ -80,8 +82,9 @@ class RankView:
         return self.rows[idx, FILE], self.rows[idx, OFFSET] + (lo - starts[idx]), hi - lo
 
 
-def build_view(info: DatasetInfo, state: DatasetState, dp: int, rank: int, generation: int = 0) -> RankView:
+def build_view(info: DatasetInfo, state: DatasetState, dp: int, rank: int, generation: int = 0,
+               world: str | None = None) -> RankView:
     ids, micro = remaining_in_epoch(state, dp, rank)
     rows = info.index[ids]                                      # (n, 4)
     offsets = np.concatenate(([0], np.cumsum(rows[:, LENGTH]))).astype(np.int64)
-    return RankView(rank, dp, state, generation, ids, rows, offsets, micro, info.decode_info())
+    return RankView(rank, dp, state, generation, ids, rows, offsets, micro, info.decode_info(), world)

@@ -169,9 +169,11 @@ def _records(folder: Path) -> list[dict]:
 
 def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], initial: tuple[str, ...],
                 save_every: int, pins: dict[int, str], say: Callable[[str], None],
-                timeout: float = 900.0, cluster: "EmulatedCluster | None" = None) -> tuple[Path, list[dict]]:
-    """The elastic run (with ``cluster``: each node in its own network namespace); returns its record folder
-    and when each event was set off (wall time)."""
+                timeout: float = 900.0, cluster: "EmulatedCluster | None" = None, fuse: bool = False,
+                script: list[str] | None = None) -> tuple[Path, list[dict]]:
+    """The elastic run (with ``cluster``: each node in its own network namespace; with ``fuse``: each node's
+    workers read through its FUSE view of ``data``; ``script``: another worker program); returns its record
+    folder and when each event was set off (wall time)."""
     record = workdir / "elastic" / "record"
     record.mkdir(parents=True)
     for e in events:
@@ -181,8 +183,9 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
     deadline = time.monotonic() + timeout
     env = dict(os.environ, OMP_NUM_THREADS="1")
     max_nodes = len(set(initial) | {e.host for e in events})
-    script = _script(data, steps, record, save_every, pins, LINKED_TIMEOUT_S if cluster is not None else None)
-    with Nodes(workdir / "elastic", 2, max_nodes, script, env, cluster) as nodes:
+    script = script or _script(data, steps, record, save_every, pins,
+                               LINKED_TIMEOUT_S if cluster is not None else None)
+    with Nodes(workdir / "elastic", 2, max_nodes, script, env, cluster, dataset=data if fuse else None) as nodes:
         before = cluster.counters() if cluster is not None else None
         nodes.start_rendezvous()
         for host in initial:
@@ -201,6 +204,8 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
         # A cut-off node is not waited for by anyone, but it must end by itself: its agent gives up its rendezvous.
         _wait(lambda: progress.update() and not nodes.running(), deadline, nodes, f"the job to reach step {steps}")
         codes = nodes.wait(0)
+        if fuse:
+            _write_views(workdir / "elastic" / "views.json", nodes)
         if cluster is not None and before is not None:
             _write_links(workdir / "elastic" / "links.json", cluster, cluster.counters() - before)
     _write_outcome(workdir / "elastic", fired, codes, nodes.partitioned)
@@ -235,6 +240,13 @@ def _set_off(nodes: Nodes, e: Event, record: Path) -> None:
     if e.kind != "join":
         # The survivors go on (and find out), the leaving node's ranks save with them.
         (record / f"hold-{e.at}").unlink()
+
+
+def _write_views(path: Path, nodes: Nodes) -> None:
+    """How often each node's dataset view was switched (a failed node's view died with it: null)."""
+    from .dataview import switches
+
+    path.write_text(json.dumps({h: switches(nodes.view(h)) for h in sorted(nodes.agents)}))
 
 
 def _write_links(path: Path, cluster: "EmulatedCluster", moved: "Counters") -> None:
@@ -327,12 +339,13 @@ def require_links() -> None:
 
 def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initial: tuple[str, ...] = ("h0", "h1"),
         save_every: int = 1, pins: dict[int, str] | None = None,
-        say: Callable[[str], None] = print, link_mbit: float | None = None) -> tuple[dict, dict]:
+        say: Callable[[str], None] = print, link_mbit: float | None = None, fuse: bool = False) -> tuple[dict, dict]:
     """Everything: dataset, reference, elastic run, summary. Returns the summary and the loss histories.
 
     ``link_mbit``: run every node in its own network namespace with a link of that rate; raises
     :class:`~tenplex.cluster.ClusterUnavailable` (one line) before anything starts where namespaces
-    cannot be used, never falls back to loopback."""
+    cannot be used, never falls back to loopback. ``fuse``: the workers read through each node's FUSE view
+    (``tenplex run --data-mount``); the summary's ``view`` says whether they did and how often each was switched."""
     from ..runtime.demo import make_dataset
     from .timeline import summarize
 
@@ -348,7 +361,7 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
     reference = run_reference(workdir, data, steps, say)
     pins = DEFAULT_PINS if pins is None else pins
     if link_mbit is None:
-        record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say)
+        record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say, fuse=fuse)
     else:
         from ..cluster import EmulatedCluster
 
@@ -356,10 +369,16 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
             say(f"links: every node in its own network namespace, {link_mbit:g} Mbit/s each way "
                 f"({', '.join(f'{h} {cluster.address(h)}' for h in hosts)})")
             record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say,
-                                        cluster=cluster)
+                                        cluster=cluster, fuse=fuse)
     summary, history = summarize(reference, record, events, fired, [workdir / "elastic" / h for h in hosts],
                                  expected_hosts(initial, events))
     links = workdir / "elastic" / "links.json"
     if links.exists():
         summary["links"] = json.loads(links.read_text())
+    if fuse:
+        from .dataview import summarize_views
+
+        summary["view"] = summarize_views(record, workdir / "elastic" / "views.json")
+        summary["checks"]["read_through_view"] = summary["view"]["read"]
+        summary["ok"] = summary["ok"] and summary["view"]["read"]
     return summary, history

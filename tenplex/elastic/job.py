@@ -3,6 +3,8 @@
 May import: ``tenplex`` (save, restore, Checkpointer), ``tenplex.elastic``
 (policy, launcher, envsettings), ``tenplex.integration``, ``tenplex.dataset``, ``tenplex.parallel``,
 ``tenplex.errors``, ``tenplex.ops``, torch, torch.distributed and the standard library.
+With ``tenplex run --data-mount``, :meth:`Job.restore` switches the node's dataset view and
+:meth:`Job.batch` reads through it (:mod:`tenplex.elastic.dataview`).
 
 A script started by ``tenplex run`` (torchrun) is the same in every world::
 
@@ -58,6 +60,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
@@ -70,6 +73,7 @@ from ..ops.metrics import JobMetrics
 from ..parallel import ParallelConfig
 from .envsettings import settings_from_env
 from .launcher import EXIT_RESTART
+from . import dataview
 from .policy import Choice, choose
 
 if TYPE_CHECKING:
@@ -202,6 +206,8 @@ class Job:
         self._data: tuple[int, RankDataset, list[list[int]]] | None = None
         self._data_start = 0
         self._state0: DatasetState | None = None
+        # This rank's directory of the node's dataset view, switched to this world (tenplex run --data-mount)
+        self._data_view: Path | None = None
         self._terminated_at: float | None = None
         self._last_boundary = time.monotonic()
         self._step_s = 0.0            # agreed (max over ranks) duration of the last step, without saving
@@ -256,6 +262,8 @@ class Job:
         self._committed_blocking = step  # the restored version is committed
         if self.dataset is not None:
             self._open_data(extra.get(DATASET_KEY))
+            # tenplex run --data-mount: switch this node's view to this world before anyone reads (collective)
+            self._data_view = dataview.follow(self, self.data_state)
         self.restored = Restored(self.step, info.version, info.transformed, dict(info.plan_stats),
                                  time.monotonic() - begin, info.saved_version, info.read_through)
         self._last_boundary = time.monotonic()
@@ -312,6 +320,12 @@ class Job:
         self._data = None
 
     @property
+    def data_view(self) -> Path | None:
+        """This rank's directory of its node's dataset view, switched to this world (``tenplex run --data-mount``);
+        None without a view. Before :meth:`restore` (which switches it) a job with a view raises, in one line."""
+        return dataview.checked(self._data_view, restored=self._tracked is not None)
+
+    @property
     def data_state(self):
         """The dataset state (position) at :attr:`step`; None without a dataset."""
         if self._state0 is None:
@@ -329,7 +343,12 @@ class Job:
         else:
             # A reader per stretch of steps within one epoch: it yields the rest of that epoch's micro-batches.
             first, state = self.step, self.data_state
-            data = RankDataset.fallback(self._info, state, self.config.dp, self.coords["dp"])
+            if self._data_view is None:
+                data = RankDataset.fallback(self._info, state, self.config.dp, self.coords["dp"])
+            else:
+                if self._data is not None:  # a new epoch: the view held the rest of the last one
+                    self._data_view = dataview.follow(self, state)
+                data = dataview.open_rank(self._data_view, state)
             batches = list(RankBatchSampler(data))
             self._data = (first, data, batches)
         positions = batches[self.step - first]
@@ -400,6 +419,8 @@ class Job:
         extra = {EXTRA_KEY: self.extra}
         if self._state0 is not None:
             extra[DATASET_KEY] = self.data_state.to_dict()
+        if self._data_view is not None:  # the operator's status.dataView reads it from the committed state
+            extra[dataview.SAVED_KEY] = dataview.saved_doc(self)
         ckpt = t["checkpointer"]
         begin = time.monotonic()
         try:

@@ -6,7 +6,7 @@ serving?), ``tenplex.errors``, ``tenplex.durable.bucket`` (checks ``--durable``)
 the standard library.
 
     tenplex run --host NAME --store-root DIR [--store-bind ADDR] [--store-advertise HOST] [--token-file F]
-                [--durable s3://BUCKET/PREFIX] [torchrun options] script.py [args]
+                [--durable s3://BUCKET/PREFIX] [--dataset DIR --data-mount PATH] [torchrun options] script.py [args]
 
 Every option that is not one of the above goes to torchrun unchanged
 (``--nnodes=MIN:MAX``, ``--nproc-per-node``, ``--rdzv-endpoint``, ``--max-restarts``…).
@@ -30,7 +30,8 @@ Its port, pid and log are ``DIR/.tenplex-store.{port,pid,log}``; a later
 (``flock``) keeps one store per root when runs start at once.
 
 May import: ``tenplex.runtime.hosts``, ``tenplex.store.client``, ``tenplex.errors``,
-torch (torchrun's ``torch.distributed.run``, on use) and the standard library.
+``tenplex.elastic.dataview`` (``--data-mount``, on use), torch (torchrun's ``torch.distributed.run``, on use)
+and the standard library.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ DEFAULT_RDZV_CONF = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3", 
 # so that its agent restarts it in the next world instead of treating the job as finished.
 EXIT_RESTART = 75
 
-_OURS = ("--host", "--store-root", "--store-bind", "--store-advertise", "--token-file", "--durable")
+_OURS = ("--host", "--store-root", "--store-bind", "--store-advertise", "--token-file", "--durable", "--dataset",
+         "--data-mount")
 _MODES = {"-m": "module", "--module": "module", "--no-python": "exec", "--no_python": "exec",
           "--run-path": "script", "--run_path": "script"}
 
@@ -77,6 +79,8 @@ class RunSpec:
     target: str = ""
     args: list[str] = field(default_factory=list)
     durable: str | None = None
+    dataset: Path | None = None       # with data_mount: the node's FUSE view of it (tenplex.elastic.dataview)
+    data_mount: Path | None = None
 
 
 def parser():
@@ -95,6 +99,10 @@ def parser():
     p.add_argument("--token-file", type=Path, help="the stores' shared token (needed beyond loopback)")
     p.add_argument("--durable", metavar="s3://BUCKET/PREFIX",
                    help="flush saved versions to this bucket and restore from it (sets TENPLEX_DURABLE)")
+    p.add_argument("--dataset", type=Path, help="a packed dataset the workers read through a FUSE view "
+                                                "(with --data-mount)")
+    p.add_argument("--data-mount", type=Path, help="where this node mounts the job's view of --dataset (once per "
+                                                   "node; every world switches it before its workers read)")
     return p
 
 
@@ -120,8 +128,10 @@ def parse(argv: list[str]) -> RunSpec:
     if ns.durable is not None:
         from ..durable.bucket import parse_url
         parse_url(ns.durable)  # a malformed location fails here, not in every worker
+    if (ns.dataset is None) != (ns.data_mount is None):
+        raise ConfigError("--dataset and --data-mount go together: the dataset and where this node mounts its view")
     return RunSpec(ns.host, ns.store_root, ns.store_bind, ns.store_advertise, ns.token_file, passthrough, mode,
-                   ns.training_script, list(ns.training_script_args), ns.durable)
+                   ns.training_script, list(ns.training_script_args), ns.durable, ns.dataset, ns.data_mount)
 
 
 def _given(options: list[str], *names: str) -> str | None:
@@ -331,6 +341,13 @@ def run(argv: list[str]) -> int:
     if spec.token_file and not token:
         raise ConfigError(f"token file {spec.token_file} is empty")
     args = torchrun_argv(spec)
+    if spec.dataset is not None and spec.data_mount is not None:  # first: a bad dataset starts nothing
+        from .dataview import STATE_DIR, VIEW_ENV, ensure_view
+
+        root = ensure_view(spec.dataset, spec.data_mount, spec.store_root / STATE_DIR)
+        os.environ.update({VIEW_ENV: str(spec.data_mount.resolve()), "TENPLEX_DATASET": str(spec.dataset.resolve())})
+        print(f"tenplex run: dataset view of {spec.dataset} at {spec.data_mount} (generation {root['generation']}, "
+              f"world {root.get('world') or 'none yet'})", file=sys.stderr, flush=True)
     address = ensure_store(spec, token)
     os.environ.update(worker_env(spec, address, token))  # the agent passes its environment on to the workers
     print(f"tenplex run: host {spec.host}, store {address} ({spec.store_root}); torchrun {' '.join(args)}",

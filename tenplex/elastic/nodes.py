@@ -1,6 +1,7 @@
 """Simulated nodes on this machine: a ``tenplex rendezvous serve`` process and one ``tenplex run`` per node.
 
-May import: ``tenplex.runtime.hosts``, ``tenplex.cluster`` (the emulated cluster: its type, its
+May import: ``tenplex.runtime.hosts``, ``tenplex.elastic.dataview`` (the nodes' dataset views),
+``tenplex.cluster`` (the emulated cluster: its type, its
 control host and its hosts' link device), ``tenplex.errors`` and the standard library (no torch: the
 demo's driver only starts, signals and kills processes).
 
@@ -49,8 +50,10 @@ class Nodes:
     """The rendezvous store and the agents of one job under ``base``; a context manager that cleans up all."""
 
     def __init__(self, base: Path, nproc_per_node: int, max_nodes: int, script: Sequence[str],
-                 env: dict[str, str] | None = None, cluster: "EmulatedCluster | None" = None):
+                 env: dict[str, str] | None = None, cluster: "EmulatedCluster | None" = None,
+                 dataset: Path | None = None):
         self.base, self.nproc, self.max_nodes, self.script = base, nproc_per_node, max_nodes, list(script)
+        self.dataset = dataset  # each node mounts its view of it at view(host) (tenplex run --data-mount)
         self.env = dict(os.environ if env is None else env)
         self.cluster = cluster
         self.agents: dict[str, subprocess.Popen] = {}
@@ -89,6 +92,10 @@ class Nodes:
     def root(self, host: str) -> Path:
         return self.base / host
 
+    def view(self, host: str) -> Path:
+        """Where ``host`` mounts the job's dataset view (with ``dataset``)."""
+        return self.base / f"view-{host}"
+
     def log(self, host: str) -> Path:
         return self.base / f"agent-{host}.log"
 
@@ -99,6 +106,8 @@ class Nodes:
         argv = [sys.executable, "-m", "tenplex.cli", "run", "--host", host, "--store-root", str(self.root(host)),
                 "--nnodes", f"1:{self.max_nodes}", "--nproc-per-node", str(self.nproc),
                 "--rdzv-endpoint", self.endpoint, "--rdzv-id", "demo"]
+        if self.dataset is not None:
+            argv += ["--dataset", str(self.dataset), "--data-mount", str(self.view(host))]
         env = self.env
         if self.cluster is not None:
             from ..cluster import HOST_DEVICE
@@ -116,7 +125,7 @@ class Nodes:
         self.agents[host].send_signal(signal.SIGTERM)
 
     def fail(self, host: str) -> None:
-        """A host failure: SIGKILL to the node's process group and to its store, without warning."""
+        """A host failure: SIGKILL to the node's process group, its store and its view's server, without warning."""
         agent = self.agents[host]
         try:
             os.killpg(agent.pid, signal.SIGKILL)
@@ -125,6 +134,12 @@ class Nodes:
         store = self.store_pid(host)
         if store is not None and alive(store):
             os.kill(store, signal.SIGKILL)
+        if self.dataset is not None:  # and the server of its dataset view (close() detaches the dead mount)
+            from .dataview import server_pid
+
+            view = server_pid(self.view(host))
+            if view is not None and alive(view):
+                os.kill(view, signal.SIGKILL)
         agent.wait()
 
     def partition(self, host: str) -> None:
@@ -176,6 +191,10 @@ class Nodes:
                 time.sleep(0.05)
         if self.rendezvous is not None:
             self.rendezvous.wait()
+        if self.dataset is not None:
+            from .dataview import unmount_views
+
+            unmount_views([self.view(h) for h in self.agents])
 
     def __enter__(self) -> "Nodes":
         return self

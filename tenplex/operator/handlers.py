@@ -43,7 +43,8 @@ from . import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION, WORKER_ROLE
 from .decide import Decision, Event, decide, merge_patch, observed_events, worker_created
 from .observe import PodState, gpu_claim, node_state, pod_state, used_by_others
 from .pods import worker_pod
-from .progress import committed_step, store_address
+from .progress import committed_state, store_address
+from .views import view_status
 from .settings import WorkerSettings
 from .spec import SpecError, check_name, parse_spec
 
@@ -210,17 +211,21 @@ class Operator:
                           generation=job["metadata"].get("generation"), now=_now(),
                           resource=self.settings.resource, unschedulable_grace=self.settings.unschedulable_grace)
         status = dict(decision.status)
-        step = self._committed_step(nodes, decision)
-        if step is not None:
-            status["step"] = step
+        state = self._committed_state(nodes, decision)
+        if state is not None:
+            status["step"] = int(state["step"])
+            view = view_status(state)
+            if view is not None:
+                status["dataView"] = view
         old = job.get("status") or {}
         if merge_patch(old, status) != old:  # skip writes that change nothing
             body = {"metadata": {"resourceVersion": job["metadata"]["resourceVersion"]}, "status": status}
             self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, namespace, PLURAL, name, body)
         return job, decision, pods
 
-    def _committed_step(self, nodes: list[dict], decision: Decision) -> int | None:
-        """The job's last committed step from the store of one of its nodes (None: not known now)."""
+    def _committed_state(self, nodes: list[dict], decision: Decision) -> dict | None:
+        """The job's last committed training state (its step, its view) from the store of one of its nodes (None:
+        not known now)."""
         if not decision.target:
             return None
         token = None
@@ -232,7 +237,7 @@ class Operator:
         by_name = {n["metadata"]["name"]: n for n in nodes}
         addresses = (store_address(by_name.get(name, {}), self.settings.store_port) for name in decision.target)
         address = next((a for a in addresses if a is not None), None)
-        return None if address is None else committed_step(address, token)
+        return None if address is None else committed_state(address, token)
 
     def _refused(self, job: dict, pod: dict, e: ApiException) -> SpecError | None:
         """The user error behind a refused create, or None (a 409 for our own pod: an earlier round made it)."""

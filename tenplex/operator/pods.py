@@ -7,7 +7,7 @@ standard library. No API calls: this only builds the object.
 Each worker runs one torchrun elastic agent through ``tenplex run``. It reuses
 the node's store (the DaemonSet serves the same ``--store-root``, a hostPath),
 joins the rendezvous service with the job's uid as the rendezvous id, and
-reads its data through the FUSE mount the DaemonSet propagates to the host.
+mounts its job's dataset view itself (``tenplex run --dataset --data-mount``; see :mod:`.views`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from ..elastic.envsettings import env_from_settings
 from . import JOB_LABEL, NODE_ANNOTATION, ROLE_LABEL, STORE_NODE_LABELS, WORKER_ROLE
 from .settings import WorkerSettings
 from .spec import JobSpec
+from .views import view_args, view_volumes
 
 
 # The store DaemonSet's init container copies the Secret tenplex-store-token (in its own namespace) here, into the
@@ -48,17 +49,17 @@ def worker_command(spec: JobSpec, job_uid: str, settings: WorkerSettings, gpus: 
             f"{settings.store_root}/{TOKEN_FILE_NAME}",
             "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}", "--nproc-per-node", str(gpus),
             "--rdzv-backend", settings.rdzv_backend, "--rdzv-endpoint", settings.rdzv_endpoint,
-            "--rdzv-id", job_uid, *(["--durable", spec.durable] if spec.durable else []), *spec.command]
+            "--rdzv-id", job_uid, *(["--durable", spec.durable] if spec.durable else []),
+            *view_args(spec.dataset, settings.data_root, job_uid), *spec.command]
 
 
 def _env(spec: JobSpec, settings: WorkerSettings) -> list[k8s.V1EnvVar]:
     env = [k8s.V1EnvVar(name=name, value_from=k8s.V1EnvVarSource(field_ref=k8s.V1ObjectFieldSelector(field_path=path)))
            for name, path in (("NODE_NAME", "spec.nodeName"), ("NODE_IP", "status.hostIP"))]
     # What the training-loop API needs from the spec (issue 8): the policy's inputs, replication and saving.
+    # (TENPLEX_DATASET: tenplex run --dataset sets it, with the job's view.)
     values = env_from_settings(max_tp=spec.max_tp, pp=spec.pp, pinned=spec.pinned, replicas=spec.replicas,
-                               save_every=spec.save_interval,
-                               # the DaemonSet's FUSE view of the dataset, as this pod sees it
-                               dataset=f"{settings.data_root}/{spec.dataset}" if spec.dataset else None)
+                               save_every=spec.save_interval)
     env += [k8s.V1EnvVar(name=k, value=v) for k, v in values.items()]
     env += [k8s.V1EnvVar(name=k, value=v) for k, v in spec.env]
     return env
@@ -86,6 +87,7 @@ def worker_pod(job: Mapping[str, Any], spec: JobSpec, node: str, settings: Worke
     resources = {"limits": {settings.resource: str(gpus)}, "requests": {settings.resource: str(gpus)}}
     resources = _merge(resources, dict(spec.resources))
     host = k8s.V1HostPathVolumeSource
+    view_mounts, view_vols, security = view_volumes(settings.data_root) if spec.dataset else ([], [], None)
     pod = k8s.V1Pod(
         api_version="v1", kind="Pod",
         metadata=k8s.V1ObjectMeta(
@@ -108,17 +110,13 @@ def worker_pod(job: Mapping[str, Any], spec: JobSpec, node: str, settings: Worke
                 env=_env(spec, settings),
                 resources=k8s.V1ResourceRequirements(limits=resources.get("limits"),
                                                      requests=resources.get("requests")),
-                volume_mounts=[
-                    k8s.V1VolumeMount(name="store", mount_path=settings.store_root),
-                    # The DaemonSet's FUSE mounts appear here after this pod started (propagation).
-                    k8s.V1VolumeMount(name="data", mount_path=settings.data_root, read_only=True,
-                                      mount_propagation="HostToContainer")])],
+                security_context=security,
+                volume_mounts=[k8s.V1VolumeMount(name="store", mount_path=settings.store_root), *view_mounts])],
             # Only nodes that run the store DaemonSet, and its taints tolerated: the nodes the operator qualifies.
             node_selector=dict(STORE_NODE_LABELS),
             tolerations=[k8s.V1Toleration(**t) for t in spec.tolerations(settings.resource)],
-            volumes=[
-                k8s.V1Volume(name="store", host_path=host(path=settings.store_root, type="DirectoryOrCreate")),
-                k8s.V1Volume(name="data", host_path=host(path=settings.data_root, type="DirectoryOrCreate"))]))
+            volumes=[k8s.V1Volume(name="store", host_path=host(path=settings.store_root, type="DirectoryOrCreate")),
+                     *view_vols]))
     body = _SERIALIZER.sanitize_for_serialization(pod)
     # Containers in the template are added as sidecars (lists concatenate).
     return _merge(body, {"metadata": spec.template.get("metadata") or {}, "spec": spec.template.get("spec") or {}})

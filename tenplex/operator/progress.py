@@ -32,13 +32,19 @@ def committed_step(address: str, token: str | None, timeout: float = 3.0) -> int
     then keeps the step it had (a store that is down is not the operator's
     error to report).
     """
+    doc = committed_state(address, token, timeout)
+    return None if doc is None else int(doc["step"])
+
+
+def committed_state(address: str, token: str | None, timeout: float = 3.0) -> dict[str, Any] | None:
+    """The training state document of the newest committed version that has one (see :func:`committed_step`)."""
     from ..store.client import StoreClient
 
     try:
         with StoreClient(address, token=token, timeout=timeout, retries=0, data_plane=False) as client:
             for version in sorted(client.versions(), reverse=True):
                 try:
-                    return int(client.get_json(version, STATE_DOC)["step"])
+                    return dict(client.get_json(version, STATE_DOC))
                 except StoreError:
                     continue  # a version without a training state (a transform's output): look further back
     except (StoreError, OSError):

@@ -16,7 +16,7 @@ class WorkerSettings:
 
     resource: str = "nvidia.com/gpu"  # `cpu` on CPU-only clusters (kind)
     store_root: str = "/var/lib/tenplex/store"  # hostPath shared with the store DaemonSet
-    data_root: str = "/var/lib/tenplex/data"  # hostPath where the DaemonSet mounts datasets (FUSE)
+    data_root: str = "/var/lib/tenplex/datasets"  # hostPath of the packed datasets (spec.dataset.path is under it)
     rdzv_backend: str = "c10d"
     rdzv_endpoint: str = "tenplex-rendezvous.tenplex-system.svc:29400"
     store_port: int = 29500  # the DaemonSet's store port on every node (status.step is read from it)
