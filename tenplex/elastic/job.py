@@ -51,7 +51,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -59,7 +59,9 @@ import torch.distributed as dist
 from ..errors import ConfigError
 from ..integration.process_group import init_process_group, leave_process_group
 from ..parallel import ParallelConfig
+from .devices import worker_device
 from .envsettings import settings_from_env
+from .faults import DEVICE, EXIT_DEVICE_FAULT, classify, inject_device_fault
 from .launcher import EXIT_RESTART
 from .policy import Choice, choose
 
@@ -297,6 +299,7 @@ class Job:
         """Mark the end of a step (collective): advance, agree on stopping, save when due or when stopping."""
         if self._tracked is None:
             raise ConfigError("call Job.restore(model, optimizer, …) before the first step_done()")
+        inject_device_fault(self.host, worker_device(), self.step)  # tests: TENPLEX_INJECT_DEVICE_FAULT
         now = time.monotonic()
         step_s = now - self._last_boundary
         self.step += 1
@@ -305,6 +308,10 @@ class Job:
             self._save_s_local = 0.0
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as e:  # noqa: BLE001 -- a peer is gone: nothing can be agreed, nothing is saved
+            # tenplex's own collective: its failure is a lost peer, or this rank's device (faults.classify)
+            if classify(e) == DEVICE:
+                self._die(f"step {self.step}: this rank's device failed ({type(e).__name__}: {e})",
+                          EXIT_DEVICE_FAULT)
             self._die(f"step {self.step}: the ranks cannot agree ({type(e).__name__}: {e}); a peer is gone, "
                       f"exiting without saving")
         stop, self._step_s, last_save = bool(flags[0] > 0), float(flags[1]), float(flags[2])
@@ -425,12 +432,12 @@ class Job:
             sys.stderr.flush()
         raise SystemExit(code)
 
-    def _die(self, message: str) -> None:
+    def _die(self, message: str, code: int = EXIT_RESTART) -> NoReturn:
         print(f"tenplex job (rank {self.rank}): {message}", file=sys.stderr, flush=True)
         if self.on_exit is not None:
-            self.on_exit(EXIT_RESTART, message)
+            self.on_exit(code, message)
         # No destroy_process_group: with a peer gone it may wait forever. Exit now; torchrun restarts the world.
-        os._exit(EXIT_RESTART)
+        os._exit(code)
 
     def finish(self) -> None:
         """End of training: a final save (collective) and the process group's teardown."""

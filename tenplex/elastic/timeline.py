@@ -295,7 +295,8 @@ def plot(summary: dict, history: dict, path: Path) -> None:
         ax.plot([s for s, _ in h["lost"]], [v for _, v in h["lost"]], "x", color="tab:red", ms=7,
                 label="lost with a failed node, then replayed")
     for e in summary["events"]:
-        color = {"join": "tab:green", "fail": "tab:red", "leave": "tab:orange", "partition": "tab:purple"}[e["kind"]]
+        color = {"join": "tab:green", "fail": "tab:red", "leave": "tab:orange", "partition": "tab:purple",
+                 "gpufail": "tab:brown"}[e["kind"]]
         ax.axvline(e["at_step"] + 0.5, color=color, ls="--")
         label = f"{e['kind']} {e['host']}"
         if "to" in e:
