@@ -42,7 +42,7 @@ def listed(nproc: int, visible: str | None) -> list[str]:
 def probe_nvml(devices: list[str]) -> dict[str, str] | None:
     """The devices NVML reports unusable, with why; None where NVML is not installed or not working."""
     try:
-        import pynvml  # type: ignore[import-not-found]
+        import pynvml
 
         pynvml.nvmlInit()
     except Exception:  # noqa: BLE001 -- no nvidia-ml-py, or no driver: another probe decides
