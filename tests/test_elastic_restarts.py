@@ -73,7 +73,8 @@ def test_a_node_whose_last_device_fails_leaves_the_job(tmp_path):
 
 
 def test_membership_changes_beyond_max_restarts_do_not_end_the_job(tmp_path):
-    """Three losses of h1 (kill, leave, kill) and three rejoins under --max-restarts 1: h0's agent counts none."""
+    """Two losses of h1 (kill, leave) and two rejoins under --max-restarts 1: h0's agent counts none (counted,
+    the second loss would end the job)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with Nodes(tmp_path, 1, 2, ["--max-restarts", "1", WORKER, str(tmp_path), "loop"], env) as nodes:
         nodes.start_rendezvous()
@@ -85,7 +86,7 @@ def test_membership_changes_beyond_max_restarts_do_not_end_the_job(tmp_path):
         nodes.start("h0")
         nodes.start("h1")
         _wait_for("world of 2", lambda: world_of(2, t), nodes)
-        for lose in (nodes.fail, nodes.leave, nodes.fail):
+        for lose in (nodes.fail, nodes.leave):
             t = time.time()
             lose("h1")
             _wait_for("world of 1 after losing h1", lambda: world_of(1, t), nodes)  # noqa: B023
@@ -97,4 +98,4 @@ def test_membership_changes_beyond_max_restarts_do_not_end_the_job(tmp_path):
         codes = nodes.wait(120)
     assert codes == {"h0": 0, "h1": 0}
     log = (tmp_path / "agent-h0.log").read_text()
-    assert log.count("not counted as a restart") >= 3 and "a worker crashed" not in log
+    assert log.count("not counted as a restart") >= 2 and "a worker crashed" not in log
