@@ -1,7 +1,7 @@
 """The training-loop API of an elastic job: configuration, one-call restore, data share, step boundaries.
 
 May import: ``tenplex`` (save, restore, Checkpointer), ``tenplex.elastic``
-(policy, launcher, envsettings), ``tenplex.integration``, ``tenplex.dataset``, ``tenplex.parallel``,
+(policy, launcher, envsettings, faults, devices), ``tenplex.integration``, ``tenplex.dataset``, ``tenplex.parallel``,
 ``tenplex.errors``, torch, torch.distributed and the standard library.
 
 A script started by ``tenplex run`` (torchrun) is the same in every world::
@@ -30,7 +30,8 @@ What happens at ``step_done`` (collective; every rank calls it after its optimiz
    ``save_budget`` (5%) of training time (:func:`auto_interval`), measured as
    the job runs (:meth:`Job.save_cost` reports it);
 5. if a collective fails because a peer is gone (a node died), the rank
-   exits at once without saving, with ``EXIT_RESTART``: the next world
+   exits at once without saving, with ``EXIT_RESTART`` (``EXIT_DEVICE_FAULT``
+   when its own device failed: :mod:`tenplex.elastic.faults`): the next world
    restores the newest version that was committed completely.
 
 A signal only sets a flag, so a SIGTERM in the middle of a step never
