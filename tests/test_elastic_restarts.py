@@ -49,7 +49,8 @@ def test_a_crash_loop_ends_the_job_after_max_restarts(tmp_path):
     done = _standalone(tmp_path, 1, 2, "crash")
     assert done.returncode != 0
     assert len(_starts(tmp_path)) == 3, done.stderr[-3000:]  # the first start and two restarts
-    assert "a worker crashed (exit codes [1]); crash 3, restarts left 0" in done.stderr
+    assert "a worker crashed (exit codes [1]); crash 1, restarting (1 restart(s) left after this one)" in done.stderr
+    assert "a worker crashed (exit codes [1]); crash 3, no restart left: ending the job" in done.stderr
 
 
 def test_a_device_fault_is_not_a_restart_and_its_device_is_left_out(tmp_path):

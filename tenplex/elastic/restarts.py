@@ -81,8 +81,10 @@ class TenplexAgent(LocalElasticAgent):
                               f"re-joining with {len(self.devices.healthy)} device(s)")
         if faults.CRASH in kinds.values():
             self.crashes += 1
+            left = self._remaining_restarts  # torchrun's loop restarts (and takes one off) while any is left
             self._say(f"a worker crashed (exit codes {sorted(f.exitcode for f in result.failures.values())}); "
-                      f"crash {self.crashes}, restarts left {self._remaining_restarts}")
+                      f"crash {self.crashes}, " + (f"restarting ({left - 1} restart(s) left after this one)" if left
+                                                   else "no restart left: ending the job"))
         else:
             # torchrun's loop takes one restart off for this one: a membership change or a device fault is
             # not a crash, so give it back before it does.
