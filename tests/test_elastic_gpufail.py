@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tenplex.elastic import demo
-from tenplex.elastic.timeline import read_worlds
+from tenplex.elastic.timeline import World, _event_row, read_worlds
 from tenplex.errors import ConfigError
 
 SCHEDULE = "gpufail:h1/1@2"
@@ -53,3 +53,19 @@ def test_a_failed_gpu_leaves_its_node_in_the_job(tmp_path):
     assert log.count("device 1 (local rank 1) had a device fault; excluded") == 1
     assert "a worker crashed" not in log + (tmp_path / "elastic" / "agent-h0.log").read_text()
     assert any("event 1: gpufail h1/1 at step 2" in line for line in lines)
+
+
+def _world(wid: str, start: float, restored, position: int, saves=()) -> World:
+    return World(wid, ["h0", "h1"], 4, "dp=2,tp=2,pp=1", restored, None, False, {}, position, start, start + 1, 0.1,
+                 steps={1: {"loss": 1.0, "ids": []}}, saves=list(saves))
+
+
+def test_a_failure_before_the_first_save_is_right_to_start_afresh(tmp_path):
+    """A fault before any save (gpufail:h1/1@4 with saves every 5 steps): the next world starts at step 0 and
+    position 0, which is right; a world that claims a restore of nothing is not."""
+    event, fired = demo.Event("gpufail", "h1/1", 4), {"time": 10.0, "step": 4}
+    fresh = [_world("a", 1.0, None, 0), _world("b", 20.0, None, 0)]
+    row, exact, resumed_right = _event_row(event, fired, ["h0", "h1"], fresh, tmp_path, [])
+    assert (row["resumed_from_step"], exact, resumed_right) == (0, True, True)
+    wrong = [_world("a", 1.0, None, 0), _world("b", 20.0, None, 24)]
+    assert _event_row(event, fired, ["h0", "h1"], wrong, tmp_path, [])[2] is False

@@ -208,7 +208,10 @@ def _event_row(e, f: dict, hosts: list[str], worlds: list[World], elastic: Path,
     # Newest save committed before the new world started: what it must resume from.
     saves = [s for w in worlds if w.start < target.start for s in w.saves if s["time"] < target.start]
     newest = max(saves, key=lambda s: (s["step"], s["time"]), default=None)
-    resumed_right = newest is not None and resumed == newest["step"] and target.position == newest["position"]
+    if newest is None:  # nothing was committed yet (a failure before the first save): a fresh start is right
+        resumed_right = target.restored_step is None and target.position == 0
+    else:
+        resumed_right = resumed == newest["step"] and target.position == newest["position"]
     exact = True
     if newest is not None:
         saver = next(w for w in worlds if newest in w.saves)
