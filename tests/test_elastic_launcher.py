@@ -20,7 +20,7 @@ from tenplex.elastic.entry import command
 from tenplex.elastic.launcher import RunSpec, parse, torchrun_argv
 from tenplex.errors import ConfigError
 
-ENTRY = ["--no-python", sys.executable, "-m", "tenplex.elastic.entry"]
+ENTRY = ["--no-python", sys.executable, "-u", "-m", "tenplex.elastic.entry"]
 CONF = "keep_alive_interval=1,keep_alive_max_attempt=3,last_call_timeout=2,is_host=false"
 
 

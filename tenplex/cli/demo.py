@@ -29,8 +29,8 @@ def register(subparsers) -> None:
                    help="run an elastic job on real torchrun agents (tenplex run) through a schedule of nodes "
                         "joining, failing and leaving")
     p.add_argument("--schedule", help="with --elastic: events KIND:HOST@STEP, comma-separated, KIND one of join, "
-                                      "fail, leave, partition (with --link-mbit) (default join:h2@4,fail:h1@8,"
-                                      "leave:h2@12; h0 and h1 run at the start)")
+                                      "fail, leave, partition (with --link-mbit), or gpufail:HOST/DEVICE@STEP "
+                                      "(default join:h2@4,fail:h1@8,leave:h2@12; h0 and h1 run at the start)")
     p.add_argument("--plot", type=Path, help="with --elastic: write both loss curves and the events to this PNG")
     p.add_argument("--link-mbit", type=float, metavar="N",
                    help="with --elastic: run every node in its own network namespace with a link of N Mbit/s each "

@@ -9,8 +9,10 @@ when it is first used.
 
 Modules: :mod:`.policy` (which configuration a world trains with), :mod:`.job`
 (the training-loop API), :mod:`.launcher` (``tenplex run``), :mod:`.entry`
-(how each worker starts), :mod:`.rendezvous` (``tenplex rendezvous serve``), :mod:`.gpt_train` (the
-example training script that ``tenplex demo --elastic`` runs).
+(how each worker starts), :mod:`.faults` (device fault, lost peer or crash), :mod:`.devices` (a node's
+devices and their health), :mod:`.restarts` (the agent's restart accounting), :mod:`.rendezvous`
+(``tenplex rendezvous serve``), :mod:`.gpt_train` (the example training script that ``tenplex demo
+--elastic`` runs).
 """
 
 from .policy import Choice, choose

@@ -27,6 +27,12 @@ this process: the training runs in the workers (``examples/01-gpt-train/train.py
      steps after it on the same global batches;
    * ``leave:HOST@STEP``: SIGTERM to the node's agent: the ranks agree at the
      next step boundary, save, and the others continue without it;
+   * ``gpufail:HOST/DEVICE@STEP``: the worker on that device of the node
+     fails with a device fault at the step boundary after STEP
+     (``TENPLEX_INJECT_DEVICE_FAULT``, raised as torch raises a CUDA error);
+     its agent excludes the device and re-joins with one worker fewer, the
+     others' collectives fail, and the next world (the same nodes, one rank
+     fewer) restores as after a failure;
    * ``partition:HOST@STEP`` (only with ``link_mbit``): the node's link is
      cut while its agent, store and workers keep running. No connection is
      reset, so every collective that waits on the node gives up after the
@@ -64,7 +70,8 @@ if TYPE_CHECKING:
 EXAMPLE = Path(__file__).resolve().parent / "gpt_train" / "train.py"
 DEFAULT_SCHEDULE = "join:h2@4,fail:h1@8,leave:h2@12"
 GLOBAL_BATCH = 12    # dp 1, 2 and 3 (one to three nodes of tp=2) all divide it into whole micro-batches
-KINDS = ("join", "fail", "leave", "partition")
+KINDS = ("join", "fail", "leave", "gpufail", "partition")
+WORKERS_PER_NODE = 2
 # How long a collective waits for a peer on links: a cut-off peer sends no reset, so this is how soon the others
 # notice a partition. Ample for this job's longest legitimate wait (a restore that transforms the tiny GPT).
 LINKED_TIMEOUT_S = 15.0
@@ -75,8 +82,9 @@ LINKED_TCP_RETRIES = 4
 # A save's copies take a second or two here; a minute means the replication failed (its log says why).
 REPLICATION_WAIT_S = 60.0
 # Three nodes run a pipeline with one stage per node: losing one loses the only data-parallel copy of its
-# stage, which only the replicated copies (tenplex.replication) bring back.
-DEFAULT_PINS = {6: "tp=2,pp=3"}
+# stage, which only the replicated copies (tenplex.replication) bring back. Three ranks (a node of two and one
+# with a failed GPU) train dp=3: the example model needs every rank in its mesh, so none may stay idle.
+DEFAULT_PINS = {6: "tp=2,pp=3", 3: "tp=1,pp=1"}
 
 
 class DemoError(TenplexError, RuntimeError):
@@ -95,11 +103,12 @@ def parse_schedule(text: str, initial: tuple[str, ...], steps: int, links: bool 
     (``links``: the nodes have network links of their own, which a partition needs)."""
     events: list[Event] = []
     running, cut = list(initial), set()
+    failed: dict[str, set[str]] = {}  # node -> its failed devices
     for item in filter(None, (s.strip() for s in text.split(","))):
-        m = re.fullmatch(r"(\w+):([A-Za-z0-9_-]+)@(\d+)", item)
-        if not m or m.group(1) not in KINDS:
+        m = re.fullmatch(r"(\w+):([A-Za-z0-9_-]+(?:/\d+)?)@(\d+)", item)
+        if not m or m.group(1) not in KINDS or ("/" in m.group(2)) != (m.group(1) == "gpufail"):
             raise ConfigError(f"schedule item {item!r} is not KIND:HOST@STEP with KIND one of {', '.join(KINDS)} "
-                              f"(e.g. join:h2@4)")
+                              f"(e.g. join:h2@4), or gpufail:HOST/DEVICE@STEP")
         event = Event(m.group(1), m.group(2), int(m.group(3)))
         if events and event.at <= events[-1].at:
             raise ConfigError(f"schedule item {item!r}: steps must increase (the previous event is at step "
@@ -110,13 +119,25 @@ def parse_schedule(text: str, initial: tuple[str, ...], steps: int, links: bool 
         if event.kind == "partition" and not links:
             raise ConfigError(f"schedule item {item!r}: a partition cuts a node's network link; give --link-mbit N "
                               f"so that every node has one")
-        if event.kind == "join":
+        if event.kind == "gpufail":
+            node, device = event.host.split("/")
+            if node not in running:
+                raise ConfigError(f"schedule item {item!r}: {node} is not running then ({', '.join(running)})")
+            lost = failed.setdefault(node, set())
+            if int(device) >= WORKERS_PER_NODE or device in lost:
+                raise ConfigError(f"schedule item {item!r}: {node} has devices 0..{WORKERS_PER_NODE - 1}, of "
+                                  f"which {', '.join(sorted(lost)) or 'none'} failed before")
+            if len(lost) + 1 == WORKERS_PER_NODE:
+                raise ConfigError(f"schedule item {item!r}: that is {node}'s last device; use fail:{node}@{event.at}")
+            lost.add(device)
+        elif event.kind == "join":
             if event.host in running:
                 raise ConfigError(f"schedule item {item!r}: {event.host} is already running")
             if event.host in cut:
                 raise ConfigError(f"schedule item {item!r}: {event.host} was cut off and its processes may still "
                                   f"run; join a new host instead")
             running.append(event.host)
+            failed.pop(event.host, None)  # a new node
         else:
             if event.host not in running:
                 raise ConfigError(f"schedule item {item!r}: {event.host} is not running then ({', '.join(running)})")
@@ -133,7 +154,8 @@ def expected_hosts(initial: tuple[str, ...], events: list[Event]) -> list[list[s
     """The nodes after each event (the world torchrun forms then)."""
     running, after = list(initial), []
     for e in events:
-        running = running + [e.host] if e.kind == "join" else [h for h in running if h != e.host]
+        if e.kind != "gpufail":  # a node with a failed device goes on
+            running = running + [e.host] if e.kind == "join" else [h for h in running if h != e.host]
         after.append(sorted(running))
     return after
 
@@ -182,10 +204,14 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
     fired: list[dict] = []
     deadline = time.monotonic() + timeout
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    max_nodes = len(set(initial) | {e.host for e in events})
+    gpufails = [f"{e.host}@{e.at}" for e in events if e.kind == "gpufail"]
+    if gpufails:  # every node gets it; only the named device's worker fails (tenplex.elastic.faults)
+        env["TENPLEX_INJECT_DEVICE_FAULT"] = ",".join(gpufails)
+    max_nodes = len(set(initial) | {e.host.split("/")[0] for e in events})
     script = script or _script(data, steps, record, save_every, pins,
                                LINKED_TIMEOUT_S if cluster is not None else None)
-    with Nodes(workdir / "elastic", 2, max_nodes, script, env, cluster, dataset=data if fuse else None) as nodes:
+    with Nodes(workdir / "elastic", WORKERS_PER_NODE, max_nodes, script, env, cluster,
+               dataset=data if fuse else None) as nodes:
         before = cluster.counters() if cluster is not None else None
         nodes.start_rendezvous()
         for host in initial:
@@ -218,7 +244,7 @@ def _await_event(progress: "_Progress", nodes: Nodes, e: Event, wanted: list[str
     _wait(lambda: progress.update() and progress.reached(e.at, wanted) is not None, deadline, nodes,
           f"the job to reach step {e.at} on {', '.join(wanted)}")
     at = progress.reached(e.at, wanted)  # e.at, unless a restart carried the job past its hold
-    if e.kind in ("fail", "partition"):
+    if e.kind in ("fail", "gpufail", "partition"):
         # The survivors resume from the newest save only once its copies exist: wait for the background
         # replication, so that the checks know which save the next world must restore.
         newest = max((d["version"] for d in progress.docs if d["event"] == "saved"), default=None)
@@ -235,6 +261,8 @@ def _set_off(nodes: Nodes, e: Event, record: Path) -> None:
         nodes.fail(e.host)
     elif e.kind == "partition":
         nodes.partition(e.host)
+    elif e.kind == "gpufail":
+        pass  # the worker fails by itself once the hold is lifted (TENPLEX_INJECT_DEVICE_FAULT)
     else:
         nodes.leave(e.host)
     if e.kind != "join":
@@ -350,7 +378,7 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
     from .timeline import summarize
 
     events = parse_schedule(schedule, initial, steps, links=link_mbit is not None)
-    hosts = sorted(set(initial) | {e.host for e in events})
+    hosts = sorted(set(initial) | {e.host.split("/")[0] for e in events})
     if link_mbit is not None:
         require_links()
     # One epoch is exactly the run's global batches: "every sample once" covers the whole dataset.

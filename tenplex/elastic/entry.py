@@ -1,24 +1,35 @@
 """``python -m tenplex.elastic.entry MODE TARGET [ARGS…]``: how ``tenplex run`` starts each worker.
 
-May import: only the standard library (it runs before the user's program, in every worker).
-
 Why: torchrun starts every worker in a session of its own, so killing the
 agent, or its process group, leaves the workers running (measured here: a
 SIGKILLed agent orphans its workers). A node that dies takes everything on it,
 so each worker asks the kernel to SIGKILL it when its agent dies
-(``PR_SET_PDEATHSIG``, which survives ``exec``), then becomes the user's
+(``PR_SET_PDEATHSIG``, which survives ``exec``), then runs the user's
 program. MODE is ``script`` (``python -u TARGET``), ``module`` (``python -u -m
 TARGET``) or ``exec`` (torchrun's ``--no-python``: run TARGET itself).
 
-May import: the standard library only (it runs before the user's program).
+A Python program (``script``, ``module``) runs in this process (``runpy``),
+so that an exception that ends it is classified here
+(:func:`tenplex.elastic.faults.classify`): a device fault exits with
+:data:`~tenplex.elastic.faults.EXIT_DEVICE_FAULT`, a lost peer (gloo's
+"Connection reset by peer" from the user's ``backward()``, NCCL's remote
+errors) with :data:`~tenplex.elastic.faults.EXIT_PEER_LOST`, after the
+traceback; anything else exits as Python would (1), a crash. ``exec``
+programs are not Python: their exit code is theirs.
+
+May import: the standard library and :mod:`tenplex.elastic.faults` (it runs before the user's program).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import runpy
 import signal
 import sys
+import traceback
+
+from .faults import CRASH, classify, exit_code
 
 PR_SET_PDEATHSIG = 1
 
@@ -49,8 +60,36 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m tenplex.elastic.entry {script,module,exec} TARGET [ARGS...]")
     agent = os.environ.get("TENPLEX_AGENT_PID")
     die_with_parent(int(agent) if agent else None)
-    argv = command(argv[0], argv[1], argv[2:])
-    os.execvp(argv[0], argv)
+    mode, target, args = argv[0], argv[1], argv[2:]
+    if mode == "exec":
+        argv = command(mode, target, args)
+        os.execvp(argv[0], argv)
+    command(mode, target, args)  # refuses an unknown mode
+    run_python(mode, target, args)
+
+
+def run_python(mode: str, target: str, args: list[str]) -> None:
+    """Run a Python script or module as ``python -u`` would; exit with the code of a classified failure."""
+    sys.argv = [target, *args]
+    if mode == "script":
+        sys.path[0] = os.path.dirname(os.path.abspath(target))  # as `python TARGET` puts it first
+    try:
+        if mode == "script":
+            runpy.run_path(target, run_name="__main__")
+        else:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 -- classified once, here; a crash is re-raised unchanged
+        kind = classify(e)
+        if kind == CRASH:
+            raise
+        traceback.print_exc()
+        print(f"tenplex.elastic.entry: worker {os.environ.get('TENPLEX_HOST', '?')}/"
+              f"{os.environ.get('LOCAL_RANK', '?')} stopped: {kind} ({type(e).__name__})", file=sys.stderr,
+              flush=True)
+        sys.stdout.flush()
+        os._exit(exit_code(kind))  # type: ignore[arg-type]  # a peer may be gone: no interpreter teardown
 
 
 if __name__ == "__main__":

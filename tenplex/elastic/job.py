@@ -1,8 +1,8 @@
 """The training-loop API of an elastic job: configuration, one-call restore, data share, step boundaries.
 
 May import: ``tenplex`` (save, restore, Checkpointer), ``tenplex.elastic``
-(policy, launcher, envsettings), ``tenplex.integration``, ``tenplex.dataset``, ``tenplex.parallel``,
-``tenplex.errors``, ``tenplex.ops``, torch, torch.distributed and the standard library.
+(policy, launcher, envsettings, faults, devices), ``tenplex.integration``, ``tenplex.dataset``,
+``tenplex.parallel``, ``tenplex.errors``, ``tenplex.ops``, torch, torch.distributed and the standard library.
 With ``tenplex run --data-mount``, :meth:`Job.restore` switches the node's dataset view and
 :meth:`Job.batch` reads through it (:mod:`tenplex.elastic.dataview`).
 
@@ -37,7 +37,8 @@ What happens at ``step_done`` (collective; every rank calls it after its optimiz
    and the commit run in the background. Stopping saves block (after the
    snapshot in flight is settled), so a planned leave loses nothing;
 5. if a collective fails because a peer is gone (a node died), the rank
-   exits at once without saving, with ``EXIT_RESTART``: the next world
+   exits at once without saving, with ``EXIT_RESTART`` (``EXIT_DEVICE_FAULT``
+   when its own device failed: :mod:`tenplex.elastic.faults`): the next world
    restores the newest version that was committed completely.
 
 A signal only sets a flag, so a SIGTERM in the middle of a step never
@@ -61,7 +62,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -71,7 +72,9 @@ from ..integration.process_group import init_process_group, leave_process_group
 from ..ops import logs
 from ..ops.metrics import JobMetrics
 from ..parallel import ParallelConfig
+from .devices import worker_device
 from .envsettings import settings_from_env
+from .faults import DEVICE, EXIT_DEVICE_FAULT, classify, inject_device_fault
 from .launcher import EXIT_RESTART
 from . import dataview
 from .policy import Choice, choose
@@ -371,6 +374,7 @@ class Job:
         """Mark the end of a step (collective): advance, agree on stopping, save when due or when stopping."""
         if self._tracked is None:
             raise ConfigError("call Job.restore(model, optimizer, …) before the first step_done()")
+        inject_device_fault(self.host, worker_device(), self.step)  # tests: TENPLEX_INJECT_DEVICE_FAULT
         now = time.monotonic()
         step_s = now - self._last_boundary
         self.step += 1
@@ -380,6 +384,10 @@ class Job:
             self._save_s_local = 0.0
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as e:  # noqa: BLE001 -- a peer is gone: nothing can be agreed, nothing is saved
+            # tenplex's own collective: its failure is a lost peer, or this rank's device (faults.classify)
+            if classify(e) == DEVICE:
+                self._die(f"step {self.step}: this rank's device failed ({type(e).__name__}: {e})",
+                          EXIT_DEVICE_FAULT)
             self._die(f"step {self.step}: the ranks cannot agree ({type(e).__name__}: {e}); a peer is gone, "
                       f"exiting without saving")
         stop, self._step_s, last_save = bool(flags[0] > 0), float(flags[1]), float(flags[2])
@@ -539,12 +547,12 @@ class Job:
             sys.stderr.flush()
         raise SystemExit(code)
 
-    def _die(self, message: str) -> None:
+    def _die(self, message: str, code: int = EXIT_RESTART) -> NoReturn:
         print(f"tenplex job (rank {self.rank}): {message}", file=sys.stderr, flush=True)
         if self.on_exit is not None:
-            self.on_exit(EXIT_RESTART, message)
+            self.on_exit(code, message)
         # No destroy_process_group: with a peer gone it may wait forever. Exit now; torchrun restarts the world.
-        os._exit(EXIT_RESTART)
+        os._exit(code)
 
     def finish(self) -> None:
         """End of training: a final save (collective) and the process group's teardown."""

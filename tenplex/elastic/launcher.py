@@ -1,9 +1,9 @@
 """``tenplex run``: one per node. Start (or reuse) the node's store, then run torchrun's elastic agent.
 
 May import: ``tenplex.runtime.hosts`` (the store process), ``tenplex.store.client`` (is a store already
-serving?), ``tenplex.errors``, ``tenplex.durable.bucket`` (checks ``--durable``), torch's
-``torch.distributed.run`` (the agent) and ``torch.distributed.elastic`` (its signal and rendezvous errors), and
-the standard library.
+serving?), ``tenplex.errors``, ``tenplex.durable.bucket`` (checks ``--durable``), ``tenplex.elastic.faults``
+(exit codes) and ``.restarts`` (the agent's restart accounting), torch's ``torch.distributed.run`` (the agent)
+and ``torch.distributed.elastic`` (its signal and rendezvous errors), and the standard library.
 
     tenplex run --host NAME --store-root DIR [--store-bind ADDR] [--store-advertise HOST] [--token-file F]
                 [--durable s3://BUCKET/PREFIX] [--dataset DIR --data-mount PATH] [torchrun options] script.py [args]
@@ -29,9 +29,9 @@ Its port, pid and log are ``DIR/.tenplex-store.{port,pid,log}``; a later
 --store-root DIR`` (:func:`stop_store`) stops it. ``DIR/.tenplex-store.lock``
 (``flock``) keeps one store per root when runs start at once.
 
-May import: ``tenplex.runtime.hosts``, ``tenplex.store.client``, ``tenplex.errors``,
-``tenplex.elastic.dataview`` (``--data-mount``, on use), torch (torchrun's ``torch.distributed.run``, on use)
-and the standard library.
+May import: ``tenplex.runtime.hosts``, ``tenplex.store.client``, ``tenplex.errors``, ``tenplex.elastic.faults``
+and ``.restarts``, ``tenplex.elastic.dataview`` (``--data-mount``, on use), torch (torchrun's
+``torch.distributed.run``, on use) and the standard library.
 """
 
 from __future__ import annotations
@@ -47,17 +47,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from .faults import EXIT_PEER_LOST
 
-# A leave (SIGTERM on one node) and a failure (a dead node) reach the survivors' agents as failed workers,
-# which torchrun counts against --max-restarts (default 0: the job would end at the first change). Not more:
-# a script that crashes by itself is restarted as often.
+# Restarts after a crash (torchrun's default 0 would end the job at the first one). Leaves, lost nodes and
+# device faults also reach the agents as failed workers, but tenplex run does not count them
+# (tenplex.elastic.restarts): only a script that really crashes ends the job, after this many restarts.
 DEFAULT_MAX_RESTARTS = "10"
 # Without these, the survivors wait 15 s+ for a dead node's keep-alive to expire (measured: a new world ran
 # 8-11 s after a kill with them). A short last call lets a round close soon after the last survivor arrives.
 DEFAULT_RDZV_CONF = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3", "last_call_timeout": "2"}
-# Worker exit code of a rank that stopped because a peer was asked to (a planned leave elsewhere): non-zero,
-# so that its agent restarts it in the next world instead of treating the job as finished.
-EXIT_RESTART = 75
+# Worker exit code of a rank that stopped because a peer was asked to stop or is gone (tenplex.elastic.faults).
+EXIT_RESTART = EXIT_PEER_LOST
 
 _OURS = ("--host", "--store-root", "--store-bind", "--store-advertise", "--token-file", "--durable", "--dataset",
          "--data-mount")
@@ -185,7 +185,7 @@ def torchrun_argv(spec: RunSpec) -> list[str]:
     if _given(options, "--max-restarts", "--max_restarts") is None:
         options += ["--max-restarts", DEFAULT_MAX_RESTARTS]
     # Workers start through the entry shim (tenplex.elastic.entry), which makes them die with the agent.
-    return [*options, "--no-python", sys.executable, "-m", "tenplex.elastic.entry", spec.mode, spec.target,
+    return [*options, "--no-python", sys.executable, "-u", "-m", "tenplex.elastic.entry", spec.mode, spec.target,
             *spec.args]
 
 
@@ -352,8 +352,14 @@ def run(argv: list[str]) -> int:
     os.environ.update(worker_env(spec, address, token))  # the agent passes its environment on to the workers
     print(f"tenplex run: host {spec.host}, store {address} ({spec.store_root}); torchrun {' '.join(args)}",
           file=sys.stderr, flush=True)
+    from .restarts import NodeOutOfDevices, tenplex_agent
+
     try:
-        torchrun_main(args)
+        with tenplex_agent(spec.host):
+            torchrun_main(args)
+    except NodeOutOfDevices as e:
+        print(f"tenplex run: {e}; leaving the job", file=sys.stderr, flush=True)
+        return 1
     except SignalException as e:
         if e.sigval in (signal.SIGTERM, signal.SIGINT):
             print(f"tenplex run: host {spec.host} left the job ({signal.Signals(e.sigval).name})", file=sys.stderr,

@@ -209,7 +209,10 @@ def _event_row(e, f: dict, hosts: list[str], worlds: list[World], elastic: Path,
     # Newest save committed before the new world started: what it must resume from.
     saves = [s for w in worlds if w.start < target.start for s in w.saves if s["time"] < target.start]
     newest = max(saves, key=lambda s: (s["step"], s["time"]), default=None)
-    resumed_right = newest is not None and resumed == newest["step"] and target.position == newest["position"]
+    if newest is None:  # nothing was committed yet (a failure before the first save): a fresh start is right
+        resumed_right = target.restored_step is None and target.position == 0
+    else:
+        resumed_right = resumed == newest["step"] and target.position == newest["position"]
     exact = True
     if newest is not None:
         saver = next(w for w in worlds if newest in w.saves)
@@ -310,7 +313,8 @@ def plot(summary: dict, history: dict, path: Path) -> None:
         ax.plot([s for s, _ in h["lost"]], [v for _, v in h["lost"]], "x", color="tab:red", ms=7,
                 label="lost with a failed node, then replayed")
     for e in summary["events"]:
-        color = {"join": "tab:green", "fail": "tab:red", "leave": "tab:orange", "partition": "tab:purple"}[e["kind"]]
+        color = {"join": "tab:green", "fail": "tab:red", "leave": "tab:orange", "partition": "tab:purple",
+                 "gpufail": "tab:brown"}[e["kind"]]
         ax.axvline(e["at_step"] + 0.5, color=color, ls="--")
         label = f"{e['kind']} {e['host']}"
         if "to" in e:

@@ -1,0 +1,110 @@
+"""How ``tenplex run`` counts restarts and drops failed devices, on torchrun's own agent.
+
+May import: ``tenplex.elastic.faults`` and ``.devices``, torch's ``torch.distributed.elastic`` and
+``torch.distributed.launcher`` (the agent and where torchrun builds it), and the standard library.
+
+torchrun's agent restarts its workers after any failed worker and counts each restart against
+``--max-restarts``; a membership change that arrives as failed workers (a peer left or died, so the
+survivors' collectives failed) would count too, and the eleventh one would end a healthy job. The agent
+here is torchrun's :class:`LocalElasticAgent` with two hooks:
+
+* after the workers' state is read (``_monitor_workers``), the failed workers' exit codes are classified
+  (:func:`tenplex.elastic.faults.of_exit`). A restart counts against ``--max-restarts`` only when one of
+  them crashed; one in which every failure is a lost peer (75) or a device fault (76) is given back;
+* before the workers (re)start (``_initialize_workers``), a device whose worker exited with a device fault,
+  or that fails the health probe, is excluded and the node re-joins with one worker fewer per excluded
+  device (:class:`~tenplex.elastic.devices.NodeDevices`). A node with no device left leaves the job as a
+  planned leave would (:class:`NodeOutOfDevices`): the others go on without it.
+
+A join needs no hook: torchrun restarts the workers for a waiting node without counting it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from . import faults
+from .devices import NodeDevices, probe
+
+
+class NodeOutOfDevices(SignalException):
+    """Every device of this node failed: it leaves the job like a planned leave (the rendezvous stays open)."""
+
+    def __init__(self, host: str, excluded: dict[str, str]):
+        why = "; ".join(f"{d}: {w}" for d, w in excluded.items())
+        super().__init__(f"host {host} has no healthy device left ({why})", signal.SIGTERM)
+
+
+class TenplexAgent(LocalElasticAgent):
+    """torchrun's agent, counting only crashes against ``--max-restarts`` and leaving failed devices out."""
+
+    def __init__(self, *args, host: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        # torchrun resolved --nproc-per-node (a number, "gpu", "auto") into local_world_size
+        self.devices = NodeDevices.of_node(self._worker_group.spec.local_world_size, os.environ)
+        self.host = host
+        self.started_on: list[str] = []   # the device of each LOCAL_RANK of the running workers
+        self.crashes = 0
+
+    def _say(self, text: str) -> None:
+        print(f"tenplex run: host {self.host}: {text}", file=sys.stderr, flush=True)
+
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        for device, why in probe(self.devices.healthy).items():
+            if self.devices.exclude(device, why):
+                self._say(f"device {device} failed its health probe ({why}); excluded")
+        if not self.devices.healthy:
+            raise NodeOutOfDevices(self.host, self.devices.excluded)
+        # torchrun numbers the ranks from each node's local_world_size at every rendezvous: nodes may differ.
+        worker_group.spec.local_world_size = len(self.devices.healthy)
+        os.environ.update(self.devices.env())   # the agent's environment is the workers' (see launcher.run)
+        self.started_on = list(self.devices.healthy)
+        super()._initialize_workers(worker_group)
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY) or not result.failures:
+            return result
+        kinds = {f.local_rank: faults.of_exit(f.exitcode) for f in result.failures.values()}
+        for local_rank, kind in sorted(kinds.items()):
+            if kind == faults.DEVICE and local_rank < len(self.started_on):
+                device = self.started_on[local_rank]
+                if self.devices.exclude(device, f"worker {local_rank} exited with a device fault"):
+                    self._say(f"device {device} (local rank {local_rank}) had a device fault; excluded, "
+                              f"re-joining with {len(self.devices.healthy)} device(s)")
+        if faults.CRASH in kinds.values():
+            self.crashes += 1
+            left = self._remaining_restarts  # torchrun's loop restarts (and takes one off) while any is left
+            self._say(f"a worker crashed (exit codes {sorted(f.exitcode for f in result.failures.values())}); "
+                      f"crash {self.crashes}, " + (f"restarting ({left - 1} restart(s) left after this one)" if left
+                                                   else "no restart left: ending the job"))
+        else:
+            # torchrun's loop takes one restart off for this one: a membership change or a device fault is
+            # not a crash, so give it back before it does.
+            self._remaining_restarts += 1
+            self._say(f"workers stopped: {', '.join(sorted(set(kinds.values())))}; not counted as a restart")
+        return result
+
+
+@contextlib.contextmanager
+def tenplex_agent(host: str):
+    """Make torchrun's ``launch_agent`` build a :class:`TenplexAgent` while this context is open (it builds
+    ``LocalElasticAgent`` by its module-level name and takes no agent class)."""
+    from torch.distributed.launcher import api
+
+    def build(*args, **kwargs) -> TenplexAgent:
+        return TenplexAgent(*args, host=host, **kwargs)
+
+    original = api.LocalElasticAgent
+    api.LocalElasticAgent = build  # type: ignore[misc,assignment]
+    try:
+        yield
+    finally:
+        api.LocalElasticAgent = original  # type: ignore[misc]

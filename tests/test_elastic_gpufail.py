@@ -1,0 +1,71 @@
+"""A GPU is the unit of failure in the elastic demo (``gpufail:HOST/DEVICE@STEP``): one worker of a two-worker
+node dies with an injected device fault (TENPLEX_INJECT_DEVICE_FAULT, raised as torch raises a CUDA error),
+its agent excludes the device and re-joins with one worker, and the job goes on with 3 ranks (2+1) on real
+torchrun agents on loopback; the demo's checks (losses, exactly-once samples, bit-exact state) must hold."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tenplex.elastic import demo
+from tenplex.elastic.timeline import World, _event_row, read_worlds
+from tenplex.errors import ConfigError
+
+SCHEDULE = "gpufail:h1/1@2"
+STEPS = 5
+
+
+def test_gpufail_schedules_are_checked():
+    events = demo.parse_schedule("gpufail:h1/1@4,fail:h0@8,join:h2@12", ("h0", "h1"), 16)
+    assert [(e.kind, e.host, e.at) for e in events] == [("gpufail", "h1/1", 4), ("fail", "h0", 8),
+                                                        ("join", "h2", 12)]
+    assert demo.expected_hosts(("h0", "h1"), events) == [["h0", "h1"], ["h1"], ["h1", "h2"]]
+    for text, words in [("gpufail:h1@4", "gpufail:HOST/DEVICE@STEP"), ("fail:h1/1@4", "KIND:HOST@STEP"),
+                        ("gpufail:h1/2@4", "devices 0..1"), ("gpufail:h5/0@4", "not running"),
+                        ("gpufail:h1/1@2,gpufail:h1/1@4", "of which 1 failed before"),
+                        ("gpufail:h1/1@2,gpufail:h1/0@4", "last device; use fail:h1@4")]:
+        with pytest.raises(ConfigError, match=words):
+            demo.parse_schedule(text, ("h0", "h1"), 16)
+
+
+def test_a_failed_gpu_leaves_its_node_in_the_job(tmp_path):
+    lines: list[str] = []
+    summary, _ = demo.run(tmp_path, SCHEDULE, STEPS, save_every=2, say=lines.append)
+    assert summary["ok"], "\n".join(lines[-30:])
+    c = summary["checks"]
+    assert (c["samples_read_twice"], c["samples_skipped"], c["state_bit_exact"], c["position_restored"]) == \
+        (0, 0, True, True) and c["loss_max_rel_diff"] <= 1e-4
+    (event,) = summary["events"]
+    assert (event["kind"], event["host"], event["at_step"]) == ("gpufail", "h1/1", 2)
+    assert event["from"] == {"world": 4, "hosts": ["h0", "h1"], "parallel": "dp=2,tp=2,pp=1"}
+    # 2+1 ranks: the demo pins world 3 to dp=3 (DEFAULT_PINS), so that every remaining device trains.
+    assert event["to"] == {"world": 3, "hosts": ["h0", "h1"], "parallel": "dp=3,tp=1,pp=1"}
+    # The fault hit during step 3: nothing was saved, the next world resumed from the save at step 2.
+    assert (event["resumed_from_step"], event["lost_steps"]) == (2, 1)
+    json.dumps(summary)
+    # Device 1 was excluded, not retried: every later world ran one worker on h1, and h1's agent said why.
+    worlds = read_worlds(tmp_path / "elastic" / "record")
+    later = [w for w in worlds if w.size == 3]
+    assert later and all(sorted(w.file_hosts.values()) == ["h0", "h0", "h1"] for w in later)
+    log = (tmp_path / "elastic" / "agent-h1.log").read_text()
+    assert log.count("device 1 (local rank 1) had a device fault; excluded") == 1
+    assert "a worker crashed" not in log + (tmp_path / "elastic" / "agent-h0.log").read_text()
+    assert any("event 1: gpufail h1/1 at step 2" in line for line in lines)
+
+
+def _world(wid: str, start: float, restored, position: int, saves=()) -> World:
+    return World(wid, ["h0", "h1"], 4, "dp=2,tp=2,pp=1", restored, None, False, {}, position, start, start + 1, 0.1,
+                 steps={1: {"loss": 1.0, "ids": []}}, saves=list(saves))
+
+
+def test_a_failure_before_the_first_save_is_right_to_start_afresh(tmp_path):
+    """A fault before any save (gpufail:h1/1@4 with saves every 5 steps): the next world starts at step 0 and
+    position 0, which is right; a world that claims a restore of nothing is not."""
+    event, fired = demo.Event("gpufail", "h1/1", 4), {"time": 10.0, "step": 4}
+    fresh = [_world("a", 1.0, None, 0), _world("b", 20.0, None, 0)]
+    row, exact, resumed_right = _event_row(event, fired, ["h0", "h1"], fresh, tmp_path, [])
+    assert (row["resumed_from_step"], exact, resumed_right) == (0, True, True)
+    wrong = [_world("a", 1.0, None, 0), _world("b", 20.0, None, 24)]
+    assert _event_row(event, fired, ["h0", "h1"], wrong, tmp_path, [])[2] is False
