@@ -82,14 +82,28 @@ def _train_and_kill(tmp_path: Path, steps: int) -> list[dict]:
     return [json.loads((tmp_path / f"restored-r{r}.json").read_text()) for r in range(2)]
 
 
+def _record(result: dict) -> tuple[int, int, int]:
+    return result["record"]["step"], result["record"]["generation"], result["record"]["lost_total"]
+
+
 def test_a_killed_job_counts_the_steps_since_its_last_save(tmp_path):
     first = _train_and_kill(tmp_path, 7)  # saves at step 4; steps 5-7 are lost
     zero = {"lost_steps": 0, "lost_steps_total": 0}
-    assert all(r == {"step": 0, **zero, "cost": zero,
-                     "metrics": {"tenplex_job_lost_steps_total": 0, "tenplex_job_last_lost_steps": 0}}
-               for r in first)
+    for r in first:  # a fresh job loses nothing
+        assert {k: r[k] for k in ("step", "lost_steps", "lost_steps_total", "cost", "metrics")} == {
+            "step": 0, **zero, "cost": zero,
+            "metrics": {"tenplex_job_lost_steps_total": 0, "tenplex_job_last_lost_steps": 0}}
+        assert _record(r) == (0, 1, 0)
+    for host in ("h0", "h1"):
+        assert progress.read(tmp_path / host).step == 7
+    (tmp_path / "h1" / progress.FILE).unlink()  # h1's record is gone: h0's, gathered, tells both ranks
     second = _train_and_kill(tmp_path, 6)  # restores 4: 7 - 4 = 3 lost; finishes step 6, saves nothing
     lost = {"lost_steps": 3, "lost_steps_total": 3}
-    assert all(r == {"step": 4, **lost, "cost": lost,
-                     "metrics": {"tenplex_job_lost_steps_total": 3, "tenplex_job_last_lost_steps": 3}}
-               for r in second)
+    for r in second:
+        assert {k: r[k] for k in ("step", "lost_steps", "lost_steps_total", "cost", "metrics")} == {
+            "step": 4, **lost, "cost": lost,
+            "metrics": {"tenplex_job_lost_steps_total": 3, "tenplex_job_last_lost_steps": 3}}
+        assert _record(r) == (4, 2, 3)  # the new world's record starts at the restored step
+    for host in ("h0", "h1"):
+        found = progress.read(tmp_path / host)
+        assert (found.step, found.generation, found.lost_total) == (6, 2, 3)

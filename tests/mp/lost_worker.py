@@ -2,13 +2,16 @@
 
 Usage: ``python lost_worker.py OUT STEPS`` with torchrun's environment, TENPLEX_STORE_ROOT and TENPLEX_HOST set.
 It restores, writes ``OUT/restored-r{rank}.json`` (``job.restored``'s lost steps, ``job.save_cost()``'s and the
-worker's metrics), trains up to step STEPS with blocking saves every 4 steps (``save_every=4``, no snapshots, so
-the newest committed step is known), writes ``OUT/trained-r{rank}`` and waits to be killed (at most 120 s).
+worker's metrics, its host's progress record), trains up to step STEPS with blocking saves every 4 steps
+(``save_every=4``, no snapshots, so the newest committed step is known), writes ``OUT/trained-r{rank}`` and
+waits to be killed (at most 120 s).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import tenplex.elastic
+from tenplex.elastic import progress
 
 
 def main() -> None:
@@ -33,7 +37,9 @@ def main() -> None:
         "lost_steps_total": job.restored.lost_steps_total,
         "cost": {k: cost[k] for k in ("lost_steps", "lost_steps_total")},
         "metrics": {name: registry.get_sample_value(name)
-                    for name in ("tenplex_job_lost_steps_total", "tenplex_job_last_lost_steps")}}))
+                    for name in ("tenplex_job_lost_steps_total", "tenplex_job_last_lost_steps")},
+        # this world's record starts at the restored step (a world that dies before its first boundary lost none)
+        "record": dataclasses.asdict(progress.read(os.environ["TENPLEX_STORE_ROOT"]))}))
     while job.step < steps:
         model(torch.randn(4, 8)).square().mean().backward()
         for p in model.parameters():
