@@ -112,6 +112,7 @@ def test_job_metrics_of_a_two_rank_job(tmp_path):
         assert both(4)(prometheus.await_query("tenplex_job_step_duration_seconds_count", both(4)))
         assert both(2)(prometheus.await_query('tenplex_job_saves_total{reason="snapshot"}', both(2)))
         assert both(2)(prometheus.await_query("tenplex_job_world_size", both(2)))
+        assert both(0)(prometheus.await_query("tenplex_job_lost_steps_total", both(0)))  # a fresh job loses none
         info = prometheus.await_query("tenplex_job_configuration_info", both(1))
         # the policy's choice for 2 ranks on one host under the worker's max_tp=1: data parallelism
         assert {(labels["config"], labels["dp"], labels["tp"], labels["pp"]) for labels, _ in info} == \

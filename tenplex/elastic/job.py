@@ -76,7 +76,7 @@ from .devices import worker_device
 from .envsettings import settings_from_env
 from .faults import DEVICE, EXIT_DEVICE_FAULT, classify, inject_device_fault
 from .launcher import EXIT_RESTART
-from . import dataview
+from . import dataview, progress
 from .policy import Choice, choose
 
 if TYPE_CHECKING:
@@ -116,6 +116,8 @@ class Restored:
     seconds: float
     saved_version: int | None = None   # the version that was saved (``version`` may be a transformed copy of it)
     read_through: bool = False         # the ranks read the plan's regions from other hosts' stores (no new version)
+    lost_steps: int = 0                # steps an earlier world finished beyond ``step`` (:mod:`.progress`)
+    lost_steps_total: int = 0          # the job's lost steps in all, this restore's included
 
 
 class Job:
@@ -205,6 +207,7 @@ class Job:
         self._saved_step: int | None = None
         self._committed_blocking: int | None = None
         self._tracked: dict[str, Any] | None = None
+        self._progress: progress.ProgressRecord | None = None  # this host's record, on its first training rank
         # (first step, RankDataset, micro-batches) of the current stretch
         self._data: tuple[int, RankDataset, list[list[int]]] | None = None
         self._data_start = 0
@@ -263,14 +266,17 @@ class Job:
                          "annotations": annotations, "checkpointer": ckpt}
         self._saved_step = step
         self._committed_blocking = step  # the restored version is committed
+        gathered = progress.gather(ckpt.store.root, self.host, self.world_id, self.step, self.group)
+        self._progress = gathered.record
         if self.dataset is not None:
             self._open_data(extra.get(DATASET_KEY))
             # tenplex run --data-mount: switch this node's view to this world before anyone reads (collective)
             self._data_view = dataview.follow(self, self.data_state)
         self.restored = Restored(self.step, info.version, info.transformed, dict(info.plan_stats),
-                                 time.monotonic() - begin, info.saved_version, info.read_through)
+                                 time.monotonic() - begin, info.saved_version, info.read_through,
+                                 gathered.lost, gathered.lost_total)
         self._last_boundary = time.monotonic()
-        self.metrics.observe_restore(self.step, self._last_committed_step)
+        self.metrics.observe_restore(self.step, self._last_committed_step, gathered.lost)
         if self.save_every:
             self._next_save = self.step + self.save_every
         elif self.save_every is None:
@@ -392,6 +398,8 @@ class Job:
                       f"exiting without saving")
         stop, self._step_s, last_save = bool(flags[0] > 0), float(flags[1]), float(flags[2])
         self._replication_lag = int(flags[3])
+        if self._progress is not None:  # the world finished this step: a failure from now on loses it
+            self._progress.write(self.step)
         self._cost["train_s"] += self._step_s
         self._cost["steps"] += 1
         self.metrics.observe_step(self._step_s, self.step)
@@ -480,10 +488,13 @@ class Job:
         over the ranks, without saves), the ratio of the two times, and the current interval. With snapshots
         also: this rank's seconds of background writing (``background_s``), snapshots committed and failed, its
         staging memory (``staging_bytes``) and the replication lag in steps (agreed: the largest over the ranks)
-        between the newest committed snapshot and the newest whose copies are committed."""
+        between the newest committed snapshot and the newest whose copies are committed. ``lost_steps``: the
+        steps an earlier world finished beyond the restored one, ``lost_steps_total``: the job's in all."""
         c: dict[str, Any] = dict(self._cost)
         c["fraction"] = c["save_s"] / c["train_s"] if c["train_s"] else 0.0
         c["interval"] = None if self._next_save is None else max(1, self._next_save - (self._saved_step or 0))
+        c["lost_steps"] = 0 if self.restored is None else self.restored.lost_steps
+        c["lost_steps_total"] = 0 if self.restored is None else self.restored.lost_steps_total
         stats = {} if self._tracked is None else self._tracked["checkpointer"].snapshot_stats()
         if stats:
             c.update(background_s=stats["write_s"], snapshots=stats["committed"], failed_snapshots=stats["failed"],

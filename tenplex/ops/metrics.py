@@ -202,6 +202,11 @@ class JobMetrics:
         self.committed_step.set(-1)
         self.restored_step = Gauge("tenplex_job_restored_step", "The step this world restored (0: a fresh job)",
                                    registry=r)
+        self.lost_steps = Counter("tenplex_job_lost_steps", "Steps an earlier world finished beyond the step this "
+                                  "worker restored (the work a failure lost; each worker process counts its own "
+                                  "restore: increase() over restarts sums a rank's)", registry=r)
+        self.last_lost_steps = Gauge("tenplex_job_last_lost_steps", "Steps the last restore lost (0: a fresh job, "
+                                     "or the furthest step was saved)", registry=r)
         self.restarts = Gauge("tenplex_job_restarts", "Worker restarts by this node's agent "
                               "(TORCHELASTIC_RESTART_COUNT): one per world change or failure it saw", registry=r)
         self.world_size = Gauge("tenplex_job_world_size", "Processes in this world", registry=r)
@@ -227,11 +232,13 @@ class JobMetrics:
         name = f"dp={config.dp},tp={config.tp},pp={config.pp},sharding={config.sharding}"  # no devices: bounded
         self.configuration.labels(name, str(config.dp), str(config.tp), str(config.pp)).set(1)
 
-    def observe_restore(self, step: int, committed: Callable[[], int | None]) -> None:
+    def observe_restore(self, step: int, committed: Callable[[], int | None], lost: int = 0) -> None:
         """``committed()``: the step of the newest committed save, read when Prometheus scrapes (a snapshot
-        commits in the background, after the boundary that staged it)."""
+        commits in the background, after the boundary that staged it); ``lost``: the steps this restore lost."""
         self.step.set(step)
         self.restored_step.set(step)
+        self.lost_steps.inc(lost)
+        self.last_lost_steps.set(lost)
         self.committed_step.set_function(lambda: -1 if (last := committed()) is None else last)
 
     def observe_step(self, seconds: float, step: int) -> None:
