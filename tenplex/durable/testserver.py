@@ -1,7 +1,8 @@
 """moto's S3 server in a process of its own on loopback: the bucket of the durable tier's tests and of
 ``tenplex demo --elastic``'s ``evict:all`` event. Nothing here is for production.
 
-May import: the standard library (moto is started as ``python -m moto.server``, never imported here).
+May import: ``tenplex.errors`` and the standard library (moto is started as ``python -m moto.server``, never
+imported here).
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import sys
 import time
 import urllib.request
 
+from ..errors import TenplexError
 
-class S3ServerError(RuntimeError):
+
+class S3ServerError(TenplexError, RuntimeError):
     """moto's server did not start (its log says why)."""
 
 
