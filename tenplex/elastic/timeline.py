@@ -325,7 +325,7 @@ def plot(summary: dict, history: dict, path: Path) -> None:
                 label="lost with a failed node, then replayed")
     for e in summary["events"]:
         color = {"join": "tab:green", "fail": "tab:red", "leave": "tab:orange", "partition": "tab:purple",
-                 "evict": "tab:brown"}[e["kind"]]
+                 "evict": "tab:olive"}[e["kind"]]
         ax.axvline(e["at_step"] + 0.5, color=color, ls="--")
         label = f"{e['kind']} {e['host']}"
         if "to" in e:
