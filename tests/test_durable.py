@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 from tenplex.box import Box
 from tenplex.durable import Bucket, DurableError, durable_versions, flush_host, restore_host
 from tenplex.durable.flush import assignment, version_key
+from tenplex.durable.testserver import free_port, start_s3_server, stop
 from tenplex.layout import Layout, Shard, TensorSpec
 from tenplex.store import Store
 from tenplex.store.manifest import CorruptShard
@@ -23,30 +23,12 @@ from tenplex.store.manifest import CorruptShard
 KEY, SECRET = "AKIATENPLEXTEST00001", "tenplex-test-secret"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_server():
     """moto's S3 server with authentication on: its first three requests (IAM) are unauthenticated and make
     the one user whose key the tests use, so that wrong credentials are refused as by a real S3."""
     boto3 = pytest.importorskip("boto3")  # the admin side only (IAM, buckets): data goes through obstore
-    port = _free_port()
-    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"}
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert time.monotonic() < deadline and proc.poll() is None, "moto server did not start"
-            time.sleep(0.2)
+    proc, url = start_s3_server({"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
     iam = boto3.client("iam", endpoint_url=url, region_name="us-east-1", aws_access_key_id="x",
                        aws_secret_access_key="x")
     iam.create_user(UserName="tenplex")
@@ -54,8 +36,7 @@ def s3_server():
     iam.put_user_policy(UserName="tenplex", PolicyName="all", PolicyDocument=json.dumps(
         {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}))
     yield {"url": url, "key": made["AccessKeyId"], "secret": made["SecretAccessKey"], "boto3": boto3}
-    proc.terminate()
-    proc.wait(10)
+    stop(proc)
 
 
 @pytest.fixture
@@ -248,7 +229,7 @@ def test_unreachable_bucket_saving_goes_on_retries_one_log_line(s3, tmp_path, ca
 
     full = full_tensors()
     store = save(tmp_path, one_host_layout(), 1, full)["h0"]
-    bucket = Bucket(s3["location"], endpoint=f"http://127.0.0.1:{_free_port()}", timeout_s=2, retries=0)
+    bucket = Bucket(s3["location"], endpoint=f"http://127.0.0.1:{free_port()}", timeout_s=2, retries=0)
     flusher = Flusher(store, bucket, poll_s=0.05, backoff_s=0.05, max_backoff_s=0.2).start()
     try:
         with caplog.at_level("WARNING", logger="tenplex.durable"):

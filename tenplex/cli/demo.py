@@ -29,8 +29,10 @@ def register(subparsers) -> None:
                    help="run an elastic job on real torchrun agents (tenplex run) through a schedule of nodes "
                         "joining, failing and leaving")
     p.add_argument("--schedule", help="with --elastic: events KIND:HOST@STEP, comma-separated, KIND one of join, "
-                                      "fail, leave, partition (with --link-mbit), or gpufail:HOST/DEVICE@STEP "
-                                      "(default join:h2@4,fail:h1@8,leave:h2@12; h0 and h1 run at the start)")
+                                      "fail, leave, partition (with --link-mbit), gpufail:HOST/DEVICE@STEP, or "
+                                      "evict:all@STEP (the whole job lost, restored from a bucket on three new nodes; "
+                                      "needs moto) (default join:h2@4,fail:h1@8,leave:h2@12; h0 and h1 run at the "
+                                      "start)")
     p.add_argument("--plot", type=Path, help="with --elastic: write both loss curves and the events to this PNG")
     p.add_argument("--link-mbit", type=float, metavar="N",
                    help="with --elastic: run every node in its own network namespace with a link of N Mbit/s each "
@@ -148,7 +150,7 @@ def report(s: dict, say) -> None:
 
 def elastic(args: argparse.Namespace) -> int:
     """``tenplex demo --elastic``: see :mod:`tenplex.elastic.demo`."""
-    from ..elastic.demo import DEFAULT_SCHEDULE, parse_schedule, require_links, run
+    from ..elastic.demo import DEFAULT_SCHEDULE, parse_schedule, require_links, require_moto, run
     from ..elastic.timeline import plot, print_timeline
 
     steps = 16 if args.steps is None else args.steps
@@ -160,7 +162,9 @@ def elastic(args: argparse.Namespace) -> int:
     if args.link_mbit is not None and args.link_mbit <= 0:
         raise UsageError(f"--link-mbit must be positive, got {args.link_mbit:g}")
     # bad input: one line, before anything starts
-    parse_schedule(schedule, ("h0", "h1"), steps, links=args.link_mbit is not None)
+    events = parse_schedule(schedule, ("h0", "h1"), steps, links=args.link_mbit is not None)
+    if any(e.kind == "evict" for e in events):
+        require_moto()
     if args.link_mbit is not None:
         require_links()
     say, workdir = _output_and_workdir(args, "tenplex-elastic-")

@@ -1,7 +1,7 @@
 """``tenplex demo --elastic``: an elastic job on real torchrun agents, through joins, failures, leaves and partitions.
 
-May import: ``tenplex.elastic.nodes`` and ``.timeline``, ``tenplex.runtime`` (dataset, job
-launcher), ``tenplex.replication`` (is a save's copy complete?), ``tenplex.cluster``
+May import: ``tenplex.elastic.nodes``, ``.timeline`` and ``.evict`` (the bucket of ``evict:all``),
+``tenplex.runtime`` (dataset, job launcher), ``tenplex.replication`` (is a save's copy complete?), ``tenplex.cluster``
 (``link_mbit``: the emulated cluster), ``tenplex.errors`` and the standard library. No torch in
 this process: the training runs in the workers (``examples/01-gpt-train/train.py``, shipped as
 ``tenplex/elastic/gpt_train/train.py``, through :class:`tenplex.elastic.Job`).
@@ -39,7 +39,11 @@ this process: the training runs in the workers (``examples/01-gpt-train/train.py
      job's collective timeout (:data:`LINKED_TIMEOUT_S`); the survivors form a
      new world without it and restore as after a failure. The cut-off node
      cannot reach the others or the rendezvous: its workers time out as well,
-     and its agent gives up its rendezvous and exits (``nodes.LINKED_RDZV_CONF``).
+     and its agent gives up its rendezvous and exits (``nodes.LINKED_RDZV_CONF``);
+   * ``evict:all@STEP`` (on loopback): the whole job is lost. Every node has
+     flushed its saves to a bucket (moto's S3 server on loopback); once the save
+     of the step is durable, every node is killed and its store root deleted,
+     and a new job on three new nodes restores from the bucket (:mod:`.evict`).
 
    With ``link_mbit`` every node runs in a network namespace of its own, with a
    link of that many Mbit/s in each direction (:class:`tenplex.cluster.EmulatedCluster`),
@@ -51,6 +55,7 @@ this process: the training runs in the workers (``examples/01-gpt-train/train.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -61,6 +66,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import ConfigError, TenplexError
+from .evict import demo_bucket, fresh_hosts, require_moto
 from .nodes import Nodes
 
 if TYPE_CHECKING:
@@ -70,7 +76,7 @@ if TYPE_CHECKING:
 EXAMPLE = Path(__file__).resolve().parent / "gpt_train" / "train.py"
 DEFAULT_SCHEDULE = "join:h2@4,fail:h1@8,leave:h2@12"
 GLOBAL_BATCH = 12    # dp 1, 2 and 3 (one to three nodes of tp=2) all divide it into whole micro-batches
-KINDS = ("join", "fail", "leave", "gpufail", "partition")
+KINDS = ("join", "fail", "leave", "gpufail", "partition", "evict")
 WORKERS_PER_NODE = 2
 # How long a collective waits for a peer on links: a cut-off peer sends no reset, so this is how soon the others
 # notice a partition. Ample for this job's longest legitimate wait (a restore that transforms the tiny GPT).
@@ -102,7 +108,7 @@ def parse_schedule(text: str, initial: tuple[str, ...], steps: int, links: bool 
     """``"join:h2@4,fail:h1@8,leave:h2@12"`` -> events, checked against the nodes that run at each point
     (``links``: the nodes have network links of their own, which a partition needs)."""
     events: list[Event] = []
-    running, cut = list(initial), set()
+    running, cut, used = list(initial), set(), set(initial)
     failed: dict[str, set[str]] = {}  # node -> its failed devices
     for item in filter(None, (s.strip() for s in text.split(","))):
         m = re.fullmatch(r"(\w+):([A-Za-z0-9_-]+(?:/\d+)?)@(\d+)", item)
@@ -119,7 +125,10 @@ def parse_schedule(text: str, initial: tuple[str, ...], steps: int, links: bool 
         if event.kind == "partition" and not links:
             raise ConfigError(f"schedule item {item!r}: a partition cuts a node's network link; give --link-mbit N "
                               f"so that every node has one")
-        if event.kind == "gpufail":
+        if event.kind == "evict":
+            running = _check_evict(item, event, links, used)
+            used |= set(running)
+        elif event.kind == "gpufail":
             node, device = event.host.split("/")
             if node not in running:
                 raise ConfigError(f"schedule item {item!r}: {node} is not running then ({', '.join(running)})")
@@ -138,6 +147,7 @@ def parse_schedule(text: str, initial: tuple[str, ...], steps: int, links: bool 
                                   f"run; join a new host instead")
             running.append(event.host)
             failed.pop(event.host, None)  # a new node
+            used.add(event.host)
         else:
             if event.host not in running:
                 raise ConfigError(f"schedule item {item!r}: {event.host} is not running then ({', '.join(running)})")
@@ -150,14 +160,32 @@ def parse_schedule(text: str, initial: tuple[str, ...], steps: int, links: bool 
     return events
 
 
+def _check_evict(item: str, event: Event, links: bool, used: set[str]) -> list[str]:
+    """An eviction's nodes afterwards (new ones), or a one-line error."""
+    if event.host != "all":
+        raise ConfigError(f"schedule item {item!r}: an eviction loses the whole job: evict:all@STEP")
+    if links:
+        raise ConfigError(f"schedule item {item!r}: evict:all keeps its bucket on loopback; run it without "
+                          f"--link-mbit")
+    return fresh_hosts(used)
+
+
 def expected_hosts(initial: tuple[str, ...], events: list[Event]) -> list[list[str]]:
     """The nodes after each event (the world torchrun forms then)."""
-    running, after = list(initial), []
+    running, used, after = list(initial), set(initial), []
     for e in events:
-        if e.kind != "gpufail":  # a node with a failed device goes on
+        if e.kind == "evict":
+            running = fresh_hosts(used)
+        elif e.kind != "gpufail":  # a node with a failed device goes on
             running = running + [e.host] if e.kind == "join" else [h for h in running if h != e.host]
+        used |= set(running)
         after.append(sorted(running))
     return after
+
+
+def every_host(initial: tuple[str, ...], events: list[Event]) -> list[str]:
+    """Every node that runs at some point."""
+    return sorted(set(initial).union(*expected_hosts(initial, events)))
 
 
 def _script(data: Path, steps: int, record: Path, save_every: int, pins: dict[int, str],
@@ -207,7 +235,7 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
     gpufails = [f"{e.host}@{e.at}" for e in events if e.kind == "gpufail"]
     if gpufails:  # every node gets it; only the named device's worker fails (tenplex.elastic.faults)
         env["TENPLEX_INJECT_DEVICE_FAULT"] = ",".join(gpufails)
-    max_nodes = len(set(initial) | {e.host.split("/")[0] for e in events})
+    max_nodes = len(every_host(initial, events))
     script = script or _script(data, steps, record, save_every, pins,
                                LINKED_TIMEOUT_S if cluster is not None else None)
     with Nodes(workdir / "elastic", WORKERS_PER_NODE, max_nodes, script, env, cluster,
@@ -220,9 +248,10 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
         progress = _Progress(record, say)
         for i, e in enumerate(events):
             at = _await_event(progress, nodes, e, sorted(initial) if i == 0 else after[i - 1], deadline)
+            durable = _await_durable(progress, nodes, at) if e.kind == "evict" else None
             say(f"event {i + 1}: {e.kind} {e.host} at step {at}")
-            fired.append({"time": time.time(), "step": at})
-            _set_off(nodes, e, record)
+            fired.append({"time": time.time(), "step": at, **({"durable": durable} if durable else {})})
+            _set_off(nodes, e, record, after[i])
             _wait(lambda: progress.update() and progress.world_after(fired[-1]["time"], after[i]),  # noqa: B023
                   deadline, nodes,
                   f"a world of {', '.join(after[i])} after the {e.kind}")
@@ -253,9 +282,27 @@ def _await_event(progress: "_Progress", nodes: Nodes, e: Event, wanted: list[str
     return at
 
 
-def _set_off(nodes: Nodes, e: Event, record: Path) -> None:
-    """Make event ``e`` happen to its node."""
-    if e.kind == "join":
+def _await_durable(progress: "_Progress", nodes: Nodes, at: int | None) -> dict:
+    """Before an eviction: wait until the save of step ``at`` is in the bucket; its version and step."""
+    from .evict import wait_durable
+
+    def saves() -> list[dict]:
+        progress.update()
+        return [d for d in progress.docs if d["event"] == "saved"]
+
+    try:
+        return wait_durable(saves, at or 0, lambda: bool(nodes.running()))
+    except TimeoutError as e:
+        raise DemoError(f"{e}; logs: {nodes.base}/agent-*.log") from None
+
+
+def _set_off(nodes: Nodes, e: Event, record: Path, hosts: list[str]) -> None:
+    """Make event ``e`` happen to its node (``hosts``: the nodes after it)."""
+    if e.kind == "evict":
+        nodes.evict_all()
+        for host in hosts:
+            nodes.start(host)
+    elif e.kind == "join":
         nodes.start(e.host)
     elif e.kind == "fail":
         nodes.fail(e.host)
@@ -378,9 +425,12 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
     from .timeline import summarize
 
     events = parse_schedule(schedule, initial, steps, links=link_mbit is not None)
-    hosts = sorted(set(initial) | {e.host.split("/")[0] for e in events})
+    hosts = every_host(initial, events)
     if link_mbit is not None:
         require_links()
+    evicts = any(e.kind == "evict" for e in events)
+    if evicts:
+        require_moto()
     # One epoch is exactly the run's global batches: "every sample once" covers the whole dataset.
     make_dataset(workdir / "data", steps * GLOBAL_BATCH, GLOBAL_BATCH, seed=0)
     data = workdir / "data" / "dataset"
@@ -389,7 +439,9 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
     reference = run_reference(workdir, data, steps, say)
     pins = DEFAULT_PINS if pins is None else pins
     if link_mbit is None:
-        record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say, fuse=fuse)
+        # With an eviction every node flushes its saves to the bucket (TENPLEX_DURABLE in their environment).
+        with demo_bucket(workdir) if evicts else contextlib.nullcontext():
+            record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say, fuse=fuse)
     else:
         from ..cluster import EmulatedCluster
 

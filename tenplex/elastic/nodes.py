@@ -14,7 +14,9 @@ own store root ``BASE/HOST``. What happens to a node:
   die with it through ``PR_SET_PDEATHSIG``, see :mod:`tenplex.elastic.entry`)
   and to its store process: everything on the host is gone at once;
 * ``partition`` (only with a ``cluster``): the node's link is cut, its
-  processes keep running (see :meth:`Nodes.partition`).
+  processes keep running (see :meth:`Nodes.partition`);
+* ``evict_all``: every node fails at once and its store root is deleted: the
+  job's state survives only in its bucket (see :mod:`tenplex.elastic.evict`).
 
 With an :class:`~tenplex.cluster.EmulatedCluster`, every node runs
 inside its host's network namespace, with a link of its own: its agent, its
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -60,6 +63,7 @@ class Nodes:
         self.partitioned: set[str] = set()
         self.rendezvous: subprocess.Popen | None = None
         self.endpoint = ""
+        self.rdzv_id = "demo"  # a new one after evict_all: the nodes started then form a new job
         self.token_file = self.base / "token"
         if cluster is not None:  # the stores bind the hosts' addresses, not loopback: they need a token
             self.token_file.touch(mode=0o600)
@@ -105,7 +109,7 @@ class Nodes:
             raise HostError(f"node {host} is already running")
         argv = [sys.executable, "-m", "tenplex.cli", "run", "--host", host, "--store-root", str(self.root(host)),
                 "--nnodes", f"1:{self.max_nodes}", "--nproc-per-node", str(self.nproc),
-                "--rdzv-endpoint", self.endpoint, "--rdzv-id", "demo"]
+                "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.rdzv_id]
         if self.dataset is not None:
             argv += ["--dataset", str(self.dataset), "--data-mount", str(self.view(host))]
         env = self.env
@@ -141,6 +145,21 @@ class Nodes:
             if view is not None and alive(view):
                 os.kill(view, signal.SIGKILL)
         agent.wait()
+
+    def evict_all(self) -> list[str]:
+        """The whole job is lost: every running node fails and its store root (every local copy) is deleted; the
+        nodes started afterwards rendezvous as a new job. Returns the evicted nodes."""
+        hosts = self.running()
+        for host in hosts:  # every process group first: no node may outlive the others long enough to go on alone
+            try:
+                os.killpg(self.agents[host].pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for host in hosts:
+            self.fail(host)
+            shutil.rmtree(self.root(host))
+        self.rdzv_id = f"demo-{len(self.agents)}"
+        return hosts
 
     def partition(self, host: str) -> None:
         """Cut the node's link: its agent, store and workers keep running, but no packet gets in or out and no

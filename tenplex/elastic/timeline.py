@@ -126,6 +126,8 @@ def saved_layout(roots: list[Path], version: int):
     from ..store import Store
 
     for root in roots:
+        if not root.is_dir():  # evicted (evict:all deletes every root): opening a Store would make it again
+            continue
         try:
             return Store(root, root.name).open(version).layout()
         except Exception:  # noqa: BLE001 -- not on this host (or promoted elsewhere): try the next
@@ -224,7 +226,16 @@ def _event_row(e, f: dict, hosts: list[str], worlds: list[World], elastic: Path,
            "restore_s": round(target.restore_s, 3), "bytes": _bytes(target, roots)}
     if e.kind == "partition":
         row["cut_off"] = _cut_off(e.host, f["time"], worlds, roots)
+    if e.kind == "evict":
+        resumed_right &= _evicted(row, f)
     return row, exact, resumed_right
+
+
+def _evicted(row: dict, f: dict) -> bool:
+    """An eviction's row gets the newest durable save before it (``f["durable"]``: version and step); whether the
+    new job resumed from it (nothing else was left)."""
+    row["durable"] = f.get("durable")
+    return row["durable"] is not None and row["resumed_from_step"] == row["durable"]["step"]
 
 
 def _checks(history: dict, ref_history: dict, out_events: list[dict], bit_exact: bool, position_ok: bool,
@@ -273,6 +284,9 @@ def print_timeline(summary: dict, say) -> None:
             f"resumed from step {e['resumed_from_step']}, {e['lost_steps']} step(s) lost and replayed")
         say(f"   bytes: kept {b['kept']}, within hosts {b['intra_host']}, between hosts {b['inter_host']} "
             f"(lower bound {b['inter_host_lower_bound']})")
+        if e.get("durable"):
+            say(f"   every node and store lost; the new job restored durable version {e['durable']['version']} "
+                f"(step {e['durable']['step']}) from the bucket")
         if "cut_off" in e:
             cut = e["cut_off"]
             say(f"   new world {e['detect_s'] + e['restart_s'] + e['restore_s']:.1f} s after the cut; {e['host']} "
@@ -314,7 +328,7 @@ def plot(summary: dict, history: dict, path: Path) -> None:
                 label="lost with a failed node, then replayed")
     for e in summary["events"]:
         color = {"join": "tab:green", "fail": "tab:red", "leave": "tab:orange", "partition": "tab:purple",
-                 "gpufail": "tab:brown"}[e["kind"]]
+                 "gpufail": "tab:brown", "evict": "tab:olive"}[e["kind"]]
         ax.axvline(e["at_step"] + 0.5, color=color, ls="--")
         label = f"{e['kind']} {e['host']}"
         if "to" in e:
