@@ -31,7 +31,7 @@ class Record:
                    saved_version=r.saved_version,
                    transformed=r.transformed, read_through=r.read_through, plan_stats=r.plan_stats,
                    restore_s=r.seconds,
-                   position=job.data_state.position)
+                   position=job.data_state.position, data_view=str(job.data_view) if job.data_view else None)
         if r.version is not None:
             self.dump(f"restored-{r.step}-{self.tag}")
 
