@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,13 +25,11 @@ def _run(example: str, root: Path, nproc: int, *args: str) -> str:
 
 
 def _stop_store(root: Path) -> None:
-    pid_file = root / ".tenplex-store.pid"  # tenplex run leaves its store serving: stop it
-    if pid_file.exists():
-        pid = int(pid_file.read_text())
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+    """tenplex run leaves its store serving: stop it as `tenplex store stop --store-root` does."""
+    from tenplex.elastic.launcher import stop_store
+
+    if root.exists():
+        stop_store(root)
 
 
 def _losses(out: str) -> list[float]:

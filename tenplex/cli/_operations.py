@@ -10,6 +10,7 @@ import logging
 
 from ..errors import UsageError
 from ..ops import logs, metrics
+from .units import tcp_port
 
 
 def add_arguments(parser: argparse.ArgumentParser, with_metrics: bool = True) -> None:
@@ -17,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser, with_metrics: bool = True) ->
                         help="log lines as text (default) or as one JSON object per line (time, level, logger, "
                              "message, host, job, world, version, step)")
     if with_metrics:
-        parser.add_argument("--metrics-port", type=_port, default=None,
+        parser.add_argument("--metrics-port", type=tcp_port, default=None,
                             help="serve Prometheus metrics at http://BIND:PORT/metrics (default: none)")
         parser.add_argument("--metrics-bind", default="127.0.0.1",
                             help="address of the metrics endpoint (default 127.0.0.1; 0.0.0.0 for a scraper "
@@ -43,12 +44,3 @@ def serve_metrics(args: argparse.Namespace, registry) -> int | None:
     logging.getLogger("tenplex.ops").info("metrics on http://%s:%d/metrics", args.metrics_bind, port)
     return port
 
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: use 0-65535 (0: any free port)")
-    return port

@@ -15,7 +15,7 @@ import threading
 from pathlib import Path
 
 from ._operations import add_arguments as add_operations_arguments, setup_logs
-from .store import _port
+from .units import tcp_port
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="serve a multi-tenant TCPStore that torchrun agents join with is_host=false")
     serve.add_argument("--bind", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1; others need --allow-unauthenticated)")
-    serve.add_argument("--port", type=_port, default=29400, help="port (default 29400; 0: any free port)")
+    serve.add_argument("--port", type=tcp_port, default=29400, help="port (default 29400; 0: any free port)")
     serve.add_argument("--port-file", type=Path, help="write the bound port to this file once serving")
     serve.add_argument("--allow-unauthenticated", action="store_true",
                        help="allow a non-loopback bind: TCPStore has no authentication, use a trusted network")

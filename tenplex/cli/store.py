@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..errors import UsageError
 from ._operations import add_arguments as add_operations_arguments
+from .units import tcp_port
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,8 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--root", required=True, type=Path, help="store directory (created if missing)")
     serve.add_argument("--host", required=True, help="host name of this store, e.g. h0")
     serve.add_argument("--bind", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need a token)")
-    serve.add_argument("--port", type=_port, default=0, help="port (default 0: any free port; one in use is refused)")
-    serve.add_argument("--probe-port", type=_port, default=None,
+    serve.add_argument("--port", type=tcp_port, default=0,
+                       help="port (default 0: any free port; one in use is refused)")
+    serve.add_argument("--probe-port", type=tcp_port, default=None,
                        help="also answer grpc.health.v1 without a token on this port of the same address, for "
                             "kubelet gRPC probes (health only, requests of at most 1 KiB; default: none)")
     serve.add_argument("--port-file", type=Path, help="write the bound port to this file once serving")
@@ -83,15 +85,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _token_arguments(tr)
     tr.set_defaults(handler=_transform)
 
-
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: use 0-65535 (0: any free port)")
-    return port
 
 
 def _positive(text: str) -> int:

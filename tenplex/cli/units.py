@@ -1,4 +1,7 @@
-"""Human-readable units for command-line output. May import: the standard library only."""
+"""Units on the command line: human-readable sizes in output, TCP ports in options. May import: the standard library
+only."""
+
+import argparse
 
 
 def human_bytes(n: int) -> str:
@@ -11,3 +14,14 @@ def human_bytes(n: int) -> str:
         if abs(value) < 1024:
             break
     return f"{value:.1f} {unit}"
+
+
+def tcp_port(text: str) -> int:
+    """An argparse type: a TCP port, 0-65535 (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: use 0-65535 (0: any free port)")
+    return port
