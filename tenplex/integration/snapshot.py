@@ -19,8 +19,8 @@ unchanged. What differs is when the work happens (README, "Snapshots every step"
 2. **In the background** (one thread per rank, no collective): the rank
    writes its buffers as its part of version N, hard-links the unchanged pieces' files from version N-1
    (a link that fails, EXDEV say, copies the file's bytes) and prepares the part; the first
-   rank of each host first collects old versions (``keep``) and adds the
-   layout and state documents.
+   rank of each host adds the state document (made at the boundary) and the layout and stores
+   documents (made here, from the all-gather's answers).
 3. **The commit, through the job's key-value store** (the c10d TCPStore at
    ``MASTER_ADDR:MASTER_PORT``; a client connection of the thread's own, not
    the process group): each rank that prepared adds 1 to the version's
@@ -100,7 +100,7 @@ class _InFlight:
     parts: list[str]
     world: int
     key: str                         # the version's keys in the job's key-value store
-    layout: Layout | None            # leaders: the saved layout (replication)
+    layout: Layout | None            # leaders: the saved layout (replication), made by the background thread
     addresses: dict[str, str]
     replicas: int
     fingerprints: dict[tuple[str, Box], tuple]  # of every piece this rank writes (staged or linked)
@@ -163,18 +163,19 @@ class Snapshotter:
         unchanged = self._unchanged(fingerprints, version)
         self.staging.stage([p for p in own if (p.name, p.box) not in unchanged])
         documents: dict[str, Any] = {}
-        layout = None
+        leader_docs = None
         if rank == leader:
-            layout = saved_layout(tensors, docs, writers)
-            documents = {STATE_DOC: ckpt._state_doc(docs, step, extra, scheduler, scaler, optimizer),
-                         STORES_DOC: stores_doc(version, {h: addresses.get(h) for h in ring}, replicas, ring)}
+            # The state document reads the scheduler, scaler and optimizer now (they change at the next step);
+            # the layout and the stores document depend only on the all-gather's answers: built in the background.
+            documents = {STATE_DOC: ckpt._state_doc(docs, step, extra, scheduler, scaler, optimizer)}
+            leader_docs = (tensors, docs, writers, ring)
         job = self.inflight = _InFlight(
             version, step, rank == leader, [f"rank{r}" for r, d in enumerate(docs) if d["host"] == ckpt.host], world,
-            f"tenplex/snapshot/{docs[0]['nonce']}", layout, addresses, replicas,
+            f"tenplex/snapshot/{docs[0]['nonce']}", None, addresses, replicas,
             {k: f for k, f in fingerprints.items() if f is not None},
             [(p.name, p.box) for p in own if (p.name, p.box) in unchanged], called_at=begin)
         specs = {p.name: p.spec for p in own}
-        job.thread = threading.Thread(target=self._write, args=(job, specs, documents, rank),
+        job.thread = threading.Thread(target=self._write, args=(job, specs, documents, leader_docs, rank),
                                       name=f"tenplex-snapshot-{version}", daemon=True)
         job.thread.start()
         blocking = time.monotonic() - begin
@@ -247,11 +248,16 @@ class Snapshotter:
         job.future.set_result(job.version)
 
     # ------------------------------------------------------------ background
-    def _write(self, job: _InFlight, specs, documents: dict[str, Any], rank: int) -> None:
+    def _write(self, job: _InFlight, specs, documents: dict[str, Any], leader_docs, rank: int) -> None:
         """Write and prepare this rank's part, then take part in the commit (see the module docstring)."""
         ckpt, store = self.ckpt, self.ckpt.store
         begin = time.monotonic()
         try:
+            if leader_docs is not None:
+                tensors, docs, writers, ring = leader_docs
+                job.layout = saved_layout(tensors, docs, writers)
+                documents[STORES_DOC] = stores_doc(job.version, {h: job.addresses.get(h) for h in ring}, job.replicas,
+                                                   ring)
             self.staging.wait_copied()
             with store.begin(job.version, part=f"rank{rank}") as writer:
                 for name, box, buffer in self.staging.buffers():
@@ -364,9 +370,11 @@ class Snapshotter:
                 with self._copy_wanted:
                     if self._closed or self._next_copy is not None:
                         break  # superseded: copy the newer one instead
-                    replicator = ckpt._replicator = Replicator(ckpt.store, version, layout, replicas, addresses,
-                                                               token=ckpt.token, keep=ckpt.keep)
-                if replicator.start().wait():
+                    # Started before it is published: wait_replicated (the training thread) may join it at once.
+                    replicator = Replicator(ckpt.store, version, layout, replicas, addresses, token=ckpt.token,
+                                            keep=ckpt.keep).start()
+                    ckpt._replicator = replicator
+                if replicator.wait():
                     self.stats["replicated_step"] = step
                     break
                 if replicator.state == "cancelled":
