@@ -289,7 +289,7 @@ class Checkpointer:
         time, or nothing was saved yet. :meth:`replication_status` says why.
         """
         if self._snapshots is not None:
-            self._snapshots.wait_copies(timeout)  # the newest committed snapshot's copy is then the one running
+            self._snapshots.wait_copies(timeout)  # the newest committed snapshot's copy, retries included, is done
         replicator = self._replicator
         ok = self._replicated_version is not None and (replicator is None or replicator.wait(timeout))
         reports = all_gather_json({"host": self.host, "ok": ok,

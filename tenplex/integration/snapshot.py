@@ -128,6 +128,7 @@ class Snapshotter:
         self._unchanged_base: tuple[int, dict[tuple[str, Box], tuple]] | None = None  # newest committed, its pieces
         self._next_copy: tuple[int, int, Layout, dict, int] | None = None  # newest committed, not yet copied
         self._copying_step: int | None = None
+        self._copy_busy = False  # a snapshot's copy is running or will be retried (wait_copies waits for it)
         self._copy_wanted = threading.Condition()
         self._copier: threading.Thread | None = None
         self._closed = False
@@ -355,7 +356,6 @@ class Snapshotter:
     def _copy_loop(self) -> None:
         """Copy one snapshot at a time, the newest first: a copy still running is not cancelled by a newer
         snapshot, and of the snapshots committed meanwhile only the newest is copied next."""
-        ckpt = self.ckpt
         while True:
             with self._copy_wanted:
                 while self._next_copy is None and not self._closed:
@@ -366,29 +366,37 @@ class Snapshotter:
                 version, step, layout, addresses, replicas = self._next_copy
                 self._next_copy = None
                 self._copying_step = step
-            for _ in range(_COPY_TRIES):
-                with self._copy_wanted:
-                    if self._closed or self._next_copy is not None:
-                        break  # superseded: copy the newer one instead
-                    # Started before it is published: wait_replicated (the training thread) may join it at once.
-                    replicator = Replicator(ckpt.store, version, layout, replicas, addresses, token=ckpt.token,
-                                            keep=ckpt.keep).start()
-                    ckpt._replicator = replicator
-                if replicator.wait():
-                    self.stats["replicated_step"] = step
-                    break
-                if replicator.state == "cancelled":
-                    break
-                # Each host commits on its own once every rank prepared: the origin's commit may come a moment
-                # after ours (its store answers NOT_FOUND until then).
-                time.sleep(_COPY_RETRY_S)
+                self._copy_busy = True
+            self._copy_with_retries(version, step, layout, addresses, replicas)
+            with self._copy_wanted:
+                self._copy_busy = False
+                self._copy_wanted.notify_all()
+
+    def _copy_with_retries(self, version: int, step: int, layout: Layout, addresses: dict, replicas: int) -> None:
+        ckpt = self.ckpt
+        for _ in range(_COPY_TRIES):
+            with self._copy_wanted:
+                if self._closed or self._next_copy is not None:
+                    return  # superseded: copy the newer one instead
+                # Started before it is published: wait_replicated (the training thread) may join it at once.
+                replicator = Replicator(ckpt.store, version, layout, replicas, addresses, token=ckpt.token,
+                                        keep=ckpt.keep).start()
+                ckpt._replicator = replicator
+            if replicator.wait():
+                self.stats["replicated_step"] = step
+                return
+            if replicator.state == "cancelled":
+                return
+            # Each host commits on its own once every rank prepared: the origin's commit may come a moment
+            # after ours (its store answers NOT_FOUND until then).
+            time.sleep(_COPY_RETRY_S)
 
     def wait_copies(self, timeout: float | None) -> None:
-        """Wait up to ``timeout`` seconds until no snapshot waits to be copied (the newest one's copy may still run:
-        :meth:`Checkpointer.wait_replicated` waits for it)."""
+        """Wait up to ``timeout`` seconds until the newest committed snapshot's copy is done, its retries
+        included (a first try that fails because the origin has not committed yet is not the answer)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._copy_wanted:
-            while self._next_copy is not None and not self._closed:
+            while (self._next_copy is not None or self._copy_busy) and not self._closed:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return
