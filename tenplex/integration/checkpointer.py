@@ -256,7 +256,8 @@ class Checkpointer:
     def snapshot_stats(self) -> dict:
         """This rank's snapshots: counts (snapshots, committed, failed), the seconds the training loop was blocked
         (total, last, of which waiting for the previous write), the last background write and commit seconds,
-        the staging bytes, the newest committed and replicated steps and the replication lag in steps."""
+        the staging bytes, the last snapshot's bytes linked unchanged from the previous one (``linked_bytes``), the
+        newest committed and replicated steps and the replication lag in steps."""
         if self._snapshots is None:
             return {}
         stats = dict(self._snapshots.stats)
