@@ -22,12 +22,13 @@ from tenplex.store import Store
 DEVICES = ["h0/0", "h1/0"]
 
 
-def run(base: Path, name: str, ops: list[dict], keep: int = 2, expect_failure: bool = False) -> list[list[dict]]:
+def run(base: Path, name: str, ops: list[dict], keep: int = 2, expect_failure: bool = False,
+        frozen: tuple[str, ...] = ()) -> list[list[dict]]:
     """Run ``ops`` on two ranks, one per host (h0, h1), without replication; every rank's results."""
     out = base / name
     out.mkdir(parents=True)
     (out / "spec.json").write_text(json.dumps({"out": str(out), "ops": ops, "replicas": 0, "keep": keep,
-                                               "stores": {}}))
+                                               "stores": {}, "frozen": list(frozen)}))
     roots = {h: base / "stores" / h for h in ("h0", "h1")}
     try:
         launch.run_job([sys.executable, str(REPLICA_WORKER), str(out / "spec.json")], DEVICES, roots, {},
@@ -89,6 +90,40 @@ def test_retention_keeps_the_newest_versions(four_snapshots):
         assert [r for r in ops if r["op"] == "wait_snapshot"][0]["versions"] == [3, 4]  # keep=2
     for host in ("h0", "h1"):
         assert Store(base / "stores" / host, host).versions() == [3, 4]
+
+
+def shard_inode(root: Path, host: str, version: int, tensor: str) -> int:
+    """The inode of the file that holds ``tensor`` (its one box on the host's device) in ``version``."""
+    reader = Store(root, host).open(version)
+    try:
+        (entry,) = [e for e in reader.entries if e.tensor == tensor]
+        return (root / "versions" / str(version) / entry.file).stat().st_ino
+    finally:
+        reader.close()
+
+
+def test_unchanged_shards_are_hard_links_to_the_previous_snapshot(tmp_path):
+    snap = {"op": "snapshot"}
+    ranks = run(tmp_path, "train", [{"op": "train", "steps": 1}, snap, snap, {"op": "wait_snapshot"}], keep=5,
+                frozen=("b",))
+    for rank, ops in enumerate(ranks):
+        assert ops[-1]["outcomes"] == [1, 2]
+        first, second = [r["stats"] for r in ops if r["op"] == "snapshot"]
+        dump = load_file(str(tmp_path / "train" / f"snap_step2_r{rank}.safetensors"))
+        frozen = dump["b"].numel() * dump["b"].element_size()
+        # The frozen bias is not staged by the second snapshot: its file is linked from the first.
+        assert first["linked_bytes"] == 0 and first["staging_bytes"] == state_bytes(dump)
+        assert second["linked_bytes"] == frozen and second["staging_bytes"] == state_bytes(dump) - frozen
+    for host in ("h0", "h1"):
+        root = tmp_path / "stores" / host
+        assert shard_inode(root, host, 1, "b") == shard_inode(root, host, 2, "b")
+        for trained in ("w", "optim.exp_avg.w", "optim.exp_avg_sq.w"):
+            assert shard_inode(root, host, 1, trained) != shard_inode(root, host, 2, trained)
+    again = run(tmp_path, "restore", [{"op": "restore"}], frozen=("b",))
+    for rank, ops in enumerate(again):
+        assert ops[0]["step"] == 2 and ops[0]["info"]["version"] == 2
+        assert_bit_equal(load_file(str(tmp_path / "restore" / f"restored_r{rank}.safetensors")),
+                         load_file(str(tmp_path / "train" / f"snap_step2_r{rank}.safetensors")))
 
 
 def test_a_rank_killed_during_the_background_write_leaves_the_previous_snapshot_newest(tmp_path):

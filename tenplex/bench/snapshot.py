@@ -19,7 +19,9 @@ round the slowest rank (barriers around it):
   ``dcp_async_blocking_s``: ``dcp.async_save`` (on a gloo group of its own, as
   its documentation asks) until it returns; ``dcp_async_commit_s``: until its
   future is done;
-* memory: ``tenplex_staging_bytes`` (the snapshot's buffers, all ranks) and
+* memory: ``tenplex_staging_bytes`` (the snapshot's buffers, all ranks; before each round every parameter and
+  moment is changed in place, as by a step, so only what no step changes is linked,
+  ``tenplex_snapshot_linked_bytes``) and
   ``dcp_async_extra_rss_bytes`` (resident memory grown during ``async_save``,
   all ranks);
 * the end-to-end cost on this machine: ``train_step_s`` without saving and
@@ -147,6 +149,9 @@ def _worker(spec_path: str) -> None:
 
     def snapshot(i: int) -> tuple[float, float, float]:
         floor = memcpy()  # the floor, measured next to each snapshot: this machine's load varies
+        with torch.no_grad():  # as a training step would: every parameter and moment changes (the snapshot then
+            for t in local:    # stages them all; only what no step changes, buffers, is linked from the last one)
+                t.mul_(1)
         dist.barrier()
         begin = time.perf_counter()
         ckpt.async_save(trainer.model, trainer.optimizer, step=100 + i, scheduler=trainer.scheduler)
@@ -160,6 +165,7 @@ def _worker(spec_path: str) -> None:
     buffers.clear()  # free them before DCP takes memory
     stats = ckpt.snapshot_stats()
     result["tenplex_staging_bytes"] = int(_summed(stats["staging_bytes"]))
+    result["tenplex_snapshot_linked_bytes"] = int(_summed(stats["linked_bytes"]))
     result["tenplex_snapshot_failed"] = int(_summed(stats["failed"]))
 
     state_dict = dict(zip(("model", "optim"), get_state_dict(trainer.model, trainer.optimizer)))

@@ -256,7 +256,8 @@ class Checkpointer:
     def snapshot_stats(self) -> dict:
         """This rank's snapshots: counts (snapshots, committed, failed), the seconds the training loop was blocked
         (total, last, of which waiting for the previous write), the last background write and commit seconds,
-        the staging bytes, the newest committed and replicated steps and the replication lag in steps."""
+        the staging bytes, the last snapshot's bytes linked unchanged from the previous one (``linked_bytes``), the
+        newest committed and replicated steps and the replication lag in steps."""
         if self._snapshots is None:
             return {}
         stats = dict(self._snapshots.stats)
@@ -289,7 +290,7 @@ class Checkpointer:
         time, or nothing was saved yet. :meth:`replication_status` says why.
         """
         if self._snapshots is not None:
-            self._snapshots.wait_copies(timeout)  # the newest committed snapshot's copy is then the one running
+            self._snapshots.wait_copies(timeout)  # the newest committed snapshot's copy, retries included, is done
         replicator = self._replicator
         ok = self._replicated_version is not None and (replicator is None or replicator.wait(timeout))
         reports = all_gather_json({"host": self.host, "ok": ok,

@@ -50,11 +50,23 @@ class Piece:
     box: Box          # in global coordinates
     local_box: Box    # the same region inside ``local``
     local: torch.Tensor
+    # The in-place version counters when the piece was made (None: not tracked, an inference tensor): snapshots
+    # skip a piece whose counters and storage did not change since the last one (:mod:`.snapshot`)
+    version: tuple[int, ...] | None = None
 
     def read(self) -> torch.Tensor:
         """The piece's values as a contiguous CPU tensor (a copy when the tensor lives on an accelerator)."""
         region = self.local[self.local_box.slices()]
         return region.detach().to("cpu").contiguous()
+
+
+def version_of(*tensors: torch.Tensor) -> tuple[int, ...] | None:
+    """The tensors' in-place version counters. A DTensor's in-place ops bump the wrapper's counter, not its
+    local tensor's (measured, torch 2.13), and a copy into the local tensor bumps only the local one: both count."""
+    try:
+        return tuple(t._version for t in tensors)
+    except RuntimeError:  # inference tensors track no version
+        return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -81,14 +93,15 @@ def tensor_pieces(name: str, tensor: torch.Tensor, annotation=None) -> list[Piec
             raise LayoutError(f"tensor {name!r}: local tensor of shape {list(local.shape)} is smaller than its "
                               f"shard {list(lengths)} computed from mesh {tensor.device_mesh} and placements "
                               f"{tensor.placements}")
-        return [Piece(name, spec, Box(offsets, lengths), Box((0,) * len(lengths), lengths), local)]
+        return [Piece(name, spec, Box(offsets, lengths), Box((0,) * len(lengths), lengths), local,
+                      version_of(tensor, local))]
     if annotation is not None:
         spec = TensorSpec(annotation.global_shape, dtype_name(tensor.dtype))
-        return [Piece(name, spec, box, local_box, tensor)
+        return [Piece(name, spec, box, local_box, tensor, version_of(tensor))
                 for box, local_box in annotation.pieces(name, tuple(tensor.shape))]
     spec = TensorSpec(tuple(tensor.shape), dtype_name(tensor.dtype))
     whole = Box.whole(spec.shape)
-    return [Piece(name, spec, whole, whole, tensor)]
+    return [Piece(name, spec, whole, whole, tensor, version_of(tensor))]
 
 
 def model_pieces(model: torch.nn.Module, annotations: Annotations | None = None) -> list[Piece]:
@@ -160,7 +173,7 @@ def _factored_pieces(name: str, state: torch.Tensor, reduced: list[int], param_p
                        tuple(1 if d in reduced else n for d, n in enumerate(box.lengths)))
         shape = tuple(1 if d in reduced else n for d, n in enumerate(pp.spec.shape))
         pieces.append(Piece(name, TensorSpec(shape, dtype_name(state.dtype)), collapse(pp.box),
-                            collapse(pp.local_box), state))
+                            collapse(pp.local_box), state, version_of(state)))
     return pieces
 
 

@@ -1,6 +1,6 @@
 """Snapshots: a save that returns once the state is staged in host memory; a background thread stores and commits it.
 
-May import: ``tenplex.store``, ``tenplex.replication``, ``tenplex.layout``, ``tenplex.errors``,
+May import: ``tenplex.box``, ``tenplex.store``, ``tenplex.replication``, ``tenplex.layout``, ``tenplex.errors``,
 ``tenplex.integration`` (pieces, layouts, canonical, snapshot_buffers, exchange, nontensor, versions), torch,
 torch.distributed and the standard library.
 
@@ -13,11 +13,14 @@ unchanged. What differs is when the work happens (README, "Snapshots every step"
    snapshot in flight per rank), then one small all-gather of JSON carries
    every rank's tensors and boxes, RNG state and optimizer scalars, *and the
    outcome of the previous snapshot* (settled below). The rank copies the
-   pieces it writes into reused staging buffers (:mod:`.snapshot_buffers`) and returns.
+   pieces it writes into reused staging buffers (:mod:`.snapshot_buffers`) and returns. A piece unchanged
+   since the previous snapshot, which committed and is the newest version (same storage, same in-place
+   version counters, :attr:`Piece.version`: frozen parameters), is not staged at all.
 2. **In the background** (one thread per rank, no collective): the rank
-   writes its buffers as its part of version N and prepares it; the first
-   rank of each host first collects old versions (``keep``) and adds the
-   layout and state documents.
+   writes its buffers as its part of version N, hard-links the unchanged pieces' files from version N-1
+   (a link that fails, EXDEV say, copies the file's bytes) and prepares the part; the first
+   rank of each host adds the state document (made at the boundary) and the layout and stores
+   documents (made here, from the all-gather's answers).
 3. **The commit, through the job's key-value store** (the c10d TCPStore at
    ``MASTER_ADDR:MASTER_PORT``; a client connection of the thread's own, not
    the process group): each rank that prepared adds 1 to the version's
@@ -52,12 +55,16 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ..box import Box
 from ..errors import TenplexError
 from ..layout import Layout
 from ..replication.copier import Replicator
 from ..replication.stores import STORES_DOC, stores_doc
+from ..store import CorruptShard
+from ..store.contract import LinkingWriter
 from .exchange import agree, all_gather_json
 from .layouts import first_holder_per_host, merge_specs, saved_layout, state_pieces
+from .pieces import Piece
 from .shardio import _as_storage
 from .canonical import canonical_buffers
 from .snapshot_buffers import SnapshotBuffers
@@ -66,6 +73,17 @@ from .versions import STATE_DOC
 log = logging.getLogger(__name__)
 _POLL_S = 0.005  # how often a host's first rank looks for the commit decision (one small request each)
 _COPY_TRIES, _COPY_RETRY_S = 20, 0.25  # a snapshot's copy is retried for ~5 s: other hosts commit a moment later
+
+
+def _fingerprint(piece: Piece) -> tuple | None:
+    """What must stay the same for a piece to count as unchanged: the storage it lives in and the in-place
+    version counters (a change through ``.data`` bumps no counter and is not seen: optimizers change parameters
+    in place, torch's own under ``no_grad``, which counts). None: not tracked (never skipped)."""
+    if piece.version is None:
+        return None
+    local = piece.local
+    return (str(local.device), local.untyped_storage().data_ptr(), local.storage_offset(), str(local.dtype),
+            piece.version)
 
 
 class SnapshotError(TenplexError, RuntimeError):
@@ -82,9 +100,11 @@ class _InFlight:
     parts: list[str]
     world: int
     key: str                         # the version's keys in the job's key-value store
-    layout: Layout | None            # leaders: the saved layout (replication)
+    layout: Layout | None            # leaders: the saved layout (replication), made by the background thread
     addresses: dict[str, str]
     replicas: int
+    fingerprints: dict[tuple[str, Box], tuple]  # of every piece this rank writes (staged or linked)
+    linked: list[tuple[str, Box]]    # the pieces unchanged since version - 1: linked from there, not staged
     future: Future = field(default_factory=Future)
     called_at: float = field(default_factory=time.monotonic)  # when async_save was called
     written: threading.Event = field(default_factory=threading.Event)
@@ -105,15 +125,17 @@ class Snapshotter:
         self.inflight: _InFlight | None = None
         self._kv: Any = None
         self._kv_tried = False
+        self._unchanged_base: tuple[int, dict[tuple[str, Box], tuple]] | None = None  # newest committed, its pieces
         self._next_copy: tuple[int, int, Layout, dict, int] | None = None  # newest committed, not yet copied
         self._copying_step: int | None = None
+        self._copy_busy = False  # a snapshot's copy is running or will be retried (wait_copies waits for it)
         self._copy_wanted = threading.Condition()
         self._copier: threading.Thread | None = None
         self._closed = False
         self.stats: dict[str, Any] = {"snapshots": 0, "committed": 0, "failed": 0, "blocking_s": 0.0,
                                       "waited_s": 0.0, "last_blocking_s": 0.0, "write_s": 0.0, "last_write_s": 0.0,
-                                      "last_commit_s": None, "staging_bytes": 0, "committed_step": None,
-                                      "replicated_step": None}
+                                      "last_commit_s": None, "staging_bytes": 0, "linked_bytes": 0,
+                                      "committed_step": None, "replicated_step": None}
 
     # ------------------------------------------------------------------ boundary
     def snapshot(self, model, optimizer, *, step: int, extra, scheduler, scaler, annotations, rng: bool) -> Future:
@@ -138,26 +160,41 @@ class Snapshotter:
         ring = sorted({d["host"] for d in docs if d["boxes"]})
         replicas = ckpt._replica_count(addresses, ring)
         own = [canonical.get((p.name, p.box), p) for p in pieces if writers[(ckpt.host, p.name, p.box)] == rank]
-        self.staging.stage(own)
+        fingerprints = {(p.name, p.box): _fingerprint(p) for p in own}
+        unchanged = self._unchanged(fingerprints, version)
+        self.staging.stage([p for p in own if (p.name, p.box) not in unchanged])
         documents: dict[str, Any] = {}
-        layout = None
+        leader_docs = None
         if rank == leader:
-            layout = saved_layout(tensors, docs, writers)
-            documents = {STATE_DOC: ckpt._state_doc(docs, step, extra, scheduler, scaler, optimizer),
-                         STORES_DOC: stores_doc(version, {h: addresses.get(h) for h in ring}, replicas, ring)}
+            # The state document reads the scheduler, scaler and optimizer now (they change at the next step);
+            # the layout and the stores document depend only on the all-gather's answers: built in the background.
+            documents = {STATE_DOC: ckpt._state_doc(docs, step, extra, scheduler, scaler, optimizer)}
+            leader_docs = (tensors, docs, writers, ring)
         job = self.inflight = _InFlight(
             version, step, rank == leader, [f"rank{r}" for r, d in enumerate(docs) if d["host"] == ckpt.host], world,
-            f"tenplex/snapshot/{docs[0]['nonce']}", layout, addresses, replicas, called_at=begin)
+            f"tenplex/snapshot/{docs[0]['nonce']}", None, addresses, replicas,
+            {k: f for k, f in fingerprints.items() if f is not None},
+            [(p.name, p.box) for p in own if (p.name, p.box) in unchanged], called_at=begin)
         specs = {p.name: p.spec for p in own}
-        job.thread = threading.Thread(target=self._write, args=(job, specs, documents, rank),
+        job.thread = threading.Thread(target=self._write, args=(job, specs, documents, leader_docs, rank),
                                       name=f"tenplex-snapshot-{version}", daemon=True)
         job.thread.start()
         blocking = time.monotonic() - begin
         self.stats.update(snapshots=self.stats["snapshots"] + 1, blocking_s=self.stats["blocking_s"] + blocking,
                           staged_version=version, staged_step=step,
                           waited_s=self.stats["waited_s"] + waited, last_blocking_s=blocking,
-                          staging_bytes=self.staging.nbytes)
+                          staging_bytes=self.staging.nbytes,
+                          linked_bytes=sum(p.box.volume * p.local.element_size() for p in own
+                                           if (p.name, p.box) in unchanged))
         return job.future
+
+    def _unchanged(self, fingerprints: dict[tuple[str, Box], tuple | None], version: int) -> set[tuple[str, Box]]:
+        """The pieces that the previous snapshot holds as they are now, when it is version - 1: no other version
+        (a blocking save, a restore) came between, so its files are the newest committed ones."""
+        if self._unchanged_base is None or self._unchanged_base[0] != version - 1:
+            return set()
+        before = self._unchanged_base[1]
+        return {key for key, f in fingerprints.items() if f is not None and before.get(key) == f}
 
     def settle(self) -> int | None:
         """Finish the snapshot in flight (wait for its write, commit or drop it everywhere); the newest committed
@@ -196,6 +233,7 @@ class Snapshotter:
             except Exception as e:  # noqa: BLE001 -- reported below, like a failed write
                 failed = [(-1, f"{type(e).__name__}: {e}")]
         if failed:
+            self._unchanged_base = None  # the next snapshot stages every piece
             if job.leader:
                 store.abort(job.version)
                 store.delete(job.version)  # committed on this host, not on another: take it back
@@ -207,19 +245,27 @@ class Snapshotter:
         self.stats.update(committed=self.stats["committed"] + 1, committed_step=job.step,
                           committed_version=job.version, last_write_s=job.write_s, last_commit_s=job.commit_s)
         self.ckpt._replicated_version = job.version
+        self._unchanged_base = (job.version, job.fingerprints)
         job.future.set_result(job.version)
 
     # ------------------------------------------------------------ background
-    def _write(self, job: _InFlight, specs, documents: dict[str, Any], rank: int) -> None:
+    def _write(self, job: _InFlight, specs, documents: dict[str, Any], leader_docs, rank: int) -> None:
         """Write and prepare this rank's part, then take part in the commit (see the module docstring)."""
         ckpt, store = self.ckpt, self.ckpt.store
         begin = time.monotonic()
         try:
+            if leader_docs is not None:
+                tensors, docs, writers, ring = leader_docs
+                job.layout = saved_layout(tensors, docs, writers)
+                documents[STORES_DOC] = stores_doc(job.version, {h: job.addresses.get(h) for h in ring}, job.replicas,
+                                                   ring)
             self.staging.wait_copied()
             with store.begin(job.version, part=f"rank{rank}") as writer:
                 for name, box, buffer in self.staging.buffers():
                     spec = specs[name]
                     writer.put(ckpt.device, name, box, _as_storage(buffer, spec.dtype).numpy(), spec.dtype, spec.shape)
+                if job.linked:
+                    self._link_unchanged(job, writer)
                 if job.layout is not None:
                     writer.put_layout(job.layout)
                 for doc_name, doc in documents.items():
@@ -237,6 +283,24 @@ class Snapshotter:
             except Exception as e:  # noqa: BLE001 -- the boundary's all-gather settles it instead
                 log.warning("tenplex: snapshot of step %d (version %d): %s: %s; it is settled at the next step "
                             "boundary", job.step, job.version, type(e).__name__, e)
+
+    def _link_unchanged(self, job: _InFlight, writer) -> None:
+        """Put the unchanged pieces into this part as hard links to their files in version - 1 (no byte copied); a
+        link that fails (EXDEV: another mount; a file gone) copies the stored bytes instead."""
+        device, reader = self.ckpt.device, self.ckpt.store.open(job.version - 1)
+        try:
+            for name, box in job.linked:
+                entry = reader.find(device, name, box)
+                if isinstance(writer, LinkingWriter):
+                    try:
+                        writer.link(device, reader, entry)
+                        continue
+                    except (CorruptShard, OSError) as e:
+                        log.warning("tenplex: snapshot of step %d: cannot link %s %s from version %d: %s; copying it "
+                                    "instead", job.step, name, box, job.version - 1, e)
+                writer.put(device, name, box, reader.read(device, name, box), entry.dtype, entry.shape)
+        finally:
+            reader.close()
 
     def _agree_through_store(self, job: _InFlight) -> None:
         kv, decision = self._kv, f"{job.key}/decision"
@@ -292,7 +356,6 @@ class Snapshotter:
     def _copy_loop(self) -> None:
         """Copy one snapshot at a time, the newest first: a copy still running is not cancelled by a newer
         snapshot, and of the snapshots committed meanwhile only the newest is copied next."""
-        ckpt = self.ckpt
         while True:
             with self._copy_wanted:
                 while self._next_copy is None and not self._closed:
@@ -303,27 +366,37 @@ class Snapshotter:
                 version, step, layout, addresses, replicas = self._next_copy
                 self._next_copy = None
                 self._copying_step = step
-            for _ in range(_COPY_TRIES):
-                with self._copy_wanted:
-                    if self._closed or self._next_copy is not None:
-                        break  # superseded: copy the newer one instead
-                    replicator = ckpt._replicator = Replicator(ckpt.store, version, layout, replicas, addresses,
-                                                               token=ckpt.token, keep=ckpt.keep)
-                if replicator.start().wait():
-                    self.stats["replicated_step"] = step
-                    break
-                if replicator.state == "cancelled":
-                    break
-                # Each host commits on its own once every rank prepared: the origin's commit may come a moment
-                # after ours (its store answers NOT_FOUND until then).
-                time.sleep(_COPY_RETRY_S)
+                self._copy_busy = True
+            self._copy_with_retries(version, step, layout, addresses, replicas)
+            with self._copy_wanted:
+                self._copy_busy = False
+                self._copy_wanted.notify_all()
+
+    def _copy_with_retries(self, version: int, step: int, layout: Layout, addresses: dict, replicas: int) -> None:
+        ckpt = self.ckpt
+        for _ in range(_COPY_TRIES):
+            with self._copy_wanted:
+                if self._closed or self._next_copy is not None:
+                    return  # superseded: copy the newer one instead
+                # Started before it is published: wait_replicated (the training thread) may join it at once.
+                replicator = Replicator(ckpt.store, version, layout, replicas, addresses, token=ckpt.token,
+                                        keep=ckpt.keep).start()
+                ckpt._replicator = replicator
+            if replicator.wait():
+                self.stats["replicated_step"] = step
+                return
+            if replicator.state == "cancelled":
+                return
+            # Each host commits on its own once every rank prepared: the origin's commit may come a moment
+            # after ours (its store answers NOT_FOUND until then).
+            time.sleep(_COPY_RETRY_S)
 
     def wait_copies(self, timeout: float | None) -> None:
-        """Wait up to ``timeout`` seconds until no snapshot waits to be copied (the newest one's copy may still run:
-        :meth:`Checkpointer.wait_replicated` waits for it)."""
+        """Wait up to ``timeout`` seconds until the newest committed snapshot's copy is done, its retries
+        included (a first try that fails because the origin has not committed yet is not the answer)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._copy_wanted:
-            while self._next_copy is not None and not self._closed:
+            while (self._next_copy is not None or self._copy_busy) and not self._closed:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return

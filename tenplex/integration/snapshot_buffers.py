@@ -2,9 +2,10 @@
 
 May import: ``tenplex.box``, ``tenplex.integration.pieces``, torch and the standard library. No I/O.
 
-One buffer per (tensor, box) that this rank writes, allocated at the first
+One buffer per (tensor, box) that this rank copies, allocated at the first
 snapshot and reused by every later one, so staging memory is at most one copy
-of the rank's state. A buffer is the piece's region as one contiguous CPU
+of the rank's state. A piece not staged at a snapshot (unchanged: its file is
+hard-linked) loses its buffer. A buffer is the piece's region as one contiguous CPU
 tensor, ready for ``StoreWriter.put`` (plain file writes, no further copy).
 
 CPU tensors: ``copy_`` is a memcpy; once :meth:`SnapshotBuffers.stage` returns, the

@@ -6,7 +6,8 @@ is empty). The rank learns only its own host's store address, as ``tenplex run``
 (``TENPLEX_STORE_ADDRESS``); every other address must come from what saves recorded.
 
 The model: ``w`` of global shape [ROWS, COLS], split by rows over the ranks (annotated
-plain tensors, Megatron-style), and ``b`` of shape [COLS] on every rank; Adam. Gradients
+plain tensors, Megatron-style), and ``b`` of shape [COLS] on every rank; Adam. The parameters named in
+``spec["frozen"]`` are frozen (no gradient, no optimizer state). Gradients
 are a pure function of (step, global position), so the state after N steps is the same
 under every world size. Ops (``spec["ops"]``, run in order):
 
@@ -65,8 +66,10 @@ class RowSharded(torch.nn.Module):
 def train_step(model: RowSharded, optimizer, step: int) -> None:
     rows = torch.arange(model.start, model.stop, dtype=torch.float64)[:, None]
     cols = torch.arange(COLS, dtype=torch.float64)
-    model.w.grad = torch.sin((rows * COLS + cols + 1) * (step + 1)).float()
-    model.b.grad = torch.cos((cols + 1) * (step + 1)).float()
+    if model.w.requires_grad:
+        model.w.grad = torch.sin((rows * COLS + cols + 1) * (step + 1)).float()
+    if model.b.requires_grad:
+        model.b.grad = torch.cos((cols + 1) * (step + 1)).float()
     optimizer.step()
 
 
@@ -124,6 +127,8 @@ def main() -> None:
     out = Path(spec["out"])
     rows = ROWS // world
     model = RowSharded(rank * rows, (rank + 1) * rows)
+    for name in spec.get("frozen", []):
+        getattr(model, name).requires_grad_(False)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
     ckpt = tenplex.Checkpointer(replicas=spec.get("replicas"), keep=spec.get("keep", 2))
     step, results, futures = 0, [], []
