@@ -85,6 +85,7 @@ LINKED_TIMEOUT_S = 15.0
 # freed only when its host gives up retransmitting to that peer, after about 6 s with 4 retries (Linux: 15, about
 # 15 minutes). Its exit then breaks its connections to the others, who were waiting on it.
 LINKED_TCP_RETRIES = 4
+SNAPSHOT_WAIT_S = 15.0  # a staged snapshot is recorded within a second here; past this, kill anyway
 # A save's copies take a second or two here; a minute means the replication failed (its log says why).
 REPLICATION_WAIT_S = 60.0
 # Three nodes run a pipeline with one stage per node: losing one loses the only data-parallel copy of its
@@ -247,7 +248,7 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
         say(f"elastic run: nodes {', '.join(initial)} (2 workers each) join the rendezvous at {nodes.endpoint}")
         progress = _Progress(record, say)
         for i, e in enumerate(events):
-            at = _await_event(progress, nodes, e, sorted(initial) if i == 0 else after[i - 1], deadline)
+            at = _await_event(progress, nodes, e, sorted(initial) if i == 0 else after[i - 1], deadline, save_every)
             durable = _await_durable(progress, nodes, at) if e.kind == "evict" else None
             say(f"event {i + 1}: {e.kind} {e.host} at step {at}")
             fired.append({"time": time.time(), "step": at, **({"durable": durable} if durable else {})})
@@ -267,12 +268,21 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
     return record, fired
 
 
-def _await_event(progress: "_Progress", nodes: Nodes, e: Event, wanted: list[str], deadline: float) -> int | None:
+def _await_event(progress: "_Progress", nodes: Nodes, e: Event, wanted: list[str], deadline: float,
+                 save_every: int = 0) -> int | None:
     """Wait until the job reaches event ``e``'s step on the nodes ``wanted`` (before a failure or a partition,
     also until the newest save's copies exist); return the step it reached."""
     _wait(lambda: progress.update() and progress.reached(e.at, wanted) is not None, deadline, nodes,
           f"the job to reach step {e.at} on {', '.join(wanted)}")
     at = progress.reached(e.at, wanted)  # e.at, unless a restart carried the job past its hold
+    if e.kind == "fail" and save_every == 1 and at is not None:
+        # A worker records its step before the step boundary that snapshots it: with a snapshot every step, give
+        # the snapshot of the step reached a moment to be recorded, so that the node is killed after it, as the
+        # job holds there (without it, the survivors may resume one step earlier: still at most one step lost).
+        settle = min(deadline, time.monotonic() + SNAPSHOT_WAIT_S)
+        while not any(d["event"] == "saved" and d["step"] >= at for d in progress.docs) and time.monotonic() < settle:
+            time.sleep(0.1)
+            progress.update()
     if e.kind in ("fail", "gpufail", "partition"):
         # The survivors resume from the newest save only once its copies exist: wait for the background
         # replication, so that the checks know which save the next world must restore.
