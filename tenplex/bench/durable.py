@@ -18,9 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +26,7 @@ import numpy as np
 
 from ..box import Box
 from ..durable import Bucket, flush_host, restore_host
+from ..durable.testserver import S3ServerError, create_bucket, start_s3_server, stop
 from ..errors import UsageError
 from ..layout import Layout, Shard, TensorSpec
 from ..store import Store
@@ -40,27 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mib", type=int, default=64, help="state size in MiB (default 64)")
     parser.add_argument("--endpoint", help="an S3 endpoint URL (default: start moto's server on loopback)")
     parser.add_argument("--bucket", default="tenplex-bench", help="bucket name (created on the moto server)")
-
-
-def _moto(bucket: str) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise UsageError("moto's S3 server did not start: pip install 'moto[server]'") from None
-            time.sleep(0.2)
-    import urllib.request
-    urllib.request.urlopen(urllib.request.Request(f"{url}/{bucket}", method="PUT")).close()
-    return proc, url
 
 
 def _layouts(mib: int) -> tuple[Layout, Layout]:
@@ -82,7 +59,11 @@ def run(args: argparse.Namespace) -> dict:
     if args.endpoint is None:
         os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
         os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
-        proc, endpoint = _moto(args.bucket)
+        try:
+            proc, endpoint = start_s3_server()
+        except S3ServerError as e:
+            raise UsageError(f"{e}: pip install 'moto[server]'") from None
+        create_bucket(endpoint, args.bucket)
     else:
         endpoint = args.endpoint
     root = Path(tempfile.mkdtemp(prefix="tenplex-bench-durable-"))
@@ -128,5 +109,4 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+            stop(proc)
