@@ -1,6 +1,7 @@
 """Host buffers for snapshots: a consistent copy of a rank's pieces, made at a step boundary and reused.
 
-May import: ``tenplex.box``, ``tenplex.integration.pieces``, torch and the standard library. No I/O.
+May import: ``tenplex.box``, ``tenplex.integration.pieces`` and ``.staging`` (the per-device side stream),
+torch and the standard library. No I/O.
 
 One buffer per (tensor, box) that this rank copies, allocated at the first
 snapshot and reused by every later one, so staging memory is at most one copy
@@ -25,6 +26,7 @@ import torch
 
 from ..box import Box
 from .pieces import Piece
+from .staging import copies_on_side_stream
 
 
 class SnapshotBuffers:
@@ -32,8 +34,7 @@ class SnapshotBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
-        self._event: torch.cuda.Event | None = None  # the last staging's copies, when some piece is on a GPU
-        self._stream: torch.cuda.Stream | None = None
+        self._events: list[torch.cuda.Event] = []  # the last staging's copies, when some piece is on a GPU
 
     @property
     def nbytes(self) -> int:
@@ -55,20 +56,15 @@ class SnapshotBuffers:
                 self._stage_cuda(on_gpu)
 
     def _stage_cuda(self, pieces: list[Piece]) -> None:
-        side = self._stream = self._stream or torch.cuda.Stream()
-        current = torch.cuda.current_stream()
-        side.wait_stream(current)  # the step's kernels that wrote the tensors come first
-        with torch.cuda.stream(side):
-            for p in pieces:
-                self._buffer(p).copy_(p.local[p.local_box.slices()], non_blocking=True)
-            event = self._event = torch.cuda.Event()
-            event.record(side)
-        current.wait_event(event)  # the next optimizer step may not overwrite a tensor mid-copy
+        devices = {p.local.device for p in pieces}  # one event per device (a rank usually has one)
+        self._events = [copies_on_side_stream(device, [(self._buffer(p), p.local[p.local_box.slices()])
+                                                       for p in pieces if p.local.device == device])
+                        for device in devices]
 
     def wait_copied(self) -> None:
         """Block until the last :meth:`stage`'s copies are in host memory (immediate on CPU)."""
-        if self._event is not None:
-            self._event.synchronize()
+        for event in self._events:
+            event.synchronize()
 
     def buffers(self) -> Iterator[tuple[str, Box, torch.Tensor]]:
         for (name, box), buffer in self._buffers.items():

@@ -194,11 +194,19 @@ def _copy_on_side_stream(dest: torch.Tensor, source: torch.Tensor) -> torch.cuda
     """``dest.copy_(source)`` between a host buffer and a CUDA tensor, queued on the side stream and ordered
     after the current stream's work so far; the current stream waits for it. Returns the copy's event."""
     device = (dest if dest.device.type == "cuda" else source).device
+    return copies_on_side_stream(device, [(dest, source)])
+
+
+def copies_on_side_stream(device: torch.device, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
+    """Every ``dest.copy_(source)`` of ``copies`` (host buffers and CUDA tensors on ``device``), queued on the
+    device's side stream after the current stream's work so far; the current stream waits for them (so the next
+    kernel cannot overwrite a source mid-copy), the host does not. Returns the copies' event."""
     current = torch.cuda.current_stream(device)
     stream = side_stream(device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
-        dest.copy_(source, non_blocking=True)
+        for dest, source in copies:
+            dest.copy_(source, non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
     current.wait_event(event)
