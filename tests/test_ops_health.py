@@ -3,7 +3,6 @@ client such as grpcurl uses it), against real store servers."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import grpc
@@ -12,6 +11,7 @@ from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from tenplex.runtime.launch import free_port
 from tenplex.store import Store, wire
 from tenplex.store.server import serve
 
@@ -34,16 +34,10 @@ def _await_status(address: str, status: int, deadline_s: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_probe_without_token_sees_serving_then_not_serving_when_the_root_is_unusable(tmp_path):
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    probe_port = _free_port()
+    probe_port = free_port()
     store = StoreProcess(tmp_path / "h0", "h0", token_file=token, full_cli=True,
                          extra_args=("--probe-port", str(probe_port)))
     probes = f"127.0.0.1:{probe_port}"
@@ -73,7 +67,7 @@ def test_a_large_health_request_without_the_token_is_read_on_neither_port(tmp_pa
     (it used to cost the server over 500 MiB on the store's port) is refused on both, unread."""
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    probe_port = _free_port()
+    probe_port = free_port()
     store = StoreProcess(tmp_path / "h0", "h0", token_file=token, extra_args=("--probe-port", str(probe_port)))
     body = health_pb2.HealthCheckRequest(service="x" * (128 << 20)).SerializeToString()
     try:
