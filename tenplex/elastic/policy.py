@@ -66,19 +66,24 @@ class Choice:
 
     ``config`` covers the ranks ``ranks`` (its devices are theirs, in that
     order): ``0 .. used-1`` when every node has the same number of ranks;
-    ``idle`` lists the ranks that train nothing.
+    ``idle`` lists the others.
     """
 
     config: ParallelConfig
     world_size: int
-    used: int
-    idle: tuple[int, ...]
+    ranks: tuple[int, ...]  # the ranks that train, in configuration order
     reason: str
-    ranks: tuple[int, ...] = ()  # the ranks that train, in configuration order (empty: 0 .. used-1)
 
-    def __post_init__(self):
-        if not self.ranks:
-            object.__setattr__(self, "ranks", tuple(range(self.used)))
+    @property
+    def used(self) -> int:
+        """How many ranks train."""
+        return len(self.ranks)
+
+    @property
+    def idle(self) -> tuple[int, ...]:
+        """The ranks that train nothing, in rank order."""
+        training = set(self.ranks)
+        return tuple(r for r in range(self.world_size) if r not in training)
 
     def is_idle(self, rank: int) -> bool:
         if not 0 <= rank < self.world_size:
@@ -169,7 +174,8 @@ def _default(world: int, sizes: list[int], max_tp: int, pp: int | None, sharding
     ranks = _training_ranks(sizes, tp, dp * group)
     why_pp = f"pp={stages} ({'pinned' if pp is not None else 'not pinned'})"
     reason = f"default policy: {why_tp}; {why_pp}; dp={dp} takes the rest"
-    idle = tuple(r for r in range(world) if r not in set(ranks))
+    training = set(ranks)
+    idle = tuple(r for r in range(world) if r not in training)
     if idle and even:
         reason += (f"; {len(idle)} of {world} ranks idle (ranks {idle[0]}..{idle[-1]}): {world} is not a multiple "
                    f"of tp*pp={group}")
@@ -177,7 +183,7 @@ def _default(world: int, sizes: list[int], max_tp: int, pp: int | None, sharding
         reason += (f"; nodes of {'+'.join(map(str, sizes))} ranks: each trains on whole tp groups of {tp}, so "
                    f"{len(idle)} of {world} ranks idle (ranks {_ranges(idle)})")
     config = ParallelConfig(dp, tp, stages, tuple(devices[r] for r in ranks), sharding=sharding)
-    return Choice(config, world, len(ranks), idle, reason, tuple(ranks))
+    return Choice(config, world, tuple(ranks), reason)
 
 
 def _tp_groups(sizes: list[int], tp: int) -> int:
@@ -228,11 +234,12 @@ def _resolve(spec: ParallelConfig | str, world: int, devices: list[str], source:
     else:
         raise ConfigError(f"{source}: expected a ParallelConfig or a string like 'dp=2,tp=2', "
                           f"got {type(spec).__name__} {spec!r}")
-    idle = tuple(r for r in range(world) if r not in set(ranks))
+    training = set(ranks)
+    idle = tuple(r for r in range(world) if r not in training)
     reason = f"{source}"
     if idle:
         reason += f"; {len(idle)} of {world} ranks idle (ranks {_ranges(idle)})"
-    return Choice(config, world, used, idle, reason, tuple(ranks))
+    return Choice(config, world, tuple(ranks), reason)
 
 
 def _placed(sizes: list[int], tp: int, used: int, world: int, source: str, what: str) -> list[int]:
