@@ -467,21 +467,23 @@ class Job:
             self.on_save(dict(self.last_save))
         return version
 
-    def _local_lag(self) -> int:
+    def _snapshot_stat(self, key: str, default=None):
+        """One of this rank's :meth:`tenplex.Checkpointer.snapshot_stats` (``default`` before a restore, or with
+        blocking saves only)."""
         t = self._tracked
-        return 0 if t is None else t["checkpointer"].snapshot_stats().get("replication_lag", 0)
+        return default if t is None else t["checkpointer"].snapshot_stats().get(key, default)
+
+    def _local_lag(self) -> int:
+        return self._snapshot_stat("replication_lag", 0)
 
     def _last_committed_step(self) -> int | None:
         """The step of this job's newest committed save: the last blocking one, or a newer committed snapshot."""
-        t = self._tracked
-        snapshot = None if t is None else t["checkpointer"].snapshot_stats().get("committed_step")
-        steps = [s for s in (self._committed_blocking, snapshot) if s is not None]
+        steps = [s for s in (self._committed_blocking, self._snapshot_stat("committed_step")) if s is not None]
         return max(steps, default=None)
 
     def _background_s(self) -> float:
         """Seconds of this rank's last finished background snapshot write (0: none yet, or blocking saves only)."""
-        t = self._tracked
-        return 0.0 if t is None else float(t["checkpointer"].snapshot_stats().get("last_write_s", 0.0))
+        return float(self._snapshot_stat("last_write_s", 0.0))
 
     def save_cost(self) -> dict:
         """Saves so far and the seconds they blocked training (``save_s``), steps and their total time (agreed
