@@ -366,8 +366,11 @@ CHECKPOINTER_JOB = """
 import json, sys
 import torch, torch.distributed as dist
 import tenplex
+from tenplex.integration.process_group import init_process_group, leave_process_group
 base, location = sys.argv[1], sys.argv[2]
-dist.init_process_group("gloo", init_method=f"file://{base}/pg", rank=0, world_size=1)
+# the documented ending of a gloo script (the elastic guide, "Ending a script of your own on gloo"): a plain destroy_process_group can abort
+# the interpreter's exit ("terminate called without an active exception", pytorch issue 190489)
+init_process_group("gloo", init_method=f"file://{base}/pg", rank=0, world_size=1)
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 3)
 optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -390,7 +393,7 @@ for name, root in (("hosts_newer", f"{base}/h0"), ("hosts_lost", f"{base}/h0-new
                  "versions": again.store.versions()}
     again.close()
 print(json.dumps(out))
-dist.destroy_process_group()
+leave_process_group()
 """
 
 
