@@ -22,6 +22,7 @@ from tenplex.layout import Layout, Shard, TensorSpec
 from tenplex.ops.metrics import StoreMetrics
 from tenplex.planner import plan
 from tenplex.store import Store
+from tenplex.integration.process_group import init_process_group, leave_process_group
 from tenplex.store.server import serve
 
 SHAPE = (64, 64)
@@ -29,7 +30,7 @@ SHAPE = (64, 64)
 
 def main() -> None:
     base = Path(sys.argv[1])
-    dist.init_process_group("gloo", init_method=f"file://{base / 'init'}", rank=0, world_size=1)
+    init_process_group("gloo", init_method=f"file://{base / 'init'}", rank=0, world_size=1)
     values = torch.arange(SHAPE[0] * SHAPE[1], dtype=torch.float32).reshape(SHAPE)
     h0 = Store(base / "h0", "h0")
     with h0.begin(1) as writer:
@@ -47,7 +48,7 @@ def main() -> None:
             if family.name == "tenplex_store_sent_bytes" for s in family.samples if s.name.endswith("_total")}
     print(json.dumps({"ok": ok, "equal": torch.equal(restored, values), "sent": sent}), flush=True)
     server.stop(None)
-    dist.destroy_process_group()
+    leave_process_group()  # the documented ending of a gloo script (pytorch issue 190489)
 
 
 if __name__ == "__main__":
