@@ -368,8 +368,9 @@ import torch, torch.distributed as dist
 import tenplex
 from tenplex.integration.process_group import init_process_group, leave_process_group
 base, location = sys.argv[1], sys.argv[2]
-# the documented ending of a gloo script (the elastic guide, "Ending a script of your own on gloo"): a plain destroy_process_group can abort
-# the interpreter's exit ("terminate called without an active exception", pytorch issue 190489)
+# the documented ending of a gloo script (the elastic guide, "Ending a script of your own on gloo"): a plain
+# destroy_process_group can abort the interpreter's exit ("terminate called without an active exception",
+# pytorch issue 190489)
 init_process_group("gloo", init_method=f"file://{base}/pg", rank=0, world_size=1)
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 3)
