@@ -110,16 +110,18 @@ def test_a_proposal_waits_for_every_expected_worker_unless_it_left_or_died():
     assert not ready_to_propose(None, {0, 1}, arrived={0, 1}, leaving=set(), dead=set(), min_workers=3)
     assert ready_to_propose(None, {0, 1, 2}, arrived={0, 1, 2}, leaving=set(), dead=set(), min_workers=3)
     assert not ready_to_propose(prev, {0, 1, 2}, arrived=set(), leaving=set(), dead={0, 1, 2})
+    # an arrival proves a worker alive: a slow heartbeat does not drop it
+    assert ready_to_propose(prev, {0, 1, 2}, arrived={0, 1, 2}, leaving=set(), dead={1})
 
 
 def test_propose_numbers_the_next_generation_and_ranks_survivors_first():
     prev = Generation(2, (0, 1, 2), hosts=("h0", "h1", "h2"))
     arrived = _members((0, "h0", 0), (2, "h2", 0), (3, "h3", 0))
-    nxt = propose(prev, arrived, leaving=set(), dead=set())
+    nxt = propose(prev, arrived, leaving=set())
     assert nxt == Generation(3, (0, 2, 3), ("join", "lost"))
     assert nxt.hosts == ("h0", "h2", "h3") and nxt.rank_of(2) == 1 and nxt.rank_of(1) is None
     assert Generation.from_json(nxt.to_json()) == nxt and Generation.from_json(nxt.to_json()).hosts == nxt.hosts
-    assert propose(None, arrived, set(), {3}).members == (0, 2)
+    assert propose(None, arrived, {3}).members == (0, 2)
 
 
 def test_change_wanted_flags_joins_leaves_and_lost_members():
@@ -138,12 +140,22 @@ def test_liveness_counts_a_worker_dead_only_after_its_counter_stood_still_for_th
     live.observe(1, 9, now=10.0)
     live.observe(0, 6, now=11.5)
     live.observe(1, 9, now=11.5)
-    assert live.dead(now=11.9) == set()
-    assert live.dead(now=12.1) == {1}        # 1's counter stood still since 10.0
+    assert live.dead() == set()
+    live.observe(0, 7, now=12.1)
+    live.observe(1, 9, now=12.1)
+    assert live.dead() == {1}                # 1's counter stood still from 10.0 to 12.1
     live.observe(1, 10, now=12.2)            # it was only slow
-    assert live.dead(now=12.3) == set()
+    assert live.dead() == set()
     live.forget(1)
-    assert live.dead(now=100.0) == {0}
+    live.observe(0, 7, now=100.0)
+    assert live.dead() == {0}
+
+
+def test_an_observer_starved_of_cpu_counts_nobody_dead_for_its_own_silence():
+    live = Liveness(timeout=1.0)
+    live.observe(0, 5, now=10.0)
+    live.observe(0, 40, now=30.0)            # the observer slept 20 s; the worker went on meanwhile
+    assert live.dead() == set()
 
 
 def test_member_json_round_trips_and_keys_stay_under_the_job_prefix():

@@ -219,14 +219,14 @@ def ready_to_propose(previous: Generation | None, registered: set[int], arrived:
     """Whether the next generation can be proposed: every expected worker arrived, left or is dead, and enough
     arrived (``min_workers`` applies to the first generation only: later ones go on with the survivors)."""
     waiting = expected(previous, registered, leaving) - arrived - dead
-    live = arrived - leaving - dead
+    live = arrived - leaving
     return not waiting and bool(live) and (previous is not None or len(live) >= min_workers)
 
 
-def propose(previous: Generation | None, arrived: dict[int, Member], leaving: set[int],
-            dead: set[int]) -> Generation:
-    """The next generation: the arrived workers that are neither leaving nor dead, in node order."""
-    members = {w: m for w, m in arrived.items() if w not in leaving and w not in dead}
+def propose(previous: Generation | None, arrived: dict[int, Member], leaving: set[int]) -> Generation:
+    """The next generation: the arrived workers that are not leaving, in node order. An arrival proves a worker
+    alive, so a slow heartbeat never drops it; one that dies after arriving fails the formation instead."""
+    members = {w: m for w, m in arrived.items() if w not in leaving}
     order = node_order(previous, members)
     number = previous.number + 1 if previous is not None else 1
     return Generation(number, order, reasons(previous, set(order), leaving), tuple(members[w].host for w in order))
@@ -248,19 +248,23 @@ def change_wanted(current: Generation, registered: set[int], leaving: set[int], 
 
 class Liveness:
     """Who is dead, from heartbeat counters read at the caller's clock: a worker whose counter did not advance
-    for ``timeout`` seconds. Counters, not timestamps, so that clocks of different hosts never compare."""
+    between observations that span ``timeout`` seconds. Counters, not timestamps, so that clocks of different
+    hosts never compare; spans between observations, so that an observer that was itself starved of CPU (no
+    observation for a while) counts nobody dead for it."""
 
     def __init__(self, timeout: float):
         self.timeout = timeout
-        self._seen: dict[int, tuple[int, float]] = {}  # wid -> (counter, when it last advanced)
+        self._seen: dict[int, tuple[int, float, float]] = {}  # wid -> (counter, when it last advanced, last seen)
 
     def observe(self, wid: int, counter: int, now: float) -> None:
         last = self._seen.get(wid)
         if last is None or counter != last[0]:
-            self._seen[wid] = (counter, now)
+            self._seen[wid] = (counter, now, now)
+        else:
+            self._seen[wid] = (counter, last[1], now)
 
-    def dead(self, now: float) -> set[int]:
-        return {w for w, (_, since) in self._seen.items() if now - since > self.timeout}
+    def dead(self) -> set[int]:
+        return {w for w, (_, since, seen) in self._seen.items() if seen - since > self.timeout}
 
     def forget(self, wid: int) -> None:
         self._seen.pop(wid, None)
