@@ -2,8 +2,9 @@
 
 May import: ``tenplex.runtime.hosts`` (the store process), ``tenplex.store.client`` (is a store already
 serving?), ``tenplex.errors``, ``tenplex.durable.bucket`` (checks ``--durable``), ``tenplex.elastic.faults``
-(exit codes) and ``.restarts`` (the agent's restart accounting), torch's ``torch.distributed.run`` (the agent)
-and ``torch.distributed.elastic`` (its signal and rendezvous errors), and the standard library.
+(exit codes), ``.restarts`` (the agent's restart accounting) and ``.dataview`` (``--data-mount``), torch's
+``torch.distributed.run`` (the agent) and ``torch.distributed.elastic`` (its signal and rendezvous errors), and
+the standard library. All but ``errors`` and ``faults`` are imported on use.
 
     tenplex run --host NAME --store-root DIR [--store-bind ADDR] [--store-advertise HOST] [--token-file F]
                 [--durable s3://BUCKET/PREFIX] [--dataset DIR --data-mount PATH] [torchrun options] script.py [args]
@@ -28,10 +29,6 @@ Its port, pid and log are ``DIR/.tenplex-store.{port,pid,log}``; a later
 ``tenplex run`` with the same root reuses it, and ``tenplex store stop
 --store-root DIR`` (:func:`stop_store`) stops it. ``DIR/.tenplex-store.lock``
 (``flock``) keeps one store per root when runs start at once.
-
-May import: ``tenplex.runtime.hosts``, ``tenplex.store.client``, ``tenplex.errors``, ``tenplex.elastic.faults``
-and ``.restarts``, ``tenplex.elastic.dataview`` (``--data-mount``, on use), torch (torchrun's
-``torch.distributed.run``, on use) and the standard library.
 """
 
 from __future__ import annotations
