@@ -218,3 +218,19 @@ def test_the_room_checks_catch_a_runtime_bench_import_and_a_circle(tmp_path):
     graph = _module_graph(tmp_path)
     assert _bench_importers(graph) == ["tenplex.elastic.nodes imports tenplex.bench.cluster"]
     assert _circles(graph) == [["tenplex.bench.compare", "tenplex.bench.compare_linked", "tenplex.bench.simulate"]]
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for imported in graph[todo.pop()] - seen:
+            seen.add(imported)
+            todo.append(imported)
+    return seen
+
+
+def test_the_worker_api_does_not_import_the_command_line_launcher():
+    """A training script's Job sits below ``tenplex run``: nothing it imports, however indirectly, loads the
+    launcher (its exit codes come from tenplex.elastic.faults)."""
+    graph = _module_graph(Path(tenplex.__file__).parents[1])
+    assert "tenplex.elastic.launcher" not in _reachable(graph, "tenplex.elastic.job")
