@@ -245,7 +245,8 @@ class Job:
         """Restore model, optimizer, scheduler, scaler, RNG and the data position in one call; returns the step.
 
         A fresh job (nothing saved) keeps its state and starts at step 0. The
-        same objects are saved at every later step boundary. Collective.
+        same objects are saved at every later step boundary. Collective. A second call settles the snapshot in
+        flight and closes the earlier call's checkpointer first.
         """
         import tenplex
 
@@ -254,6 +255,9 @@ class Job:
                               f"nothing: call job.wait_idle() instead")
         self._check_model_is_parallel(model, annotations)
         begin = time.monotonic()
+        if self._tracked is not None:  # restored before: its snapshot in flight is the newest state, then stop it
+            self._tracked["checkpointer"].wait_snapshot()
+            self._tracked["checkpointer"].close()
         ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), group=self.group, **self.checkpointer_options)
         extra: dict = {}
         step = tenplex.restore(model, optimizer, scheduler=scheduler, scaler=scaler, annotations=annotations,
@@ -567,11 +571,12 @@ class Job:
         os._exit(code)
 
     def finish(self) -> None:
-        """End of training: a final save (collective) and the process group's teardown."""
+        """End of training: a final save unless the last step is committed already (collective), and the process
+        group's teardown."""
         if self._tracked is not None:
             ckpt = self._tracked["checkpointer"]
             ckpt.wait_snapshot()  # the snapshot in flight is committed, or dropped everywhere
-            if ckpt.snapshot_stats().get("committed_step", self._saved_step) != self.step:
+            if self._last_committed_step() != self.step:
                 self._save("final")
             self._tracked["checkpointer"].wait_replicated(self.replication_wait)
         self._tell_idle(stopping=False)
