@@ -103,5 +103,8 @@ def test_join_leave_and_kill_change_the_world_in_place_and_the_survivor_keeps_it
     pauses = final["reconfigurations"]
     assert [p["reasons"] for p in pauses] == [["join"], ["leave"], ["lost"]]
     assert all(p["pid"] == survivor.pid and p["pause_s"] >= p["re_form_s"] for p in pauses)
+    for kind in ("join", "leave", "lost"):
+        assert f'tenplex_job_reconfigurations_total{{kind="{kind}",mode="in_place"}} 1.0' in final["metrics"]
+    assert "tenplex_job_pause_seconds_count 3.0" in final["metrics"]
     print(json.dumps([{k: p[k] for k in ("reasons", "pause_s", "agree_s", "re_form_s", "restore_s",
                                          "first_step_s")} for p in pauses]))

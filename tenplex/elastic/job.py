@@ -74,7 +74,7 @@ from ..ops.metrics import JobMetrics
 from ..parallel import ParallelConfig
 from .devices import worker_device
 from .envsettings import settings_from_env
-from .faults import DEVICE, EXIT_DEVICE_FAULT, EXIT_PEER_LOST, classify, inject_device_fault
+from .faults import DEVICE, EXIT_DEVICE_FAULT, EXIT_PEER_LOST, PEER, classify, inject_device_fault
 from . import dataview, progress, worlds
 from .policy import Choice, choose
 from .protocol import Event, State
@@ -392,6 +392,7 @@ class Job:
         p["first_step_s"] = max(0.0, p["pause_s"] - p["agree_s"] - p["re_form_s"] - p["restore_s"])
         p.update(generation=self.world.generation, step=self.step, world_size=self.world_size)
         self.reconfigurations.append(dict(p))
+        self.metrics.observe_reconfiguration("+".join(p["reasons"]), "in_place", p["pause_s"])
         log.info("world %d in place after %s: pause %.2f s (re-form %.2f, restore %.2f)", self.world.generation,
                  "+".join(p["reasons"]) or "a re-formation", p["pause_s"], p["re_form_s"], p["restore_s"])
 
@@ -505,6 +506,8 @@ class Job:
         if stop:
             self._save("stopping")
             if self._in_place:
+                if not self.world.active and not leaving:  # a peer died during the save: the world is lost
+                    return
                 if not leaving:  # a change in place: every rank saved this step and goes on in the next world
                     self._end_world("change")
                     return
@@ -519,6 +522,8 @@ class Job:
                        "stopped by SIGTERM" if self.stop_requested else "a peer was stopped")
         if self._next_save is not None and self.step >= self._next_save:
             self._save("snapshot" if self.snapshots else "periodic")
+            if not self.world.active:  # in place, a peer died during the save
+                return
             if self.save_every:
                 self._next_save = self.step + self.save_every
         self._last_boundary = time.monotonic()
@@ -553,6 +558,10 @@ class Job:
                                        scaler=t["scaler"], annotations=t["annotations"], extra=extra,
                                        checkpointer=ckpt)
         except Exception as e:  # noqa: BLE001 -- the save was not committed anywhere (atomic commit)
+            if self._in_place and classify(e) == PEER and self.world.active:  # the world is over, not the process
+                log.warning("step %d: a peer is gone during the %s save (%s: %s)", self.step, why, type(e).__name__, e)
+                self._end_world("lost")
+                return -1
             self._die(f"step {self.step}: the {why} save failed ({type(e).__name__}: {e}); nothing was committed, "
                       f"exiting")
         seconds = time.monotonic() - begin

@@ -120,7 +120,7 @@ class Keys:
     def __init__(self, job: str):
         self.prefix = f"tenplex/inplace/{job}/"
         self.slots = self.prefix + "slots"     # a counter: the next worker id
-        self.latest = self.prefix + "latest"   # a counter: the newest published generation
+        self.latest = self.prefix + "latest"   # the newest published generation's number
 
     def slot(self, wid: int) -> str:            # a registered worker's Member (JSON)
         return f"{self.prefix}slot/{wid}"

@@ -146,7 +146,7 @@ class Membership:
     # ----------------------------------------------------------------- generations
     def latest(self) -> Generation | None:
         """The newest published generation (None before the first)."""
-        number = self._store.add(self.keys.latest, 0)
+        number = int(self._store.get(self.keys.latest)) if self._store.check([self.keys.latest]) else 0
         return Generation.from_json(self._store.get(self.keys.generation(number))) if number else None
 
     def next_generation(self, deadline: float | None = None) -> Generation:
@@ -168,10 +168,9 @@ class Membership:
                     log.warning("generation %d: proposing %s without %s (no heartbeat for %.1f s)", number,
                                 list(proposal.members), sorted(dead), self.liveness.timeout)
                 won = self._store.compare_set(key, "", proposal.to_json())
-                winner = Generation.from_json(won)
-                if winner.number == number and winner == proposal:
-                    self._store.add(self.keys.latest, number - self._store.add(self.keys.latest, 0))
-                return self._published(winner)
+                if won.decode() == proposal.to_json():  # this proposal (or an identical one) was published:
+                    self._store.set(self.keys.latest, str(number))  # its proposers set the same number, in order
+                return self._published(Generation.from_json(won))
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"generation {number}: still waiting for workers "
                                    f"{sorted(set(members) - set(arrived) - leaving - dead)} to arrive")

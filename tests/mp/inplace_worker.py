@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from prometheus_client import generate_latest
 
 import tenplex.elastic
 
@@ -70,4 +71,4 @@ for world in job.worlds():
 job.finish()
 (out / f"final-{os.getpid()}.json").write_text(json.dumps({
     "params": {k: v.tolist() for k, v in model.state_dict().items()}, "step": job.step,
-    "reconfigurations": job.reconfigurations}))
+    "reconfigurations": job.reconfigurations, "metrics": generate_latest(job.metrics.registry).decode()}))
