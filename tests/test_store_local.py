@@ -161,7 +161,7 @@ def test_server_drops_cached_readers_of_deleted_versions(tmp_path):
         reader.array(reader.find("h0/0", "w", Box((0,), (4,))))
     deleted_reader = service._readers[3]
     assert service.Delete(pb.DeleteRequest(version=3), None).deleted
-    assert 3 not in service._readers and not deleted_reader.current() and deleted_reader._dirfd == -1
+    assert 3 not in service._readers and not deleted_reader.current() and deleted_reader._dir.closed
     assert list(service.Gc(pb.GcRequest(keep=1), None).deleted) == [1]
     assert sorted(service._readers) == [2]
 

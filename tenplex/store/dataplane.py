@@ -97,6 +97,7 @@ HANDSHAKE_S = 10.0  # a new connection must send its first (authenticated) reque
 MAX_CONNECTIONS = 256
 _SEND_TIMEOUT_S = 300.0  # a client that stops reading
 _DEAD_PEER_S = 10.0  # server side: sent data unacknowledged (or idle probes unanswered) this long
+_CLOSE_WAIT_S = 5.0  # close() waits this long for the accept thread to close the listening socket
 
 
 class DataPlaneError(StoreError):
@@ -198,31 +199,35 @@ class DataServer:
         self._closed = False
         self._conns: dict[socket.socket, list] = {}  # connection -> [idle since, or None while busy]
         self._idle = threading.Condition()  # guards _conns; notified when a connection turns idle
-        threading.Thread(target=self._accept, name="data-accept", daemon=True).start()
+        self._accepting = threading.Thread(target=self._accept, name="data-accept", daemon=True)
+        self._accepting.start()
 
     def close(self) -> None:
+        """Stop accepting. The accept thread owns the listening socket and closes it as it ends: closed here,
+        its number could be reused before that thread's ``accept`` reads it."""
         self._closed = True
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
         except OSError:
             pass
-        self._listener.close()
+        if self._accepting is not threading.current_thread():
+            self._accepting.join(_CLOSE_WAIT_S)
 
     def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, peer = self._listener.accept()
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(0.05)  # e.g. EMFILE: out of descriptors; try again
-                continue
-            try:
-                self._admit(conn, peer)
-            except Exception as e:  # noqa: BLE001 - e.g. "can't start new thread": drop this one, keep accepting
-                log.warning("data connection from %s dropped: %s", peer[0], e)
-                self._forget(conn)
-                conn.close()
+        with self._listener:
+            while not self._closed:
+                try:
+                    conn, peer = self._listener.accept()
+                except OSError:
+                    if self._closed:
+                        return
+                    time.sleep(0.05)  # e.g. EMFILE: out of descriptors; try again
+                    continue
+                try:
+                    self._admit(conn, peer)
+                except Exception as e:  # noqa: BLE001 - e.g. "can't start new thread": drop this one, go on
+                    log.warning("data connection from %s dropped: %s", peer[0], e)
+                    self._close_connection(conn)
 
     def _admit(self, conn: socket.socket, peer) -> None:
         with self._idle:
@@ -245,9 +250,12 @@ class DataServer:
         log.info("data connection from %s:%s", peer[0], peer[1])
         threading.Thread(target=self._serve, args=(conn,), name="data-conn", daemon=True).start()
 
-    def _forget(self, conn: socket.socket) -> None:
+    def _close_connection(self, conn: socket.socket) -> None:
+        """Forget and close ``conn`` under the lock that ``_admit`` holds while it shuts down an idle connection
+        to make room: it never acts on a number closed here (and perhaps reused by then)."""
         with self._idle:
             self._conns.pop(conn, None)
+            conn.close()
 
     def _mark(self, conn: socket.socket, idle: bool) -> None:
         with self._idle:
@@ -259,10 +267,9 @@ class DataServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            with conn:
-                self._converse(conn)
+            self._converse(conn)
         finally:
-            self._forget(conn)
+            self._close_connection(conn)
 
     def _converse(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

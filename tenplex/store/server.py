@@ -121,6 +121,15 @@ def _message(exc: BaseException) -> str:
     return text if isinstance(exc, TenplexError) else f"{type(exc).__name__}: {text}"
 
 
+def describe(exc: BaseException, call: str) -> tuple[grpc.StatusCode, str]:
+    """(status, message) of a failed ``call``. An INTERNAL one is a bug or an unexpected system error (say
+    EBADF): the caller sees only its message, so its traceback goes to this server's log."""
+    status = _status_of(exc)
+    if status == grpc.StatusCode.INTERNAL:
+        log.error("%s failed with INTERNAL: %s", call, _message(exc), exc_info=exc)
+    return status, _message(exc)
+
+
 def _guard(method):
     """Turn exceptions into gRPC statuses with the error's message; the server keeps serving."""
     @functools.wraps(method)
@@ -129,7 +138,7 @@ def _guard(method):
             return method(self, request, context)
         except Exception as e:  # noqa: BLE001 - every failure must become a status, not a dead stream
             if context.code() is None:
-                context.abort(_status_of(e), _message(e))
+                context.abort(*describe(e, method.__name__))
             raise
 
     @functools.wraps(method)
@@ -138,7 +147,7 @@ def _guard(method):
             yield from method(self, request, context)
         except Exception as e:  # noqa: BLE001
             if context.code() is None:
-                context.abort(_status_of(e), _message(e))
+                context.abort(*describe(e, method.__name__))
             raise
 
     return streaming if inspect.isgeneratorfunction(method) else unary
@@ -619,8 +628,7 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
             raise StoreError(f"could not bind the health probe port {address}: it is in use, or {bind} is not an "
                              f"address of this machine")
     if data_plane and tls_cert is None:
-        data = DataServer(bind, service._reader, lambda e: (_status_of(e).name, _message(e)), token=token,
-                          on_sent=on_sent)
+        data = DataServer(bind, service._reader, _describe_data_error, token=token, on_sent=on_sent)
         service.data_port = data.port
         server.data_server = data  # kept alive with the gRPC server; its threads are daemons
     server.start()
@@ -631,6 +639,11 @@ def serve(store: Store, bind: str = "127.0.0.1", port: int = 0, token: str | Non
     log.info("store %s (host %s) serving on %s:%d (data plane port %d)", store.root, store.host, bind, bound,
              service.data_port)
     return server, bound
+
+
+def _describe_data_error(exc: BaseException) -> tuple[str, str]:
+    status, message = describe(exc, "data-plane read")
+    return status.name, message
 
 
 def _check_options(store: Store, bind: str, port: int, token: str | None, tls_cert: bytes | None,
