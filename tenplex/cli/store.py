@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 import threading
 from pathlib import Path
 
 from ..errors import UsageError
+from ..ops import logs
 from ._operations import add_arguments as add_operations_arguments
 from .units import tcp_port
 
@@ -142,8 +144,9 @@ def _serve(args) -> int:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{port}\n")
         tmp.replace(args.port_file)
-    print(f"tenplex store {args.host} serving {args.root} on {args.bind}:{port}"
-          + (f" (metrics on port {metrics_port})" if metrics_port else ""), flush=True)
+    logs.line(f"tenplex store {args.host} serving {args.root} on {args.bind}:{port}"
+              + (f" (metrics on port {metrics_port})" if metrics_port else ""), logger="tenplex.cli.store",
+              port=port, metrics_port=metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if not user_error(e):  # the same policy as `tenplex`: a bug shows its traceback
             raise
-        print(f"tenplex store: error: {e}", file=sys.stderr)
+        logs.line(f"tenplex store: error: {e}", sys.stderr, logging.ERROR, "tenplex.cli")
         return 2
 
 
