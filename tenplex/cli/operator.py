@@ -59,6 +59,7 @@ def register(subparsers) -> None:
 
 
 def run_operator(args: argparse.Namespace) -> int:
+    setup_logs(args)  # first: under --log-format json even a missing extra or credentials is a JSON line
     if not args.all_namespaces and not args.namespace:
         raise UsageError("say which TenplexJobs to watch: --all-namespaces, or --namespace NAME")
     try:
@@ -79,7 +80,6 @@ def run_operator(args: argparse.Namespace) -> int:
                               rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
                               store_port=args.store_port, token_file=args.token_file,
                               unschedulable_grace=args.unschedulable_grace, metrics_port=args.worker_metrics_port)
-    setup_logs(args)
     operator = Operator(kubernetes.client.ApiClient(), settings, interval=args.interval)
     serve_metrics(args, operator.metrics.registry)
     registry = operator.register(kopf.get_default_registry())
