@@ -185,7 +185,13 @@ class StoreService:
         self._sweep()
         reader = self.store.open(version)
         with self._lock:
-            self._readers[version] = reader
+            cached = self._readers.get(version)
+            if cached is not None and cached is not reader and cached.identity == reader.identity:
+                spare, reader = reader, cached  # another call opened it meanwhile: one reader per version
+            else:
+                spare, self._readers[version] = cached, reader
+        if spare is not None:
+            spare.close(deleted=spare.identity != reader.identity)  # not left to the garbage collector
         return reader
 
     def _sweep(self) -> None:
