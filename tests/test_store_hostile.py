@@ -202,7 +202,7 @@ def test_data_plane_accept_loop_survives_thread_exhaustion(in_process_store, mon
 
 def test_silent_data_connections_are_dropped_and_bounded(tmp_path):
     from tenplex.store.dataplane import DataPool, DataServer
-    from tenplex.store.server import StoreService
+    from tenplex.store.service import StoreService
 
     store, w = _one_version(tmp_path)
     service = StoreService(store)
@@ -237,7 +237,7 @@ def test_silent_data_connections_are_dropped_and_bounded(tmp_path):
 
 def test_a_pooled_connection_the_server_dropped_is_replaced_transparently(tmp_path):
     from tenplex.store.dataplane import DataPool, DataServer
-    from tenplex.store.server import StoreService
+    from tenplex.store.service import StoreService
 
     store, w = _one_version(tmp_path)
     data = DataServer("127.0.0.1", StoreService(store)._reader, lambda e: ("INTERNAL", str(e)), max_connections=1)

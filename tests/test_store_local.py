@@ -147,7 +147,7 @@ def test_gc_and_delete(tmp_path):
 def test_server_drops_cached_readers_of_deleted_versions(tmp_path):
     """Delete and Gc must release the server's readers of deleted versions (their directory descriptors)."""
     from tenplex.store._proto import store_pb2 as pb
-    from tenplex.store.server import StoreService
+    from tenplex.store.service import StoreService
 
     store = Store(tmp_path / "s", "h0")
     for v in (1, 2, 3):

@@ -28,7 +28,11 @@ from .units import tcp_port
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("store", help="run or query a host's tensor store")
     sub = parser.add_subparsers(dest="store_command", metavar="ACTION", required=True)
+    _register_serve(sub)
+    _register_queries(sub)
 
+
+def _register_serve(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="serve a store directory over gRPC (tenplex.v1.Store)",
                            description="Serve a store directory over gRPC (tenplex.v1.Store). Off loopback a token "
                                        "is required; without --tls-cert/--tls-key every gRPC call carries that "
@@ -59,6 +63,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_operations_arguments(serve)
     serve.set_defaults(handler=_serve)
 
+
+def _register_queries(sub: argparse._SubParsersAction) -> None:
+    """The actions that talk to running stores (ls, gc, stop, transform)."""
     ls = sub.add_parser("ls", help="list a store's versions, or one version's shards")
     ls.add_argument("address", help="HOST:PORT of a store server")
     ls.add_argument("--version", type=int, help="show this version's manifest summary")
@@ -86,7 +93,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="concurrent pulls per destination host (default: one per CPU of each store's host, 2 to 4)")
     _token_arguments(tr)
     tr.set_defaults(handler=_transform)
-
 
 
 def _positive(text: str) -> int:

@@ -1,6 +1,6 @@
 """The kopf handlers: observe, decide (pure), act.
 
-May import: ``kopf``, ``kubernetes``, the package's modules, ``tenplex.ops.metrics``, ``tenplex.ops.logs`` and the
+May import: ``kopf``, ``kubernetes``, the package's modules, ``tenplex.ops`` (its metrics and log context) and the
 standard library.
 
 Each TenplexJob gets a kopf daemon that reconciles it: read the job, its
