@@ -114,14 +114,14 @@ def test_the_rules_are_pure():
 def test_a_replica_count_needs_every_hosts_store_address(tmp_path):
     from tenplex import Checkpointer
     from tenplex.errors import ConfigError
+    from tenplex.integration.savedoc import replica_count
 
     with pytest.raises(ConfigError, match="replicas must be >= 0"):
         Checkpointer(store_root=tmp_path, replicas=-1)
-    ckpt = Checkpointer(store_root=tmp_path, host="h0", replicas=1, store_address="127.0.0.1:1")
-    assert ckpt._replica_count({"h0": "127.0.0.1:1", "h1": "127.0.0.1:2"}, ["h0", "h1"]) == 1
+    assert replica_count(1, {"h0": "127.0.0.1:1", "h1": "127.0.0.1:2"}, ["h0", "h1"], rank=0) == 1
     with pytest.raises(ConfigError, match=r"host\(s\) h1 reported none: set TENPLEX_STORE_ADDRESS"):
-        ckpt._replica_count({"h0": "127.0.0.1:1"}, ["h0", "h1"])
-    assert Checkpointer(store_root=tmp_path, host="h0", replicas=0)._replica_count({}, ["h0", "h1"]) == 0
+        replica_count(1, {"h0": "127.0.0.1:1"}, ["h0", "h1"], rank=0)
+    assert replica_count(0, {}, ["h0", "h1"], rank=0) == 0
 
 
 # -------------------------------------------------------- copier, real stores
