@@ -101,8 +101,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the state lives (cuda: both ranks on the first GPU, plus the copy floors and "
                              "pageable staging)")
-    add_warm_argument(parser)
-    parser.set_defaults(warm_gb=None)  # here: the state's size unless given
+    add_warm_argument(parser, None, "; default: the state's size")
     parser.add_argument("--repeat", type=int, default=5,
                         help="timed rounds of every method (median and [min, max] reported; default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds of every method first (default 1)")
