@@ -151,6 +151,18 @@ def test_liveness_counts_a_worker_dead_only_after_its_counter_stood_still_for_th
     assert live.dead() == {0}
 
 
+def test_a_stale_slot_is_neither_alive_nor_dead_until_the_timeout_so_it_never_looks_like_a_joiner():
+    live = Liveness(timeout=2.0)
+    live.observe(0, 5, now=10.0)      # a live worker
+    live.observe(1, 3, now=10.0)      # a worker that died before this observer started
+    live.observe(0, 6, now=10.1)
+    live.observe(1, 3, now=10.1)
+    assert live.alive() == {0} and live.dead() == set()
+    live.observe(0, 9, now=12.5)
+    live.observe(1, 3, now=12.5)
+    assert live.alive() == {0} and live.dead() == {1}
+
+
 def test_an_observer_starved_of_cpu_counts_nobody_dead_for_its_own_silence():
     live = Liveness(timeout=1.0)
     live.observe(0, 5, now=10.0)

@@ -255,9 +255,11 @@ class Liveness:
     def __init__(self, timeout: float):
         self.timeout = timeout
         self._seen: dict[int, tuple[int, float, float]] = {}  # wid -> (counter, when it last advanced, last seen)
+        self._first: dict[int, float] = {}                     # wid -> when this observer first read it
 
     def observe(self, wid: int, counter: int, now: float) -> None:
         last = self._seen.get(wid)
+        self._first.setdefault(wid, now)
         if last is None or counter != last[0]:
             self._seen[wid] = (counter, now, now)
         else:
@@ -266,5 +268,12 @@ class Liveness:
     def dead(self) -> set[int]:
         return {w for w, (_, since, seen) in self._seen.items() if seen - since > self.timeout}
 
+    def alive(self) -> set[int]:
+        """Workers seen heart-beating: their counter advanced since this observer first read it. A worker that
+        died before this observer started (a stale slot) is neither alive nor, for ``timeout`` seconds, dead:
+        it must not look like a joiner meanwhile."""
+        return {w for w, (_, since, seen) in self._seen.items() if since > self._first[w]} - self.dead()
+
     def forget(self, wid: int) -> None:
         self._seen.pop(wid, None)
+        self._first.pop(wid, None)

@@ -133,6 +133,8 @@ class Membership:
         if current is not None:
             with self._lock:
                 registered, leaving = set(self._members), set(self._leaving)
+            # a registered worker counts once seen heart-beating: a stale slot of a dead one is no joiner
+            registered &= self.liveness.alive() | set(current.members)
             wanted = change_wanted(current, registered, leaving, self.liveness.dead())
             if self.current is current:  # not re-formed meanwhile
                 self.wanted = wanted
@@ -162,7 +164,9 @@ class Membership:
                 return self._published(Generation.from_json(self._store.get(key)))
             members, leaving, dead = self.view()
             arrived = {w: m for w, m in members.items() if self._store.add(self.keys.arrived(number, w), 0)}
-            if ready_to_propose(previous, set(members), set(arrived), leaving, dead, self.min_workers):
+            # expected: the previous generation's members and the joiners seen heart-beating (not stale slots)
+            registered = set(members) & (self.liveness.alive() | set(previous.members if previous else ()))
+            if ready_to_propose(previous, registered, set(arrived), leaving, dead, self.min_workers):
                 proposal = propose(previous, arrived, leaving)
                 if previous is not None and dead & set(previous.members):
                     log.warning("generation %d: proposing %s without %s (no heartbeat for %.1f s)", number,
@@ -173,7 +177,7 @@ class Membership:
                 return self._published(Generation.from_json(won))
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"generation {number}: still waiting for workers "
-                                   f"{sorted(set(members) - set(arrived) - leaving - dead)} to arrive")
+                                   f"{sorted(registered - set(arrived) - leaving - dead)} to arrive")
             time.sleep(self.heartbeat_s / 2)
 
     def _published(self, generation: Generation) -> Generation:

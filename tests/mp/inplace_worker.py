@@ -1,10 +1,11 @@
 """A worker of tests/test_elastic_inplace.py: the loop form of tenplex.elastic.Job, in place.
 
-argv: OUT. Environment: TENPLEX_IN_PLACE, TENPLEX_RDZV_ENDPOINT/ID, TENPLEX_HOST, LOCAL_RANK,
-TENPLEX_STORE_ROOT. A float64 Linear(8, 8) trained with SGD: step s's global batch is torch.manual_seed(s);
-randn(4, 8), each rank takes its rows and all-reduces its gradient sum, so every world computes the
-uninterrupted job's step. Writes OUT/w{LOCAL_RANK}.jsonl: one line per world (pid, generation, rank, size,
-reasons, the step it restored) and per step; OUT/final-{pid}.json at the end (parameters, reconfigurations).
+argv: OUT. Started by `tenplex run --in-place` (which sets TENPLEX_IN_PLACE, TENPLEX_RDZV_ENDPOINT/ID,
+TENPLEX_HOST, TENPLEX_STORE_ROOT/ADDRESS; torchrun sets LOCAL_RANK). A float64 Linear(8, 8) trained with
+SGD: step s's global batch is torch.manual_seed(s); randn(4, 8), each rank takes its rows and all-reduces
+its gradient sum, so every world computes the uninterrupted job's step. Writes OUT/w{LOCAL_RANK}.jsonl: one
+line per world (pid, generation, rank, size, reasons, the step it restored) and per step;
+OUT/final-{pid}.json at the end (parameters, reconfigurations, metrics).
 """
 
 from __future__ import annotations
