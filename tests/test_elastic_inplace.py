@@ -111,4 +111,4 @@ def test_a_lost_node_a_warm_join_and_a_leave_change_the_world_and_the_survivor_k
         assert f'tenplex_job_reconfigurations_total{{kind="{kind}",mode="in_place"}} 1.0' in final["metrics"]
     assert "tenplex_job_pause_seconds_count 3.0" in final["metrics"]
     print(json.dumps([{k: p[k] for k in ("reasons", "pause_s", "agree_s", "re_form_s", "restore_s",
-                                         "first_step_s")} for p in pauses]))
+                                         "first_step_s", "bytes")} for p in pauses]))

@@ -388,6 +388,11 @@ class Job:
         """The first step of a world entered in place finished: its pause is over (old world's end to now)."""
         p, done = self.world.pause, time.monotonic()
         p["restore_s"] = self.restored.seconds if self.restored is not None else 0.0
+        # Bytes by where they came from: nothing from memory yet (issue 36 item 3); kept and same-host regions
+        # from this host's store, the rest from other hosts'. No plan: every region was this host's already.
+        stats = self.restored.plan_stats if self.restored is not None else {}
+        p["bytes"] = {"memory": 0, "this_host": stats.get("kept_bytes", 0) + stats.get("intra_host_bytes", 0),
+                      "other_hosts": stats.get("inter_host_bytes", 0), "planned": bool(stats)}
         p["pause_s"] = done - p.pop("since")  # the old world's last step finished -> this world's first one
         p["first_step_s"] = max(0.0, p["pause_s"] - p["agree_s"] - p["re_form_s"] - p["restore_s"])
         p.update(generation=self.world.generation, step=self.step, world_size=self.world_size)
