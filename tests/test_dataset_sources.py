@@ -1,0 +1,133 @@
+"""In-place sources (Hugging Face save_to_disk, Parquet, WebDataset, Megatron): samples equal each format's own
+library, through the in-process reader, the FUSE view and a packed copy; identities; one-line errors."""
+
+import gc
+import json
+import os
+
+import numpy as np
+import pytest
+
+import fuse_vfs
+import source_helpers
+from tenplex.cli import main
+from tenplex.dataset import DatasetError, DatasetState, decode_sample, open_dataset, write_state_file
+from tenplex.dataset.reader import open_fallback, open_mounted
+from tenplex.dataset.inplace import open_records
+from tenplex.dataset.source import read_verified
+
+N = 23
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cache(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TENPLEX_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, _cache):
+    root = tmp_path_factory.mktemp("sources")
+    paths = {kind: source_helpers.make(kind, root / kind, N) for kind in source_helpers.KINDS}
+    return {kind: (path, source_helpers.reference(kind, path)) for kind, path in paths.items()}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and a.dtype == np.asarray(b).dtype and np.array_equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("kind", source_helpers.KINDS)
+def test_samples_equal_what_the_library_reads(sources, kind):
+    path, expected = sources[kind]
+    info = open_dataset(path)
+    assert info.num_samples == len(expected) > 10
+    records = open_records(info)
+    got = [decode_sample(read_verified(records, info, i), info.decode_info()) for i in range(info.num_samples)]
+    assert all(_same(g, e) for g, e in zip(got, expected))
+    # a rank's in-process view (dp 3, mid-epoch) reads the library's samples of its ids
+    state = DatasetState(info.identity, info.num_samples, 5, 8, 4)
+    reader = open_fallback(path, state, 3, 1)
+    assert len(reader) > 0
+    assert all(_same(reader.get(i), expected[s]) for i, s in enumerate(reader.sample_ids.tolist()))
+    assert open_dataset(path).identity == info.identity  # the second open comes from the scan cache
+
+
+@pytest.mark.skipif(fuse_vfs.fuse_unavailable_reason() is not None, reason="FUSE unavailable")
+@pytest.mark.parametrize("kind", ["hf", "webdataset", "megatron-seq"])  # encoded rows, tar ranges, token ranges
+def test_the_fuse_view_serves_each_source(sources, kind, tmp_path):
+    path, expected = sources[kind]
+    info = open_dataset(path)
+    state = DatasetState(info.identity, info.num_samples, 3, 0, 5)
+    write_state_file(tmp_path / "state.json", state, dp=2)
+    (tmp_path / "mnt").mkdir()
+    handle = fuse_vfs.mount(path, tmp_path / "mnt", tmp_path / "state.json", log_path=tmp_path / "log")
+    try:
+        seen = []
+        for rank in range(2):
+            reader = open_mounted(tmp_path / "mnt", rank)
+            ids = reader.sample_ids.tolist()
+            assert ids == open_fallback(path, state, 2, rank).sample_ids.tolist()
+            assert all(_same(reader.get(i), expected[s]) for i, s in enumerate(ids))
+            seen += ids
+            reader.close()
+        assert sorted(seen) == sorted(set(seen)) and len(seen) == state.epoch_length
+    finally:
+        gc.collect()
+        handle.unmount(lazy=True, timeout=20)
+
+
+@pytest.mark.parametrize("kind", ["parquet", "megatron"])
+def test_pack_from_a_source_keeps_every_sample(sources, kind, tmp_path):
+    path, expected = sources[kind]
+    source = "megatron" if kind.startswith("megatron") else kind
+    assert main(["data", "pack", "--from", source, str(path), str(tmp_path / "packed"), "--quiet"]) == 0
+    info = open_dataset(tmp_path / "packed")
+    assert info.source == "records" and info.num_samples == len(expected)
+    records = open_records(info)
+    assert all(_same(decode_sample(read_verified(records, info, i), info.decode_info()), e)
+               for i, e in enumerate(expected))
+
+
+def test_a_changed_source_has_another_identity_and_damage_is_named(tmp_path):
+    path = source_helpers.make("megatron", tmp_path / "m", N)
+    info = open_dataset(path)
+    data = path / "corpus.bin"
+    raw = bytearray(data.read_bytes())
+    st = data.stat()
+    raw[0] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert open_dataset(path).identity != info.identity  # what a job saved a position for is refused
+    # the same size and times (a change the scan cache cannot see): the read names the sample and offset
+    os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(DatasetError, match=r"corpus\.bin: sample 0 at offset 0 .*checksum mismatch"):
+        read_verified(open_records(info), info, 0)
+    data.write_bytes(bytes(raw[:-3]))
+    with pytest.raises(DatasetError, match=r"corpus\.bin: document \d+ .*runs past the end"):
+        open_dataset(path)
+    data.unlink()
+    with pytest.raises(DatasetError, match=r"corpus\.bin: missing"):
+        open_dataset(path)
+
+
+def test_damaged_sources_fail_in_one_line(tmp_path):
+    shards = source_helpers.make("webdataset", tmp_path / "w", 6)
+    first = sorted(shards.glob("*.tar"))[0]
+    first.write_bytes(first.read_bytes()[:700])
+    (tmp_path / "idx").mkdir()
+    (tmp_path / "idx" / "c.idx").write_bytes(b"MMIDIDX\x00\x00" + b"\x01" * 40)
+    (tmp_path / "idx" / "c.bin").write_bytes(b"")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "dataset_dict.json").write_text("{}")
+    spec = tmp_path / "s.json"
+    spec.write_text(json.dumps({"format": "tenplex.source/1", "source": "megatron", "path": "idx/c", "seq_len": 0}))
+    for path, message in [(shards, r"shard-000\.tar: not a readable tar shard"),
+                          (tmp_path / "idx", r"c\.idx: index version"),
+                          (tmp_path / "hf", r"a Hugging Face DatasetDict; give one split's directory"),
+                          (spec, r"seq_len must be a positive integer"),
+                          (tmp_path / "nothing", r"no such dataset directory or source file")]:
+        with pytest.raises(DatasetError, match=message) as caught:
+            open_dataset(path)
+        assert "\n" not in str(caught.value)
