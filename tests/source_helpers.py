@@ -1,8 +1,9 @@
 """Small datasets in each in-place source format, written with the format's own library, and its reference reader.
 
-``make(kind, dir, n)`` writes about ``n`` samples and returns the path to open; ``reference(kind, path)``
+``make(kind, dir, n)`` writes ``n`` samples and returns the path to open; ``reference(kind, path)``
 returns the samples as the source's own library reads them, in the source's order, decoded the way
-tenplex decodes them (``decode_sample``).
+tenplex decodes them (``decode_sample``). Sample ``i`` carries ``i`` (``sample_id``): an id column, the
+tar key, a document of ``i`` tokens, or the tokens ``0, 1, 2, ...`` cut into sequences.
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ def _megatron(out: Path, n: int, seq_len: int | None) -> Path:
     rng = np.random.default_rng(n)
     (out / "mg").mkdir()
     builder = IndexedDatasetBuilder(str(out / "mg" / "corpus.bin"), dtype=np.uint16)
-    docs = n if seq_len is None else max(2, n * seq_len // 10)
-    for _ in range(docs):
-        doc = rng.integers(0, 60000, int(rng.integers(1, 20))).astype(np.int64)
+    if seq_len is None:  # document i: a random number of tokens, all i
+        docs = [np.full(int(rng.integers(1, 20)), i, dtype=np.int64) for i in range(n)]
+    else:  # tokens 0, 1, 2, ... in documents of random lengths: exactly n sequences of seq_len + 1
+        tokens = np.arange(n * seq_len + 1, dtype=np.int64)
+        docs = np.split(tokens, np.sort(rng.choice(np.arange(1, len(tokens)), n // 2, replace=False)))
+    for doc in docs:
         builder.add_document(torch.from_numpy(doc), [len(doc)])
     builder.finalize(str(out / "mg" / "corpus.idx"))
     if seq_len is None:
@@ -72,6 +76,15 @@ def _megatron(out: Path, n: int, seq_len: int | None) -> Path:
     spec.write_text(json.dumps({"format": "tenplex.source/1", "source": "megatron", "path": "mg/corpus",
                                 "seq_len": seq_len}))
     return spec
+
+
+def sample_id(kind: str, sample) -> int:
+    """The id a sample of ``make(kind, ...)`` carries."""
+    if kind in ("hf", "parquet"):
+        return sample["id"]
+    if kind == "webdataset":
+        return int(sample["__key__"][1:])
+    return int(sample[0]) // (SEQ_LEN if kind == "megatron-seq" else 1)
 
 
 def reference(kind: str, path: Path) -> list:
