@@ -132,3 +132,45 @@ def test_damaged_sources_fail_in_one_line(tmp_path):
         with pytest.raises(DatasetError, match=message) as caught:
             open_dataset(path)
         assert "\n" not in str(caught.value)
+
+
+def test_the_step_loader_yields_each_step_once_and_keeps_the_position_of_steps_done(sources):
+    """job.loader()'s machinery without a job: 2 prefetching workers over a fallback view; a restart at the
+    position of the steps done (what a new world does) yields the rest of the epoch, none of what was
+    prefetched beyond it."""
+    from tenplex.dataset.state import StateError
+    from tenplex.dataset.torch_data import RankBatchSampler, RankDataset, StepLoader
+
+    path, expected = sources["megatron-seq"]
+    info = open_dataset(path)
+    start = DatasetState(info.identity, info.num_samples, 2, 0, 4)  # 5 steps of 4 in an epoch of 23
+    job = {"step": 0}
+
+    def stretch():
+        state = start.advance(job["step"])
+        data = RankDataset.fallback(info, state, 2, 0)
+        return job["step"], data, list(RankBatchSampler(data))
+
+    def loader():
+        return StepLoader(stretch, lambda: job["step"], lambda: start.advance(job["step"]),
+                          num_workers=2, prefetch_factor=2)
+
+    seen = []
+    for batch in loader():  # a world that stops after 2 of 5 steps: its workers prefetched more
+        seen.append(batch[1])
+        job["step"] += 1
+        if job["step"] == 2:
+            break
+    saved = loader().state_dict()
+    assert saved["position"] == 8
+    for batch in loader():  # the next world, at the saved position
+        assert [int(t[0]) // source_helpers.SEQ_LEN for t in batch[2]] == batch[1]
+        seen.append(batch[1])
+        job["step"] += 1
+        if job["step"] == 5:
+            break
+    mine = open_fallback(path, start, 2, 0)
+    assert sum(seen, []) == mine.sample_ids.tolist()  # rank 0's share of the epoch, each sample once, in order
+    loader().load_state_dict(start.advance(5).to_dict())
+    with pytest.raises(StateError, match="loader state is at position 8"):
+        loader().load_state_dict(saved)
