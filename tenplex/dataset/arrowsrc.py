@@ -56,6 +56,7 @@ def layout(spec: dict[str, Any]) -> tuple[Path, list[str], dict[str, Any]]:
     """The directory, the data files (first) and metadata files, and the options of an hf/parquet spec."""
     root = Path(spec["path"])
     if spec["source"] == "parquet":
+        # every *.parquet below root, in path order; hive partition values in folder names are not columns here
         files = sorted(str(p.relative_to(root)) for p in root.rglob("*.parquet"))
         if not files:
             raise DatasetError(f"{root}: no *.parquet files")
