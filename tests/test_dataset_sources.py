@@ -2,9 +2,11 @@
 library, through the in-process reader, the FUSE view and a packed copy; identities; one-line errors."""
 
 import gc
+import io
 import json
 import os
 import pickle
+import tarfile
 
 import numpy as np
 import pytest
@@ -120,6 +122,25 @@ def test_a_changed_source_has_another_identity_and_damage_is_named(tmp_path):
     data.unlink()
     with pytest.raises(DatasetError, match=r"corpus\.bin: missing"):
         open_dataset(path)
+
+
+@pytest.mark.parametrize("tar_format", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
+def test_the_quick_tar_decoder_reads_what_tarfile_reads(tar_format):
+    from tenplex.dataset.encodings import _decode_plain_tar, _decode_with_tarfile, decode_tar
+
+    def tar(members) -> bytes:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tar_format) as out:
+            for name, data in members:
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime = len(data), 1_700_000_000
+                out.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
+    plain = tar([("dir/k1.txt", b"hi"), ("dir/k1.CLS", b"3" * 600), ("__meta__", b"x"), ("dir/k1.e", b"")])
+    assert _decode_plain_tar(plain) == _decode_with_tarfile(plain) == {
+        "__key__": "dir/k1", "txt": b"hi", "cls": b"3" * 600, "e": b""}
+    long = tar([("d" * 120 + "/k.txt", b"long")])  # a pax or GNU long-name header: tarfile decodes it
+    assert decode_tar(long) == {"__key__": "d" * 120 + "/k", "txt": b"long"}
 
 
 def test_damaged_sources_fail_in_one_line(tmp_path):
