@@ -78,6 +78,7 @@ from .exchange import agree, all_gather_json
 from .layouts import check_and_build, check_optimizer, specs_of, state_pieces
 from .pieces import Piece, init_optimizer_state, state_owners
 from .restoring import Reach, RestoreInfo, apply_state, bring_within_reach
+from .rollforward import PARTS_DOC, parts_doc, roll_forward
 from .savedoc import SaveRound, coord_key, rank_doc, replica_count, state_doc
 from .shardio import read_piece, write_piece
 from .snapshot import Snapshotter
@@ -181,6 +182,7 @@ class Checkpointer:
                     writer.put_json(STATE_DOC, state_doc(docs, step, extra, scheduler, scaler, optimizer))
                     writer.put_json(STORES_DOC, stores_doc(version, {h: round_.addresses.get(h) for h in round_.ring},
                                                            replicas, round_.ring))
+                    writer.put_json(PARTS_DOC, parts_doc(round_.all_parts()))
                 writer.prepare()
 
         # Name the parts: a crashed earlier attempt may have left other ranks' parts of this version staged.
@@ -296,6 +298,7 @@ class Checkpointer:
         the one gathered from the ranks; it must give every rank what it needs.
         """
         rank = dist.get_rank(self.group)
+        roll_forward(self.store, self.group)  # a version whose commit decision was lost with a host
 
         def pieces_for(saved_tensors, scalars) -> list[Piece]:
             if optimizer is not None:  # state for exactly the parameters that had some when saved
