@@ -129,6 +129,13 @@ def test_the_rank0_host_dies_after_a_committed_snapshot_and_during_the_next_writ
     for step, (_, done) in final.items():
         assert sorted(i for d in done for i in d["ids"]) == list(range((step - 1) * 6, step * 6))
         assert {d["loss"] for d in done} == {losses[step - 1]}
+    # Under DDP each host holds every region: a step a world of two hosts or more committed survives the loss of
+    # one; in the last world (one host) none does.
+    ranks = {w: len([d for d in restored if d["world"] == w]) for w in worlds}
+    for d in lines:
+        if "step" in d and d["step"] > steps_of[d["world"]][0] + 1:
+            assert d["committed"] is not None
+            assert d["protected"] == (d["committed"] if ranks[d["world"]] > 1 else None)
     for before, after in zip(worlds, worlds[1:]):  # no step that a world finished is trained again by the next
         assert max(d["step"] for d in lines if d.get("world") == before and "step" in d) <= steps_of[after][0]
 

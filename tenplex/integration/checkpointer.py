@@ -240,7 +240,10 @@ class Checkpointer:
         (total, last, of which waiting for the previous write), the last background write and commit seconds,
         the staging bytes, the last snapshot's bytes linked unchanged from the previous one (``linked_bytes``), the
         snapshots committed a boundary late because the job's key-value store did not answer (``late_commits``),
-        the newest committed and replicated steps and the replication lag in steps."""
+        the newest committed and replicated steps and the replication lag in steps, whether the last committed
+        snapshot holds every region on two hosts or more (``spread``) and its copies per region (``copies``),
+        and ``protected_step``: the newest committed step that survives the loss of any one host as this rank
+        sees it (the committed one when ``spread``; else the newest whose copies this rank pulled; None: none)."""
         if self._snapshots is None:
             return {}
         stats = dict(self._snapshots.stats)

@@ -116,6 +116,7 @@ class _InFlight:
     done: threading.Event = field(default_factory=threading.Event)  # the writer thread is through with it
     error: str | None = None
     committed: bool = False
+    spread: bool = False             # every region is on two hosts or more: it survives the loss of one
     write_s: float = 0.0
     commit_s: float | None = None    # seconds from the call until this host committed
 
@@ -141,7 +142,8 @@ class Snapshotter:
         self.stats: dict[str, Any] = {"snapshots": 0, "committed": 0, "failed": 0, "blocking_s": 0.0,
                                       "waited_s": 0.0, "last_blocking_s": 0.0, "write_s": 0.0, "last_write_s": 0.0,
                                       "last_commit_s": None, "staging_bytes": 0, "linked_bytes": 0, "late_commits": 0,
-                                      "committed_step": None, "replicated_step": None}
+                                      "committed_step": None, "replicated_step": None,
+                                      "protected_step": None, "spread": False, "copies": 0}
 
     # ------------------------------------------------------------------ boundary
     def snapshot(self, model, optimizer, *, step: int, extra, scheduler, scaler, annotations, rng: bool) -> Future:
@@ -176,7 +178,7 @@ class Snapshotter:
             version, step, rank == leader, round_.parts, world,
             f"tenplex/snapshot/{docs[0]['nonce']}", None, round_.addresses, replicas,
             {k: f for k, f in fingerprints.items() if f is not None},
-            [(p.name, p.box) for p in own if (p.name, p.box) in unchanged], called_at=begin)
+            [(p.name, p.box) for p in own if (p.name, p.box) in unchanged], called_at=begin, spread=self.rounds.spread)
         self._hand_off(job, ({p.name: p.spec for p in own}, documents, leader_docs, rank))
         blocking = time.monotonic() - begin
         self.stats.update(snapshots=self.stats["snapshots"] + 1, blocking_s=self.stats["blocking_s"] + blocking,
@@ -242,7 +244,10 @@ class Snapshotter:
                                                    f"committed: rank {rank}: {error}"))
             return
         self.stats.update(committed=self.stats["committed"] + 1, committed_step=job.step,
-                          committed_version=job.version, last_write_s=job.write_s, last_commit_s=job.commit_s)
+                          committed_version=job.version, last_write_s=job.write_s, last_commit_s=job.commit_s,
+                          spread=job.spread, copies=job.replicas)
+        if job.spread:
+            self.stats["protected_step"] = job.step
         self.ckpt._replicated_version = job.version
         self._unchanged_base = (job.version, job.fingerprints)
         job.future.set_result(job.version)
@@ -391,6 +396,8 @@ class Snapshotter:
                 ckpt._replicator = replicator
             if replicator.wait():
                 self.stats["replicated_step"] = step
+                if (self.stats["protected_step"] or -1) < step:
+                    self.stats["protected_step"] = step  # its copies are committed on the ring's next hosts
                 return
             if replicator.state == "cancelled":
                 return

@@ -1,7 +1,7 @@
 """A snapshot's all-gather, with the documents that stay the same within a world sent once.
 
-May import: this package's :mod:`.exchange`, :mod:`.pieces` and :mod:`.savedoc`, torch.distributed and the
-standard library.
+May import: ``tenplex.replication`` (which regions one host alone holds), this package's :mod:`.exchange`,
+:mod:`.pieces` and :mod:`.savedoc`, torch.distributed and the standard library.
 
 Every snapshot begins with one all-gather of JSON (:mod:`.snapshot`, step 1). Most of a rank's save document
 (:func:`.savedoc.static_doc`: its device, the tensors and boxes it holds, the parameter groups) does not change
@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..replication.plan import unique_regions
 from .exchange import all_gather_json
 from .pieces import Piece
 from .savedoc import SaveRound, static_doc, step_doc
@@ -35,6 +36,7 @@ class RoundCache:
         self._peers: dict[int, dict] = {}  # rank -> the static document it sent last
         self._round: SaveRound | None = None
         self.changed = True              # the last exchange carried some rank's new static document
+        self.spread = False              # every region of the round's layout is on two hosts or more
 
     def exchange(self, pieces: list[Piece], rank: int, rng: bool, model, optimizer, **more: Any) -> list[dict]:
         """Every rank's whole save document (static and per-step parts) and ``more``. Collective."""
@@ -63,6 +65,7 @@ class RoundCache:
         if self.changed or self._round is None:
             self._round = None  # derived again next time too, should this raise
             self._round = SaveRound.of(docs, self.ckpt.host, self.ckpt.stores)  # a mismatch raises everywhere
+            self.spread = len(self._round.ring) > 1 and not unique_regions(self._round.layout())
         else:
             self._round = dataclasses.replace(self._round, docs=docs)
         return self._round

@@ -7,7 +7,8 @@ and every rank adds them up in global sample order, so every update is bit for b
 ranks (what DDP computes, without its order-dependent sum). :func:`reference` is the same training in one process.
 
 Per host it appends to ``OUT/{host}.jsonl``: one ``restored`` line per world (world, rank, step, version) and one
-line per finished step (world, step, loss, the sample ids it trained); rank 0 of each world dumps the state right
+line per finished step (world, step, loss, the sample ids it trained, ``save_cost()``'s committed and protected
+steps); rank 0 of each world dumps the state right
 after restoring (``OUT/restored-{world}.safetensors``) and after every step (``OUT/state-{step}-{world}...``).
 Before step ``s`` listed in ``OUT/holds`` every rank writes ``OUT/held-{s}-{host}`` (its world) and waits for
 ``OUT/go-{s}``: the test kills a node meanwhile. Two hooks put a kill where the test wants it, in the worlds that
@@ -137,8 +138,10 @@ def main() -> None:
                 time.sleep(0.05)
         loss = train_step(model, optimizer, job.step, mine, dist.all_reduce)
         job.step_done()
+        cost = job.save_cost()
         log.write(json.dumps({"world": world, "step": job.step, "loss": loss,
-                              "ids": [(job.step - 1) * BATCH + i for i in mine]}) + "\n")
+                              "ids": [(job.step - 1) * BATCH + i for i in mine], "committed": cost["committed_step"],
+                              "protected": cost["protected_step"]}) + "\n")
         log.flush()
         if job.rank == 0:
             save_file(state(model, optimizer), out / f"state-{job.step}-{world}.safetensors")
