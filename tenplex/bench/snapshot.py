@@ -173,6 +173,7 @@ def _fixed_cost(spec: dict, work: Path, result: dict) -> dict:
     """What a snapshot costs the training thread whatever the state's size: the median blocking seconds of a
     snapshot of the same model's structure with tiny tensors (``tenplex_snapshot_fixed_s``), and the rest per byte
     staged (``tenplex_snapshot_s_per_mb``, from the measured model's blocking seconds and staging bytes)."""
+    import torch
     import torch.distributed as dist
 
     import tenplex
@@ -184,8 +185,13 @@ def _fixed_cost(spec: dict, work: Path, result: dict) -> dict:
     ckpt = tenplex.Checkpointer(store_root=work / "tiny-store", host="h0", device=f"h0/{dist.get_rank()}",
                                 replicas=0, keep=1)
 
+    local = _local_tensors(tiny)
+
     def snapshot(i: int) -> tuple[float]:
         ckpt.wait_snapshot()
+        with torch.no_grad():  # as a step would: every tensor changes, so every one is staged
+            for t in local:
+                t.mul_(1)
         dist.barrier()
         begin = time.perf_counter()
         ckpt.async_save(tiny.model, tiny.optimizer, step=i, scheduler=tiny.scheduler)
