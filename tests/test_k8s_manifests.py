@@ -128,6 +128,14 @@ def test_operator_status_matches_the_crd_status_schema():
         status = merge_patch(status, decide(s, round_nodes, round_pods, status=status, now=now, **kw).status)
     assert status["unschedulable"] and status["lastRescale"]["abandoned"]
     assert list(validator.iter_errors(status)) == []
+    # n2 lost a GPU: its worker stays, resized in place
+    s = parse_spec({"image": "i", "command": ["t.py"], "minNodes": 1, "maxNodes": 3, "gpusPerNode": 8,
+                    "minGpusPerNode": 6})
+    nodes[1] = NodeState("n2", True, True, 7)
+    pods = [PodState(f"j-{n}", f"u{n}", n, "Running", gpus=8) for n in ("n1", "n2")]
+    status = merge_patch(status, decide(s, nodes, pods, status=status, now="2026-01-01T00:04:00Z", **kw).status)
+    assert status["resizedInPlace"] == {"n2": {"pod": "un2", "gpus": 7}}
+    assert list(validator.iter_errors(status)) == []
 
 
 def _closed(schema):

@@ -426,40 +426,71 @@ def test_joining_node_lost_before_its_worker_ran_closes_the_record_as_abandoned(
 
 
 # -- a node with fewer healthy GPUs (minGpusPerNode) -----------------------------------------------------------------
-def test_node_that_lost_a_gpu_keeps_its_worker_recreated_with_the_gpus_left():
-    """The device plugin took an unhealthy GPU out of n2's allocatable: with minGpusPerNode=7 the node stays, its
-    worker is recreated requesting 7 (a Resize: its own record type, phase and events), and the world is 8+7."""
-    s = spec(minGpusPerNode=7, parallel={"maxTp": 1})
+def test_node_that_lost_a_gpu_keeps_its_worker_in_place_with_the_gpus_left():
+    """The device plugin took an unhealthy GPU out of n2's allocatable: with minGpusPerNode=6 the node stays and its
+    worker too (its tenplex run drops the failed device itself), a Resize in place; the world is 8+7."""
+    s = spec(minGpusPerNode=6, parallel={"maxTp": 1})
     old = stable("n1", "n2")
     nodes = [node("n1"), node("n2", gpus=7)]
     full = [pod("n1", gpus=8), pod("n2", gpus=8)]
     d = run(s, nodes, full, old)
-    assert (d.phase, d.target, d.create) == ("Resizing", ("n1", "n2"), ())
-    assert d.delete == (Deletion("j-n2", 120, "resize: node n2: 8 -> 7 nvidia.com/gpu"),)  # grace: it saves
+    assert (d.phase, d.target, d.create, d.delete) == ("Running", ("n1", "n2"), (), ())
+    assert d.status["resizedInPlace"] == {"n2": {"pod": "uid-n2", "gpus": 7}}
     rec = d.status["lastRescale"]
-    assert (rec["type"], rec["reason"]) == ("Resize", "node n2: 8 -> 7 nvidia.com/gpu")
+    assert (rec["type"], rec["reason"], rec["finishedAt"]) == ("Resize", "node n2: 8 -> 7 nvidia.com/gpu, in place", T1)
     # golden: 8+7 ranks, tp=1 (maxTp=1): every GPU trains
     assert (rec["from"]["nodeGpus"], rec["from"]["worldSize"]) == ({"n1": 8, "n2": 8}, 16)
     assert (rec["to"]["nodeGpus"], rec["to"]["worldSize"], rec["to"]["parallel"]) == \
         ({"n1": 8, "n2": 7}, 15, "dp=15,tp=1,pp=1")
-    assert reasons(d) == ["ResizeStarted"] and d.events[0].message.startswith("2 -> 2 nodes, world 16 -> 15")
-    mid = merge_patch(old, d.status)
-    # the old worker terminating holds the name: nothing is created yet
-    d2 = run(s, nodes, [full[0], pod("n2", gpus=8, terminating=True)], mid, now=T2)
-    assert (d2.phase, d2.create, d2.delete, fresh(d2, d)) == ("Resizing", (), (), [])
-    # gone: recreated on n2 with 7 (Decision.gpus is what the handler puts in the pod)
-    d3 = run(s, nodes, [full[0]], merge_patch(mid, d2.status), now=T2)
-    assert (d3.phase, d3.create, d3.gpus) == ("Resizing", ("n2",), {"n1": 8, "n2": 7})
-    d4 = run(s, nodes, [full[0], pod("n2", gen="b", gpus=7)], merge_patch(mid, d3.status), now=T2)
-    assert d4.phase == "Running" and fresh(d4, d, d2, d3) == ["Resized"]
-    assert (d4.status["nodeGpus"], d4.status["worldSize"], d4.status["parallel"]) == \
+    assert reasons(d) == ["ResizeStarted", "Resized"] and d.events[0].message.startswith("2 -> 2 nodes, world 16 -> 15")
+    assert (d.status["nodeGpus"], d.status["worldSize"], d.status["parallel"]) == \
         ({"n1": 8, "n2": 7}, 15, "dp=15,tp=1,pp=1")
-    settled = merge_patch(merge_patch(mid, d3.status), d4.status)
-    d5 = run(s, nodes, [full[0], pod("n2", gen="b", gpus=7)], settled, now=T2)
-    assert (d5.phase, d5.delete, d5.create, fresh(d5, d, d2, d3, d4)) == ("Running", (), (), [])
-    # the GPU is healthy again: the worker grows back the same way
-    d6 = run(s, [node("n1"), node("n2")], [full[0], pod("n2", gen="b", gpus=7)], settled, now=T2)
-    assert d6.phase == "Resizing" and d6.delete == (Deletion("j-n2", 120, "resize: node n2: 7 -> 8 nvidia.com/gpu"),)
+    settled = merge_patch(old, d.status)
+    d2 = run(s, nodes, full, settled, now=T2)  # settled: nothing to do, no new event
+    assert (d2.phase, d2.delete, d2.create, fresh(d2, d)) == ("Running", (), (), [])
+    assert merge_patch(settled, d2.status)["resizedInPlace"] == {"n2": {"pod": "uid-n2", "gpus": 7}}
+    # one more GPU lost there: still in place, 6
+    d3 = run(s, [node("n1"), node("n2", gpus=6)], full, settled, now=T2)
+    assert (d3.delete, d3.status["resizedInPlace"]["n2"]["gpus"], d3.status["lastRescale"]["reason"]) == \
+        ((), 6, "node n2: 7 -> 6 nvidia.com/gpu, in place")
+    # the GPU is healthy again: a pod's request cannot grow, so the worker is recreated requesting 8 (it saves)
+    d4 = run(s, [node("n1"), node("n2")], full, settled, now=T2)
+    assert d4.phase == "Resizing" and d4.delete == (Deletion("j-n2", 120, "resize: node n2: 7 -> 8 nvidia.com/gpu"),)
+    mid = merge_patch(settled, d4.status)
+    d5 = run(s, [node("n1"), node("n2")], [full[0]], mid, now=T2)  # gone: recreated with 8
+    assert (d5.phase, d5.create, d5.gpus) == ("Resizing", ("n2",), {"n1": 8, "n2": 8})
+    d6 = run(s, [node("n1"), node("n2")], [full[0], pod("n2", gen="b", gpus=8)], merge_patch(mid, d5.status), now=T2)
+    after = merge_patch(merge_patch(mid, d5.status), d6.status)
+    assert d6.phase == "Running" and "resizedInPlace" not in after and after["nodeGpus"] == {"n1": 8, "n2": 8}
+
+
+def test_node_that_lost_every_gpu_or_too_many_loses_its_worker():
+    """A worker stays in place only while its node qualifies: below minGpusPerNode (0 when every GPU is lost) it is
+    deleted (a scale-down), and a worker that failed is replaced requesting what the node has now."""
+    s = spec(minGpusPerNode=6, parallel={"maxTp": 1})
+    full = [pod("n1", gpus=8), pod("n2", gpus=8)]
+    for left in (0, 5):
+        d = run(s, [node("n1"), node("n2", gpus=left)], full, stable("n1", "n2"))
+        assert (d.phase, d.target) == ("Rescaling", ("n1",))
+        assert d.delete == (Deletion("j-n2", 120, f"scale down: {left} free nvidia.com/gpu"),)
+        assert merge_patch(stable("n1", "n2"), d.status)["lastRescale"]["to"]["nodeGpus"] == {"n1": 8}
+    nodes = [node("n1"), node("n2", gpus=7)]
+    settled = merge_patch(stable("n1", "n2"), run(s, nodes, full, stable("n1", "n2")).status)
+    d = run(s, nodes, [full[0], pod("n2", phase="Failed", gpus=8)], settled, now=T2)
+    d2 = run(s, nodes, [full[0]], merge_patch(settled, d.status), now=T2)
+    assert (d2.create, d2.gpus["n2"]) == (("n2",), 7)
+
+
+def test_status_forgets_a_node_that_left():
+    """nodeGpus and the rescale record are written whole: a node that left is not kept by the merge patch."""
+    s = spec()
+    three = merge_patch(stable("n1", "n2"), run(s, [node(n) for n in ("n1", "n2", "n3")],
+                                                [pod(n) for n in ("n1", "n2", "n3")], stable("n1", "n2")).status)
+    assert three["nodeGpus"] == {"n1": 8, "n2": 8, "n3": 8}
+    d = run(s, [node("n1"), node("n2")], [pod("n1"), pod("n2")], three, now=T2)
+    two = merge_patch(three, d.status)
+    assert (two["nodeNames"], two["nodeGpus"]) == (["n1", "n2"], {"n1": 8, "n2": 8})
+    assert two["lastRescale"]["to"]["nodeGpus"] == {"n1": 8, "n2": 8}
 
 
 def test_default_min_gpus_per_node_leaves_a_node_that_lost_a_gpu_out():
