@@ -429,7 +429,7 @@ def test_joining_node_lost_before_its_worker_ran_closes_the_record_as_abandoned(
 def test_node_that_lost_a_gpu_keeps_its_worker_in_place_with_the_gpus_left():
     """The device plugin took an unhealthy GPU out of n2's allocatable: with minGpusPerNode=6 the node stays and its
     worker too (its tenplex run drops the failed device itself), a Resize in place; the world is 8+7."""
-    s = spec(minGpusPerNode=6, parallel={"maxTp": 1})
+    s = spec(minGpusPerNode=6, maxNodes=2, parallel={"maxTp": 1})
     old = stable("n1", "n2")
     nodes = [node("n1"), node("n2", gpus=7)]
     full = [pod("n1", gpus=8), pod("n2", gpus=8)]
@@ -457,6 +457,10 @@ def test_node_that_lost_a_gpu_keeps_its_worker_in_place_with_the_gpus_left():
     d4 = run(s, [node("n1"), node("n2")], full, settled, now=T2)
     assert d4.phase == "Resizing" and d4.delete == (Deletion("j-n2", 120, "resize: node n2: 7 -> 8 nvidia.com/gpu"),)
     mid = merge_patch(settled, d4.status)
+    # while it terminates, its node still comes first: a free node that sorts before it does not take its place
+    terminating = run(s, [node("a3"), node("n1"), node("n2")], [full[0], pod("n2", gpus=8, terminating=True)], mid,
+                      now=T2)
+    assert (terminating.target, terminating.create) == (("n1", "n2"), ())
     d5 = run(s, [node("n1"), node("n2")], [full[0]], mid, now=T2)  # gone: recreated with 8
     assert (d5.phase, d5.create, d5.gpus) == ("Resizing", ("n2",), {"n1": 8, "n2": 8})
     d6 = run(s, [node("n1"), node("n2")], [full[0], pod("n2", gen="b", gpus=8)], merge_patch(mid, d5.status), now=T2)

@@ -17,8 +17,8 @@ The rules (docs/guides/operator.md):
   (default ``gpusPerNode``) free units of the accelerator resource (free:
   allocatable minus what other pods request; our own worker's units count as
   free). The node gets ``min(gpusPerNode, free)``. The target is the most
-  qualifying nodes up to ``maxNodes``, nodes that run a worker first, then
-  those with more free units, then by name: the job never moves a worker to
+  qualifying nodes up to ``maxNodes``, nodes that run a worker (or replace one) first,
+  then those with more free units, then by name: the job never moves a worker to
   get the same size.
 * A rescale never recreates a surviving worker's pod: a pod carries nothing
   that changes with the world, so only joining pods are created and only
@@ -222,7 +222,8 @@ class _Decider:
 
         self.report_unschedulable()
         eligible, why_not = self.qualify(failures, active)
-        order = sorted(eligible, key=lambda name: (name not in active, -self.gpus[name], name))
+        # Nodes that hold our worker come first (also while it is being replaced): a worker never moves for less.
+        order = sorted(eligible, key=lambda name: (name not in active and name not in busy, -self.gpus[name], name))
         target = tuple(sorted(order[: spec.max_nodes]))
         for name in order[spec.max_nodes:]:
             why_not[name] = f"maxNodes={spec.max_nodes}"
