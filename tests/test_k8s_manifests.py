@@ -10,7 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tenplex.operator.decide import decide, merge_patch
+from tenplex.operator.decide import decide
+from tenplex.operator.outcome import merge_patch
 from tenplex.operator.observe import NodeState, PodState
 from tenplex.operator.pods import worker_pod
 from tenplex.operator.settings import WorkerSettings

@@ -5,9 +5,10 @@ import sys
 
 import pytest
 
-from tenplex.operator.decide import NODE_FAILURE_LIMIT, Deletion, decide, merge_patch
+from tenplex.operator.decide import NODE_FAILURE_LIMIT, decide
 from tenplex.operator.observe import (NodeState, PodState, Taint, gpu_claim, node_state, pod_state, quantity,
                                       used_by_others)
+from tenplex.operator.outcome import Deletion, merge_patch
 from tenplex.operator.spec import SpecError, check_name, parse_spec
 
 GPU = "nvidia.com/gpu"
@@ -291,8 +292,8 @@ def test_target_change_mid_rescale_starts_a_new_record():
 
 
 def test_decision_modules_need_neither_kopf_nor_kubernetes():
-    code = ("import sys, tenplex.operator.decide, tenplex.operator.spec, tenplex.operator.observe, "
-            "tenplex.operator.settings, tenplex.cli; tenplex.cli.build_parser(); "
+    code = ("import sys, tenplex.operator.decide, tenplex.operator.outcome, tenplex.operator.spec, "
+            "tenplex.operator.observe, tenplex.operator.settings, tenplex.cli; tenplex.cli.build_parser(); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'kopf', 'kubernetes'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"

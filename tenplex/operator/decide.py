@@ -1,6 +1,6 @@
 """The reconciliation step as a pure function: observed state in, desired state out.
 
-May import: :mod:`.spec`, :mod:`.observe`, ``tenplex.errors`` and the standard library. Pure: no
+May import: :mod:`.spec`, :mod:`.observe`, :mod:`.outcome`, ``tenplex.errors`` and the standard library. Pure: no
 clock (``now`` is an argument), no I/O, so it is tested as a function and an
 operator restarted at any point decides the same thing again from what it
 observes (level-based: the previous ``status`` only carries what cannot be
@@ -59,10 +59,10 @@ The rules (docs/guides/operator.md):
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from .observe import NodeState, PodState, blocking_taints
+from .outcome import Decision, Deletion, Event, replacing
 from . import STORE_NODE_LABELS
 from ..errors import ConfigError
 from .spec import JobSpec, SpecError
@@ -70,66 +70,6 @@ from .spec import JobSpec, SpecError
 # Status fields that a decision writes whole (node-keyed maps inside): their patch removes what is gone.
 REPLACED = {"nodeGpus", "lastRescale", "resizedInPlace"}
 NODE_FAILURE_LIMIT = 3  # a node whose workers failed this often is left out (a bad GPU, a full disk)
-
-
-@dataclass(frozen=True)
-class Deletion:
-    pod: str
-    grace_seconds: int
-    reason: str
-    uid: str = field(default="", compare=False)  # names the WorkerDeleted event (one per pod)
-
-
-@dataclass(frozen=True)
-class Event:
-    type: str  # Normal or Warning
-    reason: str
-    message: str
-    key: str = ""  # what it reports, e.g. "RescaleStarted/<startedAt>": the same key is the same event
-
-
-@dataclass(frozen=True)
-class Decision:
-    phase: str
-    target: tuple[str, ...]  # nodes that should run a worker
-    create: tuple[str, ...]  # nodes to create a worker on now
-    delete: tuple[Deletion, ...]
-    status: dict  # the TenplexJob's new status (a merge patch: None removes a key)
-    events: tuple[Event, ...]
-    gpus: Mapping[str, int] = field(default_factory=dict)  # units of the resource per target node
-
-
-def merge_patch(old: Any, patch: Any) -> Any:
-    """``patch`` applied to ``old`` as a JSON merge patch (RFC 7386), as the API server applies a status patch."""
-    if not isinstance(patch, Mapping):
-        return patch
-    out = dict(old) if isinstance(old, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
-
-
-def replacing(old: Any, new: Any) -> Any:
-    """The merge patch that turns ``old`` into ``new``: keys that ``new`` lacks are removed (a plain merge patch
-    would keep a node that left in ``nodeGpus``)."""
-    if not isinstance(new, Mapping) or not isinstance(old, Mapping):
-        return new
-    patch: dict = {key: None for key in old if key not in new}
-    patch.update({key: replacing(old.get(key), value) for key, value in new.items()})
-    return patch
-
-
-def worker_created(pod: PodState) -> Event:
-    """The WorkerCreated event of a worker pod (one per pod uid)."""
-    return Event("Normal", "WorkerCreated", f"{pod.name} on node {pod.node}", key=f"WorkerCreated/{pod.uid}")
-
-
-def observed_events(pods: Sequence[PodState]) -> tuple[Event, ...]:
-    """The events the observed workers stand for: a worker that exists was created (posted once, by its key)."""
-    return tuple(worker_created(p) for p in pods if not p.terminating)
 
 
 def decide(spec: JobSpec | SpecError, nodes: Sequence[NodeState], pods: Sequence[PodState], *,
