@@ -218,3 +218,18 @@ def test_rbac_grants_exactly_what_the_operator_guide_table_explains():
     assert granted == explained
     assert not any(v in ("*", "update", "deletecollection") for _, _, v in granted)
     assert re.search(r"resourceNames", (K8S / "rbac.yaml").read_text())
+
+
+def test_worker_command_is_what_tenplex_run_parses():
+    """The command parses with `tenplex run`'s own parser: an option the operator passes that `tenplex run` lacks
+    fails here, not in every worker pod."""
+    from tenplex.elastic.launcher import parse
+
+    example = docs(K8S / "examples" / "tenplexjob.yaml")[0]
+    job = {**example, "metadata": {**example["metadata"], "uid": "1234"}}
+    pod = worker_pod(job, parse_spec(example["spec"]), "node-a", WorkerSettings())
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[:2] == ["tenplex", "run"]
+    run = parse(command[2:])
+    assert (run.target, run.args, run.host) == (example["spec"]["command"][0], example["spec"]["command"][1:],
+                                                "$(NODE_NAME)")
