@@ -115,7 +115,7 @@ def test_membership_changes_beyond_max_restarts_do_not_end_the_job(tmp_path):
             t = time.time()
             lose("h1")
             _wait_for("world of 1 after losing h1", lambda: world_of(1, t), nodes)  # noqa: B023
-            nodes.agents["h1"].wait(60)
+            nodes.agents["h1"].wait(180)
             t = time.time()
             nodes.start("h1")
             _wait_for("world of 2 after h1 rejoined", lambda: world_of(2, t), nodes)  # noqa: B023

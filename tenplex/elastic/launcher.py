@@ -2,9 +2,9 @@
 
 May import: ``tenplex.runtime.hosts`` (the store process), ``tenplex.store.client`` (is a store already
 serving?), ``tenplex.errors``, ``tenplex.durable.bucket`` (checks ``--durable``), ``tenplex.elastic.restarts``
-(the agent's restart accounting) and ``.dataview`` (``--data-mount``), torch's ``torch.distributed.run`` (the
-agent) and ``torch.distributed.elastic`` (its signal and rendezvous errors), and the standard library. All but
-``errors`` are imported on use.
+(the agent's restart accounting) and ``.dataview`` (``--data-mount``), ``tenplex.ops`` (its lines under
+``--log-format json``), torch's ``torch.distributed.run`` (the agent) and ``torch.distributed.elastic`` (its
+signal and rendezvous errors), and the standard library. All but ``errors`` are imported on use.
 
     tenplex run --host NAME --store-root DIR [--store-bind ADDR] [--store-advertise HOST] [--token-file F]
                 [--durable s3://BUCKET/PREFIX] [--dataset DIR --data-mount PATH] [torchrun options] script.py [args]
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import signal
 import socket
@@ -330,6 +331,8 @@ def run(argv: list[str]) -> int:
     from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
     from torch.distributed.run import main as torchrun_main
 
+    from ..ops import logs
+
     spec = parse(argv)
     token = spec.token_file.read_text().strip() if spec.token_file else None
     if spec.token_file and not token:
@@ -340,29 +343,29 @@ def run(argv: list[str]) -> int:
 
         root = ensure_view(spec.dataset, spec.data_mount, spec.store_root / STATE_DIR)
         os.environ.update({VIEW_ENV: str(spec.data_mount.resolve()), "TENPLEX_DATASET": str(spec.dataset.resolve())})
-        print(f"tenplex run: dataset view of {spec.dataset} at {spec.data_mount} (generation {root['generation']}, "
-              f"world {root.get('world') or 'none yet'})", file=sys.stderr, flush=True)
+        logs.line(f"tenplex run: dataset view of {spec.dataset} at {spec.data_mount} (generation "
+                  f"{root['generation']}, world {root.get('world') or 'none yet'})", sys.stderr, logger=__name__)
     address = ensure_store(spec, token)
     os.environ.update(worker_env(spec, address, token))  # the agent passes its environment on to the workers
-    print(f"tenplex run: host {spec.host}, store {address} ({spec.store_root}); torchrun {' '.join(args)}",
-          file=sys.stderr, flush=True)
+    logs.line(f"tenplex run: host {spec.host}, store {address} ({spec.store_root}); torchrun {' '.join(args)}",
+              sys.stderr, logger=__name__)
     from .restarts import NodeOutOfDevices, tenplex_agent
 
     try:
         with tenplex_agent(spec.host):
             torchrun_main(args)
     except NodeOutOfDevices as e:
-        print(f"tenplex run: {e}; leaving the job", file=sys.stderr, flush=True)
+        logs.line(f"tenplex run: {e}; leaving the job", sys.stderr, logging.ERROR, __name__)
         return 1
     except SignalException as e:
         if e.sigval in (signal.SIGTERM, signal.SIGINT):
-            print(f"tenplex run: host {spec.host} left the job ({signal.Signals(e.sigval).name})", file=sys.stderr,
-                  flush=True)
+            logs.line(f"tenplex run: host {spec.host} left the job ({signal.Signals(e.sigval).name})", sys.stderr,
+                      logger=__name__)
             return 0
         raise
     except (RendezvousConnectionError, RendezvousTimeoutError) as e:
         # A node cut off from the rendezvous store (a network partition) can join no later world: it leaves.
-        print(f"tenplex run: host {spec.host} cannot reach the rendezvous store ({type(e).__name__}: {e}); its "
-              f"workers stopped, leaving the job", file=sys.stderr, flush=True)
+        logs.line(f"tenplex run: host {spec.host} cannot reach the rendezvous store ({type(e).__name__}: {e}); "
+                  f"its workers stopped, leaving the job", sys.stderr, logging.ERROR, __name__)
         return 1
     return 0

@@ -1,6 +1,7 @@
 """How ``tenplex run`` counts restarts and drops failed devices, on torchrun's own agent.
 
-May import: ``tenplex.elastic.faults`` and ``.devices``, torch's ``torch.distributed.elastic`` and
+May import: ``tenplex.elastic.faults`` and ``.devices``, ``tenplex.ops`` (its lines under ``--log-format
+json``), torch's ``torch.distributed.elastic`` and
 ``torch.distributed.launcher`` (the agent and where torchrun builds it), and the standard library.
 
 torchrun's agent restarts its workers after any failed worker and counts each restart against
@@ -35,6 +36,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from ..ops import logs
 from . import faults
 from .devices import NodeDevices, probe
 
@@ -60,7 +62,7 @@ class TenplexAgent(LocalElasticAgent):
         self.stopped_by_agent: set[int] = set()  # local ranks torchrun stopped when it closed the group
 
     def _say(self, text: str) -> None:
-        print(f"tenplex run: host {self.host}: {text}", file=sys.stderr, flush=True)
+        logs.line(f"tenplex run: host {self.host}: {text}", sys.stderr, logger=__name__)
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         for device, why in probe(self.devices.healthy).items():
