@@ -244,8 +244,9 @@ def test_rbac_grants_exactly_what_the_operator_guide_table_explains():
 
 
 def test_worker_command_is_what_tenplex_run_parses():
-    """The command parses with `tenplex run`'s own parser: an option the operator passes that `tenplex run` lacks
+    """The command parses with `tenplex run`'s own parsers: an option the operator passes that `tenplex run` lacks
     fails here, not in every worker pod."""
+    from tenplex.cli._run_operations import take
     from tenplex.elastic.launcher import parse
 
     example = docs(K8S / "examples" / "tenplexjob.yaml")[0]
@@ -253,6 +254,6 @@ def test_worker_command_is_what_tenplex_run_parses():
     pod = worker_pod(job, parse_spec(example["spec"]), "node-a", WorkerSettings())
     command = pod["spec"]["containers"][0]["command"]
     assert command[:2] == ["tenplex", "run"]
-    run = parse(command[2:])
+    run = parse(take(command[2:])[0])  # as `tenplex run` does: its operations options first, then the launcher's
     assert (run.target, run.args, run.host) == (example["spec"]["command"][0], example["spec"]["command"][1:],
                                                 "$(NODE_NAME)")
