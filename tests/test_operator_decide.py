@@ -486,6 +486,14 @@ def test_node_that_lost_every_gpu_or_too_many_loses_its_worker():
     assert (d2.create, d2.gpus["n2"]) == (("n2",), 7)
 
 
+def test_worker_not_running_yet_on_a_node_that_lost_a_gpu_is_recreated_with_the_gpus_left():
+    """Only a running pod holds its GPUs: one still Pending asks for 8 that the scheduler can no longer find."""
+    s = spec(minGpusPerNode=6)
+    d = run(s, [node("n1"), node("n2", gpus=7)], [pod("n1", gpus=8), pod("n2", phase="Pending", gpus=8)])
+    assert (d.delete, d.create) == ((Deletion("j-n2", 120, "resize: node n2: 8 -> 7 nvidia.com/gpu"),), ())
+    assert "resizedInPlace" not in merge_patch({}, d.status)
+
+
 def test_status_forgets_a_node_that_left():
     """nodeGpus and the rescale record are written whole: a node that left is not kept by the merge patch."""
     s = spec()

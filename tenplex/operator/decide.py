@@ -203,13 +203,14 @@ class _Decider:
             runs = self.runs(pod)
             if runs is None:
                 continue
-            if runs > self.gpus[node]:
+            if runs > self.gpus[node] and pod.phase == "Running":
                 # The node lost units (the device plugin took an unhealthy GPU out). A running pod keeps what it
                 # was given; its tenplex run excludes a failed device and re-joins with the others: no new pod.
                 in_place[node] = {"pod": pod.uid, "gpus": self.gpus[node]}
-            elif runs < self.gpus[node]:
-                # Units came back or gpusPerNode grew: a pod's request cannot grow, so it is recreated (same name,
-                # once gone) with the node's units; SIGTERM first, so it saves.
+            elif runs != self.gpus[node]:
+                # Units came back or gpusPerNode grew (a pod's request cannot grow), or a pod not running yet asks
+                # for more than the node has now (the scheduler would never place it): recreated (same name, once
+                # gone) with the node's units; SIGTERM first, so it saves.
                 resized[node] = f"node {node}: {runs} -> {self.gpus[node]} {self.resource}"
                 deletions.append(Deletion(pod.name, self.spec.grace_seconds, f"resize: {resized[node]}"))
             elif runs != pod.gpus:
