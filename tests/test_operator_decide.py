@@ -312,6 +312,7 @@ def test_decision_modules_need_neither_kopf_nor_kubernetes():
     ({"parallel": {"pp": 16}}, "spec.parallel"),
     ({"env": [{"value": "x"}]}, "spec.env[0]"),
     ({"backoffLimit": -1}, "spec.backoffLimit"),
+    ({"inPlace": "true"}, "spec.inPlace"),
 ])
 def test_invalid_spec_names_the_field(over, field):
     with pytest.raises(SpecError) as e:
