@@ -80,7 +80,7 @@ from .policy import Choice, choose
 
 if TYPE_CHECKING:
     from ..dataset import DatasetState
-    from ..dataset.torch_data import RankDataset
+    from ..dataset.torch_data import RankDataset, StepLoader
 
 log = logging.getLogger(__name__)
 DATASET_KEY = "tenplex.dataset"  # where the data position travels in the saved ``extra``
@@ -346,28 +346,42 @@ class Job:
 
     def batch(self) -> Batch:
         """This rank's data-parallel share of the global batch at :attr:`step` (its tp/pp peers get the same)."""
-        from ..dataset.torch_data import RankBatchSampler, RankDataset, collate
+        from ..dataset.torch_data import collate
 
-        if self._state0 is None:
-            raise ConfigError("this Job has no dataset: pass dataset= to Job, or read your data yourself")
-        if self._data is not None and self.step - self._data[0] < len(self._data[2]):
-            first, data, batches = self._data
-        else:
-            # A reader per stretch of steps within one epoch: it yields the rest of that epoch's micro-batches.
-            first, state = self.step, self.data_state
-            if self._data_view is None:
-                data = RankDataset.fallback(self._info, state, self.config.dp, self.coords["dp"])
-            else:
-                if self._data is not None:  # a new epoch: the view held the rest of the last one
-                    self._data_view = dataview.follow(self, state)
-                data = dataview.open_rank(self._data_view, state)
-            batches = list(RankBatchSampler(data))
-            self._data = (first, data, batches)
+        first, data, batches = self._stretch()
         positions = batches[self.step - first]
         starts, stops = data.reader.state.batch_bounds()
         size = int(stops[self.step - first] - starts[self.step - first])
         ids = data.sample_ids[positions].tolist()
         return Batch(self.step, ids, collate([data[i] for i in positions]), len(ids) / size)
+
+    def _stretch(self) -> tuple[int, "RankDataset", list[list[int]]]:
+        """(first step, RankDataset, micro-batches) of this epoch's rest from :attr:`step` on (the view's, if any)."""
+        from ..dataset.torch_data import RankBatchSampler, RankDataset
+
+        if self._state0 is None:
+            raise ConfigError("this Job has no dataset: pass dataset= to Job, or read your data yourself")
+        if self._data is not None and 0 <= self.step - self._data[0] < len(self._data[2]):
+            return self._data
+        # A reader per stretch of steps within one epoch: it yields the rest of that epoch's micro-batches.
+        first, state = self.step, self.data_state
+        if self._data_view is None:
+            data = RankDataset.fallback(self._info, state, self.config.dp, self.coords["dp"])
+        else:
+            if self._data is not None:  # a new epoch: the view held the rest of the last one
+                self._data_view = dataview.follow(self, state)
+            data = dataview.open_rank(self._data_view, state)
+        self._data = (first, data, list(RankBatchSampler(data)))
+        return self._data
+
+    def loader(self, **options: Any) -> "StepLoader":
+        """This rank's batches from :attr:`step` on through a ``torch.utils.data.DataLoader`` (``options``:
+        ``num_workers``, ``prefetch_factor``, ``pin_memory``, ``collate_fn``, …): one :class:`Batch` per step,
+        across epochs; call :meth:`step_done` after each. Samples its workers prefetched but the job did not
+        train on are not counted: the position is the steps done (see ``tenplex.dataset.torch_data``)."""
+        from ..dataset.torch_data import StepLoader
+
+        return StepLoader(self._stretch, lambda: self.step, lambda: self.data_state, Batch, **options)
 
     # ----------------------------------------------------------------- step boundary
     def _on_sigterm(self, signum, frame) -> None:
