@@ -256,7 +256,8 @@ def test_operator_restart_mid_rescale_continues_the_same_rescale():
     d = run(spec(), nodes, [pod("n1"), pod("n2")], merge_patch(old, first.status), now=T2)
     assert d.create == ("n3",) and d.phase == "Rescaling"
     # it died before posting too: the same RescaleStarted is decided again (same key: posted once in all)
-    assert [(e.reason, e.key) for e in d.events] == [("RescaleStarted", f"Started/{T1}")] == \
+    key = f"Started/Rescale/{T1}/n1=8,n2=8/n1=8,n2=8,n3=8"
+    assert [(e.reason, e.key) for e in d.events] == [("RescaleStarted", key)] == \
         [(e.reason, e.key) for e in first.events]
     assert merge_patch({}, d.status)["lastRescale"] == merge_patch({}, first.status)["lastRescale"]  # startedAt T1
 
@@ -493,6 +494,18 @@ def test_worker_not_running_yet_on_a_node_that_lost_a_gpu_is_recreated_with_the_
     d = run(s, [node("n1"), node("n2", gpus=7)], [pod("n1", gpus=8), pod("n2", phase="Pending", gpus=8)])
     assert (d.delete, d.create) == ((Deletion("j-n2", 120, "resize: node n2: 8 -> 7 nvidia.com/gpu"),), ())
     assert "resizedInPlace" not in merge_patch({}, d.status)
+
+
+def test_records_started_in_the_same_second_have_their_own_events():
+    """A scale-down that finished in second T and a resize in place that opens and closes in T: the Resized event
+    is not taken for the Rescaled one (event keys name the record, not only its start)."""
+    s = spec(minGpusPerNode=6)
+    three = merge_patch(stable("n1", "n2"), run(s, [node(n) for n in ("n1", "n2", "n3")],
+                                                [pod(n) for n in ("n1", "n2", "n3")], stable("n1", "n2")).status)
+    down = run(s, [node("n1"), node("n2")], [pod("n1", gpus=8), pod("n2", gpus=8)], three, now=T2)
+    resize = run(s, [node("n1"), node("n2", gpus=7)], [pod("n1", gpus=8), pod("n2", gpus=8)],
+                 merge_patch(three, down.status), now=T2)
+    assert reasons(down) == ["RescaleStarted", "Rescaled"] and fresh(resize, down) == ["ResizeStarted", "Resized"]
 
 
 def test_status_forgets_a_node_that_left():

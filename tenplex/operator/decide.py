@@ -80,6 +80,14 @@ def decide(spec: JobSpec | SpecError, nodes: Sequence[NodeState], pods: Sequence
                     unschedulable_grace).run()
 
 
+def _record_id(record: Mapping[str, Any]) -> str:
+    """A rescale record's name in its events' keys: its type, start and worlds. Times are whole seconds, so a
+    record that opens and closes at once (a resize in place) may start in the second another one started."""
+    def world(part: str) -> str:
+        return ",".join(f"{n}={g}" for n, g in sorted(((record.get(part) or {}).get("nodeGpus") or {}).items()))
+    return f"{record['type']}/{record['startedAt']}/{world('from')}/{world('to')}"
+
+
 def _seconds_between(start: str, end: str) -> float:
     """Seconds from ``start`` to ``end``, both RFC 3339 times as the API server writes them."""
     def parse(t: str) -> datetime.datetime:
@@ -360,22 +368,22 @@ class _Decider:
         closed = {**record, "finishedAt": self.now, "abandoned": why}
         if gone:  # (a record superseded by a larger target needs no event: the new RescaleStarted says it)
             self.emit(Event("Warning", "RescaleAbandoned", f"{self.describe(closed)}: dropped, {why}",
-                            key=f"Abandoned/{record['startedAt']}"))
+                            key=f"Abandoned/{_record_id(record)}"))
         return closed
 
     def record_events(self, record: dict | None) -> None:
-        """The events a rescale record stands for (its start, its end or abandonment), keyed by its start."""
+        """The events a rescale record stands for (its start, its end or abandonment), keyed by the record."""
         if not record:
             return
         started, finished = {"Rescale": ("RescaleStarted", "Rescaled"), "Resize": ("ResizeStarted", "Resized"),
                              "Recovery": ("RecoveryStarted", "Recovered")}[record["type"]]
-        start = record["startedAt"]
-        self.emit(Event("Normal", started, self.describe(record), key=f"Started/{start}"))
+        rid = _record_id(record)
+        self.emit(Event("Normal", started, self.describe(record), key=f"Started/{rid}"))
         if record.get("abandoned"):
             self.emit(Event("Warning", "RescaleAbandoned", f"{self.describe(record)}: dropped, "
-                            f"{record['abandoned']}", key=f"Abandoned/{start}"))
+                            f"{record['abandoned']}", key=f"Abandoned/{rid}"))
         elif record.get("finishedAt"):
-            self.emit(Event("Normal", finished, self.describe(record), key=f"Finished/{start}"))
+            self.emit(Event("Normal", finished, self.describe(record), key=f"Finished/{rid}"))
 
     def new_record(self, stable, target, running, lost, failed, why_not, resized, in_place) -> dict:
         parts = [f"node {n} added" for n in target if n not in stable]
