@@ -44,13 +44,14 @@ CANNOT = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--steps", type=int, default=360, help="training steps (default 360: 3 minutes of 500 ms)")
+    p.add_argument("--steps", type=int, default=480, help="training steps (default 480: 4 minutes of 500 ms)")
     p.add_argument("--step-ms", type=float, default=500.0, help="emulated accelerator time per step (ms)")
     p.add_argument("--trace", default=DEFAULT_RATES,
                    help=f"events per minute by kind (default {DEFAULT_RATES}), explicit events "
                         f"(fail:h1@20,join:h2@40,gpufail:h0/1@60,leave:h2@80: seconds after the first step), or "
                         f"'short' (the tests' fixed trace)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random trace")
+    p.add_argument("--seed", type=int, default=3,
+                   help="seed of the random trace (default 3: the first whose 4 minutes have every kind of event)")
     p.add_argument("--nodes", type=int, default=2, help="nodes at the start (h0, h1, …), two GPUs each")
     p.add_argument("--max-nodes", type=int, default=4, help="most nodes at once")
     p.add_argument("--grace", type=float, default=30.0, help="seconds between a leave's SIGTERM and the node's end")

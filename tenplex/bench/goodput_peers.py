@@ -166,7 +166,15 @@ def run_torchft(args: argparse.Namespace) -> None:
         rank, participants = manager.participating_rank(), manager.num_participants()
         healing = rank is None or not manager.is_participating()  # a healer's gradients are zeroed
         ids, tokens = shares.get(step, participants, rank or 0)
-        loss = train_step(ddp, tokens, args.step_ms)
+        try:
+            loss = train_step(ddp, tokens, args.step_ms)
+        except AssertionError as e:
+            # torchft 0.2.0's DDP comm hook asserts when the allreduce failed (a peer gone; its work's wait
+            # returned False; cf. torchft issue 295): hand the error to the Manager, which drops the step (its
+            # documented report_error), and wrap the model anew (the failed hook left DDP's reducer mid-reduction).
+            manager.report_error(e)
+            ddp = DistributedDataParallel(manager, model)
+            loss = float("nan")
         opt.step()  # commits (should_commit) or drops the step
         if healing and manager.current_step() > 0:
             rec.write("heal", step=manager.current_step(), bytes_read=state_bytes(model, optimizer))
