@@ -129,9 +129,10 @@ def _replay(setup: Setup, cluster, base: Path, name: str) -> list[dict]:
 def _recovered(docs: list[dict], fired: list[dict], old: set[str]) -> bool:
     """Whether the job runs again after the previous event: a step by a world that was not there before it (or,
     where an event forms no new world, any step and a minute gone by)."""
-    if not fired:
+    reached = [f for f in fired if f["reached"]]
+    if not reached:
         return True
-    since = fired[-1]["time"]
+    since = reached[-1]["time"]
     after = [d for d in docs if d["time"] > since]
     return any(d["world"] not in old for d in after) or (bool(after) and time.time() > since + SETTLE_S)
 
