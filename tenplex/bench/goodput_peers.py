@@ -18,7 +18,7 @@ mode: each step's global batch is split among the step's participants
 (``participating_rank``/``num_participants``), where ``train_ddp.py``'s ``DistributedSampler`` shards by a fixed
 replica-group count and drops the batches of missing groups.
 
-May import: torch, torchft (on use), ``tenplex.bench.goodput_worker``, ``tenplex.elastic.entry`` and the standard
+May import: torch, torchft (on use), ``tenplex.bench.goodput_job``, ``tenplex.elastic.entry`` and the standard
 library.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tenplex.bench.goodput_worker import Record, Shares, build, check_device, state_bytes, train_step
+from tenplex.bench.goodput_job import Record, Shares, build, check_device, state_bytes, train_step
 
 BUDGET = 0.05  # a checkpoint may cost this fraction of the training time
 

@@ -43,7 +43,7 @@ class Setup:
     max_nodes: int
     grace_s: float
     timeout_s: float
-    say: Callable[[str], None] = print
+    say: Callable[[str], None] = field(default=lambda m: print(m, file=sys.stderr, flush=True))  # progress
     env: dict[str, str] = field(default_factory=lambda: dict(os.environ, OMP_NUM_THREADS="1"))
 
 
