@@ -179,6 +179,8 @@ def run_torchft(args: argparse.Namespace) -> None:
         if healing and manager.current_step() > 0:
             rec.write("heal", step=manager.current_step(), bytes_read=state_bytes(model, optimizer))
         if not healing and manager.current_step() == step + 1:
+            # committed: the quorum agreed on the step (should_commit), so it counts even if a participant dies
+            # before it writes its own record
             rec.write("step", step=step + 1, loss=loss, n=len(ids), dp=participants, rank=rank,
-                      world=f"quorum-{manager._quorum_id}")
+                      world=f"quorum-{manager._quorum_id}", committed=True)
     manager.shutdown(wait=False)
