@@ -24,8 +24,9 @@ def plot(result: dict, path: Path) -> None:
         t, step = zip(*m["progress"])
         (line,) = ax.plot(t, step, label=f"{m['mode']} (goodput {m['goodput'] or 0:.2f})", linewidth=1.2)
         for e in m["events"]:
-            if e.get("reached") and e.get("offset") is not None:
-                ax.plot([e["offset"]], [e["before"]], MARKS[e["kind"]], color=line.get_color(), markersize=9)
+            if e.get("reached") and e.get("offset") is not None:  # where the job was when the event came
+                at = max((s for x, s in m["progress"] if x <= e["offset"]), default=0)
+                ax.plot([e["offset"]], [at], MARKS[e["kind"]], color=line.get_color(), markersize=9)
     ideal = result["steps"] * result["step_ms"] / 1000
     ax.plot([0, ideal], [0, result["steps"]], ":", color="grey", label="ideal (no events, no overhead)")
     for kind, mark in MARKS.items():
