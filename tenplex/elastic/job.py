@@ -1,7 +1,7 @@
 """The training-loop API of an elastic job: configuration, one-call restore, data share, step boundaries.
 
 May import: ``tenplex`` (save, restore, Checkpointer), ``tenplex.elastic``
-(policy, launcher, envsettings, faults, devices), ``tenplex.integration``, ``tenplex.dataset``,
+(policy, envsettings, faults, devices, dataview, progress), ``tenplex.integration``, ``tenplex.dataset``,
 ``tenplex.parallel``, ``tenplex.errors``, ``tenplex.ops``, torch, torch.distributed and the standard library.
 With ``tenplex run --data-mount``, :meth:`Job.restore` switches the node's dataset view and
 :meth:`Job.batch` reads through it (:mod:`tenplex.elastic.dataview`).
@@ -24,7 +24,7 @@ What happens at ``step_done`` (collective; every rank calls it after its optimiz
    decisions from the same numbers);
 3. if any rank got SIGTERM (torchrun stops the workers for a membership
    change), every rank saves and exits: with 0 where SIGTERM arrived (its
-   agent is stopping it), with :data:`~tenplex.elastic.launcher.EXIT_RESTART`
+   agent is stopping it), with :data:`~tenplex.elastic.faults.EXIT_PEER_LOST`
    elsewhere, so that the agents of the other nodes restart their workers in
    the next world instead of ending the job;
 4. otherwise it saves when the interval is due: ``save_every`` steps, or,
@@ -37,7 +37,7 @@ What happens at ``step_done`` (collective; every rank calls it after its optimiz
    and the commit run in the background. Stopping saves block (after the
    snapshot in flight is settled), so a planned leave loses nothing;
 5. if a collective fails because a peer is gone (a node died), the rank
-   exits at once without saving, with ``EXIT_RESTART`` (``EXIT_DEVICE_FAULT``
+   exits at once without saving, with ``EXIT_PEER_LOST`` (``EXIT_DEVICE_FAULT``
    when its own device failed: :mod:`tenplex.elastic.faults`): the next world
    restores the newest version that was committed completely.
 
@@ -74,14 +74,13 @@ from ..ops.metrics import JobMetrics
 from ..parallel import ParallelConfig
 from .devices import worker_device
 from .envsettings import settings_from_env
-from .faults import DEVICE, EXIT_DEVICE_FAULT, classify, inject_device_fault
-from .launcher import EXIT_RESTART
+from .faults import DEVICE, EXIT_DEVICE_FAULT, EXIT_PEER_LOST, classify, inject_device_fault
 from . import dataview, progress
 from .policy import Choice, choose
 
 if TYPE_CHECKING:
     from ..dataset import DatasetState
-    from ..dataset.torch_data import RankDataset
+    from ..dataset.torch_data import RankDataset, StepLoader
 
 log = logging.getLogger(__name__)
 DATASET_KEY = "tenplex.dataset"  # where the data position travels in the saved ``extra``
@@ -246,7 +245,8 @@ class Job:
         """Restore model, optimizer, scheduler, scaler, RNG and the data position in one call; returns the step.
 
         A fresh job (nothing saved) keeps its state and starts at step 0. The
-        same objects are saved at every later step boundary. Collective.
+        same objects are saved at every later step boundary. Collective. A second call settles the snapshot in
+        flight and closes the earlier call's checkpointer first.
         """
         import tenplex
 
@@ -255,6 +255,9 @@ class Job:
                               f"nothing: call job.wait_idle() instead")
         self._check_model_is_parallel(model, annotations)
         begin = time.monotonic()
+        if self._tracked is not None:  # restored before: its snapshot in flight is the newest state, then stop it
+            self._tracked["checkpointer"].wait_snapshot()
+            self._tracked["checkpointer"].close()
         ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), group=self.group, **self.checkpointer_options)
         extra: dict = {}
         step = tenplex.restore(model, optimizer, scheduler=scheduler, scaler=scaler, annotations=annotations,
@@ -343,28 +346,42 @@ class Job:
 
     def batch(self) -> Batch:
         """This rank's data-parallel share of the global batch at :attr:`step` (its tp/pp peers get the same)."""
-        from ..dataset.torch_data import RankBatchSampler, RankDataset, collate
+        from ..dataset.torch_data import collate
 
-        if self._state0 is None:
-            raise ConfigError("this Job has no dataset: pass dataset= to Job, or read your data yourself")
-        if self._data is not None and self.step - self._data[0] < len(self._data[2]):
-            first, data, batches = self._data
-        else:
-            # A reader per stretch of steps within one epoch: it yields the rest of that epoch's micro-batches.
-            first, state = self.step, self.data_state
-            if self._data_view is None:
-                data = RankDataset.fallback(self._info, state, self.config.dp, self.coords["dp"])
-            else:
-                if self._data is not None:  # a new epoch: the view held the rest of the last one
-                    self._data_view = dataview.follow(self, state)
-                data = dataview.open_rank(self._data_view, state)
-            batches = list(RankBatchSampler(data))
-            self._data = (first, data, batches)
+        first, data, batches = self._stretch()
         positions = batches[self.step - first]
         starts, stops = data.reader.state.batch_bounds()
         size = int(stops[self.step - first] - starts[self.step - first])
         ids = data.sample_ids[positions].tolist()
         return Batch(self.step, ids, collate([data[i] for i in positions]), len(ids) / size)
+
+    def _stretch(self) -> tuple[int, "RankDataset", list[list[int]]]:
+        """(first step, RankDataset, micro-batches) of this epoch's rest from :attr:`step` on (the view's, if any)."""
+        from ..dataset.torch_data import RankBatchSampler, RankDataset
+
+        if self._state0 is None:
+            raise ConfigError("this Job has no dataset: pass dataset= to Job, or read your data yourself")
+        if self._data is not None and 0 <= self.step - self._data[0] < len(self._data[2]):
+            return self._data
+        # A reader per stretch of steps within one epoch: it yields the rest of that epoch's micro-batches.
+        first, state = self.step, self.data_state
+        if self._data_view is None:
+            data = RankDataset.fallback(self._info, state, self.config.dp, self.coords["dp"])
+        else:
+            if self._data is not None:  # a new epoch: the view held the rest of the last one
+                self._data_view = dataview.follow(self, state)
+            data = dataview.open_rank(self._data_view, state)
+        self._data = (first, data, list(RankBatchSampler(data)))
+        return self._data
+
+    def loader(self, **options: Any) -> "StepLoader":
+        """This rank's batches from :attr:`step` on through a ``torch.utils.data.DataLoader`` (``options``:
+        ``num_workers``, ``prefetch_factor``, ``pin_memory``, ``collate_fn``, …): one :class:`Batch` per step,
+        across epochs; call :meth:`step_done` after each. Samples its workers prefetched but the job did not
+        train on are not counted: the position is the steps done (see ``tenplex.dataset.torch_data``)."""
+        from ..dataset.torch_data import StepLoader
+
+        return StepLoader(self._stretch, lambda: self.step, lambda: self.data_state, Batch, **options)
 
     # ----------------------------------------------------------------- step boundary
     def _on_sigterm(self, signum, frame) -> None:
@@ -414,7 +431,7 @@ class Job:
             # The copies of this last save protect the next world against losing a host; torchrun's kill timeout
             # (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s) bounds how long they may take.
             self._tracked["checkpointer"].wait_replicated(self.replication_wait)
-            self._exit(0 if self.stop_requested else EXIT_RESTART,
+            self._exit(0 if self.stop_requested else EXIT_PEER_LOST,
                        "stopped by SIGTERM" if self.stop_requested else "a peer was stopped")
         if self._next_save is not None and self.step >= self._next_save:
             self._save("snapshot" if self.snapshots else "periodic")
@@ -530,7 +547,7 @@ class Job:
             self._exit(0, "stopped by SIGTERM while idle")
         if word == "done":
             self._exit(0, "the training ranks finished")
-        self._exit(EXIT_RESTART, "the training ranks stopped")
+        self._exit(EXIT_PEER_LOST, "the training ranks stopped")
 
     def _idle_store(self):
         return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -560,7 +577,7 @@ class Job:
             sys.stderr.flush()
         raise SystemExit(code)
 
-    def _die(self, message: str, code: int = EXIT_RESTART) -> NoReturn:
+    def _die(self, message: str, code: int = EXIT_PEER_LOST) -> NoReturn:
         print(f"tenplex job (rank {self.rank}): {message}", file=sys.stderr, flush=True)
         if self.on_exit is not None:
             self.on_exit(code, message)
@@ -568,11 +585,12 @@ class Job:
         os._exit(code)
 
     def finish(self) -> None:
-        """End of training: a final save (collective) and the process group's teardown."""
+        """End of training: a final save unless the last step is committed already (collective), and the process
+        group's teardown."""
         if self._tracked is not None:
             ckpt = self._tracked["checkpointer"]
             ckpt.wait_snapshot()  # the snapshot in flight is committed, or dropped everywhere
-            if ckpt.snapshot_stats().get("committed_step", self._saved_step) != self.step:
+            if self._last_committed_step() != self.step:
                 self._save("final")
             self._tracked["checkpointer"].wait_replicated(self.replication_wait)
         self._tell_idle(stopping=False)
