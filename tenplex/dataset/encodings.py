@@ -74,7 +74,8 @@ def _decode_plain_tar(data: bytes) -> dict[str, Any] | None:
     """The common case without ``tarfile`` (its stream reader costs ~100 µs per member): regular files with
     ustar or v7 headers. None for anything else (pax or GNU headers, links, directories, base-256 sizes):
     then ``tarfile`` decides. The bytes were crc-checked, so header checksums are not checked again."""
-    view, at, sample = memoryview(data), 0, {}
+    view, at = memoryview(data), 0
+    sample: dict[str, Any] = {}
     while at + _BLOCK <= len(data):
         header = bytes(view[at:at + _BLOCK])
         if not header.strip(b"\0"):
@@ -89,7 +90,7 @@ def _decode_plain_tar(data: bytes) -> dict[str, Any] | None:
         if path.endswith("/"):
             return None
         key, field = split_name(path)
-        if key is not None and not _META.match(path):
+        if key is not None and field is not None and not _META.match(path):
             sample.setdefault("__key__", key)
             sample[field] = bytes(view[at + _BLOCK:at + _BLOCK + size])
         at += _BLOCK + -(-size // _BLOCK) * _BLOCK
