@@ -107,26 +107,47 @@ def _check_against_records(mode: dict, folder) -> None:
     assert sorted({d["step"] for d in steps}) == list(range(1, 61))
 
 
+def test_the_in_place_mode_runs_tenplex_run_in_place_with_the_same_worker(tmp_path, monkeypatch):
+    # The in-place mode differs from the restart mode in tenplex run's --in-place only: the worker, its job, seed,
+    # data and global batch are the same (the worker's loop form serves both), and so is the accounting.
+    from tenplex.bench import goodput_modes
+    from tenplex.elastic.nodes import Nodes
+
+    started: list[list[str]] = []
+    monkeypatch.setattr(Nodes, "start_rendezvous", lambda self: "127.0.0.1:1")
+    monkeypatch.setattr(Nodes, "_popen", lambda self, host, argv, **kw: started.append(argv))
+    for name, flags in [("tenplex", []), ("tenplex-inplace", ["--in-place"])]:
+        cls, worker_mode, _ = goodput_modes.MODES[name]  # type: ignore[misc]
+        assert worker_mode == name
+        mode = cls(tmp_path, ["WORKER", worker_mode], {}, 4)
+        mode.start("h0")
+        argv = started.pop()
+        assert argv[argv.index("run") + 1: argv.index("--host")] == flags
+        assert argv[-2:] == ["WORKER", worker_mode]
+    worker = subprocess.run([sys.executable, "-m", "tenplex.bench.goodput_worker", "--help"], capture_output=True,
+                            text=True, check=True).stdout
+    assert "tenplex-inplace" in worker
+
+
 @pytest.mark.timeout(960)  # the run's own limit (900 s) reports first: three modes' restarts on a busy machine
 def test_short_trace_tenplex_torchrun_dcp_and_torchft(tmp_path):
-    modes = ["tenplex", "tenplex-inplace", "torchrun-dcp"]
+    # tenplex in place is left out: its gpufail is not in place yet (issue 36) and it would add a minute or more.
+    modes = ["tenplex", "torchrun-dcp"]
     if importlib.util.find_spec("torchft") is not None:
         modes.append("torchft")
     result = _run(tmp_path, modes)
     assert [m["mode"] for m in result["modes"]] == modes
     assert [e["kind"] for e in result["trace"]] == ["fail", "gpufail"]
     by_mode = {m["mode"]: m for m in result["modes"]}
-    assert by_mode["tenplex-inplace"]["status"] == "unavailable"
     for name in modes:
-        if name != "tenplex-inplace":
-            _check_against_records(by_mode[name], tmp_path)
+        _check_against_records(by_mode[name], tmp_path)
     dcp = by_mode["torchrun-dcp"]
     saved = {d["step"] for d in read_records(tmp_path / "torchrun-dcp" / "record") if d["event"] == "saved"}
     assert all(e["resumed"] in saved | {0} for e in dcp["events"])  # it resumed from a checkpoint it wrote
     if "torchft" in by_mode:
         # torchft drops the step in flight and heals a new replica from a live peer: no step is trained twice.
         assert all(e["steps_lost"] == 0 for e in by_mode["torchft"]["events"])
-    assert set(result["cannot"]["tp/pp job"]) == {"tenplex", "torchrun-dcp", "torchft"}
+    assert set(result["cannot"]["tp/pp job"]) == {"tenplex", "tenplex-inplace", "torchrun-dcp", "torchft"}
 
 
 def test_a_committed_step_counts_when_a_participant_died_before_its_record():

@@ -7,8 +7,8 @@ The job (:mod:`.goodput_worker`): a small DDP model on a packed dataset, the sam
 every mode, each step its CPU work plus ``--step-ms`` of emulated accelerator time. Each node is an emulated host
 with two GPUs (two workers) on this machine. The trace (:mod:`.goodput_trace`) is replayed for every mode
 (:mod:`.goodput_run`): joins, planned leaves with a notice, killed nodes and GPU faults. The modes
-(:mod:`.goodput_modes`): tenplex's restart mode, tenplex in place (when it exists), torchrun + DCP and torchft,
-each configured as its documentation recommends (``settings`` in the JSON says what and why). The accounting
+(:mod:`.goodput_modes`): tenplex's restart mode, tenplex in place (``tenplex run --in-place``), torchrun + DCP and
+torchft, each configured as its documentation recommends (``settings`` in the JSON says what and why). The accounting
 (:mod:`.goodput_account`) reads what the workers recorded: goodput, the ideal, per event the pause and the steps
 lost, the bytes read, and whether the losses equal the uninterrupted reference run.
 """
@@ -35,6 +35,8 @@ CANNOT = {
     "tp/pp job": {
         "tenplex": "not part of this benchmark yet: tenplex demo --elastic runs tp=2 -> pp=3 -> dp through the "
                    "same kinds of events (docs/guides/elastic.md)",
+        "tenplex-inplace": "not part of this benchmark yet: in place a world trains every rank (idle ranks are "
+                           "refused) and a tp change under DTensor in one process is not done (issue 36, item 2)",
         "torchrun-dcp": "possible in principle (DCP reshards at load), but the user writes the new world's tp/pp "
                         "configuration and the data split themselves; not written here",
         "torchft": "cannot: torchft changes only the number of data-parallel replica groups; the tp/pp layout "

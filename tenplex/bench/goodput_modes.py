@@ -91,8 +91,10 @@ class TenplexRestart:
         "restore": "the newest version the survivors can assemble, from their stores and the copies",
     }
 
+    RUN_OPTIONS: tuple[str, ...] = ()
+
     def __init__(self, base: Path, script: list[str], env: dict[str, str], max_nodes: int):
-        self.nodes = Nodes(base, DEVICES, max_nodes, script, env)
+        self.nodes = Nodes(base, DEVICES, max_nodes, script, env, run_options=self.RUN_OPTIONS)
         self.nodes.start_rendezvous()
 
     def start(self, host: str) -> None:
@@ -112,6 +114,23 @@ class TenplexRestart:
 
     def close(self) -> None:
         self.nodes.close()
+
+
+class TenplexInPlace(TenplexRestart):
+    """tenplex in place: ``tenplex run --in-place`` per node; the workers' loop form lives through every change."""
+
+    RUN_OPTIONS = ("--in-place",)
+    SETTINGS = dict(
+        TenplexRestart.SETTINGS,
+        launcher="tenplex run --in-place per node (each node's torchrun standalone: local supervision only), "
+                 "tenplex rendezvous serve (the worlds form on it); the same worker, its loop form "
+                 "(for world in job.worlds(): with world: ...); TENPLEX_DEAD_AFTER default (2 s)",
+        leave="SIGTERM: the ranks agree at the next step boundary, save, the leaver exits and the others form the "
+              "next world in their processes",
+        lost="the survivors see the peer's error in the collective (or its heartbeat stop for 2 s), form the "
+             "next world in their processes and restore the newest committed snapshot",
+        restore="the newest version, from this host's store first (item 3 of issue 36, memory, not done)",
+    )
 
 
 class TorchrunDcp:
@@ -237,7 +256,8 @@ class Torchft:
 # name -> (class, worker mode, what it is) or Unavailable. Adding a mode is one entry here.
 MODES: dict[str, tuple[Any, str, str] | Unavailable] = {
     "tenplex": (TenplexRestart, "tenplex", "tenplex, restart mode: a new world per change, state from the stores"),
-    "tenplex-inplace": Unavailable("tenplex's in-place mode (issue 36) is not merged yet"),
+    "tenplex-inplace": (TenplexInPlace, "tenplex-inplace",
+                        "tenplex in place: the survivors keep their processes, a new world per change"),
     "torchrun-dcp": (TorchrunDcp, "dcp", "torchrun's elastic agent + PyTorch Distributed Checkpoint"),
     "torchft": (Torchft, "torchft", "torchft: Manager + lighthouse, per-step quorum, live recovery"),
 }

@@ -2,9 +2,10 @@
 
     python -m tenplex.bench.goodput_worker MODE --data DIR --record DIR --steps N [--step-ms MS] …
 
-MODE is ``tenplex`` (under ``tenplex run``, through :class:`tenplex.elastic.Job`), ``dcp`` (under torchrun, with
-PyTorch Distributed Checkpoint as its documentation shows it), ``torchft`` (one replica group per process, its
-``Manager`` and ``DistributedDataParallel`` as torchft's ``train_ddp.py`` shows them; both in
+MODE is ``tenplex`` (under ``tenplex run``, through :class:`tenplex.elastic.Job` in its loop form),
+``tenplex-inplace`` (the same under ``tenplex run --in-place``: the survivors keep their process), ``dcp``
+(under torchrun, with PyTorch Distributed Checkpoint as its documentation shows it), ``torchft`` (one replica
+group per process, its ``Manager`` and ``DistributedDataParallel`` as torchft's ``train_ddp.py`` shows them; both in
 :mod:`tenplex.bench.goodput_peers`) or ``reference`` (one process, every step, no events: the losses every mode
 must reproduce). The model, the data, the records and the emulated GPU are :mod:`tenplex.bench.goodput_job`'s.
 
@@ -35,16 +36,27 @@ def run_reference(args: argparse.Namespace) -> None:
 
 
 def run_tenplex(args: argparse.Namespace) -> None:
+    """The loop form (``for world in job.worlds(): with world: ...``): one world per process under ``tenplex run``
+    (a change restarts the workers), a new world per change in the same process under ``tenplex run --in-place``."""
     import tenplex.elastic
     from tenplex.elastic.devices import worker_device
-    from torch.nn.parallel import DistributedDataParallel
 
     # save_every None: snapshots at the interval that keeps their cost within 5% of the step time (Job's default).
     job = tenplex.elastic.Job(dataset=args.data, global_batch=args.global_batch, max_tp=1)
     device = worker_device() or os.environ.get("LOCAL_RANK", "0")
-    rec = Record(args.record, "tenplex", job.host, device)
+    rec = Record(args.record, args.mode, job.host, device)
     job.on_save = lambda info: rec.write("saved", step=info["step"], blocked_s=info.get("seconds", 0.0),
                                          why=info.get("why"))
+    for world in job.worlds():
+        with world:
+            _train_world(args, job, world, rec, device)
+    job.finish()
+
+
+def _train_world(args: argparse.Namespace, job, world, rec: Record, device: str) -> None:
+    """One world: the model built and restored for it, then steps until the end or the world's end."""
+    from torch.nn.parallel import DistributedDataParallel
+
     model, optimizer = build()
     model = DistributedDataParallel(model, process_group=job.group)
     job.restore(model, optimizer)
@@ -52,9 +64,10 @@ def run_tenplex(args: argparse.Namespace) -> None:
     restored = r.step if r.version is not None else None
     moved = r.plan_stats.get("intra_host_bytes", 0) + r.plan_stats.get("inter_host_bytes", 0)
     rec.write("start", world=job.world_id, size=job.world_size, restored_step=restored, restore_s=r.seconds,
-              bytes_read=state_bytes(model, optimizer) if restored is not None else 0, moved_bytes=moved)
+              bytes_read=state_bytes(model, optimizer) if restored is not None else 0, moved_bytes=moved,
+              generation=world.generation)
     dp, rank = job.config.dp, job.coords["dp"]
-    while job.step < args.steps:
+    while job.step < args.steps and world.active:
         check_device(args.faults, job.host, device)
         batch = job.batch()
         loss = train_step(model, batch.data.long(), args.step_ms)
@@ -62,12 +75,11 @@ def run_tenplex(args: argparse.Namespace) -> None:
         optimizer.zero_grad()
         rec.write("step", step=job.step + 1, loss=loss, n=len(batch.ids), dp=dp, rank=rank, world=job.world_id)
         job.step_done()
-    job.finish()
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("tenplex", "dcp", "torchft", "reference"))
+    p.add_argument("mode", choices=("tenplex", "tenplex-inplace", "dcp", "torchft", "reference"))
     p.add_argument("--data", required=True, help="packed dataset directory")
     p.add_argument("--record", type=Path, required=True, help="folder of the ranks' JSON lines")
     p.add_argument("--steps", type=int, required=True)
@@ -80,7 +92,7 @@ def main() -> None:
     args = p.parse_args()
     if args.mode == "reference":
         run_reference(args)
-    elif args.mode == "tenplex":
+    elif args.mode in ("tenplex", "tenplex-inplace"):
         run_tenplex(args)
     elif args.mode == "dcp":
         from tenplex.bench.goodput_peers import run_dcp

@@ -54,7 +54,8 @@ class Nodes:
 
     def __init__(self, base: Path, nproc_per_node: int, max_nodes: int, script: Sequence[str],
                  env: dict[str, str] | None = None, cluster: "EmulatedCluster | None" = None,
-                 dataset: Path | None = None):
+                 dataset: Path | None = None, run_options: Sequence[str] = ()):
+        self.run_options = list(run_options)  # more options of tenplex run for every node (e.g. --in-place)
         self.base, self.nproc, self.max_nodes, self.script = base, nproc_per_node, max_nodes, list(script)
         self.dataset = dataset  # each node mounts its view of it at view(host) (tenplex run --data-mount)
         self.env = dict(os.environ if env is None else env)
@@ -107,8 +108,9 @@ class Nodes:
         """Start ``tenplex run`` for ``host`` (a new agent; its store is started or reused)."""
         if host in self.agents and self.agents[host].poll() is None:
             raise HostError(f"node {host} is already running")
-        argv = [sys.executable, "-m", "tenplex.cli", "run", "--host", host, "--store-root", str(self.root(host)),
-                "--nnodes", f"1:{self.max_nodes}", "--nproc-per-node", str(self.nproc),
+        argv = [sys.executable, "-m", "tenplex.cli", "run", *self.run_options, "--host", host,
+                "--store-root", str(self.root(host)), "--nnodes", f"1:{self.max_nodes}",
+                "--nproc-per-node", str(self.nproc),
                 "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.rdzv_id]
         if self.dataset is not None:
             argv += ["--dataset", str(self.dataset), "--data-mount", str(self.view(host))]
