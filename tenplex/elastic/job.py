@@ -62,7 +62,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -77,7 +77,6 @@ from .envsettings import settings_from_env
 from .faults import DEVICE, EXIT_DEVICE_FAULT, EXIT_PEER_LOST, PEER, classify, inject_device_fault
 from . import dataview, progress, worlds
 from .policy import Choice, choose
-from .protocol import Event, State
 
 if TYPE_CHECKING:
     from ..dataset import DatasetState
@@ -120,7 +119,7 @@ class Restored:
     lost_steps_total: int = 0          # the job's lost steps in all, this restore's included
 
 
-class Job:
+class Job(worlds.InPlaceWorlds):
     """One rank of an elastic job (see the module docstring).
 
     ``dataset``: a packed tenplex dataset directory (``tenplex data pack``), or
@@ -245,9 +244,7 @@ class Job:
         self._next_save: int | None = None
         self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
         self._replication_lag = 0     # agreed (max over ranks), in steps
-        self._looping = False         # the script iterates job.worlds()
-        self.reconfigurations: list[dict] = []  # one per world change in place: its pause and parts
-        self._step_finished_at = self._world_ended_at = time.monotonic()  # the pause's parts start here
+        self._init_worlds()
 
     # ----------------------------------------------------------------- configuration
     @property
@@ -337,69 +334,6 @@ class Job:
                 f"same full model (no DTensor, no annotations, no pipeline stages), so each sample would be trained "
                 f"{c.tp * c.pp} times per step: pass max_tp=1 to Job (TENPLEX_MAX_TP=1; spec.parallel.maxTp: 1 "
                 f"on Kubernetes) for a data-parallel script, or build the model for job.config")
-
-    # ----------------------------------------------------------------- worlds
-    @property
-    def _in_place(self) -> bool:
-        """Whether a change ends only the world (``tenplex run --in-place`` and a script that loops over
-        :meth:`worlds`), not the process."""
-        return self._membership is not None and self._looping
-
-    def worlds(self) -> Iterator[worlds.World]:
-        """The worlds this process trains in (see :mod:`tenplex.elastic.worlds`): one without ``--in-place``;
-        with it, a new one after every change, until the loop's body ends with its world still active."""
-        self._looping = True
-        while True:
-            world = self.world
-            yield world
-            if world.active or self._membership is None:
-                return
-            self._next_world()
-
-    def _end_world(self, why: str) -> None:
-        log.info("world %d ends at step %d: %s", self.world.generation, self.step, why)
-        self.world.end(why)
-        self._membership.protocol.on(Event.CHANGE_AGREED if why == "change" else Event.PEER_LOST)  # type: ignore
-        self._world_ended_at = time.monotonic()  # after the stopping save of a change
-
-    def _next_world(self) -> None:
-        """Leave the world that ended (its group, its checkpointer) and enter the next generation's."""
-        m, old = self._membership, self.world
-        assert m is not None
-        if m.protocol.state == State.TRAINING:  # World.__exit__ ended it: a lost peer raised in the user's code
-            self._end_world("lost")
-        begin = time.monotonic()
-        if self._tracked is not None:  # a change settled its snapshot in the stopping save; a loss drops it
-            self._tracked["checkpointer"].group = None
-            self._tracked["checkpointer"].close()
-            self._tracked = None
-        self.group, self._data = None, None  # freeing the group joins its gloo threads: drop every reference
-        # The save schedule follows from numbers every rank must share; a joiner has no history: start afresh.
-        self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
-        self._save_s = self._step_s = 0.0
-        m.leave_group()
-        generation = m.join()
-        self._enter_world(generation)
-        self.world.pause = {"reasons": list(generation.reasons), "ended": old.ended, "pid": os.getpid(),
-                            "agree_s": self._world_ended_at - self._step_finished_at,
-                            "re_form_s": time.monotonic() - begin, "since": self._step_finished_at}
-
-    def _first_step_done(self) -> None:
-        """The first step of a world entered in place finished: its pause is over (old world's end to now)."""
-        p, done = self.world.pause, time.monotonic()
-        p["restore_s"] = self.restored.seconds if self.restored is not None else 0.0
-        # Bytes by where they came from: nothing from memory yet (issue 36 item 3); kept and same-host regions
-        # from this host's store, the rest from other hosts'. No plan: every region was this host's already.
-        stats = self.restored.plan_stats if self.restored is not None else {}
-        p["bytes"] = {"memory": 0, "this_host": stats.get("kept_bytes", 0) + stats.get("intra_host_bytes", 0),
-                      "other_hosts": stats.get("inter_host_bytes", 0), "planned": bool(stats)}
-        p["pause_s"] = done - p.pop("since")  # the old world's last step finished -> this world's first one
-        p["first_step_s"] = max(0.0, p["pause_s"] - p["agree_s"] - p["re_form_s"] - p["restore_s"])
-        p.update(generation=self.world.generation, step=self.step, world_size=self.world_size)
-        self.reconfigurations.append(dict(p))
-        self.metrics.observe_reconfiguration("+".join(p["reasons"]), "in_place", p["pause_s"])
-        log.info("world %d in place after %s: pause %.2f s (re-form %.2f, restore %.2f)", self.world.generation,
-                 "+".join(p["reasons"]) or "a re-formation", p["pause_s"], p["re_form_s"], p["restore_s"])
 
     # ----------------------------------------------------------------- data
     def _open_data(self, saved: dict | None) -> None:
@@ -524,14 +458,9 @@ class Job:
                 self._next_save = (self._saved_step or 0) + auto_interval(self._save_s, mean_step, self.save_budget)
         if stop:
             self._save("stopping")
-            if self._in_place:
-                if not self.world.active and not leaving:  # a peer died during the save: the world is lost
-                    return
-                if not leaving:  # a change in place: every rank saved this step and goes on in the next world
-                    self._end_world("change")
-                    return
-                # A worker leaving a world in place: the others do not wait (its node's store keeps serving them).
-            else:
+            if self._change_in_place(leaving):  # only this world ends: the process goes on in the next one
+                return
+            if not self._in_place:  # a worker leaving a world in place: the others do not wait for its copies
                 # The copies of this last save protect the next world against losing a host; torchrun's kill
                 # timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s) bounds how long they may take. Collective.
                 self._tracked["checkpointer"].wait_replicated(self.replication_wait)
