@@ -47,6 +47,7 @@ from .protocol import Event, Generation, State
 from .reform import Membership
 
 log = logging.getLogger(__name__)
+job_log = logging.getLogger("tenplex.elastic.job")  # a Job's own records keep its logger's name
 
 IN_PLACE_ENV = "TENPLEX_IN_PLACE"
 ENDPOINT_ENV = "TENPLEX_RDZV_ENDPOINT"
@@ -160,7 +161,7 @@ class InPlaceWorlds:
             self._next_world()
 
     def _end_world(self, why: str) -> None:
-        log.info("world %d ends at step %d: %s", self.world.generation, self.step, why)
+        job_log.info("world %d ends at step %d: %s", self.world.generation, self.step, why)
         self.world.end(why)
         self._membership.protocol.on(Event.CHANGE_AGREED if why == "change" else Event.PEER_LOST)  # type: ignore
         self._world_ended_at = time.monotonic()  # after the stopping save of a change
@@ -201,9 +202,8 @@ class InPlaceWorlds:
         p.update(generation=self.world.generation, step=self.step, world_size=self.world_size)
         self.reconfigurations.append(dict(p))
         self.metrics.observe_reconfiguration("+".join(p["reasons"]), "in_place", p["pause_s"])
-        log.info("world %d in place after %s: pause %.2f s (re-form %.2f, restore %.2f)", self.world.generation,
-                 "+".join(p["reasons"]) or "a re-formation", p["pause_s"], p["re_form_s"], p["restore_s"])
-
+        job_log.info("world %d in place after %s: pause %.2f s (re-form %.2f, restore %.2f)", self.world.generation,
+                     "+".join(p["reasons"]) or "a re-formation", p["pause_s"], p["re_form_s"], p["restore_s"])
 
     def _change_in_place(self, leaving: bool) -> bool:
         """After the stopping save: whether only this world ends and the process goes on in the next one (in
