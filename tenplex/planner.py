@@ -240,7 +240,7 @@ def _missing_general(tensor: _TensorIndex, wanted: dict[str, set[int]]) -> int:
     return total
 
 
-def _check_tensors(old: Layout, new: Layout, allow_new_tensors: bool) -> list[str]:
+def check_tensors(old: Layout, new: Layout, allow_new_tensors: bool) -> list[str]:
     """Names of new tensors absent from ``old``; raise PlanError for changed or (unless allowed) new ones."""
     changed = [f"{name!r} {list(old.tensors[name].shape)} {old.tensors[name].dtype} -> "
                f"{list(spec.shape)} {spec.dtype}"
@@ -269,7 +269,7 @@ def plan(old: Layout, new: Layout, allow_new_tensors: bool = False) -> Plan:
 
 
 def _plan(old: Layout, new: Layout, allow_new_tensors: bool) -> Plan:
-    missing = _check_tensors(old, new, allow_new_tensors)
+    missing = check_tensors(old, new, allow_new_tensors)
     hosts = {d: host_of(d) for d in (*old.devices, *new.devices)}
     out = _Builder(hosts)
     lower_bound = initialized = target = 0

@@ -107,5 +107,17 @@ class RegionIndex:
         return sorted(i for i in order[first:end] if intersect(regions[i], query) is not None)
 
     def disjoint(self) -> bool:
-        """Whether the indexed regions are pairwise disjoint (each overlaps only itself)."""
-        return all(self.overlapping(r) == [i] for i, r in enumerate(self.regions))
+        """Whether the indexed regions are pairwise disjoint (each overlaps only itself).
+
+        Fast for grids: when, in every dimension, the distinct extents are disjoint or equal, two distinct
+        regions differ in some dimension, where they cannot overlap. Otherwise region by region."""
+        regions = self.regions
+        solid = all(low < high for r in regions for low, high in zip(*r))  # an empty region overlaps nothing
+        if solid and len(set(regions)) == len(regions) and all(_extents_disjoint(regions, k) for k in range(len(self.dims))):
+            return True
+        return all(self.overlapping(r) == [i] for i, r in enumerate(regions))
+
+
+def _extents_disjoint(regions: list[Region], k: int) -> bool:
+    extents = sorted({(r[0][k], r[1][k]) for r in regions})
+    return all(hi <= lo for (_, hi), (lo, _) in zip(extents, extents[1:]))
