@@ -4,10 +4,15 @@ discovery of the other stores from the newest save's record, a lost host, and on
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
+from tenplex.ops.metrics import ENDPOINTS_DIR, serve_worker
 from tenplex.planner import plan
 from tenplex.replication.stores import STORES_DOC, stores_doc
 from tenplex.transform import transform
@@ -50,10 +55,18 @@ def test_status_of_two_stores_after_a_save_and_a_transformation(tmp_path):
         assert report["versions"][0]["copies"] == {"h0": [], "h1": []} and report["versions"][0]["replicas"] == 0
         assert report["last_committed_step"] == 7 and report["configuration"] == {"h0": 2, "h1": 2}
         assert report["restorable"] == {"version": 2, "step": 7}
+        assert [h["metrics"] for h in report["hosts"]] == [[], []]  # no worker recorded an endpoint yet
 
         (roots["h1"] / ".tenplex-store.port").write_text(f"{stores['h1'].port}\n")  # as tenplex run records it
-        table = _status("--root", str(roots["h1"]))
+        with socket.socket() as held:  # a worker of the previous world still serves h1's worker metrics port
+            held.bind(("127.0.0.1", 0))
+            held.listen()
+            port = held.getsockname()[1]
+            serve_worker(CollectorRegistry(), port, "127.0.0.1", 60.0, roots["h1"] / ENDPOINTS_DIR)
+            table = _status("--root", str(roots["h1"]))
         assert table.returncode == 0, table.stderr
+        assert f"metrics of h1 on port {port}: waiting for its port (in use by another process), worker pid " \
+               f"{os.getpid()}" in table.stdout
         assert "last committed step: 7  (devices: h0=2, h1=2)" in table.stdout
         assert "a recovery would restore: version 2 (step 7)" in table.stdout
 

@@ -445,13 +445,14 @@ def test_source_killed_mid_stream_and_hung_source(tmp_path):
             with pytest.raises(RemoteStoreError) as info:
                 client.read_box(1, "h0/0", "w", Box((0, 0), SHAPE), "float32")
             assert info.value.code == grpc.StatusCode.UNAVAILABLE and "data-plane" in str(info.value)
-        proc.proc.wait(timeout=30)
+        proc.proc.wait(timeout=120)
         assert proc.proc.returncode == 137
     finally:
         proc.stop()
     proc = StoreProcess(tmp_path / "h0", "h0")
     try:
-        with _client(proc.address, timeout=1.0) as client:
+        with _client(proc.address, timeout=3.0) as client:  # short: the hung read below waits it out
+            client.wait_ready(120)  # connected first, so the 3 s bound only meets answers of a working server
             assert client.data_pool() is not None
             proc.proc.send_signal(signal.SIGSTOP)  # accepts connections, never answers
             try:

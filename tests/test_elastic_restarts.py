@@ -65,6 +65,30 @@ def test_a_device_fault_is_not_a_restart_and_its_device_is_left_out(tmp_path):
     assert "not counted as a restart" in done.stderr
 
 
+def test_a_sibling_that_torchrun_stops_during_its_start_is_not_a_crash(tmp_path):
+    """Issue 42 item 1: device 1's worker fails at its start while device 0's is still starting up (no SIGTERM
+    handler yet): torchrun's SIGTERM kills that sibling (exit -15), which is not a crash of its own."""
+    done = _standalone(tmp_path, 2, 0, "slow-start", "3", env={"TENPLEX_INJECT_DEVICE_FAULT": "h0/1@0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    starts = [(s["device"], s.get("world")) for s in _starts(tmp_path)]  # device 0's first start may not record
+    assert starts.count(("1", None)) == 1 and starts[-2:] == [("0", None), ("0", 1)], starts
+    assert "device 1 (local rank 1) had a device fault; excluded, re-joining with 1 device(s)" in done.stderr
+    assert "workers stopped: device fault (1 worker(s) stopped by the agent: exit codes [-15]); not counted as a " \
+           "restart" in done.stderr
+
+
+def test_workers_stopped_by_the_agent_count_by_the_worker_that_failed_first():
+    """The SIGKILL after torchrun's grace (-9) and a program's own exit on SIGTERM (1) are the agent's doing too;
+    a stopped worker that reports its device is still a device fault; a crash of its own counts."""
+    from tenplex.elastic.restarts import failure_kinds
+
+    assert failure_kinds({0: -9, 1: 76}, {0}) == {1: "device fault"}
+    assert failure_kinds({0: 1, 1: 75, 2: 76}, {0, 2}) == {1: "peer lost", 2: "device fault"}
+    assert failure_kinds({0: -15, 1: 1}, {0}) == {1: "crash"}       # the first failure was a crash
+    assert failure_kinds({0: -9}, set()) == {0: "crash"}             # killed, not by the agent: a crash
+    assert failure_kinds({0: -15}, {0}) == {0: "crash"}              # nothing failed of its own: it counts
+
+
 def test_a_node_whose_last_device_fails_leaves_the_job(tmp_path):
     done = _standalone(tmp_path, 1, 3, "loop", "6", env={"TENPLEX_INJECT_DEVICE_FAULT": "h0/0@1"})
     assert done.returncode == 1
@@ -91,7 +115,7 @@ def test_membership_changes_beyond_max_restarts_do_not_end_the_job(tmp_path):
             t = time.time()
             lose("h1")
             _wait_for("world of 1 after losing h1", lambda: world_of(1, t), nodes)  # noqa: B023
-            nodes.agents["h1"].wait(60)
+            nodes.agents["h1"].wait(180)
             t = time.time()
             nodes.start("h1")
             _wait_for("world of 2 after h1 rejoined", lambda: world_of(2, t), nodes)  # noqa: B023

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 
 from tenplex.box import Box
 from tenplex.elastic import auto_interval
-from tenplex.elastic.launcher import EXIT_RESTART
+from tenplex.elastic.faults import EXIT_PEER_LOST
 from tenplex.runtime.launch import free_port
 from tenplex.store import Store
 
@@ -68,7 +68,7 @@ def test_sigterm_mid_step_gives_one_consistent_save(tmp_path):
             p.wait()
     exits = [json.loads((tmp_path / f"exit-r{r}.json").read_text()) for r in range(2)]
     # The rank that got SIGTERM exits 0 (its agent stops it); its peer exits so that its agent restarts it.
-    assert codes == [EXIT_RESTART, 0] and [e["code"] for e in exits] == codes
+    assert codes == [EXIT_PEER_LOST, 0] and [e["code"] for e in exits] == codes
     stop = exits[0]["step"]
     assert exits[1]["step"] == stop and stop >= 4
     steps = [int(s) for s in (tmp_path / "steps-r1.txt").read_text().split()]

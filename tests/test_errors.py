@@ -10,7 +10,7 @@ from tenplex.errors import (BoxError, ConfigError, LayoutError, PermanentError, 
 from tenplex.integration.nontensor import StateMismatchError
 from tenplex.store.client import RemoteStoreError
 from tenplex.store.dataplane import DataPlaneError
-from tenplex.store.server import _status_of
+from tenplex.store.statuses import status_of as _status_of
 
 
 @pytest.mark.parametrize("error", [BoxError, ConfigError, LayoutError, PlanError, StateMismatchError])

@@ -174,9 +174,32 @@ def test_worker_pod_is_a_valid_pod_with_the_exact_labels():
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert {k: v for k, v in env.items() if k.startswith("TENPLEX_")} == {
         "TENPLEX_MAX_TP": "8", "TENPLEX_REPLICAS": "1", "TENPLEX_SAVE_INTERVAL": "50",
-        "TENPLEX_PINNED": '{"24": "tp=8,pp=3"}'}  # TENPLEX_DATASET: tenplex run --dataset sets it
+        "TENPLEX_PINNED": '{"24": "tp=8,pp=3"}',  # TENPLEX_DATASET: tenplex run --dataset sets it
+        "TENPLEX_JOB": "default/gpt-example"}  # the job key of its JSON logs
     assert pod["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "8", "cpu": "8",
                                                                       "memory": "64Gi"}
+
+
+def test_worker_pods_serve_metrics_with_scrape_annotations():
+    """tenplex run --metrics-port before the script (where it takes its own options), on the pod's addresses; the
+    annotations name local rank 0's port (the job's numbers), every port is a named container port."""
+    from tenplex.cli._run_operations import take
+
+    example = docs(K8S / "examples" / "tenplexjob.yaml")[0]
+    job = {**example, "metadata": {**example["metadata"], "uid": "1234"}}
+    pod = worker_pod(job, parse_spec(example["spec"]), "node-a", WorkerSettings(), 2)
+    container = pod["spec"]["containers"][0]
+    _, options = take(container["command"][2:])
+    assert (options.metrics_port, options.metrics_bind) == (9400, "0.0.0.0")
+    assert {k: v for k, v in pod["metadata"]["annotations"].items() if k.startswith("prometheus.io/")} == {
+        "prometheus.io/scrape": "true", "prometheus.io/port": "9401", "prometheus.io/path": "/metrics"}
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9400},
+                                  {"name": "metrics-r0", "containerPort": 9401},
+                                  {"name": "metrics-r1", "containerPort": 9402}]
+    validate_builtin(pod)
+    off = worker_pod(job, parse_spec(example["spec"]), "node-a", WorkerSettings(metrics_port=0), 2)
+    assert "--metrics-port" not in off["spec"]["containers"][0]["command"] and "ports" not in \
+        off["spec"]["containers"][0] and not any(k.startswith("prometheus.io/") for k in off["metadata"]["annotations"])
 
 
 def test_store_daemonset_mounts_token_and_no_dataset():

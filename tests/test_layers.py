@@ -92,6 +92,9 @@ def _violations(path: Path, repo: Path) -> list[str]:
     text = _contract(tree)
     if text is None:
         return [f"{module}: no 'May import:' line in its docstring"]
+    if (ast.get_docstring(tree) or "").count("May import:") > 1:
+        # A second paragraph drifts from the first unseen (only the first is checked): one contract per module.
+        return [f"{module}: more than one 'May import:' paragraph in its docstring"]
     allowed = set(re.findall(r"(?<![\w.])((?:tenplex|fuse_vfs)(?:\.[a-z_]+)*)", text))
     anything = re.search(r"every (?:tenplex |lower )?(?:layer|module)", text) is not None
     # The top-level subpackage: tenplex.store.server may import tenplex.store.local.
@@ -126,6 +129,15 @@ def test_the_contract_check_catches_a_drifted_line(tmp_path):
     pkg.write_text('"""Boxes.\n\nMay import: only the standard library.\n"""\nimport numpy\nfrom .store import Store\n')
     problems = _violations(pkg, tmp_path)
     assert any("numpy" in p for p in problems) and any("tenplex.store" in p for p in problems)
+
+
+def test_the_contract_check_rejects_a_second_may_import_paragraph(tmp_path):
+    """Two contracts in one docstring (the second unchecked, and drifting) are reported."""
+    pkg = tmp_path / "tenplex" / "box.py"
+    pkg.parent.mkdir()
+    pkg.write_text('"""Boxes.\n\nMay import: numpy.\n\nMore.\n\nMay import: the standard library.\n"""\n'
+                   "import numpy\n")
+    assert _violations(pkg, tmp_path) == ["tenplex.box: more than one 'May import:' paragraph in its docstring"]
 
 
 # ---------------------------------------------------------------- rooms: who may import whom
@@ -206,3 +218,19 @@ def test_the_room_checks_catch_a_runtime_bench_import_and_a_circle(tmp_path):
     graph = _module_graph(tmp_path)
     assert _bench_importers(graph) == ["tenplex.elastic.nodes imports tenplex.bench.cluster"]
     assert _circles(graph) == [["tenplex.bench.compare", "tenplex.bench.compare_linked", "tenplex.bench.simulate"]]
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for imported in graph[todo.pop()] - seen:
+            seen.add(imported)
+            todo.append(imported)
+    return seen
+
+
+def test_the_worker_api_does_not_import_the_command_line_launcher():
+    """A training script's Job sits below ``tenplex run``: nothing it imports, however indirectly, loads the
+    launcher (its exit codes come from tenplex.elastic.faults)."""
+    graph = _module_graph(Path(tenplex.__file__).parents[1])
+    assert "tenplex.elastic.launcher" not in _reachable(graph, "tenplex.elastic.job")

@@ -211,7 +211,7 @@ def test_replica_copies_declare_the_copying_host(tmp_path):
                          {"h0/0": [Shard("w", Box((0, 0), SHAPE))], "h1/0": [Shard("v", Box((0,), (8,)))]})
     try:
         replicator = Replicator(Store(tmp_path / "h1", "h1"), 1, saved, 1, {"h0": address}, timeout=30).start()
-        assert replicator.wait(60), replicator.status()
+        assert replicator.wait(300), replicator.status()
         assert _sent(metrics) == {"h1": data.nbytes} and replicator.status()["bytes"] == data.nbytes
     finally:
         server.stop(None)

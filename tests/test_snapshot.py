@@ -177,3 +177,20 @@ def test_a_full_disk_fails_one_snapshot_in_one_log_line_and_training_goes_on(tmp
                                "space left on device")
     assert "training goes on" in lines[0]
     assert "snapshot" not in (tmp_path / "train" / "logs" / "rank1.log").read_text()
+
+
+def test_a_key_value_store_that_answers_late_is_retried_and_late_commits_are_counted(tmp_path):
+    """Issue 42 item 4: the first connection fails (nothing listens yet); once the store answers, snapshots
+    commit in the background again, and the snapshots committed at a boundary instead are counted."""
+    worker = Path(__file__).parent / "mp" / "late_commit_worker.py"
+    subprocess.run([sys.executable, str(worker), str(tmp_path), str(launch.free_port())], check=True, timeout=240,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert (result["first"]["committed_step"], result["first"]["late_commits"]) == (0, 1)
+    assert result["failed_first"] >= 1  # an attempt failed before the store came up: the retry is what connects
+    on_time = result["on_time"]
+    assert on_time is not None, "no snapshot committed through the key-value store once it answered"
+    last = result["last"]
+    # Snapshots 0 .. on_time-1 committed at the next boundary; on_time (and none after it) in the background.
+    assert (last["committed_step"], last["committed"], last["late_commits"], last["failed"]) == (
+        on_time, on_time + 1, on_time, 0)

@@ -40,7 +40,7 @@ def lost_mid_copy(tmp_path_factory):
         snap = [{"op": "snapshot"}, {"op": "wait_snapshot"}, {"op": "wait_replicated", "timeout": 30}]
         train = run_replica_job(base, "train", ["h0/0", "h1/0", "h2/0", "h3/0"], procs,
                                 [{"op": "train", "steps": 1}, *snap, *snap, *snap], replicas=1, keep=10)
-        died = procs["h1"].proc.wait(30)
+        died = procs["h1"].proc.wait(120)
         shutil.rmtree(procs["h1"].root)  # h1 is lost with its disk
         survivors = {h: procs[h] for h in ("h0", "h2", "h3")}
         after = run_replica_job(base, "after", ["h0/0", "h0/1", "h2/0", "h3/0"], survivors,

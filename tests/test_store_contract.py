@@ -17,7 +17,7 @@ from tenplex.planner import plan
 from tenplex.store import (FileBackedReader, LinkingWriter, SpaceReportingStore, Store, StoreReader, StoreWriter,
                            TensorStore, VersionWriter)
 from tenplex.store.manifest import TRANSFORM_PART
-from tenplex.store.server import _check_free_space
+from tenplex.store.service import _check_free_space
 from tenplex.transform import TransformRequest
 from tenplex.transform.host import run_host_part
 

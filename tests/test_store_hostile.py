@@ -66,7 +66,7 @@ def test_stalled_write_streams_cannot_take_the_server_down(tmp_path):
             # the four admitted streams sent nothing for 2 s: cancelled, their partial shards dropped
             for c in calls:
                 assert c.exception().code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED)
-            deadline = time.monotonic() + 30  # the handlers clean up just after the client sees CANCELLED
+            deadline = time.monotonic() + 120  # the handlers clean up just after the client sees CANCELLED
             while _part_files(tmp_path / "h0") and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert _part_files(tmp_path / "h0") == [], "idle streams left their shard files"
@@ -114,7 +114,7 @@ def test_write_shard_reserves_no_space_before_data_and_leaks_none(small_tmpfs):
         before = _free(small_tmpfs)
         release = threading.Event()
         call = write.future(_stalled(_header(1, "stall", (6 << 18,)), release), timeout=60)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120
         while not any(p.endswith(".safetensors") for p in _part_files(root)) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert before - _free(small_tmpfs) < (1 << 20), "space was reserved before any data arrived"
@@ -202,7 +202,7 @@ def test_data_plane_accept_loop_survives_thread_exhaustion(in_process_store, mon
 
 def test_silent_data_connections_are_dropped_and_bounded(tmp_path):
     from tenplex.store.dataplane import DataPool, DataServer
-    from tenplex.store.server import StoreService
+    from tenplex.store.service import StoreService
 
     store, w = _one_version(tmp_path)
     service = StoreService(store)
@@ -237,7 +237,7 @@ def test_silent_data_connections_are_dropped_and_bounded(tmp_path):
 
 def test_a_pooled_connection_the_server_dropped_is_replaced_transparently(tmp_path):
     from tenplex.store.dataplane import DataPool, DataServer
-    from tenplex.store.server import StoreService
+    from tenplex.store.service import StoreService
 
     store, w = _one_version(tmp_path)
     data = DataServer("127.0.0.1", StoreService(store)._reader, lambda e: ("INTERNAL", str(e)), max_connections=1)
@@ -389,7 +389,7 @@ def test_abandoned_remote_parts_expire_and_release_their_descriptors(tmp_path):
             held = len(os.listdir(f"/proc/{proc.proc.pid}/fd"))
             assert held < 40, f"{held} descriptors held by finished WriteShard streams"
             staging = tmp_path / "h0" / "staging" / "1"
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 120
             while staging.exists() and any(staging.iterdir()) and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert not staging.exists() or not any(staging.iterdir()), "abandoned parts were never expired"

@@ -147,7 +147,7 @@ def test_gc_and_delete(tmp_path):
 def test_server_drops_cached_readers_of_deleted_versions(tmp_path):
     """Delete and Gc must release the server's readers of deleted versions (their directory descriptors)."""
     from tenplex.store._proto import store_pb2 as pb
-    from tenplex.store.server import StoreService
+    from tenplex.store.service import StoreService
 
     store = Store(tmp_path / "s", "h0")
     for v in (1, 2, 3):
@@ -161,7 +161,7 @@ def test_server_drops_cached_readers_of_deleted_versions(tmp_path):
         reader.array(reader.find("h0/0", "w", Box((0,), (4,))))
     deleted_reader = service._readers[3]
     assert service.Delete(pb.DeleteRequest(version=3), None).deleted
-    assert 3 not in service._readers and not deleted_reader.current() and deleted_reader._dirfd == -1
+    assert 3 not in service._readers and not deleted_reader.current() and deleted_reader._dir.closed
     assert list(service.Gc(pb.GcRequest(keep=1), None).deleted) == [1]
     assert sorted(service._readers) == [2]
 
@@ -207,6 +207,7 @@ _CRASHY_WRITER = textwrap.dedent("""
     from tenplex.store import Store
     store = Store(sys.argv[1], "h0")
     v = (store.latest() or 0) + 1
+    print("writing", flush=True)
     while True:
         with store.begin(v) as w:
             for i in range(8):
@@ -217,16 +218,27 @@ _CRASHY_WRITER = textwrap.dedent("""
 """)
 
 
+def _wait_until(check, what: str, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert proc.poll() is None and time.monotonic() < deadline, f"no {what}"
+        time.sleep(0.05)
+
+
 def test_killed_writer_never_leaves_a_broken_committed_version(tmp_path):
     """SIGKILL a writer that commits versions in a loop, at several moments: every committed version stays whole."""
     root = tmp_path / "s"
     Store(root, "h0")
     rng = np.random.default_rng(1)
-    for _ in range(4):
-        proc = subprocess.Popen([sys.executable, "-c", _CRASHY_WRITER, str(root)])
-        time.sleep(0.3 + rng.random() * 0.7)
+    for attempt in range(4):
+        proc = subprocess.Popen([sys.executable, "-c", _CRASHY_WRITER, str(root)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "writing\n"  # imports done (seconds on a busy machine): the loop runs
+        if attempt == 0:  # at least one version committed whatever the machine's load, or the test proves nothing
+            _wait_until(lambda: Store(root, "h0").versions(), "the writer's first commit", proc)
+        time.sleep(rng.random() * 0.7)  # a random moment of the loop: between, inside or during a commit
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        proc.stdout.close()
         store = Store(root, "h0")
         for v in store.versions():
             r = store.open(v)
@@ -321,12 +333,12 @@ def test_paused_gc_turns_the_collector_back_on_only_after_the_last_pause_of_any_
     def other():
         with paused_gc():
             inside.set()
-            leave.wait(10)
+            leave.wait(120)
 
     thread = threading.Thread(target=other)
     with paused_gc():
         thread.start()
-        assert inside.wait(10)
+        assert inside.wait(120)
     assert not gc.isenabled()  # the other thread still pauses it
     leave.set()
     thread.join()

@@ -4,6 +4,7 @@ region has landed (per region, so shards that feed each other cannot deadlock), 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -72,12 +73,16 @@ def test_a_copy_is_released_when_its_region_has_landed_not_when_its_shard_is_com
     fan_out = threading.Thread(target=completion.run_copies,
                                args=(done.is_set, threading.Event(), order.append))
     fan_out.start()
-    fan_out.join(0.5)
+    deadline = time.monotonic() + 120
+    while not order and fan_out.is_alive():  # b's copy runs (whenever the machine lets the thread run)
+        assert time.monotonic() < deadline, "b's copy never ran"
+        time.sleep(0.01)
+    fan_out.join(0.2)  # gives a copy that did not wait the time to show itself
     assert fan_out.is_alive() and order == [TOP.volume * 4]  # b's copy ran; a's waits for b's BOTTOM
     b.write(BOTTOM, VALUES[4:])
     completion.landed(b, BOTTOM)
     done.set()
-    fan_out.join(5)
+    fan_out.join(120)
     assert not fan_out.is_alive() and order == [TOP.volume * 4, BOTTOM.volume * 4]
     assert a._blocks and b._blocks  # each finished by its last write
     for target in (a, b):
@@ -104,7 +109,7 @@ def test_cancel_stops_a_waiting_fan_out_thread(tmp_path):
     fan_out = threading.Thread(target=completion.run_copies, args=(lambda: False, cancelled, lambda n: None))
     fan_out.start()
     cancelled.set()
-    fan_out.join(5)
+    fan_out.join(120)
     assert not fan_out.is_alive() and b._blocks is None  # nothing copied, nothing finished
 
 

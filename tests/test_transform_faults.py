@@ -137,7 +137,7 @@ def test_hosts_commit_at_once_and_one_failed_commit_takes_the_others_back():
     from tenplex.transform.coordinator import _commit_everywhere, _Outcome
 
     hosts = ["h0", "h1", "h2", "h3"]
-    barrier = threading.Barrier(len(hosts), timeout=10)
+    barrier = threading.Barrier(len(hosts), timeout=120)
     calls: list[tuple[str, str]] = []
 
     class Taken(Exception):

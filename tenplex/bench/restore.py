@@ -44,9 +44,26 @@ With ``--device cuda`` the same run also measures, on the same state:
 
 Each timed step is preceded by a barrier and ends with one (on CUDA, after
 waiting for the device), so it measures the slowest rank. ``state_bytes`` is
-the global size of parameters and Adam states. The disk checkpoint's page
-cache is dropped (``posix_fadvise``) before loading, so that the disk load
-reads the disk, as after a restart on another machine.
+the global size of parameters and Adam states.
+
+Repeats. One round times every method once; ``--warmup`` untimed rounds
+(default 1: imports, thread pools, allocator) come first, then ``--repeat``
+timed rounds (default 5). Every ``*_s`` key is the median over the rounds, and
+``spread`` gives its ``[min, max]``; ``rounds`` lists every round's seconds.
+A ``*_over_tenplex`` ratio is the median of the rounds' ratios (each round's
+DCP time over the same round's tenplex time), with its spread too. The
+methods' order turns by one each round, so none always runs first.
+
+Every method starts alike (``protocol`` in the JSON says so): right before
+each timed step of every method, rank 0 writes and frees ``--warm-gb`` GiB
+(default: the state's size, so that the step writes tmpfs pages into memory
+the machine has backed, see :mod:`.warm`; 0: off); before each save, the
+previous round's store versions and DCP directories are deleted, so every
+save writes fresh tmpfs or disk pages; each load reads what its save just
+wrote, from tmpfs (memory: the page cache is the file), except the disk
+checkpoint, whose page cache is dropped (``fsync`` + ``posix_fadvise``)
+before loading, so that the disk load reads the disk, as after a restart on
+another machine.
 """
 
 from __future__ import annotations
@@ -55,6 +72,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -83,7 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the state lives (cuda: both ranks on the first GPU, plus the copy floors and "
                              "pageable staging)")
-    add_warm_argument(parser)
+    add_warm_argument(parser, None, "; default: the state's size")
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="timed rounds of every method (median and [min, max] reported; default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds of every method first (default 1)")
     parser.add_argument("--new-hosts", type=int, default=1,
                         help="1: both ranks on host h0 throughout (default); 2: the new configuration's rank 1 runs "
                              "on a second host h1 with an empty store: its state comes from h0's store (read through "
@@ -93,6 +114,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     if args.new_hosts not in (1, 2):
         raise UsageError(f"--new-hosts must be 1 or 2 (the benchmark has 2 ranks), got {args.new_hosts}")
+    if args.repeat < 1 or args.warmup < 0:
+        raise UsageError(f"--repeat must be at least 1 and --warmup at least 0, got {args.repeat} and {args.warmup}")
     if args.device == "cuda" and not _cuda_available():
         raise UsageError("--device cuda needs a CUDA device, and torch sees none here; use --device cpu")
     work = Path(tempfile.mkdtemp(prefix="tenplex-bench-restore-", dir=args.tmpfs))
@@ -106,6 +129,7 @@ def run(args: argparse.Namespace) -> dict:
                     "old": args.old, "new": args.new, "roots": {h: str(stores.root(h)) for h in hosts},
                     "stores": dict(stores.addresses), "dcp_tmpfs": str(work / "dcp"), "dcp_disk": str(disk / "dcp"),
                     "result": str(work / "result.json"), "warm_gb": args.warm_gb, "device": args.device,
+                    "repeat": args.repeat, "warmup": args.warmup,
                     "dcp_where": ["tmpfs"] if args.no_disk else ["tmpfs", "disk"]}
             # Both ranks launch on h0; each worker takes its store root and host from the spec.
             run_spec_job([sys.executable, "-m", "tenplex.bench.restore"], spec, work / "spec.json", ["h0/0", "h0/1"],
@@ -126,14 +150,16 @@ def _cuda_available() -> bool:
 class _Timed:
     """Timings of collective steps: a barrier before and after each, so a step measures the slowest rank."""
 
-    def __init__(self, result: dict, spec: dict) -> None:
-        self.result, self.spec = result, spec
+    def __init__(self, result: dict, spec: dict, warm_gb: float) -> None:
+        self.result, self.spec, self.warm_gb = result, spec, warm_gb
+        self.samples: dict[str, list[float]] = {}  # key -> seconds of each timed round
+        self.recording = False                     # False during the warm-up rounds
 
     def __call__(self, key: str, fn) -> None:
         import torch.distributed as dist
 
         if dist.get_rank() == 0:
-            warm(self.spec.get("warm_gb", 0.0))
+            warm(self.warm_gb)  # the same for every step of every method
         dist.barrier()
         start = time.perf_counter()
         fn()
@@ -142,7 +168,8 @@ class _Timed:
 
             torch.cuda.synchronize()  # a restore returns with copies still queued: count them
         dist.barrier()
-        self.result[key] = round(time.perf_counter() - start, 3)
+        if self.recording:
+            self.samples.setdefault(key, []).append(round(time.perf_counter() - start, 4))
 
     def restore(self, key: str, load) -> None:
         """Time ``load(trainer)`` into a fresh model and optimizer under the new configuration, as after a restart."""
@@ -168,23 +195,43 @@ def _worker(spec_path: str) -> None:
     init_process_group("gloo")
     result: dict = {"old": spec["old"], "new": spec["new"], "model": spec["model"],
                     "tenplex_new_hosts": len(spec["roots"]), "device": spec["device"]}
-    timed = _Timed(result, spec)
     old = Trainer(GPTConfig(**spec["model"]), Parallel.parse(spec["old"]), global_batch=8, device=spec["device"])
     old.train_step(0) if spec["device"] == "cpu" else _fill_moments(old)
     result["state_bytes"] = _state_bytes(old)
-    _time_tenplex(timed, old, spec)
-    _time_dcp(timed, old, spec)
+    warm_gb = spec["warm_gb"] if spec["warm_gb"] is not None else round(result["state_bytes"] / (1 << 30), 2)
+    result["protocol"] = {"repeat": spec["repeat"], "warmup_rounds": spec["warmup"], "warm_gb": warm_gb,
+                          "before_each_step": "barrier; rank 0 writes and frees warm_gb GiB",
+                          "before_each_save": "the previous round's versions and DCP directories deleted",
+                          "before_each_load": "tmpfs: as saved (in memory); disk: page cache dropped",
+                          "order": "the methods' order turns by one each round"}
+    timed = _Timed(result, spec, warm_gb)
+    methods = [partial(_time_tenplex, timed, old, spec)]
+    methods += [partial(_time_dcp, timed, old, spec, where) for where in spec["dcp_where"]]
     if spec["device"] == "cuda":
-        _time_copies(timed, result["state_bytes"])
+        methods.append(partial(_time_copies, timed, result["state_bytes"]))
+    for round_ in range(spec["warmup"] + spec["repeat"]):
+        timed.recording = round_ >= spec["warmup"]
+        turn = round_ % len(methods)
+        for method in methods[turn:] + methods[:turn]:
+            method()
     if dist.get_rank() == 0:
-        for what, key in (("save", "save"), ("restore", "load")):
-            for where in spec["dcp_where"]:
-                result[f"dcp_{where}_{key}_over_tenplex"] = round(result[f"dcp_{where}_{key}_s"]
-                                                                 / max(result[f"tenplex_{what}_s"], 1e-9), 2)
+        _summarise(result, timed.samples, spec["dcp_where"])
         if spec["device"] == "cuda":
             _rates(result)
         Path(spec["result"]).write_text(json.dumps(result))
     leave_process_group()
+
+
+def _summarise(result: dict, samples: dict[str, list[float]], dcp_where: list[str]) -> None:
+    """Median and [min, max] of every measure, and of each round's DCP-over-tenplex ratio."""
+    ratios = {f"dcp_{where}_{key}_over_tenplex": [round(d / max(t, 1e-9), 2) for d, t in zip(
+        samples[f"dcp_{where}_{key}_s"], samples[f"tenplex_{what}_s"])]
+        for what, key in (("save", "save"), ("restore", "load")) for where in dcp_where}
+    result["rounds"] = samples
+    result["spread"] = {}
+    for key, values in {**samples, **ratios}.items():
+        result[key] = round(statistics.median(values), 4)
+        result["spread"][key] = [min(values), max(values)]
 
 
 def _fill_moments(trainer) -> None:
@@ -232,19 +279,19 @@ def _time_tenplex(timed: _Timed, old, spec: dict) -> None:
             new_ckpt.store.delete(version)
 
 
-def _time_dcp(timed: _Timed, old, spec: dict) -> None:
-    """dcp.save and dcp.load (with resharding) on tmpfs, then on disk with its page cache dropped."""
+def _time_dcp(timed: _Timed, old, spec: dict, where: str) -> None:
+    """dcp.save and dcp.load (with resharding) on tmpfs, or on disk with its page cache dropped; then delete it."""
     import torch.distributed as dist
 
-    for where in spec["dcp_where"]:
-        path = spec[f"dcp_{where}"]
-        timed(f"dcp_{where}_save_s", partial(_dcp_save, old, path))
-        if dist.get_rank() == 0 and where == "disk":
-            _drop_page_cache(Path(path))
-        timed.restore(f"dcp_{where}_load_s", partial(_dcp_load, path=path))
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(path, ignore_errors=True)
+    path = spec[f"dcp_{where}"]
+    timed(f"dcp_{where}_save_s", partial(_dcp_save, old, path))
+    if dist.get_rank() == 0 and where == "disk":
+        _drop_page_cache(Path(path))
+    timed.restore(f"dcp_{where}_load_s", partial(_dcp_load, path=path))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    dist.barrier()  # gone before the next method writes (tmpfs holds one copy of the state at a time)
 
 
 def _time_copies(timed: _Timed, state_bytes: int) -> None:

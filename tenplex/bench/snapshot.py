@@ -108,28 +108,20 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _worker(spec_path: str) -> None:
+def _local_tensors(trainer) -> list:
+    """This rank's parameters and optimizer moments, as local tensors (what a step changes)."""
+    return [t.to_local() if hasattr(t, "to_local") else t
+            for t in [*trainer.model.parameters(),
+                      *(v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0)]]
+
+
+def _tenplex_saves(ckpt, trainer, repeat: int) -> dict:
+    """``tenplex_save_s``, the snapshot's blocking and commit seconds, the memcpy floor, staging memory."""
     import torch
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import tenplex
-    from tenplex.integration.process_group import init_process_group, leave_process_group
-    from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
-    from .restore import _state_bytes
-
-    spec = json.loads(Path(spec_path).read_text())
-    init_process_group("gloo")
-    rank, work, repeat = dist.get_rank(), Path(spec["work"]), spec["repeat"]
-    trainer = Trainer(GPTConfig(**spec["model"]), Parallel.parse(spec["config"]), global_batch=8)
-    trainer.train_step(0)
-    result: dict[str, Any] = {"config": spec["config"], "model": spec["model"], "repeat": repeat,
-                              "state_bytes": _state_bytes(trainer)}
-    local = [t.to_local() if hasattr(t, "to_local") else t
-             for t in [*trainer.model.parameters(),
-                       *(v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0)]]
+    local = _local_tensors(trainer)
     buffers = [torch.empty_like(t) for t in local]
 
     def memcpy() -> float:
@@ -139,15 +131,14 @@ def _worker(spec_path: str) -> None:
                 b.copy_(t)
         return time.perf_counter() - begin
 
-    ckpt = tenplex.Checkpointer(store_root=work / "store", host="h0", device=f"h0/{rank}", replicas=0, keep=1)
-
     def save(i: int) -> tuple[float]:
         begin = time.perf_counter()
         tenplex.save(trainer.model, trainer.optimizer, step=i, scheduler=trainer.scheduler, checkpointer=ckpt)
         return (time.perf_counter() - begin,)
-    result["tenplex_save_s"], = _rounds(repeat, save)
 
     def snapshot(i: int) -> tuple[float, float, float]:
+        import torch.distributed as dist
+
         floor = memcpy()  # the floor, measured next to each snapshot: this machine's load varies
         with torch.no_grad():  # as a training step would: every parameter and moment changes (the snapshot then
             for t in local:    # stages them all; only what no step changes, buffers, is linked from the last one)
@@ -159,15 +150,26 @@ def _worker(spec_path: str) -> None:
         ckpt.wait_snapshot()
         # From the call until this host committed (the first rank of the host; the others report 0).
         return floor, returned - begin, ckpt.snapshot_stats()["last_commit_s"] or 0.0
+
+    result: dict[str, Any] = {}
+    result["tenplex_save_s"], = _rounds(repeat, save)
     _, result["tenplex_snapshot_first_blocking_s"], _ = _rounds(1, snapshot)
     result["memcpy_s"], result["tenplex_snapshot_blocking_s"], result["tenplex_snapshot_commit_s"] = _rounds(
         repeat, snapshot)
-    buffers.clear()  # free them before DCP takes memory
     stats = ckpt.snapshot_stats()
     result["tenplex_staging_bytes"] = int(_summed(stats["staging_bytes"]))
     result["tenplex_snapshot_linked_bytes"] = int(_summed(stats["linked_bytes"]))
     result["tenplex_snapshot_failed"] = int(_summed(stats["failed"]))
+    return result
 
+
+def _dcp_saves(trainer, work: Path, repeat: int) -> dict:
+    """``dcp_save_s``, ``dcp.async_save``'s blocking and commit seconds and the resident memory it adds."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    rank = dist.get_rank()
     state_dict = dict(zip(("model", "optim"), get_state_dict(trainer.model, trainer.optimizer)))
     dcp_group = dist.new_group(backend="gloo")
 
@@ -179,7 +181,6 @@ def _worker(spec_path: str) -> None:
         if rank == 0:
             shutil.rmtree(work / f"dcp-{i}", ignore_errors=True)
         return (took,)
-    result["dcp_save_s"], = _rounds(repeat, dcp_save)
     extra_rss: list[int] = []
 
     def dcp_async(i: int) -> tuple[float, float]:
@@ -195,32 +196,66 @@ def _worker(spec_path: str) -> None:
         if rank == 0:
             shutil.rmtree(work / f"dcp-async-{i}", ignore_errors=True)
         return returned - begin, done - begin
+
+    result: dict[str, Any] = {}
+    result["dcp_save_s"], = _rounds(repeat, dcp_save)
     result["dcp_async_blocking_s"], result["dcp_async_commit_s"] = _rounds(repeat, dcp_async)
     result["dcp_async_extra_rss_bytes"] = int(_summed(max(extra_rss)))
+    dist.destroy_process_group(dcp_group)
+    return result
+
+
+def _training(ckpt, trainer, steps: int) -> dict:
+    """Seconds per training step without saving and with a snapshot after every step, and their ratio."""
+    import torch.distributed as dist
 
     def train(snapshots: bool) -> float:
         dist.barrier()
         begin = time.perf_counter()
-        for step in range(spec["steps"]):
+        for step in range(steps):
             trainer.train_step(step)
             if snapshots:
                 ckpt.async_save(trainer.model, trainer.optimizer, step=1000 + step, scheduler=trainer.scheduler)
         if snapshots:
             ckpt.wait_snapshot()
-        return _slowest(time.perf_counter() - begin) / spec["steps"]
-    result["train_step_s"] = round(train(False), 4)
-    result["train_step_snapshot_s"] = round(train(True), 4)
-    result["snapshot_slowdown"] = round(result["train_step_snapshot_s"] / result["train_step_s"], 3)
-    floor = max(result["memcpy_s"], 1e-9)
-    result["snapshot_over_memcpy"] = round(result["tenplex_snapshot_blocking_s"] / floor, 2)
-    result["snapshot_over_dcp_async"] = round(result["tenplex_snapshot_blocking_s"]
-                                              / max(result["dcp_async_blocking_s"], 1e-9), 2)
-    result["snapshot_commit_over_save"] = round(result["tenplex_snapshot_commit_s"]
-                                                / max(result["tenplex_save_s"], 1e-9), 2)
+        return _slowest(time.perf_counter() - begin) / steps
+    plain, snapshotting = round(train(False), 4), round(train(True), 4)
+    return {"train_step_s": plain, "train_step_snapshot_s": snapshotting,
+            "snapshot_slowdown": round(snapshotting / plain, 3)}
+
+
+def _ratios(result: dict) -> dict:
+    blocking = result["tenplex_snapshot_blocking_s"]
+    return {"snapshot_over_memcpy": round(blocking / max(result["memcpy_s"], 1e-9), 2),
+            "snapshot_over_dcp_async": round(blocking / max(result["dcp_async_blocking_s"], 1e-9), 2),
+            "snapshot_commit_over_save": round(result["tenplex_snapshot_commit_s"]
+                                               / max(result["tenplex_save_s"], 1e-9), 2)}
+
+
+def _worker(spec_path: str) -> None:
+    import torch.distributed as dist
+
+    import tenplex
+    from tenplex.integration.process_group import init_process_group, leave_process_group
+    from tenplex.models.gpt import GPTConfig, Parallel, Trainer
+
+    from .restore import _state_bytes
+
+    spec = json.loads(Path(spec_path).read_text())
+    init_process_group("gloo")
+    rank, work, repeat = dist.get_rank(), Path(spec["work"]), spec["repeat"]
+    trainer = Trainer(GPTConfig(**spec["model"]), Parallel.parse(spec["config"]), global_batch=8)
+    trainer.train_step(0)
+    result: dict[str, Any] = {"config": spec["config"], "model": spec["model"], "repeat": repeat,
+                              "state_bytes": _state_bytes(trainer)}
+    ckpt = tenplex.Checkpointer(store_root=work / "store", host="h0", device=f"h0/{rank}", replicas=0, keep=1)
+    result.update(_tenplex_saves(ckpt, trainer, repeat))  # its memcpy buffers are freed before DCP takes memory
+    result.update(_dcp_saves(trainer, work, repeat))
+    result.update(_training(ckpt, trainer, spec["steps"]))
+    result.update(_ratios(result))
     ckpt.close()
     if rank == 0:
         Path(spec["result"]).write_text(json.dumps(result))
-    dist.destroy_process_group(dcp_group)
     leave_process_group()
 
 

@@ -24,11 +24,12 @@ import argparse
 import numpy as np
 
 
-def add_warm_argument(parser: argparse.ArgumentParser) -> None:
-    """The ``--warm-gb`` option of every benchmark that calls :func:`warm`."""
-    parser.add_argument("--warm-gb", type=float, default=0.0,
+def add_warm_argument(parser: argparse.ArgumentParser, default: float | None = 0.0, default_help: str = "") -> None:
+    """The ``--warm-gb`` option of every benchmark that calls :func:`warm` (``default_help`` says what a
+    ``default`` of None means)."""
+    parser.add_argument("--warm-gb", type=float, default=default,
                         help="write and free this many GiB right before each timed step (on a VM that backs memory "
-                             "on first touch, every method then starts with backed memory; 0: off)")
+                             f"on first touch, every method then starts with backed memory; 0: off{default_help})")
 
 
 def warm(gib: float) -> None:

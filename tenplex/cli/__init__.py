@@ -23,6 +23,7 @@ import os
 import sys
 
 from ..errors import TenplexError
+from ..ops import logs
 
 # Subcommand modules, in the order ``tenplex --help`` lists them.
 COMMANDS = ("layout", "plan", "data", "vfs", "store", "durable", "bench", "demo", "rendezvous", "run", "operator",
@@ -55,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if not user_error(e):
             raise
-        print(f"tenplex {args.command}: error: {e}", file=sys.stderr)
+        logs.line(f"tenplex {args.command}: error: {e}", sys.stderr, logging.ERROR, "tenplex.cli")
         return 2
     except KeyboardInterrupt:
-        print(f"tenplex {args.command}: interrupted", file=sys.stderr)
+        logs.line(f"tenplex {args.command}: interrupted", sys.stderr, logging.WARNING, "tenplex.cli")
         return 130
 
 

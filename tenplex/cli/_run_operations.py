@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..ops import metrics
+from ..ops import logs, metrics
 from ._operations import add_arguments, serve_metrics, setup_logs
 
 _NAMES = ("--log-format", "--metrics-port", "--metrics-bind")
@@ -21,7 +21,7 @@ _NAMES = ("--log-format", "--metrics-port", "--metrics-bind")
 
 def take(argv: list[str]) -> tuple[list[str], argparse.Namespace]:
     """``argv`` without the operations options (those before the training script), and their values (with the
-    node's ``host``)."""
+    node's ``host`` and the ``job``: the rendezvous id, when given)."""
     from ..elastic.launcher import parser
 
     ours = argparse.ArgumentParser(add_help=False)
@@ -42,12 +42,13 @@ def take(argv: list[str]) -> tuple[list[str], argparse.Namespace]:
             i += 1
     options = ours.parse_args(mine)
     options.host = ns.host
+    options.job = logs.job_name(ns.rdzv_id)
     return rest + argv[boundary:], options
 
 
 def start(options: argparse.Namespace) -> None:
     """Set up this process's logs and metrics; tell the workers (their environment) where theirs go."""
-    setup_logs(options, host=options.host)
+    setup_logs(options, host=options.host, job=options.job)
     port = serve_metrics(options, metrics.run_registry(options.host))
     if port is not None:
         os.environ[metrics.PORT_ENV] = str(port + 1)

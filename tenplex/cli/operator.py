@@ -44,6 +44,10 @@ def register(subparsers) -> None:
     run.add_argument("--unschedulable-grace", type=int, default=d.unschedulable_grace,
                      help="seconds a worker pod may stay Unschedulable before its node is left out "
                           "(default 60; env TENPLEX_UNSCHEDULABLE_GRACE)")
+    run.add_argument("--worker-metrics-port", type=int, default=d.metrics_port,
+                     help="workers serve Prometheus metrics here (tenplex run --metrics-port: the agent; its "
+                          "ranks on the next ports), with prometheus.io/* scrape annotations (default 9400; 0: "
+                          "none; env TENPLEX_WORKER_METRICS_PORT)")
     run.add_argument("--interval", type=float, default=float(os.environ.get("TENPLEX_RECONCILE_INTERVAL", "10")),
                      help="seconds between reconciliations when nothing changes (default 10)")
     peering = run.add_mutually_exclusive_group()
@@ -55,6 +59,7 @@ def register(subparsers) -> None:
 
 
 def run_operator(args: argparse.Namespace) -> int:
+    setup_logs(args)  # first: under --log-format json even a missing extra or credentials is a JSON line
     if not args.all_namespaces and not args.namespace:
         raise UsageError("say which TenplexJobs to watch: --all-namespaces, or --namespace NAME")
     try:
@@ -74,8 +79,7 @@ def run_operator(args: argparse.Namespace) -> int:
     settings = WorkerSettings(resource=args.gpu_resource, store_root=args.store_root, data_root=args.data_root,
                               rdzv_backend=args.rdzv_backend, rdzv_endpoint=args.rdzv_endpoint,
                               store_port=args.store_port, token_file=args.token_file,
-                              unschedulable_grace=args.unschedulable_grace)
-    setup_logs(args)
+                              unschedulable_grace=args.unschedulable_grace, metrics_port=args.worker_metrics_port)
     operator = Operator(kubernetes.client.ApiClient(), settings, interval=args.interval)
     serve_metrics(args, operator.metrics.registry)
     registry = operator.register(kopf.get_default_registry())

@@ -14,6 +14,7 @@ import signal
 import threading
 from pathlib import Path
 
+from ..ops import logs
 from ._operations import add_arguments as add_operations_arguments, setup_logs
 from .units import tcp_port
 
@@ -40,5 +41,6 @@ def _serve(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     serve(args.bind, args.port, args.port_file, args.allow_unauthenticated, stop,
-          ready=lambda port: print(f"tenplex rendezvous serving on {args.bind}:{port}", flush=True))
+          ready=lambda port: logs.line(f"tenplex rendezvous serving on {args.bind}:{port}",
+                                       logger="tenplex.cli.rendezvous", port=port))
     return 0

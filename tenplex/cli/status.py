@@ -10,7 +10,9 @@ address is enough. For each host: whether it answered and the versions it holds;
 the step, the hosts that saved it, those that hold it now, the copies asked for and those found; and the
 newest version that the hosts that answered could restore completely (every host of the save holds it, or
 copies of a missing host's regions survive). Copies live in nested stores of each root (no RPC lists them):
-they are counted where the root is readable on this machine, and shown as unknown elsewhere.
+they are counted where the root is readable on this machine, and shown as unknown elsewhere. So are the
+workers' metrics endpoints that the root records (:func:`tenplex.ops.metrics.endpoint_states`): serving, waiting
+for a port that a worker of the previous world still holds, or not served.
 """
 
 from __future__ import annotations
@@ -105,7 +107,15 @@ def _ask(client, address: str, timeout: float, remote_error) -> dict:
         return {"address": address, "reachable": False, "error": _reason(e)}
     copies = _local_copies(health["root"], health["host"])
     return {"address": address, "reachable": True, "host": health["host"], "root": health["root"],
-            "versions": sorted(health["versions"]), "copies": copies}
+            "versions": sorted(health["versions"]), "copies": copies, "metrics": _metrics_endpoints(health["root"])}
+
+
+def _metrics_endpoints(root: str) -> list[dict] | None:
+    """The state of each worker metrics endpoint the root records (serving, waiting for its port, unserved);
+    None when the root is not on this machine."""
+    from ..ops.metrics import endpoint_states
+
+    return endpoint_states(root) if Path(root).is_dir() else None
 
 
 def _reason(error) -> str:
@@ -155,7 +165,8 @@ def _report(hosts: dict, clients: dict, records: dict, shown: int, remote_error)
     restorable = next((v for v in versions if v["restorable"]), None)
     committed = next((v for v in versions if v["step"] is not None), None)
     return {"format": STATUS_FORMAT,
-            "hosts": [dict(h, versions=h.get("versions", []), copies=h.get("copies")) for h in hosts.values()],
+            "hosts": [dict(h, versions=h.get("versions", []), copies=h.get("copies"), metrics=h.get("metrics"))
+                      for h in hosts.values()],
             "versions": versions[:shown],
             "last_committed_step": None if committed is None else committed["step"],
             "configuration": None if committed is None else committed["devices"],
@@ -178,6 +189,10 @@ def render(report: dict) -> str:
         state = "ok" if h["reachable"] else h["error"]
         held = ",".join(map(str, h["versions"][-6:])) or "-"
         lines.append(f"{h.get('host', '?'):<9} {h['address']:<23} {state:<12} {held}")
+    endpoints = [(h.get("host", "?"), e) for h in report["hosts"] for e in h.get("metrics") or []]
+    if endpoints:
+        lines.append("")
+        lines += [f"metrics of {host} on port {e['port']}: {_endpoint_text(e)}" for host, e in endpoints]
     lines.append("")
     lines.append("VERSION   STEP   SAVED BY      HELD BY       MISSING   COPIES (origin: holders)     RESTORABLE")
     for v in report["versions"]:
@@ -194,6 +209,12 @@ def render(report: dict) -> str:
     lines.append("a recovery would restore: " + ("nothing (no complete version)" if r is None else
                                                  f"version {r['version']} (step {_text(r['step'])})"))
     return "\n".join(lines)
+
+
+def _endpoint_text(endpoint: dict) -> str:
+    state = {"serving": "serving", "unserved": "not served (its port was in use)",
+             "waiting": "waiting for its port (in use by another process)"}.get(endpoint["state"], endpoint["state"])
+    return f"{state}, worker pid {endpoint['pid']}" + ("" if endpoint["alive"] else " (gone)")
 
 
 def _text(value) -> str:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import signal
 import sys
 import threading
 from pathlib import Path
 
 from ..errors import UsageError
+from ..ops import logs
 from ._operations import add_arguments as add_operations_arguments
 from .units import tcp_port
 
@@ -26,7 +28,11 @@ from .units import tcp_port
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("store", help="run or query a host's tensor store")
     sub = parser.add_subparsers(dest="store_command", metavar="ACTION", required=True)
+    _register_serve(sub)
+    _register_queries(sub)
 
+
+def _register_serve(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="serve a store directory over gRPC (tenplex.v1.Store)",
                            description="Serve a store directory over gRPC (tenplex.v1.Store). Off loopback a token "
                                        "is required; without --tls-cert/--tls-key every gRPC call carries that "
@@ -57,6 +63,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_operations_arguments(serve)
     serve.set_defaults(handler=_serve)
 
+
+def _register_queries(sub: argparse._SubParsersAction) -> None:
+    """The actions that talk to running stores (ls, gc, stop, transform)."""
     ls = sub.add_parser("ls", help="list a store's versions, or one version's shards")
     ls.add_argument("address", help="HOST:PORT of a store server")
     ls.add_argument("--version", type=int, help="show this version's manifest summary")
@@ -84,7 +93,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="concurrent pulls per destination host (default: one per CPU of each store's host, 2 to 4)")
     _token_arguments(tr)
     tr.set_defaults(handler=_transform)
-
 
 
 def _positive(text: str) -> int:
@@ -142,8 +150,9 @@ def _serve(args) -> int:
         tmp = args.port_file.with_name(args.port_file.name + ".tmp")
         tmp.write_text(f"{port}\n")
         tmp.replace(args.port_file)
-    print(f"tenplex store {args.host} serving {args.root} on {args.bind}:{port}"
-          + (f" (metrics on port {metrics_port})" if metrics_port else ""), flush=True)
+    logs.line(f"tenplex store {args.host} serving {args.root} on {args.bind}:{port}"
+              + (f" (metrics on port {metrics_port})" if metrics_port else ""), logger="tenplex.cli.store",
+              port=port, metrics_port=metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -249,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if not user_error(e):  # the same policy as `tenplex`: a bug shows its traceback
             raise
-        print(f"tenplex store: error: {e}", file=sys.stderr)
+        logs.line(f"tenplex store: error: {e}", sys.stderr, logging.ERROR, "tenplex.cli")
         return 2
 
 

@@ -40,7 +40,9 @@ class Flusher:
         self.durable: int | None = None
         self.state = "idle"           # idle, uploading, retrying, stopped (credentials), closed
         self.error: str | None = None
-        self.attempts = 0
+        self.attempts = 0             # uploads begun
+        self.failures = 0             # of those, how many failed and wait to be retried (back-off)
+        self.outages = 0              # times the bucket went from reachable to unreachable (one warning each)
         self._last_start = time.monotonic()
         self._wake = threading.Event()
         self._closed = False
@@ -61,7 +63,8 @@ class Flusher:
 
     def status(self) -> dict:
         return {"host": self.store.host, "bucket": self.bucket.url, "state": self.state, "flushed": self.done,
-                "durable": self.durable, "error": self.error, "attempts": self.attempts}
+                "durable": self.durable, "error": self.error, "attempts": self.attempts,
+                "failures": self.failures, "outages": self.outages}
 
     def _qualifies(self, version: int, leader: bool) -> bool:
         if self.every_versions and version % self.every_versions == 0:
@@ -103,7 +106,9 @@ class Flusher:
             except BucketUnreachable as e:
                 if not outage:  # one line per outage, not one per attempt
                     log.warning("durable tier: %s; training goes on, uploads retry with back-off", e)
+                    self.outages += 1
                 self.state, self.error, outage = "retrying", str(e), True
+                self.failures += 1
                 self._wake.wait(delay)
                 delay = min(2 * delay, self.max_backoff_s)
             except BucketDenied as e:
@@ -113,6 +118,7 @@ class Flusher:
             except Exception as e:  # noqa: BLE001 - a bug or a damaged local version: say it, try again later
                 log.warning("durable tier: flushing from host %s failed: %s", self.store.host, e)
                 self.state, self.error = "retrying", str(e)
+                self.failures += 1
                 self._wake.wait(delay)
                 delay = min(2 * delay, self.max_backoff_s)
             self._wake.clear()

@@ -1,7 +1,8 @@
 """The dataset view of an elastic job: one FUSE mount per node and job, switched by every world before it reads.
 
 May import: ``fuse_vfs`` (lazily: ``tenplex`` works without FUSE), ``tenplex.dataset``,
-``tenplex.integration.exchange``, ``tenplex.errors``, torch.distributed (on use) and the standard library.
+``tenplex.integration.exchange``, ``tenplex.errors``, ``tenplex.parallel`` (a type), torch.distributed (on use) and
+the standard library.
 
 ``tenplex run --dataset DIR --data-mount PATH`` calls :func:`ensure_view`: it
 mounts DIR at PATH once per node (a later ``tenplex run`` with the same options
@@ -32,16 +33,30 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ConfigError, TenplexError
 
 if TYPE_CHECKING:
     from ..dataset import DatasetState
+    from ..parallel import ParallelConfig
 
-# A tenplex.elastic.Job (its host, group, config, coords, world_id and data_view); not imported: job imports
-# launcher, which imports this module.
-Job = Any
+
+class Job(Protocol):
+    """What this module reads of a :class:`tenplex.elastic.Job` (which imports this module, so it names the
+    attributes instead of importing the class)."""
+
+    host: str
+    world_id: str
+
+    @property
+    def group(self) -> Any: ...  # the training ranks' process group (None: the default group)
+
+    @property
+    def config(self) -> "ParallelConfig": ...
+
+    @property
+    def coords(self) -> dict[str, int]: ...
 
 VIEW_ENV = "TENPLEX_DATA_VIEW"              # the node's mount point of this job's view (set by tenplex run)
 GENERATION_ENV = "TENPLEX_DATA_GENERATION"  # the world the view serves (set in each worker by follow)

@@ -1,7 +1,7 @@
 """The training-loop API of an elastic job: configuration, one-call restore, data share, step boundaries.
 
 May import: ``tenplex`` (save, restore, Checkpointer), ``tenplex.elastic``
-(policy, launcher, envsettings, faults, devices), ``tenplex.integration``, ``tenplex.dataset``,
+(policy, envsettings, faults, devices, dataview, progress), ``tenplex.integration``, ``tenplex.dataset``,
 ``tenplex.parallel``, ``tenplex.errors``, ``tenplex.ops``, torch, torch.distributed and the standard library.
 With ``tenplex run --data-mount``, :meth:`Job.restore` switches the node's dataset view and
 :meth:`Job.batch` reads through it (:mod:`tenplex.elastic.dataview`).
@@ -24,7 +24,7 @@ What happens at ``step_done`` (collective; every rank calls it after its optimiz
    decisions from the same numbers);
 3. if any rank got SIGTERM (torchrun stops the workers for a membership
    change), every rank saves and exits: with 0 where SIGTERM arrived (its
-   agent is stopping it), with :data:`~tenplex.elastic.launcher.EXIT_RESTART`
+   agent is stopping it), with :data:`~tenplex.elastic.faults.EXIT_PEER_LOST`
    elsewhere, so that the agents of the other nodes restart their workers in
    the next world instead of ending the job;
 4. otherwise it saves when the interval is due: ``save_every`` steps, or,
@@ -37,7 +37,7 @@ What happens at ``step_done`` (collective; every rank calls it after its optimiz
    and the commit run in the background. Stopping saves block (after the
    snapshot in flight is settled), so a planned leave loses nothing;
 5. if a collective fails because a peer is gone (a node died), the rank
-   exits at once without saving, with ``EXIT_RESTART`` (``EXIT_DEVICE_FAULT``
+   exits at once without saving, with ``EXIT_PEER_LOST`` (``EXIT_DEVICE_FAULT``
    when its own device failed: :mod:`tenplex.elastic.faults`): the next world
    restores the newest version that was committed completely.
 
@@ -74,8 +74,7 @@ from ..ops.metrics import JobMetrics
 from ..parallel import ParallelConfig
 from .devices import worker_device
 from .envsettings import settings_from_env
-from .faults import DEVICE, EXIT_DEVICE_FAULT, classify, inject_device_fault
-from .launcher import EXIT_RESTART
+from .faults import DEVICE, EXIT_DEVICE_FAULT, EXIT_PEER_LOST, classify, inject_device_fault
 from . import dataview, progress
 from .policy import Choice, choose
 
@@ -246,7 +245,8 @@ class Job:
         """Restore model, optimizer, scheduler, scaler, RNG and the data position in one call; returns the step.
 
         A fresh job (nothing saved) keeps its state and starts at step 0. The
-        same objects are saved at every later step boundary. Collective.
+        same objects are saved at every later step boundary. Collective. A second call settles the snapshot in
+        flight and closes the earlier call's checkpointer first.
         """
         import tenplex
 
@@ -255,6 +255,9 @@ class Job:
                               f"nothing: call job.wait_idle() instead")
         self._check_model_is_parallel(model, annotations)
         begin = time.monotonic()
+        if self._tracked is not None:  # restored before: its snapshot in flight is the newest state, then stop it
+            self._tracked["checkpointer"].wait_snapshot()
+            self._tracked["checkpointer"].close()
         ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), group=self.group, **self.checkpointer_options)
         extra: dict = {}
         step = tenplex.restore(model, optimizer, scheduler=scheduler, scaler=scaler, annotations=annotations,
@@ -414,7 +417,7 @@ class Job:
             # The copies of this last save protect the next world against losing a host; torchrun's kill timeout
             # (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s) bounds how long they may take.
             self._tracked["checkpointer"].wait_replicated(self.replication_wait)
-            self._exit(0 if self.stop_requested else EXIT_RESTART,
+            self._exit(0 if self.stop_requested else EXIT_PEER_LOST,
                        "stopped by SIGTERM" if self.stop_requested else "a peer was stopped")
         if self._next_save is not None and self.step >= self._next_save:
             self._save("snapshot" if self.snapshots else "periodic")
@@ -530,7 +533,7 @@ class Job:
             self._exit(0, "stopped by SIGTERM while idle")
         if word == "done":
             self._exit(0, "the training ranks finished")
-        self._exit(EXIT_RESTART, "the training ranks stopped")
+        self._exit(EXIT_PEER_LOST, "the training ranks stopped")
 
     def _idle_store(self):
         return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -560,7 +563,7 @@ class Job:
             sys.stderr.flush()
         raise SystemExit(code)
 
-    def _die(self, message: str, code: int = EXIT_RESTART) -> NoReturn:
+    def _die(self, message: str, code: int = EXIT_PEER_LOST) -> NoReturn:
         print(f"tenplex job (rank {self.rank}): {message}", file=sys.stderr, flush=True)
         if self.on_exit is not None:
             self.on_exit(code, message)
@@ -568,11 +571,12 @@ class Job:
         os._exit(code)
 
     def finish(self) -> None:
-        """End of training: a final save (collective) and the process group's teardown."""
+        """End of training: a final save unless the last step is committed already (collective), and the process
+        group's teardown."""
         if self._tracked is not None:
             ckpt = self._tracked["checkpointer"]
             ckpt.wait_snapshot()  # the snapshot in flight is committed, or dropped everywhere
-            if ckpt.snapshot_stats().get("committed_step", self._saved_step) != self.step:
+            if self._last_committed_step() != self.step:
                 self._save("final")
             self._tracked["checkpointer"].wait_replicated(self.replication_wait)
         self._tell_idle(stopping=False)

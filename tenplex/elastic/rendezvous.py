@@ -1,6 +1,6 @@
 """``tenplex rendezvous serve``: torch's ``TCPStore`` in a process of its own, for torchrun's c10d rendezvous.
 
-May import: ``tenplex.errors``, torch.distributed (``TCPStore``) and the standard library.
+May import: ``tenplex.errors``, torch.distributed (``TCPStore``, on use) and the standard library.
 
 Why: with torchrun's c10d backend one agent hosts the rendezvous store, and
 killing that agent ends the whole job (measured here with torch 2.13). A store
@@ -13,8 +13,6 @@ every interface. We bind the listening socket ourselves and hand it over
 (``master_listen_fd``), so that it listens on loopback unless told otherwise;
 any other address needs ``allow_unauthenticated`` (use it on a trusted
 network only, as torchrun's own store is).
-
-May import: ``tenplex.errors``, torch.distributed (on use) and the standard library.
 """
 
 from __future__ import annotations

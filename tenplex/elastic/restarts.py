@@ -1,6 +1,7 @@
 """How ``tenplex run`` counts restarts and drops failed devices, on torchrun's own agent.
 
-May import: ``tenplex.elastic.faults`` and ``.devices``, torch's ``torch.distributed.elastic`` and
+May import: ``tenplex.elastic.faults`` and ``.devices``, ``tenplex.ops`` (its lines under ``--log-format
+json``), torch's ``torch.distributed.elastic`` and
 ``torch.distributed.launcher`` (the agent and where torchrun builds it), and the standard library.
 
 torchrun's agent restarts its workers after any failed worker and counts each restart against
@@ -10,7 +11,11 @@ here is torchrun's :class:`LocalElasticAgent` with two hooks:
 
 * after the workers' state is read (``_monitor_workers``), the failed workers' exit codes are classified
   (:func:`tenplex.elastic.faults.of_exit`). A restart counts against ``--max-restarts`` only when one of
-  them crashed; one in which every failure is a lost peer (75) or a device fault (76) is given back;
+  them crashed; one in which every failure is a lost peer (75) or a device fault (76) is given back. Once
+  one worker failed, torchrun stops the node's others (SIGTERM, SIGKILL after its grace) and reports them
+  as failed too: a worker still starting up (no SIGTERM handler yet) or slow to stop exits -15 or -9. The
+  agent records which workers were still running when torchrun stopped them (:func:`record_stops`), and
+  their exits are not crashes of their own (:func:`failure_kinds`);
 * before the workers (re)start (``_initialize_workers``), a device whose worker exited with a device fault,
   or that fails the health probe, is excluded and the node re-joins with one worker fewer per excluded
   device (:class:`~tenplex.elastic.devices.NodeDevices`). A node with no device left leaves the job as a
@@ -25,11 +30,13 @@ import contextlib
 import os
 import signal
 import sys
+from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from ..ops import logs
 from . import faults
 from .devices import NodeDevices, probe
 
@@ -52,9 +59,10 @@ class TenplexAgent(LocalElasticAgent):
         self.host = host
         self.started_on: list[str] = []   # the device of each LOCAL_RANK of the running workers
         self.crashes = 0
+        self.stopped_by_agent: set[int] = set()  # local ranks torchrun stopped when it closed the group
 
     def _say(self, text: str) -> None:
-        print(f"tenplex run: host {self.host}: {text}", file=sys.stderr, flush=True)
+        logs.line(f"tenplex run: host {self.host}: {text}", sys.stderr, logger=__name__)
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         for device, why in probe(self.devices.healthy).items():
@@ -68,11 +76,17 @@ class TenplexAgent(LocalElasticAgent):
         self.started_on = list(self.devices.healthy)
         super()._initialize_workers(worker_group)
 
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        pids = super()._start_workers(worker_group)
+        self.stopped_by_agent = record_stops(self._pcontext)
+        return pids
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
         if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY) or not result.failures:
             return result
-        kinds = {f.local_rank: faults.of_exit(f.exitcode) for f in result.failures.values()}
+        codes = {f.local_rank: f.exitcode for f in result.failures.values()}
+        kinds = failure_kinds(codes, self.stopped_by_agent)
         for local_rank, kind in sorted(kinds.items()):
             if kind == faults.DEVICE and local_rank < len(self.started_on):
                 device = self.started_on[local_rank]
@@ -89,8 +103,38 @@ class TenplexAgent(LocalElasticAgent):
             # torchrun's loop takes one restart off for this one: a membership change or a device fault is
             # not a crash, so give it back before it does.
             self._remaining_restarts += 1
-            self._say(f"workers stopped: {', '.join(sorted(set(kinds.values())))}; not counted as a restart")
+            stopped = sorted(c for r, c in codes.items() if r not in kinds)
+            also = f" ({len(stopped)} worker(s) stopped by the agent: exit codes {stopped})" if stopped else ""
+            self._say(f"workers stopped: {', '.join(sorted(set(kinds.values())))}{also}; not counted as a restart")
         return result
+
+
+def record_stops(pcontext: Any) -> set[int]:
+    """The local ranks that torchrun's process context ``pcontext`` stops when it closes (still running then),
+    filled in as it closes: it SIGTERMs them, and SIGKILLs them after its grace, once another worker failed
+    (or when the agent stops the group). Only for scripts (a ``SubprocessContext``); else stays empty."""
+    stopped: set[int] = set()
+    handlers = getattr(pcontext, "subprocess_handlers", None)
+    if handlers is None:
+        return stopped
+    close = pcontext._close
+
+    def closing(*args, **kwargs):
+        stopped.update(rank for rank, handler in handlers.items() if handler.proc.poll() is None)
+        return close(*args, **kwargs)
+
+    pcontext._close = closing
+    return stopped
+
+
+def failure_kinds(codes: dict[int, int], stopped: set[int]) -> dict[int, str]:
+    """{local rank: fault kind} of the failed workers (``codes``: their exit codes) that count: a worker the
+    agent stopped (``stopped``) because another failed did not crash of its own, whatever its code (-15, -9,
+    or 1 from a program's own handler); it still reports a device fault or a lost peer. When only stopped
+    workers failed, every failure counts."""
+    kinds = {rank: faults.of_exit(code) for rank, code in codes.items()}
+    own = {rank: kind for rank, kind in kinds.items() if rank not in stopped or kind != faults.CRASH}
+    return own or kinds
 
 
 @contextlib.contextmanager

@@ -15,11 +15,13 @@ Modules: :mod:`.pieces` (state -> named global tensors with boxes),
 :mod:`.annotate` (plain local tensors), :mod:`.nontensor` (RNG, scheduler,
 scaler, optimizer hyper-parameters as JSON), :mod:`.exchange` (JSON between
 ranks without pickles), :mod:`.shardio` (pieces <-> store files),
-:mod:`.checkpointer` (the collective save and restore), :mod:`.snapshot` and
+:mod:`.checkpointer` (the collective save and restore), :mod:`.savedoc` (the save's JSON documents),
+:mod:`.commit` (commit on every host or on none), :mod:`.snapshot`, :mod:`.jobstore` and
 :mod:`.staging` (snapshots: staged at a step boundary, stored and committed in the
 background), :mod:`.layouts` (what each rank holds, who writes what, whether a
-restore matches the save), :mod:`.versions` (which saved version a restore reads), :mod:`.moves` (read-through and
-transformation when a restore moves state between devices).
+restore matches the save), :mod:`.versions` (which saved version a restore reads), :mod:`.restoring` (the
+restore's steps after that), :mod:`.moves` (read-through and transformation when a restore moves state between
+devices).
 """
 
 from __future__ import annotations

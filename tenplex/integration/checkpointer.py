@@ -46,8 +46,10 @@ Restore (every rank, collectively):
    a new version on the job's hosts, and every rank reads from it;
 5. non-tensor state is applied (what happens to each kind: the README, "Saving and restoring PyTorch state").
 
-The pieces live in :mod:`.layouts` (steps 1-3 of both), :mod:`.versions` (step 2 of the
-restore) and :mod:`.moves` (step 4's read-through and transformation).
+The pieces live in :mod:`.savedoc` (the save's JSON documents and what every rank derives from them),
+:mod:`.commit` (stage, then commit on every host or on none), :mod:`.layouts` (steps 1-3 of both),
+:mod:`.versions` (step 2 of the restore), :mod:`.restoring` (steps 4-5) and :mod:`.moves` (step 4's
+read-through and transformation).
 """
 
 from __future__ import annotations
@@ -57,55 +59,32 @@ import logging
 import os
 import weakref
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
-from ..box import Box
 from ..devices import host_of, parse_host_addresses
 from ..errors import ConfigError
 from ..layout import Layout
-from ..planner import plan as make_plan
-from ..replication import effective_replicas
 from ..replication.copier import Replicator, held_versions
 from ..replication.stores import STORES_DOC, stores_doc
 from ..store import Store
-from ..store.manifest import PROMOTE_PART
 from .annotate import Annotations
 from .canonical import canonical_buffers
+from .commit import stage_and_commit
 from .durable import DurableTier
 from .exchange import agree, all_gather_json
-from .layouts import (check_and_build, check_optimizer, first_holder_per_host, group_names, local_sources,
-                      merge_specs, saved_layout, specs_of, state_pieces)
-from .moves import read_plan_through, transform_stored
-from .nontensor import apply_rng, capture_rng, derived_seed, from_json, optimizer_doc, seed_rng, to_json
-from .pieces import Piece, buffer_names, init_optimizer_state, optimizer_scalars, set_optimizer_scalars, state_owners
-from .readthrough import fans_out, read_hosts
+from .layouts import check_and_build, check_optimizer, specs_of, state_pieces
+from .pieces import Piece, init_optimizer_state, state_owners
+from .restoring import Reach, RestoreInfo, apply_state, bring_within_reach
+from .savedoc import SaveRound, coord_key, rank_doc, replica_count, state_doc
 from .shardio import read_piece, write_piece
 from .snapshot import Snapshotter
-from .versions import STATE_DOC, STATE_FORMAT, Found, VersionFinder
+from .versions import STATE_DOC, VersionFinder
 
 log = logging.getLogger(__name__)
 _LIVE: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()  # their background copies are cancelled at exit
-
-
-@dataclass
-class RestoreInfo:
-    """What the last :meth:`Checkpointer.restore` did (for logs and tests)."""
-
-    version: int | None = None        # the version restored from (after a transformation: the new one)
-    saved_version: int | None = None  # the version that was saved
-    step: int | None = None           # the step that version saved
-    transformed: bool = False         # the stores ran the plan and committed a new version (``version``)
-    read_through: bool = False        # every rank read its regions of the plan straight from ``version`` (the
-                                      # saved one, or the one put together from copies); no version was made
-    plan_stats: dict = field(default_factory=dict)
-    lost_hosts: list[str] = field(default_factory=list)  # hosts of the saved version that were gone
-    promoted_version: int | None = None  # the version put together from survivors' shards and copies
-    replica_devices: dict[str, list[str]] = field(default_factory=dict)  # copy device -> [holder, origin device]
-    skipped: list[dict] = field(default_factory=list)  # newer versions not restorable: {version, step, reason}
 
 
 class Checkpointer:
@@ -183,51 +162,52 @@ class Checkpointer:
             self._snapshots.settle()  # a snapshot in flight is committed (or dropped) first: versions stay ordered
         self._cancel_replication()  # the new version supersedes the one still being copied
         pieces = [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
-        docs = all_gather_json(self._save_doc(pieces, rank, rng, model, optimizer), self.group)
-        tensors = agree("save: check tensors", lambda: merge_specs(docs), self.group)
-        writers = first_holder_per_host(docs)
-        canonical = canonical_buffers(pieces, docs, writers, rank, self.group)  # replicas may differ: see .canonical
-        version = 1 + max((d["latest"] for d in docs if d["latest"] is not None), default=0)
-        leader = min(r for r, d in enumerate(docs) if d["host"] == self.host)
-        addresses = self._addresses(docs)
-        ring = sorted({d["host"] for d in docs if d["boxes"]})  # the hosts of the saved layout
-        replicas = agree("save: check the replicas", lambda: self._replica_count(addresses, ring), self.group)
+        docs = all_gather_json(self.rank_doc(pieces, rank, rng, model, optimizer), self.group)
+        round_ = agree("save: check tensors", lambda: SaveRound.of(docs, self.host, self.stores), self.group)
+        canonical = canonical_buffers(pieces, docs, round_.writers, rank, self.group)  # replicas may differ
+        version = round_.next_version()
+        leader = rank == round_.leader
+        replicas = agree("save: check the replicas", lambda: self.replica_count(round_), self.group)
         saved: list[Layout] = []
 
         def stage():
             with self.store.begin(version, part=f"rank{rank}") as writer:
                 for piece in pieces:
-                    if writers[(self.host, piece.name, piece.box)] == rank:
+                    if round_.writers[(self.host, piece.name, piece.box)] == rank:
                         write_piece(writer, self.device, canonical.get((piece.name, piece.box), piece))
-                if rank == leader:
-                    saved.append(saved_layout(tensors, docs, writers))
+                if leader:
+                    saved.append(round_.layout())
                     writer.put_layout(saved[0])
-                    writer.put_json(STATE_DOC, self._state_doc(docs, step, extra, scheduler, scaler, optimizer))
-                    writer.put_json(STORES_DOC, stores_doc(version, {h: addresses.get(h) for h in ring}, replicas,
-                                                           ring))
+                    writer.put_json(STATE_DOC, state_doc(docs, step, extra, scheduler, scaler, optimizer))
+                    writer.put_json(STORES_DOC, stores_doc(version, {h: round_.addresses.get(h) for h in round_.ring},
+                                                           replicas, round_.ring))
                 writer.prepare()
 
         # Name the parts: a crashed earlier attempt may have left other ranks' parts of this version staged.
-        parts = [f"rank{r}" for r, d in enumerate(docs) if d["host"] == self.host]
-        self._stage_and_commit(f"save of step {step}", version, stage, parts, rank == leader)
-        if rank == leader:
+        stage_and_commit(self.store, self.group, f"save of step {step}", version, stage, round_.parts, leader)
+        if leader:
             self.store.gc(self.keep)
             if self.durable is not None:
                 self.durable.saved()
             if replicas:
-                self._replicator = Replicator(self.store, version, saved[0], replicas, addresses, token=self.token,
-                                              keep=self.keep).start()
+                self._replicator = Replicator(self.store, version, saved[0], replicas, round_.addresses,
+                                              token=self.token, keep=self.keep).start()
         self._replicated_version = version
         return version
 
-    def _save_doc(self, pieces: list[Piece], rank: int, rng: bool, model, optimizer) -> dict:
-        """What a saving rank tells the others: where it is, what it holds, its RNG and optimizer scalars."""
-        return {"device": self.device, "host": self.host, "latest": self.store.latest(), "store": self.store_address,
-                "tensors": specs_of(pieces), "boxes": [[p.name, list(p.box.offsets), list(p.box.lengths)]
-                                                    for p in pieces],
-                "coord": self._coord_key(rank), "rng": capture_rng() if rng else None,
-                "scalars": optimizer_scalars(model, optimizer) if optimizer is not None else {},
-                "groups": group_names(model, optimizer), "buffers": buffer_names(model)}
+    def rank_doc(self, pieces: list[Piece], rank: int, rng: bool, model, optimizer) -> dict:
+        """This rank's save document (:func:`.savedoc.rank_doc`): where it is, what it holds, its RNG."""
+        return rank_doc(pieces, device=self.device, host=self.host, latest=self.store.latest(),
+                        store=self.store_address, coord=self.coord_key(rank), rng=rng, model=model,
+                        optimizer=optimizer)
+
+    def replica_count(self, round_: SaveRound) -> int:
+        """Copies of each single-host region for this save (:func:`.savedoc.replica_count`)."""
+        return replica_count(self.replicas, round_.addresses, round_.ring, dist.get_rank(self.group))
+
+    def coord_key(self, rank: int) -> str:
+        """The key of this rank's RNG streams in the state document."""
+        return coord_key(self.coords, rank)
 
     # -------------------------------------------------------------- snapshots
     def async_save(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int,
@@ -257,28 +237,13 @@ class Checkpointer:
         """This rank's snapshots: counts (snapshots, committed, failed), the seconds the training loop was blocked
         (total, last, of which waiting for the previous write), the last background write and commit seconds,
         the staging bytes, the last snapshot's bytes linked unchanged from the previous one (``linked_bytes``), the
-        newest committed and replicated steps and the replication lag in steps."""
+        snapshots committed a boundary late because the job's key-value store did not answer (``late_commits``),
+        the newest committed and replicated steps and the replication lag in steps."""
         if self._snapshots is None:
             return {}
         stats = dict(self._snapshots.stats)
         stats["replication_lag"] = self._snapshots.replication_lag()
         return stats
-
-    def _stage_and_commit(self, what: str, version: int, stage: Callable[[], None], parts: list[str],
-                          leader: bool) -> None:
-        """Every rank runs ``stage``, then the ranks with ``leader`` set (one per host) commit their host's
-        ``parts``; a failure anywhere takes the version back on every host and raises on every rank. Collective."""
-        try:
-            agree(f"{what} (staging version {version})", stage, self.group)
-            agree(f"{what} (committing version {version})",
-                  lambda: self.store.commit(version, parts=parts) if leader else None, self.group)
-        except Exception:
-            if leader:
-                self.store.abort(version)
-                # Committed here but not on every host: take it back, so that no later restore can pick a
-                # version that some host lacks (the version number is new, so nothing older is touched).
-                self.store.delete(version)
-            raise
 
     # ----------------------------------------------------------- replication
     def wait_replicated(self, timeout: float | None = None) -> bool:
@@ -315,48 +280,6 @@ class Checkpointer:
     def _cancel_replication(self) -> None:
         if self._replicator is not None:
             self._replicator.cancel()
-
-    def _addresses(self, docs) -> dict[str, str]:
-        """host -> store address: what the ranks report, overridden by ``stores``/``TENPLEX_STORES``."""
-        found = {d["host"]: d["store"] for d in docs if d.get("store")}
-        found.update(self.stores)
-        return found
-
-    def _replica_count(self, addresses: dict[str, str], ring: list[str]) -> int:
-        count = effective_replicas(self.replicas, len(ring))
-        unknown = [h for h in ring if h not in addresses]
-        if count and unknown:
-            if self.replicas is not None:
-                raise ConfigError(f"replicas={self.replicas} needs every host's store address, but host(s) "
-                                  f"{', '.join(unknown)} reported none: set TENPLEX_STORE_ADDRESS on every host "
-                                  f"(tenplex run does), pass store_address=, or pass replicas=0")
-            if dist.get_rank(self.group) == 0:
-                log.warning("state is not replicated: host(s) %s reported no store address (set "
-                            "TENPLEX_STORE_ADDRESS, as tenplex run does); a lost host loses its shards",
-                            ", ".join(unknown))
-            return 0
-        return count
-
-    def _coord_key(self, rank: int) -> str:
-        coords = self.coords if self.coords is not None else {"rank": rank}
-        return ",".join(f"{k}={v}" for k, v in sorted(coords.items()))
-
-    def _state_doc(self, docs, step, extra, scheduler, scaler, optimizer) -> dict:
-        rng: dict[str, Any] = {}
-        for d in docs:
-            if d["rng"] is not None:
-                rng.setdefault(d["coord"], d["rng"])
-        scalars: dict = {}
-        for d in docs:
-            scalars.update(d["scalars"])
-        doc = {"format": STATE_FORMAT, "step": int(step), "extra": to_json(extra, "extra"), "rng": rng,
-               "scheduler": None if scheduler is None else to_json(scheduler.state_dict(), "the LR scheduler's state"),
-               "scaler": None if scaler is None else to_json(scaler.state_dict(), "the gradient scaler's state"),
-               "optimizer": None, "scalars": scalars}
-        if optimizer is not None:
-            names = [sorted({n for d in docs for n in d["groups"][i]}) for i in range(len(optimizer.param_groups))]
-            doc["optimizer"] = optimizer_doc(optimizer, names)
-        return doc
 
     # --------------------------------------------------------------- restore
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -403,80 +326,17 @@ class Checkpointer:
         info = RestoreInfo(version=found.version, saved_version=found.version, step=found.state["step"],
                            lost_hosts=found.lost_hosts, skipped=found.skipped,
                            replica_devices={d: list(v) for d, v in found.replica_devices.items()})
-        sources = self._bring_within_reach(found, new, docs, pieces, info)
+        sources = bring_within_reach(Reach(self.store, self.device, self.token, self.group, self.stores), found, new,
+                                     docs, pieces, info)
         if sources is not None:
             def load():
                 reader = self.store.open(info.version)
                 for piece in pieces:
                     read_piece(reader, sources[self.device][(piece.name, piece.box)], piece)
             agree(f"restore: reading version {info.version}", load, self.group)
-        self._apply_state(found.state, model, optimizer, scheduler, scaler, extra, rng, rank)
+        apply_state(found.state, model, optimizer, scheduler, scaler, extra, rng, self.coord_key(rank))
         self.last_restore = info
         return found.state["step"]
-
-    def _bring_within_reach(self, found: Found, new: Layout, docs, pieces: list[Piece],
-                            info: RestoreInfo) -> dict[str, dict[tuple[str, Box], list[tuple[str, Box]]]] | None:
-        """Put the found state where each rank can read its pieces from its own host's store. Collective.
-
-        Returns, per new device and box, the (stored device, region) pairs to read from ``info.version``; None
-        when every rank already read its pieces straight from the stores (``info.read_through``). On the way:
-        a version with lost hosts is first put together from copies (``info.promoted_version``), and a change
-        that needs other hosts' shards is read through or transformed into a new version."""
-        old = found.layout
-        newest = max(v for d in docs for v in d["versions"])
-        source_version = found.version
-        if found.lost_hosts:
-            source_version = info.version = info.promoted_version = self._promote(found, newest + 1, docs)
-            newest = source_version
-        sources = local_sources(old, new)
-        if sources is not None:
-            return sources
-        addresses = {**found.addresses, **self._addresses(docs)}
-        the_plan = agree("restore: planning the change", lambda: make_plan(old, new), self.group)
-        info.plan_stats = asdict(the_plan.stats)
-        # Read through only when that crosses hosts no more than the plan and leaves the job depending on no
-        # store outside it (a departed host's store may go away before the job's next save).
-        inside = read_hosts(the_plan) <= {d["host"] for d in docs}
-        if inside and not fans_out(the_plan) and read_plan_through(
-                the_plan, old, source_version, pieces, addresses, store=self.store, device=self.device,
-                token=self.token, group=self.group):
-            info.read_through = True
-            return None
-        info.version = transform_stored(the_plan, old, new, source_version, newest + 1, addresses,
-                                        token=self.token, group=self.group)
-        info.transformed = True
-        return {d: {(s.tensor, s.box): [(d, s.box)] for s in shards} for d, shards in new.devices.items()}
-
-    def _promote(self, found: Found, target: int, docs) -> int:
-        """Commit ``target`` on the surviving hosts from their shards and copies of the found version. Collective."""
-        from ..replication import promote
-
-        rank = dist.get_rank(self.group)
-        leader = min(r for r, d in enumerate(docs) if d["host"] == self.host)
-        stages = rank == leader and self.host in found.layout.hosts()  # a host of the found version stages its part
-
-        def stage():
-            if stages:
-                promote.stage(self.store, found.version, target, found.layout, found.replica_devices)
-        self._stage_and_commit(f"restore: putting version {found.version} together from surviving shards and copies",
-                               target, stage, [PROMOTE_PART], stages)
-        return target
-
-    def _apply_state(self, state, model, optimizer, scheduler, scaler, extra, rng, rank) -> None:
-        if optimizer is not None:
-            set_optimizer_scalars(model, optimizer, state["scalars"])
-        if scheduler is not None and state["scheduler"] is not None:
-            scheduler.load_state_dict(from_json(state["scheduler"]))
-        if scaler is not None and state["scaler"] is not None:
-            scaler.load_state_dict(from_json(state["scaler"]))
-        if extra is not None and isinstance(state["extra"], dict):
-            extra.update(from_json(state["extra"]))
-        if rng:
-            coord = self._coord_key(rank)
-            if coord in state["rng"]:
-                apply_rng(state["rng"][coord])
-            else:
-                seed_rng(derived_seed(state["step"], coord))
 
 
 @atexit.register

@@ -1,7 +1,8 @@
 """Snapshots: a save that returns once the state is staged in host memory; a background thread stores and commits it.
 
 May import: ``tenplex.box``, ``tenplex.store``, ``tenplex.replication``, ``tenplex.layout``, ``tenplex.errors``,
-``tenplex.integration`` (pieces, layouts, canonical, snapshot_buffers, exchange, nontensor, versions), torch,
+``tenplex.integration`` (pieces, layouts, canonical, snapshot_buffers, exchange, jobstore, nontensor, savedoc,
+versions), torch,
 torch.distributed and the standard library.
 
 A snapshot is a version like any other: the same parts, manifest and commit
@@ -44,13 +45,11 @@ some host lacks is never restored from (the restore's version choice).
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -63,8 +62,10 @@ from ..replication.stores import STORES_DOC, stores_doc
 from ..store import CorruptShard
 from ..store.contract import LinkingWriter
 from .exchange import agree, all_gather_json
-from .layouts import first_holder_per_host, merge_specs, saved_layout, state_pieces
+from .jobstore import JobKeyValue
+from .layouts import state_pieces
 from .pieces import Piece
+from .savedoc import SaveRound, state_doc
 from .shardio import _as_storage
 from .canonical import canonical_buffers
 from .snapshot_buffers import SnapshotBuffers
@@ -123,8 +124,7 @@ class Snapshotter:
         self.ckpt = ckpt
         self.staging = SnapshotBuffers()
         self.inflight: _InFlight | None = None
-        self._kv: Any = None
-        self._kv_tried = False
+        self._kv = JobKeyValue()
         self._unchanged_base: tuple[int, dict[tuple[str, Box], tuple]] | None = None  # newest committed, its pieces
         self._next_copy: tuple[int, int, Layout, dict, int] | None = None  # newest committed, not yet copied
         self._copying_step: int | None = None
@@ -134,7 +134,7 @@ class Snapshotter:
         self._closed = False
         self.stats: dict[str, Any] = {"snapshots": 0, "committed": 0, "failed": 0, "blocking_s": 0.0,
                                       "waited_s": 0.0, "last_blocking_s": 0.0, "write_s": 0.0, "last_write_s": 0.0,
-                                      "last_commit_s": None, "staging_bytes": 0, "linked_bytes": 0,
+                                      "last_commit_s": None, "staging_bytes": 0, "linked_bytes": 0, "late_commits": 0,
                                       "committed_step": None, "replicated_step": None}
 
     # ------------------------------------------------------------------ boundary
@@ -146,33 +146,30 @@ class Snapshotter:
         previous = self._stop_background()
         waited = time.monotonic() - begin
         pieces = [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
-        mine = ckpt._save_doc(pieces, rank, rng, model, optimizer)
+        mine = ckpt.rank_doc(pieces, rank, rng, model, optimizer)
         mine.update(previous=previous, nonce=uuid.uuid4().hex)
         docs = all_gather_json(mine, group)
         self._settle(docs)
-        tensors = merge_specs(docs)  # the same on every rank: a mismatch raises everywhere
-        writers = first_holder_per_host(docs)
+        round_ = SaveRound.of(docs, ckpt.host, ckpt.stores)  # the same on every rank: a mismatch raises everywhere
+        writers = round_.writers
         canonical = canonical_buffers(pieces, docs, writers, rank, group)  # replicas may differ: see .canonical
-        pending = [d["previous"]["version"] for d in docs if d["previous"]]
-        version = 1 + max([d["latest"] for d in docs if d["latest"] is not None] + pending, default=0)
-        leader = min(r for r, d in enumerate(docs) if d["host"] == ckpt.host)
-        addresses = ckpt._addresses(docs)
-        ring = sorted({d["host"] for d in docs if d["boxes"]})
-        replicas = ckpt._replica_count(addresses, ring)
+        version = round_.next_version([d["previous"]["version"] for d in docs if d["previous"]])
+        leader = round_.leader
+        replicas = ckpt.replica_count(round_)
         own = [canonical.get((p.name, p.box), p) for p in pieces if writers[(ckpt.host, p.name, p.box)] == rank]
         fingerprints = {(p.name, p.box): _fingerprint(p) for p in own}
         unchanged = self._unchanged(fingerprints, version)
         self.staging.stage([p for p in own if (p.name, p.box) not in unchanged])
         documents: dict[str, Any] = {}
-        leader_docs = None
+        leader_docs: SaveRound | None = None
         if rank == leader:
             # The state document reads the scheduler, scaler and optimizer now (they change at the next step);
             # the layout and the stores document depend only on the all-gather's answers: built in the background.
-            documents = {STATE_DOC: ckpt._state_doc(docs, step, extra, scheduler, scaler, optimizer)}
-            leader_docs = (tensors, docs, writers, ring)
+            documents = {STATE_DOC: state_doc(docs, step, extra, scheduler, scaler, optimizer)}
+            leader_docs = round_
         job = self.inflight = _InFlight(
-            version, step, rank == leader, [f"rank{r}" for r, d in enumerate(docs) if d["host"] == ckpt.host], world,
-            f"tenplex/snapshot/{docs[0]['nonce']}", None, addresses, replicas,
+            version, step, rank == leader, round_.parts, world,
+            f"tenplex/snapshot/{docs[0]['nonce']}", None, round_.addresses, replicas,
             {k: f for k, f in fingerprints.items() if f is not None},
             [(p.name, p.box) for p in own if (p.name, p.box) in unchanged], called_at=begin)
         specs = {p.name: p.spec for p in own}
@@ -230,6 +227,7 @@ class Snapshotter:
                     self._commit(job)
             try:
                 agree(f"snapshot of step {job.step} (committing version {job.version})", commit, self.ckpt.group)
+                self.stats["late_commits"] += 1
             except Exception as e:  # noqa: BLE001 -- reported below, like a failed write
                 failed = [(-1, f"{type(e).__name__}: {e}")]
         if failed:
@@ -249,16 +247,16 @@ class Snapshotter:
         job.future.set_result(job.version)
 
     # ------------------------------------------------------------ background
-    def _write(self, job: _InFlight, specs, documents: dict[str, Any], leader_docs, rank: int) -> None:
+    def _write(self, job: _InFlight, specs, documents: dict[str, Any], leader_docs: SaveRound | None,
+               rank: int) -> None:
         """Write and prepare this rank's part, then take part in the commit (see the module docstring)."""
         ckpt, store = self.ckpt, self.ckpt.store
         begin = time.monotonic()
         try:
             if leader_docs is not None:
-                tensors, docs, writers, ring = leader_docs
-                job.layout = saved_layout(tensors, docs, writers)
-                documents[STORES_DOC] = stores_doc(job.version, {h: job.addresses.get(h) for h in ring}, job.replicas,
-                                                   ring)
+                job.layout = leader_docs.layout()
+                documents[STORES_DOC] = stores_doc(job.version, {h: job.addresses.get(h) for h in leader_docs.ring},
+                                                   job.replicas, leader_docs.ring)
             self.staging.wait_copied()
             with store.begin(job.version, part=f"rank{rank}") as writer:
                 for name, box, buffer in self.staging.buffers():
@@ -277,9 +275,10 @@ class Snapshotter:
                       "snapshot is tried", job.step, job.version, rank, job.error)
         job.write_s = time.monotonic() - begin
         job.written.set()
-        if self._key_value_store() is not None:  # connected here, off the training thread
+        kv = self._kv.get(job.give_up)  # connected off the training thread; None until it answers
+        if kv is not None:
             try:
-                self._agree_through_store(job)
+                self._agree_through_store(job, kv)
             except Exception as e:  # noqa: BLE001 -- the boundary's all-gather settles it instead
                 log.warning("tenplex: snapshot of step %d (version %d): %s: %s; it is settled at the next step "
                             "boundary", job.step, job.version, type(e).__name__, e)
@@ -302,8 +301,8 @@ class Snapshotter:
         finally:
             reader.close()
 
-    def _agree_through_store(self, job: _InFlight) -> None:
-        kv, decision = self._kv, f"{job.key}/decision"
+    def _agree_through_store(self, job: _InFlight, kv) -> None:
+        decision = f"{job.key}/decision"
         if job.error is not None:
             kv.set(decision, "abort")
             return
@@ -327,19 +326,6 @@ class Snapshotter:
         self._queue_copy(job)
         if self.ckpt.durable is not None:  # the durable tier flushes snapshots like saves (its own policy)
             self.ckpt.durable.saved()
-
-    def _key_value_store(self):
-        """A client of the job's c10d key-value store for this snapshotter's thread (None: not reachable)."""
-        if not self._kv_tried:
-            self._kv_tried = True
-            addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-            if addr and port:
-                try:
-                    self._kv = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=10))
-                except Exception as e:  # noqa: BLE001 -- snapshots then commit at the next boundary
-                    log.info("tenplex: no key-value store at %s:%s (%s); snapshots commit at the next step "
-                             "boundary", addr, port, e)
-        return self._kv
 
     # ----------------------------------------------------------- replication
     def _queue_copy(self, job: _InFlight) -> None:

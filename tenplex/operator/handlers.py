@@ -1,6 +1,6 @@
 """The kopf handlers: observe, decide (pure), act.
 
-May import: ``kopf``, ``kubernetes``, the package's modules, ``tenplex.ops.metrics`` and the
+May import: ``kopf``, ``kubernetes``, the package's modules, ``tenplex.ops`` (its metrics and log context) and the
 standard library.
 
 Each TenplexJob gets a kopf daemon that reconciles it: read the job, its
@@ -38,6 +38,7 @@ import urllib3
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
+from ..ops import logs
 from ..ops.metrics import OperatorMetrics
 from . import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION, WORKER_ROLE
 from .decide import Decision, Event, decide, merge_patch, observed_events, worker_created
@@ -121,13 +122,14 @@ class Operator:
         async def reconcile_loop(**kw: Any) -> None:
             namespace, name, stopped = kw["namespace"], kw["name"], kw["stopped"]
             poke = self.pokes.setdefault((namespace, name), asyncio.Event())
-            while not stopped:
-                poke.clear()
-                await self.reconcile(namespace, name, kw["gpu_pods"], kw["logger"])
-                try:
-                    await asyncio.wait_for(poke.wait(), timeout=self.interval)
-                except asyncio.TimeoutError:
-                    pass
+            with logs.scope(job=f"{namespace}/{name}"):  # JSON log lines of this job's reconciliations say so
+                while not stopped:
+                    poke.clear()
+                    await self.reconcile(namespace, name, kw["gpu_pods"], kw["logger"])
+                    try:
+                        await asyncio.wait_for(poke.wait(), timeout=self.interval)
+                    except asyncio.TimeoutError:
+                        pass
 
         @kopf.on.delete(*job, id="forget", optional=True, registry=registry)
         def forget(**kw: Any) -> None:

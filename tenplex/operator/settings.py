@@ -22,6 +22,7 @@ class WorkerSettings:
     store_port: int = 29500  # the DaemonSet's store port on every node (status.step is read from it)
     token_file: str | None = None  # the operator's copy of the store token (to read status.step)
     unschedulable_grace: int = 60  # seconds a worker may stay Unschedulable before its node is left out
+    metrics_port: int = 9400  # workers' `tenplex run --metrics-port` (its ranks on the next ports); 0: none
 
     @classmethod
     def from_env(cls) -> "WorkerSettings":
@@ -29,9 +30,10 @@ class WorkerSettings:
         env = {"resource": "TENPLEX_GPU_RESOURCE", "store_root": "TENPLEX_STORE_ROOT_HOST",
                "data_root": "TENPLEX_DATA_ROOT_HOST", "rdzv_backend": "TENPLEX_RDZV_BACKEND",
                "rdzv_endpoint": "TENPLEX_RDZV_ENDPOINT", "store_port": "TENPLEX_STORE_PORT",
-               "token_file": "TENPLEX_TOKEN_FILE", "unschedulable_grace": "TENPLEX_UNSCHEDULABLE_GRACE"}
+               "token_file": "TENPLEX_TOKEN_FILE", "unschedulable_grace": "TENPLEX_UNSCHEDULABLE_GRACE",
+               "metrics_port": "TENPLEX_WORKER_METRICS_PORT"}
         values: dict[str, Any] = {field: os.environ[var] for field, var in env.items() if os.environ.get(var)}
-        for number in ("store_port", "unschedulable_grace"):
+        for number in ("store_port", "unschedulable_grace", "metrics_port"):
             if number in values:
                 values[number] = int(values[number])
         return cls(**values)

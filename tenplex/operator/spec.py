@@ -125,27 +125,11 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         raise SpecError(f"{p}.minGpusPerNode", f"minGpusPerNode={min_gpus} is greater than gpusPerNode={gpus}")
 
     par = _mapping(spec, "parallel", p)
-    max_tp = _count(par, "maxTp", f"{p}.parallel", default=8)
-    pp = _optional_count(par, "pp", f"{p}.parallel")
-    pinned: dict[int, str] = {}
-    for key, value in _mapping(par, "pinned", f"{p}.parallel").items():
-        where = f"{p}.parallel.pinned[{key!r}]"
-        if not str(key).isdigit() or int(key) < 1 or not isinstance(value, str):
-            raise SpecError(where, f"needs a world size (a positive integer) as key and a configuration "
-                            f"such as 'tp=2,pp=2' as value, got {key!r}: {value!r}")
-        pinned[int(key)] = value
-
-    env = []
-    for i, item in enumerate(spec.get("env") or []):
-        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or \
-                not isinstance(item.get("value", ""), str):
-            raise SpecError(f"{p}.env[{i}]", f"must be {{name: string, value: string}}, got {item!r}")
-        env.append((item["name"], item.get("value", "")))
-
     dataset = _mapping(spec, "dataset", p)
     job = JobSpec(
         image=image, command=tuple(command), min_nodes=min_nodes, max_nodes=max_nodes, gpus_per_node=gpus,
-        min_gpus_per_node=min_gpus, max_tp=max_tp, pp=pp, pinned=pinned, env=tuple(env),
+        min_gpus_per_node=min_gpus, max_tp=_count(par, "maxTp", f"{p}.parallel", default=8),
+        pp=_optional_count(par, "pp", f"{p}.parallel"), pinned=_pinned(par, f"{p}.parallel"), env=_env(spec, p),
         dataset=_text(dataset, "path", f"{p}.dataset") if "path" in dataset else None,
         replicas=_optional_count(spec, "replicas", p, minimum=0),
         save_interval=_optional_count(spec, "saveInterval", p),
@@ -153,11 +137,39 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         grace_seconds=_count(spec, "terminationGracePeriodSeconds", p, default=120, minimum=0),
         backoff_limit=_count(spec, "backoffLimit", p, default=6, minimum=0),
         resources=_mapping(spec, "resources", p), template=_mapping(spec, "template", p))
+    _check_every_world(job, p)
+    return job
 
-    # Every world the job may run in must have a configuration: catch a bad pin or pp now, not mid-run.
-    # pp only fails in worlds smaller than pp and max_tp never does, so the smallest, largest and pinned sizes
-    # suffice, with full nodes and with every node at minGpusPerNode. A pin for a world of uneven nodes may not
-    # fit the nodes' shape: decide() checks the world it targets.
+
+def _pinned(par: Mapping[str, Any], p: str) -> dict[int, str]:
+    """``parallel.pinned``: world size -> configuration."""
+    pinned: dict[int, str] = {}
+    for key, value in _mapping(par, "pinned", p).items():
+        if not str(key).isdigit() or int(key) < 1 or not isinstance(value, str):
+            raise SpecError(f"{p}.pinned[{key!r}]", f"needs a world size (a positive integer) as key and a "
+                            f"configuration such as 'tp=2,pp=2' as value, got {key!r}: {value!r}")
+        pinned[int(key)] = value
+    return pinned
+
+
+def _env(spec: Mapping[str, Any], p: str) -> tuple[tuple[str, str], ...]:
+    """``env``: (name, value) pairs for the workers."""
+    env = []
+    for i, item in enumerate(spec.get("env") or []):
+        if not isinstance(item, Mapping) or not isinstance(item.get("name"), str) or \
+                not isinstance(item.get("value", ""), str):
+            raise SpecError(f"{p}.env[{i}]", f"must be {{name: string, value: string}}, got {item!r}")
+        env.append((item["name"], item.get("value", "")))
+    return tuple(env)
+
+
+def _check_every_world(job: JobSpec, p: str) -> None:
+    """Every world the job may run in must have a configuration: catch a bad pin or pp now, not mid-run.
+    pp only fails in worlds smaller than pp and max_tp never does, so the smallest, largest and pinned sizes
+    suffice, with full nodes and with every node at minGpusPerNode. A pin for a world of uneven nodes may not
+    fit the nodes' shape: decide() checks the world it targets."""
+    pinned, gpus, min_gpus = job.pinned, job.gpus_per_node, job.min_gpus_per_node
+    min_nodes, max_nodes = job.min_nodes, job.max_nodes
     for world in pinned:
         if world % gpus and min_gpus == gpus:
             raise SpecError(f"{p}.parallel.pinned[{str(world)!r}]", f"world size {world} is not a multiple of "
@@ -173,7 +185,6 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
                 gpus_of = "" if min_gpus == gpus else f" with {'+'.join(map(str, shape))} GPUs"
                 raise SpecError(where, f"no parallel configuration for {nodes} nodes{gpus_of} ({world} ranks): "
                                 f"{e}") from None
-    return job
 
 
 def _shapes(nodes: int, gpus: int, min_gpus: int) -> list[list[int]]:

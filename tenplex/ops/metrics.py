@@ -11,9 +11,13 @@ parallel configuration).
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
+import threading
 import time
+from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
 import grpc
@@ -29,12 +33,100 @@ SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120,
 UNKNOWN_PEER = "unknown"  # the peer_host of bytes sent to a reader that declared no host (one that predates it)
 PORT_ENV = "TENPLEX_METRICS_PORT"   # tenplex run -> its workers: the first worker's port (+ LOCAL_RANK)
 BIND_ENV = "TENPLEX_METRICS_BIND"
+PORT_WAIT_ENV = "TENPLEX_METRICS_PORT_WAIT"  # seconds a worker waits for a port in use (default PORT_WAIT_S)
+# A worker of the previous world may still serve the port: torchrun SIGKILLs one 30 s after its SIGTERM, so a
+# lingering worker is gone well within this. SO_REUSEADDR (which the HTTP server sets) only covers TIME_WAIT;
+# SO_REUSEPORT would let the old and the new worker answer scrapes in turn, so the new one waits instead.
+PORT_WAIT_S = 60.0
+_PORT_RETRY_S = 0.25
+ENDPOINTS_DIR = ".tenplex-metrics"  # under the store root: each worker endpoint's state, for tenplex status
 
 
 def serve(registry: CollectorRegistry, port: int, bind: str = "127.0.0.1") -> int:
     """Serve ``registry`` over HTTP at ``bind:port`` (``/metrics``) from a daemon thread; return the port."""
     server, _ = start_http_server(port, addr=bind, registry=registry)
     return int(server.server_port)
+
+
+def serve_worker(registry: CollectorRegistry, port: int, bind: str, wait_s: float, states: Path | None) -> None:
+    """Serve a worker's ``registry`` on ``port``; when the port is in use, wait for it in the background for up
+    to ``wait_s`` seconds (training goes on meanwhile). Each state (serving, waiting, unserved) is logged and
+    recorded in ``states`` (a directory; None: not recorded): metrics never stop training."""
+    try:
+        serve(registry, port, bind)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE or wait_s <= 0:
+            log.warning("no metrics endpoint on port %d: %s", port, e)
+            _record_endpoint(states, port, "unserved", error=str(e))
+            return
+        log.warning("metrics port %d is in use (a worker of the previous world may still serve it): serving it "
+                    "once it is free, waiting up to %.0f s", port, wait_s)
+        _record_endpoint(states, port, "waiting", wait_s=wait_s)
+        threading.Thread(target=_serve_when_free, args=(registry, port, bind, wait_s, states),
+                         name="tenplex-metrics-port", daemon=True).start()
+        return
+    _record_endpoint(states, port, "serving")
+
+
+def _serve_when_free(registry: CollectorRegistry, port: int, bind: str, wait_s: float, states: Path | None) -> None:
+    begin = time.monotonic()
+    while True:
+        time.sleep(_PORT_RETRY_S)
+        try:
+            serve(registry, port, bind)
+        except OSError as e:
+            if time.monotonic() - begin < wait_s:
+                continue
+            log.warning("no metrics endpoint on port %d: still in use after %g s (%s)", port, wait_s, e)
+            _record_endpoint(states, port, "unserved", error=str(e))
+            return
+        waited = time.monotonic() - begin
+        log.warning("metrics port %d is free after %.1f s: serving", port, waited)
+        _record_endpoint(states, port, "serving", waited_s=round(waited, 1))
+        return
+
+
+def _record_endpoint(states: Path | None, port: int, state: str, **details) -> None:
+    if states is None:
+        return
+    doc = {"port": port, "state": state, "pid": os.getpid(), "since": time.time(), **details}
+    try:
+        states.mkdir(parents=True, exist_ok=True)
+        partial = states / f".{port}.json.{os.getpid()}"
+        partial.write_text(json.dumps(doc))
+        partial.replace(states / f"{port}.json")  # a reader sees the old state or the new one, never half
+    except OSError as e:  # a read-only root: the log still says it
+        log.warning("cannot record the metrics endpoint's state in %s: %s", states, e)
+
+
+def endpoint_states(store_root: str | os.PathLike) -> list[dict]:
+    """The recorded state of each worker metrics endpoint of the store root ``store_root``, by port (the newest
+    worker's on each port); ``alive``: whether its process still runs (the root is on this machine)."""
+    found = []
+    for path in sorted(Path(store_root, ENDPOINTS_DIR).glob("[0-9]*.json"), key=lambda p: int(p.stem)):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        found.append(dict(doc, alive=_alive(doc.get("pid"))))
+    return found
+
+
+def _alive(pid) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, TypeError, ValueError):
+        return False
+    return True
+
+
+def _port_wait(environ: Mapping[str, str]) -> float:
+    try:
+        return float(environ.get(PORT_WAIT_ENV, PORT_WAIT_S))
+    except ValueError:
+        log.warning("%s=%r is not a number of seconds: waiting %g s", PORT_WAIT_ENV, environ[PORT_WAIT_ENV],
+                    PORT_WAIT_S)
+        return PORT_WAIT_S
 
 
 # ------------------------------------------------------------------ store --
@@ -215,14 +307,15 @@ class JobMetrics:
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "JobMetrics":
-        """Metrics served on ``TENPLEX_METRICS_PORT + LOCAL_RANK`` when that variable is set, else unserved."""
+        """Metrics served on ``TENPLEX_METRICS_PORT + LOCAL_RANK`` when that variable is set, else unserved. A
+        port still in use (the previous world's worker lingers) is waited for (:func:`serve_worker`), and the
+        endpoint's state is recorded under ``TENPLEX_STORE_ROOT``."""
         metrics = cls()
         if environ.get(PORT_ENV):
             port = int(environ[PORT_ENV]) + int(environ.get("LOCAL_RANK", "0"))
-            try:
-                serve(metrics.registry, port, environ.get(BIND_ENV, "127.0.0.1"))
-            except OSError as e:  # metrics must never stop training (e.g. the previous world's worker lingers)
-                log.warning("no metrics endpoint on port %d: %s", port, e)
+            root = environ.get("TENPLEX_STORE_ROOT")
+            serve_worker(metrics.registry, port, environ.get(BIND_ENV, "127.0.0.1"), _port_wait(environ),
+                         Path(root, ENDPOINTS_DIR) if root else None)
         metrics.restarts.set(int(environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
         return metrics
 

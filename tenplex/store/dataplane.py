@@ -73,7 +73,8 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 import xxhash
@@ -97,6 +98,7 @@ HANDSHAKE_S = 10.0  # a new connection must send its first (authenticated) reque
 MAX_CONNECTIONS = 256
 _SEND_TIMEOUT_S = 300.0  # a client that stops reading
 _DEAD_PEER_S = 10.0  # server side: sent data unacknowledged (or idle probes unanswered) this long
+_CLOSE_WAIT_S = 5.0  # close() waits this long for the accept thread to close the listening socket
 
 
 class DataPlaneError(StoreError):
@@ -198,31 +200,35 @@ class DataServer:
         self._closed = False
         self._conns: dict[socket.socket, list] = {}  # connection -> [idle since, or None while busy]
         self._idle = threading.Condition()  # guards _conns; notified when a connection turns idle
-        threading.Thread(target=self._accept, name="data-accept", daemon=True).start()
+        self._accepting = threading.Thread(target=self._accept, name="data-accept", daemon=True)
+        self._accepting.start()
 
     def close(self) -> None:
+        """Stop accepting. The accept thread owns the listening socket and closes it as it ends: closed here,
+        its number could be reused before that thread's ``accept`` reads it."""
         self._closed = True
         try:
             self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
         except OSError:
             pass
-        self._listener.close()
+        if self._accepting is not threading.current_thread():
+            self._accepting.join(_CLOSE_WAIT_S)
 
     def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, peer = self._listener.accept()
-            except OSError:
-                if self._closed:
-                    return
-                time.sleep(0.05)  # e.g. EMFILE: out of descriptors; try again
-                continue
-            try:
-                self._admit(conn, peer)
-            except Exception as e:  # noqa: BLE001 - e.g. "can't start new thread": drop this one, keep accepting
-                log.warning("data connection from %s dropped: %s", peer[0], e)
-                self._forget(conn)
-                conn.close()
+        with self._listener:
+            while not self._closed:
+                try:
+                    conn, peer = self._listener.accept()
+                except OSError:
+                    if self._closed:
+                        return
+                    time.sleep(0.05)  # e.g. EMFILE: out of descriptors; try again
+                    continue
+                try:
+                    self._admit(conn, peer)
+                except Exception as e:  # noqa: BLE001 - e.g. "can't start new thread": drop this one, go on
+                    log.warning("data connection from %s dropped: %s", peer[0], e)
+                    self._close_connection(conn)
 
     def _admit(self, conn: socket.socket, peer) -> None:
         with self._idle:
@@ -245,9 +251,12 @@ class DataServer:
         log.info("data connection from %s:%s", peer[0], peer[1])
         threading.Thread(target=self._serve, args=(conn,), name="data-conn", daemon=True).start()
 
-    def _forget(self, conn: socket.socket) -> None:
+    def _close_connection(self, conn: socket.socket) -> None:
+        """Forget and close ``conn`` under the lock that ``_admit`` holds while it shuts down an idle connection
+        to make room: it never acts on a number closed here (and perhaps reused by then)."""
         with self._idle:
             self._conns.pop(conn, None)
+            conn.close()
 
     def _mark(self, conn: socket.socket, idle: bool) -> None:
         with self._idle:
@@ -259,10 +268,9 @@ class DataServer:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
-            with conn:
-                self._converse(conn)
+            self._converse(conn)
         finally:
-            self._forget(conn)
+            self._close_connection(conn)
 
     def _converse(self, conn: socket.socket) -> None:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -301,71 +309,78 @@ class DataServer:
             log.debug("data connection ended: %s", e)
 
     def _answer(self, conn: socket.socket, request: dict) -> None:
-        fd = -1
         try:
-            box = Box(tuple(int(x) for x in request["box"]["offsets"]),
-                      tuple(int(x) for x in request["box"]["lengths"]))
-            reader = self._reader_of(int(request["version"]))
-            entry = reader.find(str(request["device"]), str(request["tensor"]), box)
-            size = itemsize(entry.dtype)
-            # Frames of at most one checksum block: the client receives the first bytes while the rest is still on
-            # its way, and each frame is sent while it is in the CPU cache (when it is read at all: see below).
-            frame_bytes = max(4096, min(int(request.get("frame_bytes") or wire.DEFAULT_CHUNK_BYTES), BLOCK_BYTES))
-            shard = reader.shard_file(entry)
-            lead = _grid_lead(reader, entry, box, size, frame_bytes) if request.get("align") else 0
-            # a frame that is one whole stored block goes from the file to the socket unread (os.sendfile), with
-            # its stored digest: the client checks it against what was committed. Only for a client that knows it
-            # (it asks to align; one from before would re-fetch damaged bytes until it gave up, where this server
-            # used to name the damage). Asked to verify (a re-fetch of frames that arrived damaged), every frame is
-            # read and checked here, so that damage on this host is told apart from damage on the way, and named.
-            unread = self._hooks is None and bool(request.get("align")) and not request.get("verify")
-            frames = []  # (sub-box, data start, span, stored digest when it is sent unread)
-            for sub in wire.split_box(box, size, frame_bytes, lead):
-                start, span, _ = reader.byte_span(entry, sub)
-                whole = unread and span == sub.volume * size
-                frames.append((sub, start, span, shard.block_digest(start, span) if whole else None))
-            verified: set = set()  # blocks checked by this reply: consecutive frames do not check them again
-            first, start, span, stored = frames[0]
-            if stored is None:
-                # read, verified and given its checksum before answering "ok": most damage gets a plain error
-                # reply, and the frame then goes out from memory without being read a second time
-                ready = self._frame(reader, entry, shard, first, start, span, size, verified)
-            if any(frame[3] is not None for frame in frames):
-                fd, data_offset = shard.open_checked()  # a missing or truncated file: a plain error reply
+            reply = self._prepare(request)
         except Exception as e:  # noqa: BLE001 - reported to the client, the connection stays usable
-            if fd >= 0:
-                os.close(fd)
             if isinstance(e, (KeyError, TypeError)):
                 e = ValueError(f"malformed data-plane request ({type(e).__name__}: {e}); expected version, "
                                f"device, tensor and box with offsets and lengths")
             code, message = self._describe(e)
             _send_json(conn, {"ok": False, "code": code, "message": message})
             return
+        try:
+            self._send(conn, request, reply)
+        finally:
+            if reply.fd >= 0:
+                os.close(reply.fd)  # this reply's own descriptor, closed once here
+
+    def _prepare(self, request: dict) -> "_Reply":
+        """Find the requested region and cut its frames; read the first one (unless it goes unread) and open the
+        file for the frames that go unread, so that most failures get a plain error reply, before "ok"."""
+        box = Box(tuple(int(x) for x in request["box"]["offsets"]), tuple(int(x) for x in request["box"]["lengths"]))
+        reader = self._reader_of(int(request["version"]))
+        entry = reader.find(str(request["device"]), str(request["tensor"]), box)
+        size = itemsize(entry.dtype)
+        # Frames of at most one checksum block: the client receives the first bytes while the rest is still on
+        # its way, and each frame is sent while it is in the CPU cache (when it is read at all: see below).
+        frame_bytes = max(4096, min(int(request.get("frame_bytes") or wire.DEFAULT_CHUNK_BYTES), BLOCK_BYTES))
+        shard = reader.shard_file(entry)
+        lead = _grid_lead(reader, entry, box, size, frame_bytes) if request.get("align") else 0
+        # a frame that is one whole stored block goes from the file to the socket unread (os.sendfile), with
+        # its stored digest: the client checks it against what was committed. Only for a client that knows it
+        # (it asks to align; one from before would re-fetch damaged bytes until it gave up, where this server
+        # used to name the damage). Asked to verify (a re-fetch of frames that arrived damaged), every frame is
+        # read and checked here, so that damage on this host is told apart from damage on the way, and named.
+        unread = self._hooks is None and bool(request.get("align")) and not request.get("verify")
+        frames = []
+        for sub in wire.split_box(box, size, frame_bytes, lead):
+            start, span, _ = reader.byte_span(entry, sub)
+            whole = unread and span == sub.volume * size
+            frames.append((sub, start, span, shard.block_digest(start, span) if whole else None))
+        reply = _Reply(reader, entry, shard, size, frame_bytes, lead, frames)
+        first, start, span, stored = frames[0]
+        if stored is None:
+            # read, verified and given its checksum before answering "ok": most damage gets a plain error
+            # reply, and the frame then goes out from memory without being read a second time
+            reply.ready = self._frame(reader, entry, shard, first, start, span, size, reply.verified)
+        if any(frame[3] is not None for frame in frames):
+            reply.fd, reply.data_offset = shard.open_checked()  # a missing or truncated file: a plain error reply
+        return reply
+
+    def _send(self, conn: socket.socket, request: dict, reply: "_Reply") -> None:
+        """Answer "ok", then send the frames: unread ones from the file, the others read and verified (a damaged
+        block further on ends the reply with an error frame)."""
         sent = self._on_sent
         peer = wire.declared_peer(request.get(wire.PEER_HOST_FIELD)) if sent is not None else ""
-        try:
-            _send_json(conn, {"ok": True, "itemsize": size, "frame_bytes": frame_bytes, "lead": lead})
-            for index, (sub, start, span, stored) in enumerate(frames):
-                if stored is not None:
-                    if sent is not None:  # counted before it goes: a client that received it finds it counted
-                        sent(peer, span)
-                    conn.sendall(_FRAME.pack(span, stored), socket.MSG_MORE)
-                    _send_file(conn, fd, data_offset + start, span, shard.where)
-                    continue
-                try:
-                    header, payload = ready if index == 0 else self._frame(reader, entry, shard, sub, start, span,
-                                                                           size, verified)
-                except CorruptShard as e:  # e.g. a damaged block further on: an error frame
-                    code, message = self._describe(e)
-                    conn.sendall(_FRAME.pack(_ERROR_FRAME, 0))
-                    _send_json(conn, {"ok": False, "code": code, "message": message})
-                    return
-                if sent is not None:
-                    sent(peer, payload.nbytes)
-                _send_parts(conn, header, payload)
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        _send_json(conn, {"ok": True, "itemsize": reply.size, "frame_bytes": reply.frame_bytes, "lead": reply.lead})
+        for index, (sub, start, span, stored) in enumerate(reply.frames):
+            if stored is not None:
+                if sent is not None:  # counted before it goes: a client that received it finds it counted
+                    sent(peer, span)
+                conn.sendall(_FRAME.pack(span, stored), socket.MSG_MORE)
+                _send_file(conn, reply.fd, reply.data_offset + start, span, reply.shard.where)
+                continue
+            try:
+                header, payload = reply.ready if index == 0 and reply.ready is not None else \
+                    self._frame(reply.reader, reply.entry, reply.shard, sub, start, span, reply.size, reply.verified)
+            except CorruptShard as e:  # e.g. a damaged block further on: an error frame
+                code, message = self._describe(e)
+                conn.sendall(_FRAME.pack(_ERROR_FRAME, 0))
+                _send_json(conn, {"ok": False, "code": code, "message": message})
+                return
+            if sent is not None:
+                sent(peer, payload.nbytes)
+            _send_parts(conn, header, payload)
 
     def _frame(self, reader, entry, shard, sub: Box, start: int, span: int, size: int,
                verified: set) -> tuple[bytes, memoryview]:
@@ -385,6 +400,25 @@ class DataServer:
         if self._hooks is not None and self._hooks.next_chunk():
             payload = memoryview(_hooks.damaged(payload))
         return header, payload
+
+
+@dataclass(eq=False)
+class _Reply:
+    """What the data plane sends for one request: the stored shard, its frames (sub-box, data start, span, and
+    the stored digest of a frame sent unread), the first frame when it was read ahead, the file opened for the
+    frames sent unread (``fd``: the reply's own, closed once by ``_answer``)."""
+
+    reader: Any
+    entry: Any
+    shard: Any
+    size: int
+    frame_bytes: int
+    lead: int
+    frames: list[tuple[Box, int, int, int | None]]
+    ready: tuple[bytes, memoryview] | None = None
+    verified: set = field(default_factory=set)  # blocks checked by this reply: frames do not check them again
+    fd: int = -1
+    data_offset: int = 0
 
 
 def _send_parts(conn: socket.socket, header: bytes, payload: memoryview) -> None:

@@ -1,14 +1,16 @@
 """Reading a committed version: manifest, verified shard regions, JSON documents, layouts.
 
 May import: numpy, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``, ``tenplex.layout``,
-``tenplex.files`` (its JSON codec), ``tenplex._gc``, this package's ``manifest``, ``shardfile`` and
-``_safetensors`` (C-order byte spans), and the standard library.
+``tenplex.files`` (its JSON codec), ``tenplex._gc``, this package's ``manifest``, ``shardfile``,
+``_descriptor`` and ``_safetensors`` (C-order byte spans), and the standard library.
 
 A reader holds its version directory open (a directory descriptor) and opens
 every file relative to it, so it reads exactly the version it opened: after a
 delete and a new commit of the same number, :meth:`VersionReader.current` is
 False and reads of the old files fail rather than mixing versions. It holds no
 shard file open or mapped between reads, so deleting a version frees its space.
+Any thread may close a reader while others read through it: the directory
+descriptor is closed once, after the last read under way (``_descriptor``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ._safetensors import c_span, c_strides
+from ._descriptor import SharedDescriptor
 from .shardfile import ShardFile
 from .manifest import LAYOUT_DOC, MANIFEST_FORMAT, CorruptShard, NotFound, OutOfRange, ShardEntry
 from .._gc import paused_gc
@@ -36,9 +39,10 @@ class VersionReader:
     def __init__(self, path: Path):
         self.path = path
         self._deleted = False
-        self._dirfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        self._dir = SharedDescriptor(os.open(path, os.O_RDONLY | os.O_DIRECTORY), self._closed_error)
         try:
-            st = os.fstat(self._dirfd)
+            with self._dir.use() as dirfd:
+                st = os.fstat(dirfd)
             self.identity = (st.st_dev, st.st_ino)
             try:
                 doc = parse_json(self._read_bytes("manifest.json"))
@@ -52,7 +56,7 @@ class VersionReader:
                 raise StoreError(f"{path}/manifest.json is damaged ({type(e).__name__}: {e}); delete this "
                                  f"version or restore it from another host") from None
         except BaseException:
-            os.close(self._dirfd)
+            self._dir.close()  # the one close: collecting this half-built reader closes nothing again
             raise
         self.manifest = doc
         self._by_device: dict[str, list[ShardEntry]] = {}
@@ -66,9 +70,9 @@ class VersionReader:
                                                 f"file {path}/{entry.file}")
 
     def _open(self, name: str) -> int:
-        self._check_open()
         try:
-            return os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._dirfd)
+            with self._dir.use() as dirfd:
+                return os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dirfd)
         except FileNotFoundError:
             if not self.current():  # its files go while a deleted version's directory is emptied
                 raise self._gone() from None
@@ -92,23 +96,22 @@ class VersionReader:
             return False
         return (st.st_dev, st.st_ino) == self.identity and os.path.exists(self.path / "manifest.json")
 
-    def _check_open(self) -> None:
-        if self._dirfd < 0:
-            if self._deleted:
-                raise self._gone()
-            raise StoreError(f"the reader of {self.path} is closed")
+    def _closed_error(self) -> StoreError:
+        if self._deleted:
+            return self._gone()
+        return StoreError(f"the reader of {self.path} is closed")
 
     def close(self, deleted: bool = False) -> None:
-        """Release the version directory; the reader reads nothing afterwards. ``deleted``: because the version
-        was deleted or replaced, which reads still under way then say."""
+        """Release the version directory (once the reads under way are done); the reader reads nothing
+        afterwards. ``deleted``: because the version was deleted or replaced, which later reads then say. Any
+        thread, any number of times."""
         self._deleted = self._deleted or deleted
-        fd, self._dirfd = self._dirfd, -1
-        if fd >= 0:
-            os.close(fd)
+        self._dir.close()
 
     def __del__(self) -> None:
-        if getattr(self, "_dirfd", -1) >= 0:
-            self.close()
+        shared = getattr(self, "_dir", None)
+        if shared is not None:
+            shared.close()
 
     def devices(self) -> list[str]:
         return sorted(self._by_device)
@@ -145,9 +148,9 @@ class VersionReader:
 
     def link_file(self, entry: ShardEntry, dest: Path) -> None:
         """Hard-link ``entry``'s file of exactly this version (opened through the version's directory) to ``dest``."""
-        self._check_open()
         try:
-            os.link(entry.file, dest, src_dir_fd=self._dirfd)
+            with self._dir.use() as dirfd:
+                os.link(entry.file, dest, src_dir_fd=dirfd)
         except FileNotFoundError:
             if not self.current():
                 raise self._gone() from None

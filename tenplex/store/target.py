@@ -1,7 +1,12 @@
 """A new shard file being filled region by region.
 
 May import: numpy, xxhash, ``tenplex.box``, ``tenplex.dtypes``, ``tenplex.errors``, this package's
-``_safetensors`` and ``blocks``, and the standard library.
+``_safetensors``, ``_descriptor`` and ``blocks``, and the standard library.
+
+Threads write regions of one shard at once (the transformer's pulls), one more
+reserves its space, and the thread that lands the last region finishes it: the
+file's descriptor is a ``SharedDescriptor``, so a finish or release closes it
+once, after the writes and the reservation under way.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import numpy as np
 import xxhash
 
 from . import _safetensors as st
+from ._descriptor import SharedDescriptor
 from .blocks import BlockTally
 from ..box import Box
 from ..dtypes import itemsize
@@ -41,7 +47,8 @@ class ShardTarget:
     def __init__(self, path: Path, data_offset: int, box: Box, dtype: str):
         self.path, self.data_offset, self.box, self.dtype = path, data_offset, box, dtype
         self.itemsize = itemsize(dtype)
-        self._fd = os.open(path, os.O_RDWR)
+        self._file = SharedDescriptor(os.open(path, os.O_RDWR), self._finished_error,
+                                      reopen=lambda: os.open(path, os.O_RDWR))
         self._array: np.ndarray | None = None
         self._blocks: list[str] | None = None  # set by finish()
         self._strides = st.c_strides(box.lengths, self.itemsize)  # byte stride of each dimension (C order)
@@ -71,11 +78,12 @@ class ShardTarget:
 
     def _read_block(self, index: int, view: memoryview) -> None:
         offset = self.data_offset + index * self._tally.block_bytes
-        while view.nbytes:
-            n = os.preadv(self._descriptor(), [view], offset)
-            if n <= 0:
-                raise StoreError(f"{self.path}: short read of block {index} while checksumming it")
-            view, offset = view[n:], offset + n
+        with self._file.use() as fd:
+            while view.nbytes:
+                n = os.preadv(fd, [view], offset)
+                if n <= 0:
+                    raise StoreError(f"{self.path}: short read of block {index} while checksumming it")
+                view, offset = view[n:], offset + n
 
     def write(self, region: Box, data, digest: int | None = None) -> None:
         """Store ``data`` (C-order bytes or an array of region.lengths) as ``region`` (global coordinates).
@@ -99,7 +107,8 @@ class ShardTarget:
             # Allocate the span first: a store of a sparse file through a memory map on a full disk
             # would kill the process with SIGBUS; posix_fallocate fails with ENOSPC instead.
             first, span = st.c_span(self._strides, local.offsets, local.lengths, self.itemsize)
-            st.reserve_space(self._descriptor(), span, self.data_offset + first)
+            with self._file.use() as fd:
+                st.reserve_space(fd, span, self.data_offset + first)
             array = self._map()
             array[local.slices()] = np.frombuffer(buffer, dtype=array.dtype).reshape(region.lengths)
             starts = np.array([first], np.int64)  # data offset of every run: the outer dims' index grid
@@ -136,13 +145,19 @@ class ShardTarget:
         self._tally.wrote(offset, data, digest)
 
     def reserve(self) -> None:
-        """Allocate the file's space now (fails early on a full disk); safe while others write."""
-        st.reserve_space(self._descriptor(), self.data_offset + self.box.volume * self.itemsize)
+        """Allocate the file's space now (fails early on a full disk); safe while others write, and nothing to
+        do once the shard is finished (all of it was written)."""
+        try:
+            with self._file.use() as fd:
+                st.reserve_space(fd, self.data_offset + self.box.volume * self.itemsize)
+        except _Finished:
+            pass
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
-        while view.nbytes:
-            written = os.pwrite(self._descriptor(), view, offset)
-            view, offset = view[written:], offset + written
+        with self._file.use() as fd:
+            while view.nbytes:
+                written = os.pwrite(fd, view, offset)
+                view, offset = view[written:], offset + written
 
     def finish(self) -> list[str]:
         """fsync and close; return the data's block checksums (``blocks``). Later calls return the same list
@@ -150,25 +165,27 @@ class ShardTarget:
         if self._blocks is not None:
             return self._blocks
         self._array = None
-        os.fsync(self._descriptor())  # on Linux this also writes pages dirtied through the shared map
+        with self._file.use() as fd:
+            os.fsync(fd)  # on Linux this also writes pages dirtied through the shared map
         try:
             self._blocks = self._tally.digests()
             return self._blocks
         finally:
             self.close()
 
-    def _descriptor(self) -> int:
-        if self._fd < 0:  # released between writes (see ``release``)
-            self._fd = os.open(self.path, os.O_RDWR)
-        return self._fd
+    def _finished_error(self) -> StoreError:
+        return _Finished(f"shard {self.path.name} was finished (or discarded); its file is closed")
 
     def release(self) -> None:
         """Close the file and its map until the next write (a filled shard waiting for ``prepare`` holds no
         descriptor); what was written stays, and so do the block checksums computed so far."""
         self._array = None
-        self.close()
+        self._file.release()
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Close the file for good (after the writes under way); any thread, any number of times."""
+        self._file.close()
+
+
+class _Finished(StoreError):
+    """The shard's file was closed for good (finished or discarded)."""

@@ -126,6 +126,8 @@ def run_host_part(store: TensorStore, request: TransformRequest, progress: Calla
     finally:
         beating.set()
         sources.close()
+        if reader is not None:
+            reader.close()  # now: its directory (a version that may be deleted next) is not left to the collector
     log.info("host %s: prepared version %s", host, request.new_version)
     return counters.message(done=True)
 

@@ -4,7 +4,9 @@ Usage: ``membership_worker.py FOLDER MODE [STEPS]``. Each start appends a JSON l
 (host, rank, world size, its device, TENPLEX_DEVICES, pid). MODE ``loop``: all-reduce a stop flag every 50 ms
 until ``FOLDER/stop`` exists or STEPS steps are done, with the fault of ``TENPLEX_INJECT_DEVICE_FAULT``
 injected at each step boundary; a lost peer surfaces as gloo raises it (the entry shim classifies it). MODE
-``crash``: a bug, at once.
+``crash``: a bug, at once. MODE ``slow-start``: ``loop``, but the fault is injected before joining the process
+group, and while the node runs more than one worker, each that has no fault takes a long time to start (as a slow
+import would), without a SIGTERM handler yet.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ def main() -> None:
     if mode == "crash":
         _record(folder, host=host, pid=os.getpid())
         raise ValueError("a bug in the training script")
+    if mode == "slow-start":
+        _record(folder, host=host, device=worker_device(), pid=os.getpid(), starting=True)
+        inject_device_fault(host, worker_device(), 0)
+        if int(os.environ["LOCAL_WORLD_SIZE"]) > 1:
+            time.sleep(600)  # torchrun stops this one (SIGTERM, its default action) when its sibling fails
     dist.init_process_group("gloo")
     _record(folder, host=host, rank=dist.get_rank(), world=dist.get_world_size(), device=worker_device(),
             devices=os.environ.get("TENPLEX_DEVICES"), pid=os.getpid())
