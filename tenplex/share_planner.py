@@ -24,9 +24,11 @@ shares of all devices is a valid plan by the ``tenplex.plan/1`` contract that cr
   same over the host's replicas. On the benchmark's scenarios the most-loaded sender carries 0.2-0.35x the
   bytes of the greedy planner's, and every host sends the same within 0.01 %.
 
-Statistics of a share count its own transfers; ``inter_host_lower_bound`` is the bound for the share's
-devices alone (per host, the union of their new boxes less the host's old boxes). Shares of whole hosts add
-up to the global bound; :func:`plan_by_hosts` is that union, the whole plan as per-host planning makes it.
+Statistics of a share count its own transfers; ``max_host_*`` only its own. ``inter_host_lower_bound`` is
+the share's part of the global bound, from the layouts alone: per box of the share, what neither the host's
+old boxes nor the host's earlier new boxes (in device order) hold. So the shares of any split of the devices
+add up to the global bound. :func:`plan_by_hosts` is the union of all shares, the whole plan as per-rank
+planning makes it (for tools and the transformer).
 """
 
 from __future__ import annotations
@@ -167,26 +169,28 @@ class _HostTensor:
     def fill(self, boxes: list[tuple[str, Box]], mine: list[tuple[str, Box]]) -> None:
         """Plan ``mine``, the share's boxes among ``boxes`` (the host's, in device order, up to the share's last)."""
         targets = sorted({(b.offsets, b.ends) for _, b in boxes})
-        fragments: dict[Region, list[Fragment] | None] = {}
+        wanted = self.out.wanted
         if self.held.tiled and RegionIndex(targets).disjoint():
             # Disjoint boxes on both sides: a box's fragments go their ways whatever the host's other boxes do,
             # so only the devices with one of the share's boxes matter (the first of them receives, the rest
             # fan out or take turns copying).
-            wanted = {(b.offsets, b.ends) for _, b in mine}
-            for target in wanted:
-                fragments[target] = self.fragments(target)
+            fragments = {target: self.fragments(target) for target in {(b.offsets, b.ends) for _, b in mine}}
+            seen: set[Region] = set()
             for dst, box in boxes:
                 target = (box.offsets, box.ends)
-                found = fragments.get(target, ()) if target in wanted else ()
+                found = fragments.get(target, ())
                 if found is None:
                     self.fill_general(dst, box)  # a gap: let the general path name it
                 elif found:
                     self.fill_tiled(dst, found)
-        else:
-            for dst, box in boxes:
-                self.fill_general(dst, box)
-        self.out.bytes["lower_bound"] += self.lower_bound(sorted({(b.offsets, b.ends) for _, b in mine}),
-                                                          fragments) * self.itemsize
+                    if dst in wanted and target not in seen:  # the host's first box of it: its lower bound
+                        self.out.bytes["lower_bound"] += sum(n for _, _, i, n in found if not self.on_host(i))
+                    seen.add(target)
+            return
+        for k, (dst, box) in enumerate(boxes):
+            self.fill_general(dst, box)
+            if dst in wanted:
+                self.out.bytes["lower_bound"] += self.lower_bound(box, boxes[:k]) * self.itemsize
 
     def fragments(self, target: Region) -> list[Fragment] | None:
         """(region, box, old region, bytes) per old box that ``target`` overlaps; None if they leave a gap."""
@@ -249,22 +253,16 @@ class _HostTensor:
             raise PlanError(f"no device of the old layout holds region {to_box(pieces[0])} of tensor {self.name!r}, "
                             f"which {dst} needs; the old layout must cover every tensor it shares with the new one")
 
-    def lower_bound(self, targets: list[Region], fragments: dict[Region, list[Fragment] | None]) -> int:
-        """Elements of the union of ``targets`` that no old box on the host holds."""
-        total = 0
-        for j, target in enumerate(targets):
-            found = fragments.get(target)
-            if found is not None:  # tiled: the targets are disjoint, each fragment is held on the host or not
-                total += sum(volume(r) for r, _, i, _ in found if not self.on_host(i))
-                continue
-            pieces = [target]
-            for earlier in targets[:j]:
-                pieces = cover(pieces, earlier, ignore)
-            for i in self.held.index.overlapping(target):
-                if self.on_host(i):
-                    pieces = cover(pieces, self.held.regions[i], ignore)
-            total += sum(map(volume, pieces))
-        return total
+    def lower_bound(self, box: Box, earlier: list[tuple[str, Box]]) -> int:
+        """Elements of ``box`` that neither the host's old boxes nor its ``earlier`` new boxes hold."""
+        target = (box.offsets, box.ends)
+        pieces = [target]
+        for _, other in earlier:
+            pieces = cover(pieces, (other.offsets, other.ends), ignore)
+        for i in self.held.index.overlapping(target):
+            if self.on_host(i):
+                pieces = cover(pieces, self.held.regions[i], ignore)
+        return sum(map(volume, pieces))
 
 
 def _skip(kind: str, tensor: str, src: str, dst: str, region: Region | Box, nbytes: int) -> None:
