@@ -113,7 +113,8 @@ class RegionIndex:
         regions differ in some dimension, where they cannot overlap. Otherwise region by region."""
         regions = self.regions
         solid = all(low < high for r in regions for low, high in zip(*r))  # an empty region overlaps nothing
-        if solid and len(set(regions)) == len(regions) and all(_extents_disjoint(regions, k) for k in range(len(self.dims))):
+        grid = all(_extents_disjoint(regions, k) for k in range(len(self.dims)))
+        if solid and len(set(regions)) == len(regions) and grid:
             return True
         return all(self.overlapping(r) == [i] for i, r in enumerate(regions))
 

@@ -33,12 +33,14 @@ planning makes it (for tools and the transformer).
 
 from __future__ import annotations
 
+import hashlib
+from functools import partial
 from typing import Callable, Iterable
 
 from ._gc import paused_gc
 from .box import Box
 from .errors import PlanError
-from .layout import TensorSpec
+from .layout import Layout, TensorSpec
 from .plan_index import LayoutIndex, TensorHolders
 from .planner import check_tensors
 from .regions import Region, RegionIndex, cover, ignore, intersect, to_box, volume
@@ -164,7 +166,7 @@ class _HostTensor:
     def remote(self, dst: str, piece: Box, i: int, nbytes: int) -> None:
         held = self.held
         self.out.add_unsent("remote", self.name, dst, piece, nbytes, ("remote", *held.groups[i]), held.replicas(i),
-                            lambda k, i=i: held.replica(i, k))
+                            partial(held.replica, i))
 
     def fill(self, boxes: list[tuple[str, Box]], mine: list[tuple[str, Box]]) -> None:
         """Plan ``mine``, the share's boxes among ``boxes`` (the host's, in device order, up to the share's last)."""
@@ -267,3 +269,13 @@ class _HostTensor:
 
 def _skip(kind: str, tensor: str, src: str, dst: str, region: Region | Box, nbytes: int) -> None:
     """``_Share.add`` for devices outside the share: walked for their fan-outs, not planned."""
+
+
+def plan_for(old: Layout, new: Layout, devices: Iterable[str], allow_new_tensors: bool = False) -> Plan:
+    """The plan for these destination devices, from the layouts themselves (indexes them; see :func:`plan_share`)."""
+    return plan_share(LayoutIndex(old), LayoutIndex(new), devices, allow_new_tensors)
+
+
+def layouts_digest(old: LayoutIndex, new: LayoutIndex) -> str:
+    """One fingerprint of both layouts, for ranks to check that they planned from the same ones."""
+    return hashlib.sha256(f"{old.digest()}:{new.digest()}".encode()).hexdigest()
