@@ -9,9 +9,8 @@ first and the last device of a host in the middle: the last walks its host-mates
 memory of index and share together, and the busiest sender of the union of all shares (planned host by host
 and added up, so the union is never held in memory). Times are CPU seconds of this one process.
 
-May import: the PTC core (``tenplex.gpt``, ``tenplex.ptc``, ``tenplex.parallel``, ``tenplex.planner``,
-``tenplex.plan_index``, ``tenplex.share_planner``, ``tenplex._gc``), this package's :mod:`.plan` and the
-standard library.
+May import: the PTC core (``tenplex.layout``, ``tenplex.gpt``, ``tenplex.ptc``, ``tenplex.parallel``,
+``tenplex.planner``, ``tenplex.plan_index``, ``tenplex.share_planner``) and the standard library.
 """
 
 from __future__ import annotations
