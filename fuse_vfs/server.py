@@ -20,8 +20,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tenplex.dataset.format import DatasetError, DatasetInfo, open_dataset
-from tenplex.dataset.source import LocalRecords, RecordSource
+from tenplex.dataset.format import DatasetError, DatasetInfo
+from tenplex.dataset.inplace import open_dataset, open_records
+from tenplex.dataset.source import RecordSource
 from tenplex.dataset.state import StateError
 from tenplex.dataset.statefile import load_state_file_world
 
@@ -46,7 +47,7 @@ class Server:
     def __init__(self, dataset: str, mountpoint: str, state_file: str, source: RecordSource | None = None,
                  info: DatasetInfo | None = None):
         self.info = info or open_dataset(dataset)
-        self.source = source or LocalRecords(self.info)
+        self.source = source or open_records(self.info)
         self.mountpoint, self.state_file = Path(mountpoint), Path(state_file).resolve()
         self.loads, self.state_error = 1, None  # type: int, str | None
         self._state_key = _stat_key(self.state_file)
@@ -57,7 +58,7 @@ class Server:
                             self.root_doc, self.watch)
 
     def _dataset_keys(self) -> list[Any]:
-        return [_stat_key(self.info.root / n) for n in ("dataset.json", self.info.metadata["index"]["name"])]
+        return [_stat_key(p) for p in self.info.metadata_paths()]
 
     def root_doc(self) -> dict[str, Any]:
         gen: Generation = self.fs.generation
@@ -84,7 +85,7 @@ class Server:
     def check_dataset(self) -> None:
         why = self.source.changed()
         if why is None and self._dataset_keys() != self._meta_keys:
-            why = f"{self.info.root}/dataset.json or its index was rewritten"
+            why = f"{self.info.root}: the dataset's metadata or index was rewritten"
         if why and not self.fs.error:
             self.fs.fail(f"dataset changed under the mount: {why}; unmount and mount again")
             print(f"tenplex vfs: {self.fs.error}", file=sys.stderr, flush=True)

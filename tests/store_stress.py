@@ -177,6 +177,7 @@ def run(base: Path, rounds: int = 4, seconds: float | None = None, streams: int 
             for client in group.values():
                 client.close()
         for server in servers:
+            server.health.drain()  # its watcher stops before the directories go
             server.data_server.close()
             server.stop(None).wait()
     runner.outcome.seconds = round(time.monotonic() - began, 1)

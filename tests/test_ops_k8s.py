@@ -40,9 +40,26 @@ def test_store_daemonset_probes_grpc_health_and_exposes_metrics():
     assert _metrics_port(_pod_template("operator.yaml", "Deployment"), "operator") == 9102
 
 
+def _workers_monitor_matches_a_worker_pod(monitor: dict) -> None:
+    """The workers' PodMonitor selects the operator's worker pods, and scrapes the ports of a pod of 8 ranks."""
+    from tenplex.operator.pods import worker_pod
+    from tenplex.operator.settings import WorkerSettings
+    from tenplex.operator.spec import parse_spec
+
+    spec = {"image": "i", "command": ["train.py"], "minNodes": 1, "maxNodes": 2, "gpusPerNode": 8}
+    job = {"apiVersion": "tenplex.io/v1alpha1", "kind": "TenplexJob", "spec": spec,
+           "metadata": {"name": "j", "namespace": "team", "uid": "u"}}
+    pod = worker_pod(job, parse_spec(spec), "node-a", WorkerSettings())
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == \
+        [p["name"] for p in pod["spec"]["containers"][0]["ports"]]
+
+
 def test_podmonitors_select_the_pods_and_their_metrics_ports():
     monitors = _docs("podmonitor.yaml")
-    assert [m["kind"] for m in monitors] == ["PodMonitor", "PodMonitor"]
+    assert [m["kind"] for m in monitors] == ["PodMonitor", "PodMonitor", "PodMonitor"]
+    _workers_monitor_matches_a_worker_pod(monitors[2])
     for monitor, (manifest, kind) in zip(monitors, (("store.yaml", "DaemonSet"), ("operator.yaml", "Deployment"))):
         assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
         template = _pod_template(manifest, kind)

@@ -79,6 +79,8 @@ def test_back_pressure_one_snapshot_in_flight_and_the_previous_settled_first(fou
         stats = done["stats"]
         assert stats["snapshots"] == 4 and stats["committed"] == 4 and stats["failed"] == 0
         assert stats["committed_step"] == 4 and stats["replication_lag"] == 0
+        # w's rows are on one host each and nothing is copied (replicas=0): no step survives the loss of a host.
+        assert (stats["spread"], stats["copies"], stats["protected_step"]) == (False, 0, None)
         # Staging memory: one copy of the rank's state (model and Adam moments), reused by every snapshot.
         dump = load_file(str(base / "train" / f"snap_step4_r{rank}.safetensors"))
         assert stats["staging_bytes"] == state_bytes(dump)

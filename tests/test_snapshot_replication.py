@@ -59,6 +59,10 @@ def test_training_goes_on_and_the_copier_reports_the_failed_copy(lost_mid_copy):
         done = [o for o in ops if o["op"] == "wait_snapshot"]
         assert done[-1]["outcomes"] == [1, 2, 3]  # every snapshot committed: the ranks write their own disks
         assert [o["ok"] for o in ops if o["op"] == "wait_replicated"] == [True, False, False]
+    # Committed is not protected: h2's rank saw snapshots up to step 3 committed, but only step 1's copy of h1's
+    # rows committed on h2, so step 1 is the newest that survives the loss of h1 (as the restore below finds).
+    stats = [o for o in train[2] if o["op"] == "wait_snapshot"][-1]["stats"]
+    assert (stats["committed_step"], stats["protected_step"], stats["spread"], stats["copies"]) == (3, 1, False, 1)
     status = train[2][-1]["status"]  # h2 pulls h1's part: it saw the store die
     assert status["state"] == "failed" and "h1" in status["error"]
     assert train[2][-1]["hosts"] and any(r["status"]["state"] == "failed" for r in train[0][-1]["hosts"])

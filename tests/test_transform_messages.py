@@ -138,7 +138,7 @@ def test_the_api_refuses_bad_counts_before_touching_a_host():
             transform(plan(old, new), old, new, stores, 1, 2, **bad)
 
 
-def test_the_rpc_answers_invalid_argument_for_negative_streams(tmp_path):
+def test_the_rpc_answers_invalid_argument_for_negative_streams(tmp_path, caplog):
     import grpc
 
     from tenplex.store import Store
@@ -153,11 +153,15 @@ def test_the_rpc_answers_invalid_argument_for_negative_streams(tmp_path):
         call = channel.unary_stream("/tenplex.v1.Store/Transform", request_serializer=lambda m: m.SerializeToString(),
                                     response_deserializer=pb.TransformProgress.FromString)
         try:
-            list(call(message, timeout=60))
+            with caplog.at_level("WARNING", logger="tenplex.store.server"):
+                list(call(message, timeout=60))
             raise AssertionError("a Transform with streams -2 was accepted")
         except grpc.RpcError as e:
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, e.details()
             assert "streams must be an integer >= 1" in e.details()
+        # the store's own log says so too (its operators see no coordinator's output)
+        assert any(r.getMessage().startswith("transformation to version 4 on host h1 failed: ") and
+                   "streams must be an integer >= 1" in r.getMessage() for r in caplog.records)
     finally:
         channel.close()
         server.stop(grace=None)

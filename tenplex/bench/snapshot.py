@@ -19,11 +19,17 @@ round the slowest rank (barriers around it):
   ``dcp_async_blocking_s``: ``dcp.async_save`` (on a gloo group of its own, as
   its documentation asks) until it returns; ``dcp_async_commit_s``: until its
   future is done;
+* ``tenplex_snapshot_fixed_s``: the blocking seconds of a snapshot of the same model's structure with tiny
+  tensors (``tenplex_snapshot_fixed_state_bytes`` in all): what a snapshot costs whatever the state's size (the
+  all-gather, the hand-off to the writer thread, the bookkeeping); ``tenplex_snapshot_s_per_mb``: the rest of
+  ``tenplex_snapshot_blocking_s`` per MB a rank stages;
 * memory: ``tenplex_staging_bytes`` (the snapshot's buffers, all ranks; before each round every parameter and
   moment is changed in place, as by a step, so only what no step changes is linked,
   ``tenplex_snapshot_linked_bytes``) and
   ``dcp_async_extra_rss_bytes`` (resident memory grown during ``async_save``,
   all ranks);
+* ``snapshot_interval_at_20ms_steps``: the interval between snapshots that ``tenplex.elastic.Job``'s 5% budget
+  rule takes with this blocking time and steps of 20 ms (1: every step);
 * the end-to-end cost on this machine: ``train_step_s`` without saving and
   ``train_step_snapshot_s`` with a snapshot after every step (the background
   writer shares the CPU with training), and their ratio ``snapshot_slowdown``.
@@ -163,6 +169,44 @@ def _tenplex_saves(ckpt, trainer, repeat: int) -> dict:
     return result
 
 
+def _fixed_cost(spec: dict, work: Path, result: dict) -> dict:
+    """What a snapshot costs the training thread whatever the state's size: the median blocking seconds of a
+    snapshot of the same model's structure with tiny tensors (``tenplex_snapshot_fixed_s``), and the rest per byte
+    staged (``tenplex_snapshot_s_per_mb``, from the measured model's blocking seconds and staging bytes)."""
+    import torch
+    import torch.distributed as dist
+
+    import tenplex
+    from tenplex.models.gpt import GPTConfig, Parallel, Trainer
+
+    tiny_model = {**spec["model"], "hidden": 32, "ffn": 64, "vocab": 64}
+    tiny = Trainer(GPTConfig(**tiny_model), Parallel.parse(spec["config"]), global_batch=8)
+    tiny.train_step(0)
+    ckpt = tenplex.Checkpointer(store_root=work / "tiny-store", host="h0", device=f"h0/{dist.get_rank()}",
+                                replicas=0, keep=1)
+
+    local = _local_tensors(tiny)
+
+    def snapshot(i: int) -> tuple[float]:
+        ckpt.wait_snapshot()
+        with torch.no_grad():  # as a step would: every tensor changes, so every one is staged
+            for t in local:
+                t.mul_(1)
+        dist.barrier()
+        begin = time.perf_counter()
+        ckpt.async_save(tiny.model, tiny.optimizer, step=i, scheduler=tiny.scheduler)
+        return (time.perf_counter() - begin,)
+    _rounds(2, snapshot)  # the first allocates its buffers and sends the static documents
+    fixed, = _rounds(max(5, 3 * spec["repeat"]), snapshot)
+    ckpt.wait_snapshot()
+    tiny_bytes = int(_summed(ckpt.snapshot_stats()["staging_bytes"]))
+    ckpt.close()
+    per_rank = (result["tenplex_staging_bytes"] - tiny_bytes) / dist.get_world_size() / 1e6
+    per_mb = max(0.0, result["tenplex_snapshot_blocking_s"] - fixed) / max(per_rank, 1e-9)
+    return {"tenplex_snapshot_fixed_s": round(fixed, 5), "tenplex_snapshot_s_per_mb": round(per_mb, 6),
+            "tenplex_snapshot_fixed_state_bytes": tiny_bytes}
+
+
 def _dcp_saves(trainer, work: Path, repeat: int) -> dict:
     """``dcp_save_s``, ``dcp.async_save``'s blocking and commit seconds and the resident memory it adds."""
     import torch.distributed as dist
@@ -225,8 +269,12 @@ def _training(ckpt, trainer, steps: int) -> dict:
 
 
 def _ratios(result: dict) -> dict:
+    from tenplex.elastic.job import auto_interval
+
     blocking = result["tenplex_snapshot_blocking_s"]
-    return {"snapshot_over_memcpy": round(blocking / max(result["memcpy_s"], 1e-9), 2),
+    # The steps between snapshots that tenplex.elastic.Job's budget rule (5%) takes for 20 ms training steps.
+    return {"snapshot_interval_at_20ms_steps": auto_interval(blocking, 0.020),
+            "snapshot_over_memcpy": round(blocking / max(result["memcpy_s"], 1e-9), 2),
             "snapshot_over_dcp_async": round(blocking / max(result["dcp_async_blocking_s"], 1e-9), 2),
             "snapshot_commit_over_save": round(result["tenplex_snapshot_commit_s"]
                                                / max(result["tenplex_save_s"], 1e-9), 2)}
@@ -250,6 +298,7 @@ def _worker(spec_path: str) -> None:
                               "state_bytes": _state_bytes(trainer)}
     ckpt = tenplex.Checkpointer(store_root=work / "store", host="h0", device=f"h0/{rank}", replicas=0, keep=1)
     result.update(_tenplex_saves(ckpt, trainer, repeat))  # its memcpy buffers are freed before DCP takes memory
+    result.update(_fixed_cost(spec, work, result))
     result.update(_dcp_saves(trainer, work, repeat))
     result.update(_training(ckpt, trainer, spec["steps"]))
     result.update(_ratios(result))

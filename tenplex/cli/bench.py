@@ -17,7 +17,7 @@ import json
 
 # Benchmark modules under tenplex.bench.
 BENCHMARKS: tuple[str, ...] = ("vfs", "restore", "reads", "plan", "transfer", "reconfig", "compare", "partition",
-                              "simulate", "replicate", "snapshot", "durable")
+                              "simulate", "replicate", "snapshot", "durable", "data", "goodput")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

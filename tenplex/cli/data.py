@@ -12,7 +12,8 @@ import json
 import numpy as np
 
 from ..dataset import DatasetState, open_dataset, pack, upcoming_batches, write_state_file
-from ..dataset.pack import DEFAULT_FILE_BYTES
+from ..dataset.inplace import SOURCES
+from ..dataset.pack import DEFAULT_FILE_BYTES, pack_source
 from ..errors import UsageError
 
 
@@ -20,13 +21,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("data", help="pack datasets and plan each data-parallel rank's samples")
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
 
-    p = sub.add_parser("pack", help="build a record dataset from .npy/.npz files, a .jsonl, or a token .bin",
+    p = sub.add_parser("pack", help="build a record dataset from .npy/.npz files, a .jsonl, a token .bin, or a "
+                                    "Hugging Face, Parquet, WebDataset or Megatron dataset (--from)",
                        description="Build a record dataset from a directory of .npy/.npz files (one sample "
                                    "each), a .jsonl file (one sample per line), or a tokenised .bin of "
-                                   "fixed-length sequences (--seq-len, --dtype).")
+                                   "fixed-length sequences (--seq-len, --dtype). With --from, copy a dataset "
+                                   "that tenplex can also read in place: a Hugging Face save_to_disk directory, "
+                                   "a directory of Parquet files or of WebDataset .tar shards, or a Megatron "
+                                   "indexed dataset (.bin + .idx: documents, or with --seq-len GPT training "
+                                   "sequences).")
     p.add_argument("source")
     p.add_argument("output", help="new or empty output directory")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (token .bin input)")
+    p.add_argument("--from", dest="source_kind", choices=SOURCES,
+                   help="the source's format (read in place otherwise; see docs/guides/datasets.md)")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (token .bin input, or --from megatron)")
     p.add_argument("--dtype", help="token dtype, e.g. uint16 or int32 (token .bin input)")
     p.add_argument("--file-bytes", type=int, default=DEFAULT_FILE_BYTES, help="record file size limit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -79,8 +87,14 @@ def _pack(args: argparse.Namespace) -> int:
             np.dtype(args.dtype)
         except TypeError:
             raise UsageError(f"--dtype {args.dtype!r} is not a numpy dtype name; use e.g. uint16 or int32") from None
-    info = pack(args.source, args.output, seq_len=args.seq_len, dtype=args.dtype, file_bytes=args.file_bytes,
-                quiet=args.quiet)
+    if args.source_kind is not None:
+        if args.dtype is not None:
+            raise UsageError("--dtype is for a token .bin; a --from source records its own dtype")
+        info = pack_source(args.source, args.output, args.source_kind, seq_len=args.seq_len,
+                           file_bytes=args.file_bytes, quiet=args.quiet)
+    else:
+        info = pack(args.source, args.output, seq_len=args.seq_len, dtype=args.dtype, file_bytes=args.file_bytes,
+                    quiet=args.quiet)
     print(f"packed {info.num_samples} samples ({info.kind}) into {len(info.files)} record file(s) in "
           f"{info.root}; identity {info.identity}")
     return 0

@@ -5,7 +5,8 @@ May import: numpy, tqdm, the standard library, ``tenplex.errors``, ``tenplex.fil
 torch and is not imported here. Never imports ``fuse_vfs`` (the FUSE layer sits above).
 """
 
-from .format import DatasetError, DatasetInfo, decode_sample, open_dataset
+from .format import DatasetError, DatasetInfo, decode_sample
+from .inplace import open_dataset
 from .pack import pack, write_dataset
 from .state import DatasetState, StateError, epoch_order, upcoming_batches, remaining_in_epoch, split_sizes
 from .statefile import check_state_matches, load_state_file, write_state_file

@@ -1,6 +1,7 @@
 """The on-disk record format of a tenplex dataset, and its validated reader.
 
-May import: numpy, the standard library, ``tenplex.errors`` and ``tenplex.files`` (reading JSON).
+May import: numpy, the standard library, ``tenplex.errors``, ``tenplex.files`` (reading JSON) and
+``tenplex.dataset.encodings`` (decoding the samples of in-place sources).
 
 A dataset is a directory::
 
@@ -38,13 +39,14 @@ import numpy as np
 
 from ..errors import TenplexError
 from ..files import read_json
+from . import encodings
 
 FORMAT = "tenplex.dataset/1"
 METADATA_NAME = "dataset.json"
 INDEX_NAME = "index.npy"
 # Columns of the index array.
 FILE, OFFSET, LENGTH, CRC = 0, 1, 2, 3
-KINDS = ("npy", "npz", "json", "tensor", "bytes")
+KINDS = ("npy", "npz", "json", "tensor", "bytes", "arrow", "tar")  # arrow, tar: in-place sources (inplace.py)
 # A record file name is a plain name inside the dataset directory: no separators, no "..".
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 
@@ -101,9 +103,20 @@ class DatasetInfo:
     def record_path(self, file_no: int) -> Path:
         return self.root / self.files[file_no].name
 
+    @property
+    def source(self) -> str:
+        """"records" for a packed dataset, else the in-place source: hf, parquet, webdataset or megatron."""
+        return self.metadata.get("source", "records")
+
     def decode_info(self) -> dict[str, Any]:
         """The metadata a decoder needs (kind, and dtype/shape for tensors)."""
         return {k: self.metadata[k] for k in ("kind", "dtype", "shape") if k in self.metadata}
+
+    def metadata_paths(self) -> list[Path]:
+        """Files whose rewrite changes what the dataset is (a mount watches them besides the record files)."""
+        if self.source == "records":
+            return [self.root / METADATA_NAME, self.root / self.metadata["index"]["name"]]
+        return [self.root / f["name"] for f in self.metadata["files"]]
 
 
 def _local_bytes(path: Path) -> bytes:
@@ -152,9 +165,11 @@ def _load_index(root: Path, meta: dict[str, Any], read_bytes: Callable[[Path], b
     return index
 
 
-def open_dataset(root: str | os.PathLike, read_bytes: Callable[[Path], bytes] = _local_bytes,
-                 file_size: Callable[[Path], int] = _local_size) -> DatasetInfo:
-    """Load and validate a dataset directory (metadata, index digest, record file sizes and bounds).
+def open_packed(root: str | os.PathLike, read_bytes: Callable[[Path], bytes] = _local_bytes,
+                file_size: Callable[[Path], int] = _local_size) -> DatasetInfo:
+    """Load and validate a packed dataset directory (metadata, index digest, record file sizes and bounds).
+
+    ``tenplex.dataset.open_dataset`` opens this and the sources read in place (``inplace``).
 
     ``read_bytes`` and ``file_size`` fetch a whole file and stat one; they default to the local
     filesystem and are replaced for a dataset that lives on a remote store (FileNotFoundError: missing).
@@ -219,4 +234,8 @@ def decode_sample(data: bytes, info: dict[str, Any]) -> Any:
         return json.loads(data)
     if kind == "tensor":
         return np.frombuffer(data, dtype=np.dtype(info["dtype"])).reshape(info["shape"])
+    if kind == "arrow":
+        return encodings.decode_arrow(data)
+    if kind == "tar":
+        return encodings.decode_tar(data)
     return bytes(data)

@@ -1,13 +1,14 @@
 """Build a dataset in the record format from common inputs.
 
-May import: numpy, tqdm, the standard library, ``tenplex.dataset.format`` and
+May import: numpy, tqdm, the standard library, ``tenplex.dataset`` (format, inplace, source) and
 ``tenplex.files`` (atomic JSON writes).
 
 Inputs: a directory of ``.npy``/``.npz`` files (one sample per file, stored
 verbatim so ``np.load`` decodes it), a JSONL file (one sample per non-empty
 line), or a tokenised ``.bin`` of fixed-length sequences (``seq_len`` tokens of
-``dtype`` per sample). ``dataset.json`` is written last, so a pack that was
-interrupted is never mistaken for a dataset.
+``dtype`` per sample), or any source read in place (:func:`pack_source`: Hugging Face, Parquet,
+WebDataset, Megatron; its samples keep their encoding, see ``inplace``). ``dataset.json`` is
+written last, so a pack that was interrupted is never mistaken for a dataset.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..files import write_json_atomic
-from .format import (FORMAT, INDEX_NAME, METADATA_NAME, DatasetError, DatasetInfo, index_bytes,
-                     open_dataset)
+from .format import FORMAT, INDEX_NAME, METADATA_NAME, DatasetError, DatasetInfo, index_bytes, open_packed
 
 DEFAULT_FILE_BYTES = 256 << 20
 
@@ -87,7 +87,7 @@ def write_dataset(records: Iterable[bytes], out: str | os.PathLike, kind: str, *
                 "index": {"name": INDEX_NAME, "bytes": len(raw_index),
                           "sha256": hashlib.sha256(raw_index).hexdigest()}}
         write_json_atomic(out / METADATA_NAME, meta)
-        return open_dataset(out)
+        return open_packed(out)
     except BaseException:
         _remove_partial(out, created, [f["name"] for f in writer.files] + [INDEX_NAME, METADATA_NAME])
         raise
@@ -188,3 +188,26 @@ def pack(src: str | os.PathLike, out: str | os.PathLike, *, seq_len: int | None 
         return write_dataset(token_bin_records(src, seq_len, dtype, quiet), out, "tensor",
                              extra={"dtype": np.dtype(dtype).str, "shape": [seq_len]}, file_bytes=file_bytes)
     raise DatasetError(f"{src}: unsupported input; give a directory of .npy/.npz, a .jsonl or a token .bin")
+
+
+def pack_source(src: str | os.PathLike, out: str | os.PathLike, source: str, *, seq_len: int | None = None,
+                file_bytes: int = DEFAULT_FILE_BYTES, quiet: bool = True) -> DatasetInfo:
+    """Copy an in-place source (``hf``, ``parquet``, ``webdataset``, ``megatron``) into the record format.
+
+    Each sample's record is its bytes in the source's encoding (``inplace``), so it decodes to the same
+    value; ``seq_len`` makes Megatron training sequences instead of documents.
+    """
+    from .inplace import open_records, open_source
+    from .source import read_verified
+
+    info = open_source(src, source, seq_len=seq_len)
+    records = open_records(info)
+
+    def gen() -> Iterator[bytes]:
+        try:
+            for i in _progress(range(info.num_samples), info.num_samples, f"pack {info.root.name}", quiet):
+                yield read_verified(records, info, i)
+        finally:
+            records.close()
+    extra = {k: v for k, v in info.decode_info().items() if k != "kind"}
+    return write_dataset(gen(), out, info.kind, extra=extra, file_bytes=file_bytes)

@@ -1,6 +1,6 @@
 """Read one data-parallel rank's samples: from a FUSE mount, or in process without FUSE.
 
-May import: numpy, the standard library and ``tenplex.dataset`` (format, state, view, source).
+May import: numpy, the standard library and ``tenplex.dataset`` (format, inplace, state, view, source).
 
 Both readers expose the same thing: ``sample_ids`` (the rank's remaining samples
 of the epoch, in read order), ``micro_batches`` (its micro-batch size for every
@@ -22,8 +22,9 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .format import DatasetError, DatasetInfo, check_record, decode_sample, open_dataset
-from .source import LocalRecords, RecordSource, check_unchanged, read_verified
+from .format import DatasetError, DatasetInfo, check_record, decode_sample
+from .inplace import open_dataset, open_records
+from .source import RecordSource, check_unchanged, read_verified
 from .state import DatasetState
 from .statefile import check_state_matches
 from .view import DATA_NAME, INDEX_NAME, STATE_NAME, VIEW_FORMAT, build_view
@@ -59,7 +60,7 @@ class FallbackRankReader(RankReader):
                  source: RecordSource | None = None):
         self.info = dataset if isinstance(dataset, DatasetInfo) else open_dataset(dataset)
         check_state_matches(state, self.info)
-        self.source = source or LocalRecords(self.info)
+        self.source = source or open_records(self.info)
         self.view = build_view(self.info, state, dp, rank)
         self.state = state
         self.sample_ids, self.micro_batches = self.view.sample_ids, self.view.micro_batches

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path, PurePosixPath
 
-from .format import DatasetError, DatasetInfo, open_dataset, safe_name
+from .format import DatasetError, DatasetInfo, open_packed, safe_name
 
 BLOCK_BYTES = 4 << 20
 CHANGE_CHECK_S = 1.0  # how often changed() asks the store (it is polled by the mount's watcher)
@@ -154,7 +154,7 @@ def open_remote(address: str, dataset: str, cache_dir: str | os.PathLike | None 
         return st["size"]
 
     try:
-        info = open_dataset(Path(f"{address}:{remote_root}"), read_bytes=read_bytes, file_size=file_size)
+        info = open_packed(Path(f"{address}:{remote_root}"), read_bytes=read_bytes, file_size=file_size)
         cache = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "tenplex-dataset-cache"
         return info, RemoteRecords(client, info, remote_root, cache, stats=stats)
     except BaseException:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import os
 import threading
+import zlib
 from typing import Protocol
 
-from .format import FILE, LENGTH, OFFSET, DatasetError, DatasetInfo, check_record
+from .format import DatasetError, DatasetInfo, check_record
 
 
 class RecordSource(Protocol):
@@ -87,9 +88,10 @@ class LocalRecords:
 
 def read_verified(source: RecordSource, info: DatasetInfo, sample: int) -> bytes:
     """Sample ``sample``'s record, checked against its length and crc32 (DatasetError names file and offset)."""
-    row = info.index[sample]
-    data = source.read(int(row[FILE]), int(row[OFFSET]), int(row[LENGTH]))
-    check_record(data, row, str(info.record_path(int(row[FILE]))), sample)
+    file_no, offset, length, crc = info.index[sample].tolist()  # one conversion: this runs once per sample
+    data = source.read(file_no, offset, length)
+    if len(data) != length or zlib.crc32(data) != crc:  # check_record says what is wrong, naming the file
+        check_record(data, info.index[sample], str(info.record_path(file_no)), sample)
     return data
 
 

@@ -115,7 +115,8 @@ def ensure_view(dataset: str | os.PathLike, mountpoint: str | os.PathLike, state
         state_file, log = _names(state_dir, mount)
         # A placeholder until the first world switches: valid (dp 1, global batch 1), but naming no world.
         write_state_file(state_file, DatasetState(info.identity, info.num_samples, 0, 0, 1), dp=1)
-        fuse_vfs.mount(info.root, mount, state_file, log_path=log, timeout=timeout)
+        # the path as given: a source file (tenplex.source/1) carries options its data directory does not
+        fuse_vfs.mount(Path(dataset).absolute(), mount, state_file, log_path=log, timeout=timeout)
         return fuse_vfs.read_root(mount)
 
 

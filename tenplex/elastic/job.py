@@ -80,7 +80,7 @@ from .policy import Choice, choose
 
 if TYPE_CHECKING:
     from ..dataset import DatasetState
-    from ..dataset.torch_data import RankDataset
+    from ..dataset.torch_data import RankDataset, StepLoader
 
 log = logging.getLogger(__name__)
 DATASET_KEY = "tenplex.dataset"  # where the data position travels in the saved ``extra``
@@ -279,7 +279,7 @@ class Job:
                                  time.monotonic() - begin, info.saved_version, info.read_through,
                                  gathered.lost, gathered.lost_total)
         self._last_boundary = time.monotonic()
-        self.metrics.observe_restore(self.step, self._last_committed_step, gathered.lost)
+        self.metrics.observe_restore(self.step, self._last_committed_step, gathered.lost, self._protected_step)
         if self.save_every:
             self._next_save = self.step + self.save_every
         elif self.save_every is None:
@@ -346,28 +346,42 @@ class Job:
 
     def batch(self) -> Batch:
         """This rank's data-parallel share of the global batch at :attr:`step` (its tp/pp peers get the same)."""
-        from ..dataset.torch_data import RankBatchSampler, RankDataset, collate
+        from ..dataset.torch_data import collate
 
-        if self._state0 is None:
-            raise ConfigError("this Job has no dataset: pass dataset= to Job, or read your data yourself")
-        if self._data is not None and self.step - self._data[0] < len(self._data[2]):
-            first, data, batches = self._data
-        else:
-            # A reader per stretch of steps within one epoch: it yields the rest of that epoch's micro-batches.
-            first, state = self.step, self.data_state
-            if self._data_view is None:
-                data = RankDataset.fallback(self._info, state, self.config.dp, self.coords["dp"])
-            else:
-                if self._data is not None:  # a new epoch: the view held the rest of the last one
-                    self._data_view = dataview.follow(self, state)
-                data = dataview.open_rank(self._data_view, state)
-            batches = list(RankBatchSampler(data))
-            self._data = (first, data, batches)
+        first, data, batches = self._stretch()
         positions = batches[self.step - first]
         starts, stops = data.reader.state.batch_bounds()
         size = int(stops[self.step - first] - starts[self.step - first])
         ids = data.sample_ids[positions].tolist()
         return Batch(self.step, ids, collate([data[i] for i in positions]), len(ids) / size)
+
+    def _stretch(self) -> tuple[int, "RankDataset", list[list[int]]]:
+        """(first step, RankDataset, micro-batches) of this epoch's rest from :attr:`step` on (the view's, if any)."""
+        from ..dataset.torch_data import RankBatchSampler, RankDataset
+
+        if self._state0 is None:
+            raise ConfigError("this Job has no dataset: pass dataset= to Job, or read your data yourself")
+        if self._data is not None and 0 <= self.step - self._data[0] < len(self._data[2]):
+            return self._data
+        # A reader per stretch of steps within one epoch: it yields the rest of that epoch's micro-batches.
+        first, state = self.step, self.data_state
+        if self._data_view is None:
+            data = RankDataset.fallback(self._info, state, self.config.dp, self.coords["dp"])
+        else:
+            if self._data is not None:  # a new epoch: the view held the rest of the last one
+                self._data_view = dataview.follow(self, state)
+            data = dataview.open_rank(self._data_view, state)
+        self._data = (first, data, list(RankBatchSampler(data)))
+        return self._data
+
+    def loader(self, **options: Any) -> "StepLoader":
+        """This rank's batches from :attr:`step` on through a ``torch.utils.data.DataLoader`` (``options``:
+        ``num_workers``, ``prefetch_factor``, ``pin_memory``, ``collate_fn``, …): one :class:`Batch` per step,
+        across epochs; call :meth:`step_done` after each. Samples its workers prefetched but the job did not
+        train on are not counted: the position is the steps done (see ``tenplex.dataset.torch_data``)."""
+        from ..dataset.torch_data import StepLoader
+
+        return StepLoader(self._stretch, lambda: self.step, lambda: self.data_state, Batch, **options)
 
     # ----------------------------------------------------------------- step boundary
     def _on_sigterm(self, signum, frame) -> None:
@@ -461,7 +475,8 @@ class Job:
         self._cost["saves"] += 1
         self._cost["save_s"] += seconds
         self.last_save = {"step": self.step, "version": version, "why": why, "seconds": seconds,
-                          "replication_lag": self._replication_lag}
+                          "replication_lag": self._replication_lag, "committed_step": self._last_committed_step(),
+                          "protected_step": self._protected_step()}
         if why != "snapshot":
             self._committed_blocking = self.step
         self.metrics.observe_save(blocking=seconds, background=self._background_s(), reason=why)
@@ -484,6 +499,15 @@ class Job:
         steps = [s for s in (self._committed_blocking, self._snapshot_stat("committed_step")) if s is not None]
         return max(steps, default=None)
 
+    def _protected_step(self) -> int | None:
+        """The newest committed step that survives the loss of any one host: the committed one when every region is
+        on two hosts or more (DDP, HSDP); else the committed one less the agreed replication lag, when copies are
+        made; None when nothing protects it (one host, or ``replicas=0`` without replicas across hosts)."""
+        committed = self._last_committed_step()
+        if committed is None or self._snapshot_stat("spread", False):
+            return committed
+        return committed - self._replication_lag if self._snapshot_stat("copies", 0) else None
+
     def _background_s(self) -> float:
         """Seconds of this rank's last finished background snapshot write (0: none yet, or blocking saves only)."""
         return float(self._snapshot_stat("last_write_s", 0.0))
@@ -494,12 +518,15 @@ class Job:
         also: this rank's seconds of background writing (``background_s``), snapshots committed and failed, its
         staging memory (``staging_bytes``) and the replication lag in steps (agreed: the largest over the ranks)
         between the newest committed snapshot and the newest whose copies are committed. ``lost_steps``: the
-        steps an earlier world finished beyond the restored one, ``lost_steps_total``: the job's in all."""
+        steps an earlier world finished beyond the restored one, ``lost_steps_total``: the job's in all.
+        ``committed_step``: the newest committed save's step; ``protected_step``: the newest that survives the loss
+        of any one host (the elastic guide, "Committed is not the same as protected")."""
         c: dict[str, Any] = dict(self._cost)
         c["fraction"] = c["save_s"] / c["train_s"] if c["train_s"] else 0.0
         c["interval"] = None if self._next_save is None else max(1, self._next_save - (self._saved_step or 0))
         c["lost_steps"] = 0 if self.restored is None else self.restored.lost_steps
         c["lost_steps_total"] = 0 if self.restored is None else self.restored.lost_steps_total
+        c["committed_step"], c["protected_step"] = self._last_committed_step(), self._protected_step()
         stats = {} if self._tracked is None else self._tracked["checkpointer"].snapshot_stats()
         if stats:
             c.update(background_s=stats["write_s"], snapshots=stats["committed"], failed_snapshots=stats["failed"],

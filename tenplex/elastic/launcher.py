@@ -94,8 +94,9 @@ def parser():
     p.add_argument("--token-file", type=Path, help="the stores' shared token (needed beyond loopback)")
     p.add_argument("--durable", metavar="s3://BUCKET/PREFIX",
                    help="flush saved versions to this bucket and restore from it (sets TENPLEX_DURABLE)")
-    p.add_argument("--dataset", type=Path, help="a packed dataset the workers read through a FUSE view "
-                                                "(with --data-mount)")
+    p.add_argument("--dataset", type=Path, help="a dataset the workers read through a FUSE view (with "
+                                                "--data-mount): packed, or a Hugging Face, Parquet, WebDataset or "
+                                                "Megatron directory or source file, read in place")
     p.add_argument("--data-mount", type=Path, help="where this node mounts the job's view of --dataset (once per "
                                                    "node; every world switches it before its workers read)")
     return p

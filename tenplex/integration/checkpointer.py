@@ -78,6 +78,7 @@ from .exchange import agree, all_gather_json
 from .layouts import check_and_build, check_optimizer, specs_of, state_pieces
 from .pieces import Piece, init_optimizer_state, state_owners
 from .restoring import Reach, RestoreInfo, apply_state, bring_within_reach
+from .rollforward import PARTS_DOC, parts_doc, roll_forward
 from .savedoc import SaveRound, coord_key, rank_doc, replica_count, state_doc
 from .shardio import read_piece, write_piece
 from .snapshot import Snapshotter
@@ -181,6 +182,7 @@ class Checkpointer:
                     writer.put_json(STATE_DOC, state_doc(docs, step, extra, scheduler, scaler, optimizer))
                     writer.put_json(STORES_DOC, stores_doc(version, {h: round_.addresses.get(h) for h in round_.ring},
                                                            replicas, round_.ring))
+                    writer.put_json(PARTS_DOC, parts_doc(round_.all_parts()))
                 writer.prepare()
 
         # Name the parts: a crashed earlier attempt may have left other ranks' parts of this version staged.
@@ -238,7 +240,10 @@ class Checkpointer:
         (total, last, of which waiting for the previous write), the last background write and commit seconds,
         the staging bytes, the last snapshot's bytes linked unchanged from the previous one (``linked_bytes``), the
         snapshots committed a boundary late because the job's key-value store did not answer (``late_commits``),
-        the newest committed and replicated steps and the replication lag in steps."""
+        the newest committed and replicated steps and the replication lag in steps, whether the last committed
+        snapshot holds every region on two hosts or more (``spread``) and its copies per region (``copies``),
+        and ``protected_step``: the newest committed step that survives the loss of any one host as this rank
+        sees it (the committed one when ``spread``; else the newest whose copies this rank pulled; None: none)."""
         if self._snapshots is None:
             return {}
         stats = dict(self._snapshots.stats)
@@ -296,6 +301,7 @@ class Checkpointer:
         the one gathered from the ranks; it must give every rank what it needs.
         """
         rank = dist.get_rank(self.group)
+        roll_forward(self.store, self.group)  # a version whose commit decision was lost with a host
 
         def pieces_for(saved_tensors, scalars) -> list[Piece]:
             if optimizer is not None:  # state for exactly the parameters that had some when saved

@@ -15,6 +15,7 @@ submodule called ``module`` keeps its name.
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 
@@ -37,8 +38,23 @@ def _wrapped_attribute(module: torch.nn.Module) -> str | None:
     return None
 
 
+# model -> {name: bare name}: a name's wrappers are fixed by its own atoms (a wrapper added later changes the name,
+# or leaves it and its bare name as they were), and a snapshot asks for every name at every step
+_BARE: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str, str]]" = weakref.WeakKeyDictionary()
+
+
 def bare_name(model: torch.nn.Module, name: str) -> str:
     """``name`` (from ``state_dict()`` or ``named_parameters()``) without the wrappers' attributes."""
+    known = _BARE.get(model)
+    if known is None:
+        known = _BARE[model] = {}
+    found = known.get(name)
+    if found is None:
+        found = known[name] = _bare_name(model, name)
+    return found
+
+
+def _bare_name(model: torch.nn.Module, name: str) -> str:
     atoms, out, i = name.split("."), [], 0
     module: torch.nn.Module | None = model
     while i < len(atoms):

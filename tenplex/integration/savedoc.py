@@ -37,11 +37,23 @@ def coord_key(coords: Mapping[str, int] | None, rank: int) -> str:
 def rank_doc(pieces: list[Piece], *, device: str, host: str, latest: int | None, store: str | None, coord: str,
              rng: bool, model, optimizer) -> dict:
     """What a saving rank tells the others: where it is, what it holds, its RNG and optimizer scalars."""
-    return {"device": device, "host": host, "latest": latest, "store": store,
-            "tensors": specs_of(pieces), "boxes": [[p.name, list(p.box.offsets), list(p.box.lengths)] for p in pieces],
-            "coord": coord, "rng": capture_rng() if rng else None,
-            "scalars": optimizer_scalars(model, optimizer) if optimizer is not None else {},
+    return {**static_doc(pieces, device=device, host=host, store=store, coord=coord, model=model,
+                         optimizer=optimizer), **step_doc(latest, rng, model, optimizer)}
+
+
+def static_doc(pieces: list[Piece], *, device: str, host: str, store: str | None, coord: str, model,
+               optimizer) -> dict:
+    """The part of :func:`rank_doc` that stays the same while the model's structure does (a snapshot sends it
+    once per world, :mod:`.snapshot`): where the rank is, the tensors and boxes it holds, the parameter groups."""
+    return {"device": device, "host": host, "store": store, "tensors": specs_of(pieces),
+            "boxes": [[p.name, list(p.box.offsets), list(p.box.lengths)] for p in pieces], "coord": coord,
             "groups": group_names(model, optimizer), "buffers": buffer_names(model)}
+
+
+def step_doc(latest: int | None, rng: bool, model, optimizer) -> dict:
+    """The part of :func:`rank_doc` that changes every step: the newest version, RNG, optimizer scalars."""
+    return {"latest": latest, "rng": capture_rng() if rng else None,
+            "scalars": optimizer_scalars(model, optimizer) if optimizer is not None else {}}
 
 
 def state_doc(docs: list[dict], step: int, extra, scheduler, scaler, optimizer) -> dict:
@@ -111,6 +123,13 @@ class SaveRound:
     def next_version(self, pending: Sequence[int] = ()) -> int:
         """One above every host's newest version (and above ``pending`` ones, not yet committed)."""
         return 1 + max([d["latest"] for d in self.docs if d["latest"] is not None] + list(pending), default=0)
+
+    def all_parts(self) -> dict[str, list[str]]:
+        """Every host's parts of the version (one per rank), recorded with it (:mod:`.rollforward`)."""
+        parts: dict[str, list[str]] = {}
+        for r, d in enumerate(self.docs):
+            parts.setdefault(d["host"], []).append(f"rank{r}")
+        return parts
 
     def layout(self) -> Layout:
         """The saved layout: every box with the device that writes it on each host."""

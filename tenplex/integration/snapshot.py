@@ -1,8 +1,8 @@
 """Snapshots: a save that returns once the state is staged in host memory; a background thread stores and commits it.
 
 May import: ``tenplex.box``, ``tenplex.store``, ``tenplex.replication``, ``tenplex.layout``, ``tenplex.errors``,
-``tenplex.integration`` (pieces, layouts, canonical, snapshot_buffers, exchange, jobstore, nontensor, savedoc,
-versions), torch,
+``tenplex.integration`` (pieces, layouts, canonical, snapshot_buffers, exchange, jobstore, nontensor, rollforward,
+savedoc, snapshot_round, versions), torch,
 torch.distributed and the standard library.
 
 A snapshot is a version like any other: the same parts, manifest and commit
@@ -45,6 +45,7 @@ some host lacks is never restored from (the restore's version choice).
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -65,7 +66,9 @@ from .exchange import agree, all_gather_json
 from .jobstore import JobKeyValue
 from .layouts import state_pieces
 from .pieces import Piece
+from .rollforward import PARTS_DOC, parts_doc
 from .savedoc import SaveRound, state_doc
+from .snapshot_round import RoundCache
 from .shardio import _as_storage
 from .canonical import canonical_buffers
 from .snapshot_buffers import SnapshotBuffers
@@ -110,9 +113,10 @@ class _InFlight:
     called_at: float = field(default_factory=time.monotonic)  # when async_save was called
     written: threading.Event = field(default_factory=threading.Event)
     give_up: threading.Event = field(default_factory=threading.Event)
-    thread: threading.Thread | None = None
+    done: threading.Event = field(default_factory=threading.Event)  # the writer thread is through with it
     error: str | None = None
     committed: bool = False
+    spread: bool = False             # every region is on two hosts or more: it survives the loss of one
     write_s: float = 0.0
     commit_s: float | None = None    # seconds from the call until this host committed
 
@@ -125,6 +129,9 @@ class Snapshotter:
         self.staging = SnapshotBuffers()
         self.inflight: _InFlight | None = None
         self._kv = JobKeyValue()
+        self.rounds = RoundCache(ckpt)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # snapshots for the writer thread; None: stop
+        self._writer: threading.Thread | None = None
         self._unchanged_base: tuple[int, dict[tuple[str, Box], tuple]] | None = None  # newest committed, its pieces
         self._next_copy: tuple[int, int, Layout, dict, int] | None = None  # newest committed, not yet copied
         self._copying_step: int | None = None
@@ -135,7 +142,8 @@ class Snapshotter:
         self.stats: dict[str, Any] = {"snapshots": 0, "committed": 0, "failed": 0, "blocking_s": 0.0,
                                       "waited_s": 0.0, "last_blocking_s": 0.0, "write_s": 0.0, "last_write_s": 0.0,
                                       "last_commit_s": None, "staging_bytes": 0, "linked_bytes": 0, "late_commits": 0,
-                                      "committed_step": None, "replicated_step": None}
+                                      "committed_step": None, "replicated_step": None,
+                                      "protected_step": None, "spread": False, "copies": 0}
 
     # ------------------------------------------------------------------ boundary
     def snapshot(self, model, optimizer, *, step: int, extra, scheduler, scaler, annotations, rng: bool) -> Future:
@@ -146,11 +154,9 @@ class Snapshotter:
         previous = self._stop_background()
         waited = time.monotonic() - begin
         pieces = [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
-        mine = ckpt.rank_doc(pieces, rank, rng, model, optimizer)
-        mine.update(previous=previous, nonce=uuid.uuid4().hex)
-        docs = all_gather_json(mine, group)
+        docs = self.rounds.exchange(pieces, rank, rng, model, optimizer, previous=previous, nonce=uuid.uuid4().hex)
         self._settle(docs)
-        round_ = SaveRound.of(docs, ckpt.host, ckpt.stores)  # the same on every rank: a mismatch raises everywhere
+        round_ = self.rounds.round(docs)  # the same on every rank: a mismatch raises everywhere
         writers = round_.writers
         canonical = canonical_buffers(pieces, docs, writers, rank, group)  # replicas may differ: see .canonical
         version = round_.next_version([d["previous"]["version"] for d in docs if d["previous"]])
@@ -165,17 +171,15 @@ class Snapshotter:
         if rank == leader:
             # The state document reads the scheduler, scaler and optimizer now (they change at the next step);
             # the layout and the stores document depend only on the all-gather's answers: built in the background.
-            documents = {STATE_DOC: state_doc(docs, step, extra, scheduler, scaler, optimizer)}
+            documents = {STATE_DOC: state_doc(docs, step, extra, scheduler, scaler, optimizer),
+                         PARTS_DOC: parts_doc(round_.all_parts())}
             leader_docs = round_
         job = self.inflight = _InFlight(
             version, step, rank == leader, round_.parts, world,
             f"tenplex/snapshot/{docs[0]['nonce']}", None, round_.addresses, replicas,
             {k: f for k, f in fingerprints.items() if f is not None},
-            [(p.name, p.box) for p in own if (p.name, p.box) in unchanged], called_at=begin)
-        specs = {p.name: p.spec for p in own}
-        job.thread = threading.Thread(target=self._write, args=(job, specs, documents, leader_docs, rank),
-                                      name=f"tenplex-snapshot-{version}", daemon=True)
-        job.thread.start()
+            [(p.name, p.box) for p in own if (p.name, p.box) in unchanged], called_at=begin, spread=self.rounds.spread)
+        self._hand_off(job, ({p.name: p.spec for p in own}, documents, leader_docs, rank))
         blocking = time.monotonic() - begin
         self.stats.update(snapshots=self.stats["snapshots"] + 1, blocking_s=self.stats["blocking_s"] + blocking,
                           staged_version=version, staged_step=step,
@@ -208,8 +212,7 @@ class Snapshotter:
             return None
         job.written.wait()
         job.give_up.set()
-        assert job.thread is not None
-        job.thread.join()
+        job.done.wait()
         return {"version": job.version, "error": job.error, "committed": job.committed, "leader": job.leader}
 
     def _settle(self, docs: list[dict]) -> None:
@@ -241,12 +244,35 @@ class Snapshotter:
                                                    f"committed: rank {rank}: {error}"))
             return
         self.stats.update(committed=self.stats["committed"] + 1, committed_step=job.step,
-                          committed_version=job.version, last_write_s=job.write_s, last_commit_s=job.commit_s)
+                          committed_version=job.version, last_write_s=job.write_s, last_commit_s=job.commit_s,
+                          spread=job.spread, copies=job.replicas)
+        if job.spread:
+            self.stats["protected_step"] = job.step
         self.ckpt._replicated_version = job.version
         self._unchanged_base = (job.version, job.fingerprints)
         job.future.set_result(job.version)
 
     # ------------------------------------------------------------ background
+    def _hand_off(self, job: _InFlight, args: tuple) -> None:
+        """Give the snapshot to this snapshotter's writer thread (one for its life: starting a thread per snapshot
+        costs the training thread more than the rest of a small snapshot)."""
+        if self._writer is None:
+            self._writer = threading.Thread(target=self._write_loop, name="tenplex-snapshot-writer", daemon=True)
+            self._writer.start()
+        self._queue.put((job, args))
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, args = item
+            try:
+                self._write(job, *args)
+            finally:
+                job.written.set()
+                job.done.set()
+
     def _write(self, job: _InFlight, specs, documents: dict[str, Any], leader_docs: SaveRound | None,
                rank: int) -> None:
         """Write and prepare this rank's part, then take part in the commit (see the module docstring)."""
@@ -370,6 +396,8 @@ class Snapshotter:
                 ckpt._replicator = replicator
             if replicator.wait():
                 self.stats["replicated_step"] = step
+                if (self.stats["protected_step"] or -1) < step:
+                    self.stats["protected_step"] = step  # its copies are committed on the ring's next hosts
                 return
             if replicator.state == "cancelled":
                 return
@@ -401,6 +429,7 @@ class Snapshotter:
         uncommitted."""
         if self.inflight is not None:
             self.inflight.give_up.set()
+        self._queue.put(None)
         with self._copy_wanted:
             self._closed = True
             self._copy_wanted.notify()

@@ -292,6 +292,9 @@ class JobMetrics:
         self.committed_step = Gauge("tenplex_job_last_committed_step", "The step of the newest committed save "
                                     "(-1: none yet)", registry=r)
         self.committed_step.set(-1)
+        self.protected_step = Gauge("tenplex_job_protected_step", "The newest committed step that survives the loss "
+                                    "of any one host (-1: none)", registry=r)
+        self.protected_step.set(-1)
         self.restored_step = Gauge("tenplex_job_restored_step", "The step this world restored (0: a fresh job)",
                                    registry=r)
         self.lost_steps = Counter("tenplex_job_lost_steps", "Steps an earlier world finished beyond the step this "
@@ -325,7 +328,8 @@ class JobMetrics:
         name = f"dp={config.dp},tp={config.tp},pp={config.pp},sharding={config.sharding}"  # no devices: bounded
         self.configuration.labels(name, str(config.dp), str(config.tp), str(config.pp)).set(1)
 
-    def observe_restore(self, step: int, committed: Callable[[], int | None], lost: int = 0) -> None:
+    def observe_restore(self, step: int, committed: Callable[[], int | None], lost: int = 0,
+                        protected: Callable[[], int | None] | None = None) -> None:
         """``committed()``: the step of the newest committed save, read when Prometheus scrapes (a snapshot
         commits in the background, after the boundary that staged it); ``lost``: the steps this restore lost."""
         self.step.set(step)
@@ -333,6 +337,8 @@ class JobMetrics:
         self.lost_steps.inc(lost)
         self.last_lost_steps.set(lost)
         self.committed_step.set_function(lambda: -1 if (last := committed()) is None else last)
+        if protected is not None:
+            self.protected_step.set_function(lambda: -1 if (safe := protected()) is None else safe)
 
     def observe_step(self, seconds: float, step: int) -> None:
         self.step_seconds.observe(seconds)

@@ -34,7 +34,7 @@ from .datasets import resolve_dataset_path
 from .local import Store
 from .manifest import RPC_PART, AlreadyCommitted, Conflict, NotFound, OutOfRange
 from .reader import VersionReader
-from .statuses import guard as _guard
+from .statuses import guard as _guard, message_of, status_of
 from .streams import StreamLimits
 from .transformer import Transformer
 from .writer import VersionWriter
@@ -357,6 +357,9 @@ class StoreService:
                                           root_certificates=self.peer_root_certificates)
                 updates.put(("done", wire.to_pb_transform_progress(result)))
             except BaseException as e:  # noqa: BLE001 - reported to the coordinator below
+                if status_of(e) != grpc.StatusCode.INTERNAL:  # INTERNAL: the guard logs it with its traceback
+                    log.warning("transformation to version %d on host %s failed: %s", version, self.store.host,
+                                message_of(e))
                 updates.put(("error", e))
             finally:
                 with self._lock:

@@ -1,0 +1,71 @@
+"""A snapshot's all-gather, with the documents that stay the same within a world sent once.
+
+May import: ``tenplex.replication`` (which regions one host alone holds), this package's :mod:`.exchange`,
+:mod:`.pieces` and :mod:`.savedoc`, torch.distributed and the standard library.
+
+Every snapshot begins with one all-gather of JSON (:mod:`.snapshot`, step 1). Most of a rank's save document
+(:func:`.savedoc.static_doc`: its device, the tensors and boxes it holds, the parameter groups) does not change
+while the model's structure does not, and the layout does not change within a world. So each rank sends it only
+when it changed since the last all-gather of its snapshotter (the first time, and after a change of structure),
+every rank keeps what each rank sent last, and what every rank derives from all of them (:class:`.SaveRound`:
+who writes which box, the host leaders, the store addresses) is derived again only when some rank sent a new one.
+Every rank receives the same documents in the same order, so every rank's copy is the same. Sent every time:
+the newest version, the RNG streams, the optimizer scalars and what the caller adds (the previous snapshot's
+outcome).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..replication.plan import unique_regions
+from .exchange import all_gather_json
+from .pieces import Piece
+from .savedoc import SaveRound, static_doc, step_doc
+
+
+class RoundCache:
+    """One snapshotter's view of every rank's static document, and the round derived from them."""
+
+    def __init__(self, ckpt) -> None:
+        self.ckpt = ckpt
+        self._key: tuple | None = None   # what this rank's static document was made from
+        self._static: dict | None = None
+        self._sent = False               # this rank's current static document went out in an all-gather
+        self._peers: dict[int, dict] = {}  # rank -> the static document it sent last
+        self._round: SaveRound | None = None
+        self.changed = True              # the last exchange carried some rank's new static document
+        self.spread = False              # every region of the round's layout is on two hosts or more
+
+    def exchange(self, pieces: list[Piece], rank: int, rng: bool, model, optimizer, **more: Any) -> list[dict]:
+        """Every rank's whole save document (static and per-step parts) and ``more``. Collective."""
+        ckpt = self.ckpt
+        key = (id(model), id(optimizer), ckpt.store_address,
+               tuple((p.name, p.box, p.spec) for p in pieces),
+               tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups) if optimizer else ())
+        if key != self._key:
+            self._key, self._sent = key, False
+            self._static = static_doc(pieces, device=ckpt.device, host=ckpt.host, store=ckpt.store_address,
+                                      coord=ckpt.coord_key(rank), model=model, optimizer=optimizer)
+        mine = {**step_doc(ckpt.store.latest(), rng, model, optimizer), **more}
+        if not self._sent:
+            mine["static"] = self._static
+        docs = all_gather_json(mine, ckpt.group)
+        self._sent = True
+        self.changed = any("static" in d for d in docs)
+        for r, d in enumerate(docs):
+            if "static" in d:
+                self._peers[r] = d.pop("static")
+            d.update(self._peers[r])
+        return docs
+
+    def round(self, docs: list[dict]) -> SaveRound:
+        """The round of these documents: derived again only when some rank's static document changed."""
+        if self.changed or self._round is None:
+            self._round = None  # derived again next time too, should this raise
+            self._round = SaveRound.of(docs, self.ckpt.host, self.ckpt.stores)  # a mismatch raises everywhere
+            self.spread = len(self._round.ring) > 1 and not unique_regions(self._round.layout())
+        else:
+            self._round = dataclasses.replace(self._round, docs=docs)
+        return self._round
