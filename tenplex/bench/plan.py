@@ -37,7 +37,7 @@ from ..gpt import gpt
 from ..parallel import ParallelConfig
 from ..transfer_plan import Transfer
 from ..planner import plan
-from ..ptc import layout
+from ..ptc import PTC, layout
 from .plan_share import per_rank
 
 DESCRIPTION = ("time layout construction and planning for a GPT-3-175B-shaped model on 1,024 devices, and one "
@@ -117,12 +117,11 @@ def _measure(ptc, old_config: ParallelConfig, new_config: ParallelConfig, label:
 def run(args: argparse.Namespace) -> list[dict]:
     jobs = _scenarios(args, *_series(args))
     rows = [_measure(*job) for job in tqdm(jobs, desc="bench plan", unit="plan", leave=False, disable=None)]
-    ranked = _rank_jobs(args)
-    return rows + [_measure_rank(*job, args.global_memory_up_to)
-                   for job in tqdm(ranked, desc="bench plan per rank", unit="plan", leave=False, disable=None)]
+    ranked = tqdm(_rank_jobs(args), desc="bench plan per rank", unit="plan", leave=False, disable=None)
+    return rows + [_measure_rank(ptc, old, new, label, args.global_memory_up_to) for ptc, old, new, label in ranked]
 
 
-def _rank_jobs(args: argparse.Namespace) -> list[tuple]:
+def _rank_jobs(args: argparse.Namespace) -> list[tuple[PTC, ParallelConfig, ParallelConfig, str]]:
     """(PTC, old config, new config, label) for every scenario at every ``--rank-series`` device count."""
     counts = _numbers(args.rank_series, "--rank-series")
     if any(n % 128 or n < 256 for n in counts):
