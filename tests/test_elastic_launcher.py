@@ -60,6 +60,24 @@ def test_torchrun_argv_keeps_what_the_user_set():
     assert torchrun_argv(standalone) == ["--standalone", "--max-restarts", "10", *ENTRY, "script", "t.py"]
 
 
+def test_in_place_runs_a_torchrun_of_this_node_alone_and_gives_the_rendezvous_to_the_workers():
+    from tenplex.elastic.inplace_launch import local_argv
+    from tenplex.elastic.launcher import _given, _without
+
+    argv = ["--host", "h0", "--store-root", "/s", "--in-place", "--nnodes", "2:4", "--nproc-per-node", "3",
+            "--rdzv-endpoint", "127.0.0.1:5", "--rdzv-id=job7", "--rdzv-conf", "x=1", "t.py", "--in-place"]
+    spec = parse(argv)
+    assert spec.in_place and spec.args == ["--in-place"]        # the script's own argument stays the script's
+    assert torchrun_argv(spec) == ["--nproc-per-node", "3", "--standalone", "--max-restarts", "10", *ENTRY,
+                                   "script", "t.py", "--in-place"]
+    assert local_argv(spec.torchrun, _given, _without)[1] == {
+        "TENPLEX_IN_PLACE": "1", "TENPLEX_RDZV_ENDPOINT": "127.0.0.1:5", "TENPLEX_RDZV_ID": "job7",
+        "TENPLEX_MIN_WORKERS": "6"}                                 # 2 nodes of 3 workers start the first world
+    assert not parse(argv[:4] + ["--rdzv-endpoint", "e:1", "t.py"]).in_place
+    with pytest.raises(ConfigError, match="--in-place needs --rdzv-endpoint"):
+        torchrun_argv(parse(["--host", "h0", "--store-root", "/s", "--in-place", "t.py"]))
+
+
 def test_torchrun_argv_needs_a_rendezvous_endpoint():
     with pytest.raises(ConfigError, match="needs --rdzv-endpoint .* `tenplex rendezvous serve`"):
         torchrun_argv(parse(["--host", "h0", "--store-root", "/s", "--nnodes", "2", "t.py"]))

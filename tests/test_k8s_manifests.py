@@ -10,7 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from tenplex.operator.decide import decide, merge_patch
+from tenplex.operator.decide import decide
+from tenplex.operator.outcome import merge_patch
 from tenplex.operator.observe import NodeState, PodState
 from tenplex.operator.pods import worker_pod
 from tenplex.operator.settings import WorkerSettings
@@ -82,6 +83,7 @@ def test_example_job_matches_the_crd_schema_and_the_operator_accepts_it():
     ({"image": None}, "image"),
     ({"replicas": -1}, "replicas"),
     ({"parallel": {"maxTp": "8"}}, "maxTp"),
+    ({"inPlace": "yes"}, "inPlace"),
 ])
 def test_crd_schema_rejects_what_it_can(change, where):
     spec = {"image": "i", "command": ["t.py"], "minNodes": 1, "maxNodes": 2, **change}
@@ -127,6 +129,14 @@ def test_operator_status_matches_the_crd_status_schema():
              "2026-01-01T00:03:00Z")):
         status = merge_patch(status, decide(s, round_nodes, round_pods, status=status, now=now, **kw).status)
     assert status["unschedulable"] and status["lastRescale"]["abandoned"]
+    assert list(validator.iter_errors(status)) == []
+    # n2 lost a GPU: its worker stays, resized in place
+    s = parse_spec({"image": "i", "command": ["t.py"], "minNodes": 1, "maxNodes": 3, "gpusPerNode": 8,
+                    "minGpusPerNode": 6})
+    nodes[1] = NodeState("n2", True, True, 7)
+    pods = [PodState(f"j-{n}", f"u{n}", n, "Running", gpus=8) for n in ("n1", "n2")]
+    status = merge_patch(status, decide(s, nodes, pods, status=status, now="2026-01-01T00:04:00Z", **kw).status)
+    assert status["resizedInPlace"] == {"n2": {"pod": "un2", "gpus": 7}}
     assert list(validator.iter_errors(status)) == []
 
 
@@ -232,3 +242,24 @@ def test_rbac_grants_exactly_what_the_operator_guide_table_explains():
     assert granted == explained
     assert not any(v in ("*", "update", "deletecollection") for _, _, v in granted)
     assert re.search(r"resourceNames", (K8S / "rbac.yaml").read_text())
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_worker_command_is_what_tenplex_run_parses(in_place):
+    """The command parses with `tenplex run`'s own parsers: an option the operator passes that `tenplex run` lacks
+    fails here, not in every worker pod. spec.inPlace (default false) becomes `tenplex run --in-place`."""
+    from tenplex.cli._run_operations import take
+    from tenplex.elastic.launcher import parser, parse
+
+    if in_place and "--in-place" not in parser()._option_string_actions:
+        pytest.skip("this tenplex run has no --in-place yet (issue 36, branch wip/inplace)")
+    example = docs(K8S / "examples" / "tenplexjob.yaml")[0]
+    spec = {**example["spec"], **({"inPlace": True} if in_place else {})}
+    jsonschema.validate({**example, "spec": spec}, crd_schema())
+    job = {**example, "metadata": {**example["metadata"], "uid": "1234"}}
+    pod = worker_pod(job, parse_spec(spec), "node-a", WorkerSettings())
+    command = pod["spec"]["containers"][0]["command"]
+    assert command[:2] == ["tenplex", "run"] and ("--in-place" in command) == in_place
+    run = parse(take(command[2:])[0])  # as `tenplex run` does: its operations options first, then the launcher's
+    assert (run.target, run.args, run.host) == (spec["command"][0], spec["command"][1:], "$(NODE_NAME)")
+    assert getattr(run, "in_place", False) == in_place

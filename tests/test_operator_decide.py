@@ -5,9 +5,10 @@ import sys
 
 import pytest
 
-from tenplex.operator.decide import NODE_FAILURE_LIMIT, Deletion, decide, merge_patch
+from tenplex.operator.decide import NODE_FAILURE_LIMIT, decide
 from tenplex.operator.observe import (NodeState, PodState, Taint, gpu_claim, node_state, pod_state, quantity,
                                       used_by_others)
+from tenplex.operator.outcome import Deletion, merge_patch
 from tenplex.operator.spec import SpecError, check_name, parse_spec
 
 GPU = "nvidia.com/gpu"
@@ -255,7 +256,8 @@ def test_operator_restart_mid_rescale_continues_the_same_rescale():
     d = run(spec(), nodes, [pod("n1"), pod("n2")], merge_patch(old, first.status), now=T2)
     assert d.create == ("n3",) and d.phase == "Rescaling"
     # it died before posting too: the same RescaleStarted is decided again (same key: posted once in all)
-    assert [(e.reason, e.key) for e in d.events] == [("RescaleStarted", f"Started/{T1}")] == \
+    key = f"Started/Rescale/{T1}/n1=8,n2=8/n1=8,n2=8,n3=8"
+    assert [(e.reason, e.key) for e in d.events] == [("RescaleStarted", key)] == \
         [(e.reason, e.key) for e in first.events]
     assert merge_patch({}, d.status)["lastRescale"] == merge_patch({}, first.status)["lastRescale"]  # startedAt T1
 
@@ -291,8 +293,8 @@ def test_target_change_mid_rescale_starts_a_new_record():
 
 
 def test_decision_modules_need_neither_kopf_nor_kubernetes():
-    code = ("import sys, tenplex.operator.decide, tenplex.operator.spec, tenplex.operator.observe, "
-            "tenplex.operator.settings, tenplex.cli; tenplex.cli.build_parser(); "
+    code = ("import sys, tenplex.operator.decide, tenplex.operator.outcome, tenplex.operator.spec, "
+            "tenplex.operator.observe, tenplex.operator.settings, tenplex.cli; tenplex.cli.build_parser(); "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'kopf', 'kubernetes'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]"
@@ -311,6 +313,7 @@ def test_decision_modules_need_neither_kopf_nor_kubernetes():
     ({"parallel": {"pp": 16}}, "spec.parallel"),
     ({"env": [{"value": "x"}]}, "spec.env[0]"),
     ({"backoffLimit": -1}, "spec.backoffLimit"),
+    ({"inPlace": "true"}, "spec.inPlace"),
 ])
 def test_invalid_spec_names_the_field(over, field):
     with pytest.raises(SpecError) as e:
@@ -426,40 +429,95 @@ def test_joining_node_lost_before_its_worker_ran_closes_the_record_as_abandoned(
 
 
 # -- a node with fewer healthy GPUs (minGpusPerNode) -----------------------------------------------------------------
-def test_node_that_lost_a_gpu_keeps_its_worker_recreated_with_the_gpus_left():
-    """The device plugin took an unhealthy GPU out of n2's allocatable: with minGpusPerNode=7 the node stays, its
-    worker is recreated requesting 7 (a Resize: its own record type, phase and events), and the world is 8+7."""
-    s = spec(minGpusPerNode=7, parallel={"maxTp": 1})
+def test_node_that_lost_a_gpu_keeps_its_worker_in_place_with_the_gpus_left():
+    """The device plugin took an unhealthy GPU out of n2's allocatable: with minGpusPerNode=6 the node stays and its
+    worker too (its tenplex run drops the failed device itself), a Resize in place; the world is 8+7."""
+    s = spec(minGpusPerNode=6, maxNodes=2, parallel={"maxTp": 1})
     old = stable("n1", "n2")
     nodes = [node("n1"), node("n2", gpus=7)]
     full = [pod("n1", gpus=8), pod("n2", gpus=8)]
     d = run(s, nodes, full, old)
-    assert (d.phase, d.target, d.create) == ("Resizing", ("n1", "n2"), ())
-    assert d.delete == (Deletion("j-n2", 120, "resize: node n2: 8 -> 7 nvidia.com/gpu"),)  # grace: it saves
+    assert (d.phase, d.target, d.create, d.delete) == ("Running", ("n1", "n2"), (), ())
+    assert d.status["resizedInPlace"] == {"n2": {"pod": "uid-n2", "gpus": 7}}
     rec = d.status["lastRescale"]
-    assert (rec["type"], rec["reason"]) == ("Resize", "node n2: 8 -> 7 nvidia.com/gpu")
+    assert (rec["type"], rec["reason"], rec["finishedAt"]) == ("Resize", "node n2: 8 -> 7 nvidia.com/gpu, in place", T1)
     # golden: 8+7 ranks, tp=1 (maxTp=1): every GPU trains
     assert (rec["from"]["nodeGpus"], rec["from"]["worldSize"]) == ({"n1": 8, "n2": 8}, 16)
     assert (rec["to"]["nodeGpus"], rec["to"]["worldSize"], rec["to"]["parallel"]) == \
         ({"n1": 8, "n2": 7}, 15, "dp=15,tp=1,pp=1")
-    assert reasons(d) == ["ResizeStarted"] and d.events[0].message.startswith("2 -> 2 nodes, world 16 -> 15")
-    mid = merge_patch(old, d.status)
-    # the old worker terminating holds the name: nothing is created yet
-    d2 = run(s, nodes, [full[0], pod("n2", gpus=8, terminating=True)], mid, now=T2)
-    assert (d2.phase, d2.create, d2.delete, fresh(d2, d)) == ("Resizing", (), (), [])
-    # gone: recreated on n2 with 7 (Decision.gpus is what the handler puts in the pod)
-    d3 = run(s, nodes, [full[0]], merge_patch(mid, d2.status), now=T2)
-    assert (d3.phase, d3.create, d3.gpus) == ("Resizing", ("n2",), {"n1": 8, "n2": 7})
-    d4 = run(s, nodes, [full[0], pod("n2", gen="b", gpus=7)], merge_patch(mid, d3.status), now=T2)
-    assert d4.phase == "Running" and fresh(d4, d, d2, d3) == ["Resized"]
-    assert (d4.status["nodeGpus"], d4.status["worldSize"], d4.status["parallel"]) == \
+    assert reasons(d) == ["ResizeStarted", "Resized"] and d.events[0].message.startswith("2 -> 2 nodes, world 16 -> 15")
+    assert (d.status["nodeGpus"], d.status["worldSize"], d.status["parallel"]) == \
         ({"n1": 8, "n2": 7}, 15, "dp=15,tp=1,pp=1")
-    settled = merge_patch(merge_patch(mid, d3.status), d4.status)
-    d5 = run(s, nodes, [full[0], pod("n2", gen="b", gpus=7)], settled, now=T2)
-    assert (d5.phase, d5.delete, d5.create, fresh(d5, d, d2, d3, d4)) == ("Running", (), (), [])
-    # the GPU is healthy again: the worker grows back the same way
-    d6 = run(s, [node("n1"), node("n2")], [full[0], pod("n2", gen="b", gpus=7)], settled, now=T2)
-    assert d6.phase == "Resizing" and d6.delete == (Deletion("j-n2", 120, "resize: node n2: 7 -> 8 nvidia.com/gpu"),)
+    settled = merge_patch(old, d.status)
+    d2 = run(s, nodes, full, settled, now=T2)  # settled: nothing to do, no new event
+    assert (d2.phase, d2.delete, d2.create, fresh(d2, d)) == ("Running", (), (), [])
+    assert merge_patch(settled, d2.status)["resizedInPlace"] == {"n2": {"pod": "uid-n2", "gpus": 7}}
+    # one more GPU lost there: still in place, 6
+    d3 = run(s, [node("n1"), node("n2", gpus=6)], full, settled, now=T2)
+    assert (d3.delete, d3.status["resizedInPlace"]["n2"]["gpus"], d3.status["lastRescale"]["reason"]) == \
+        ((), 6, "node n2: 7 -> 6 nvidia.com/gpu, in place")
+    # the GPU is healthy again: a pod's request cannot grow, so the worker is recreated requesting 8 (it saves)
+    d4 = run(s, [node("n1"), node("n2")], full, settled, now=T2)
+    assert d4.phase == "Resizing" and d4.delete == (Deletion("j-n2", 120, "resize: node n2: 7 -> 8 nvidia.com/gpu"),)
+    mid = merge_patch(settled, d4.status)
+    # while it terminates, its node still comes first: a free node that sorts before it does not take its place
+    terminating = run(s, [node("a3"), node("n1"), node("n2")], [full[0], pod("n2", gpus=8, terminating=True)], mid,
+                      now=T2)
+    assert (terminating.target, terminating.create) == (("n1", "n2"), ())
+    d5 = run(s, [node("n1"), node("n2")], [full[0]], mid, now=T2)  # gone: recreated with 8
+    assert (d5.phase, d5.create, d5.gpus) == ("Resizing", ("n2",), {"n1": 8, "n2": 8})
+    d6 = run(s, [node("n1"), node("n2")], [full[0], pod("n2", gen="b", gpus=8)], merge_patch(mid, d5.status), now=T2)
+    after = merge_patch(merge_patch(mid, d5.status), d6.status)
+    assert d6.phase == "Running" and "resizedInPlace" not in after and after["nodeGpus"] == {"n1": 8, "n2": 8}
+
+
+def test_node_that_lost_every_gpu_or_too_many_loses_its_worker():
+    """A worker stays in place only while its node qualifies: below minGpusPerNode (0 when every GPU is lost) it is
+    deleted (a scale-down), and a worker that failed is replaced requesting what the node has now."""
+    s = spec(minGpusPerNode=6, parallel={"maxTp": 1})
+    full = [pod("n1", gpus=8), pod("n2", gpus=8)]
+    for left in (0, 5):
+        d = run(s, [node("n1"), node("n2", gpus=left)], full, stable("n1", "n2"))
+        assert (d.phase, d.target) == ("Rescaling", ("n1",))
+        assert d.delete == (Deletion("j-n2", 120, f"scale down: {left} free nvidia.com/gpu"),)
+        assert merge_patch(stable("n1", "n2"), d.status)["lastRescale"]["to"]["nodeGpus"] == {"n1": 8}
+    nodes = [node("n1"), node("n2", gpus=7)]
+    settled = merge_patch(stable("n1", "n2"), run(s, nodes, full, stable("n1", "n2")).status)
+    d = run(s, nodes, [full[0], pod("n2", phase="Failed", gpus=8)], settled, now=T2)
+    d2 = run(s, nodes, [full[0]], merge_patch(settled, d.status), now=T2)
+    assert (d2.create, d2.gpus["n2"]) == (("n2",), 7)
+
+
+def test_worker_not_running_yet_on_a_node_that_lost_a_gpu_is_recreated_with_the_gpus_left():
+    """Only a running pod holds its GPUs: one still Pending asks for 8 that the scheduler can no longer find."""
+    s = spec(minGpusPerNode=6)
+    d = run(s, [node("n1"), node("n2", gpus=7)], [pod("n1", gpus=8), pod("n2", phase="Pending", gpus=8)])
+    assert (d.delete, d.create) == ((Deletion("j-n2", 120, "resize: node n2: 8 -> 7 nvidia.com/gpu"),), ())
+    assert "resizedInPlace" not in merge_patch({}, d.status)
+
+
+def test_records_started_in_the_same_second_have_their_own_events():
+    """A scale-down that finished in second T and a resize in place that opens and closes in T: the Resized event
+    is not taken for the Rescaled one (event keys name the record, not only its start)."""
+    s = spec(minGpusPerNode=6)
+    three = merge_patch(stable("n1", "n2"), run(s, [node(n) for n in ("n1", "n2", "n3")],
+                                                [pod(n) for n in ("n1", "n2", "n3")], stable("n1", "n2")).status)
+    down = run(s, [node("n1"), node("n2")], [pod("n1", gpus=8), pod("n2", gpus=8)], three, now=T2)
+    resize = run(s, [node("n1"), node("n2", gpus=7)], [pod("n1", gpus=8), pod("n2", gpus=8)],
+                 merge_patch(three, down.status), now=T2)
+    assert reasons(down) == ["RescaleStarted", "Rescaled"] and fresh(resize, down) == ["ResizeStarted", "Resized"]
+
+
+def test_status_forgets_a_node_that_left():
+    """nodeGpus and the rescale record are written whole: a node that left is not kept by the merge patch."""
+    s = spec()
+    three = merge_patch(stable("n1", "n2"), run(s, [node(n) for n in ("n1", "n2", "n3")],
+                                                [pod(n) for n in ("n1", "n2", "n3")], stable("n1", "n2")).status)
+    assert three["nodeGpus"] == {"n1": 8, "n2": 8, "n3": 8}
+    d = run(s, [node("n1"), node("n2")], [pod("n1"), pod("n2")], three, now=T2)
+    two = merge_patch(three, d.status)
+    assert (two["nodeNames"], two["nodeGpus"]) == (["n1", "n2"], {"n1": 8, "n2": 8})
+    assert two["lastRescale"]["to"]["nodeGpus"] == {"n1": 8, "n2": 8}
 
 
 def test_default_min_gpus_per_node_leaves_a_node_that_lost_a_gpu_out():

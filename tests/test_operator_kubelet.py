@@ -115,26 +115,36 @@ def test_operator_killed_after_the_status_write_posts_the_events_on_its_next_rou
 
 
 def test_node_that_lost_a_gpu_keeps_a_worker_with_the_gpus_left(cluster):
-    """The device plugin marks one of n2's GPUs unhealthy (allocatable 8 -> 7): with minGpusPerNode=6 the worker
-    there is recreated requesting 7 and running 7 workers; the scheduler would not place one asking for 8."""
+    """The device plugin marks one of n2's GPUs unhealthy (allocatable 8 -> 7): with minGpusPerNode=6 the worker there
+    stays (its tenplex run drops the device); when it fails later, it is replaced requesting 7 and running 7
+    workers: the scheduler would not place one asking for 8."""
     c = cluster
     with operator(c.url):
         start_job(c, minGpusPerNode=6, parallel={"maxTp": 1})
-        old_uid = c.pods_by_node("j")["n2"]["metadata"]["uid"]
+        old = c.pods_by_node("j")["n2"]
         c.set_gpus("n2", 7)
         st = wait_for(lambda: (c.kubelet("j"), c.status("j"))[1].get("nodeGpus") == {"n1": 8, "n2": 7}
                       and c.status("j"), "the world of 8+7")
+        assert c.pods_by_node("j")["n2"]["metadata"]["uid"] == old["metadata"]["uid"]
+        c.set_pod_phase(old["metadata"]["name"], "Failed")
+
+        def replaced():
+            c.kubelet("j")
+            new = c.pods_by_node("j").get("n2")
+            return new and new["metadata"]["uid"] != old["metadata"]["uid"]
+        wait_for(replaced, "the replacement on n2")
+        running(c, "j", ["n1", "n2"])
         started, resized = c.events("ResizeStarted"), c.events("Resized")
     assert (st["phase"], st["worldSize"], st["parallel"]) == ("Running", 15, "dp=15,tp=1,pp=1")
     rec = st["lastRescale"]
-    assert (rec["type"], rec["reason"], rec["finishedAt"] is not None) == ("Resize", "node n2: 8 -> 7 nvidia.com/gpu",
-                                                                           True)
+    assert (rec["type"], rec["reason"], rec["finishedAt"] is not None) == \
+        ("Resize", "node n2: 8 -> 7 nvidia.com/gpu, in place", True)
     pod = c.pods_by_node("j")["n2"]
-    assert pod["metadata"]["uid"] != old_uid and pod["status"]["phase"] == "Running"
+    assert pod["status"]["phase"] == "Running" and c.status("j")["nodeGpus"] == {"n1": 8, "n2": 7}
     container = pod["spec"]["containers"][0]
     assert container["resources"]["requests"] == {"nvidia.com/gpu": "7"}
     assert container["command"][container["command"].index("--nproc-per-node") + 1] == "7"
     assert c.pods_by_node("j")["n1"]["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "8"}
     assert len(started) == len(resized) == 1 and resized[0]["message"].startswith("2 -> 2 nodes, world 16 -> 15")
     deleted = [e["message"] for e in c.events("WorkerDeleted")]
-    assert deleted == ["j-n2 (grace 120s): resize: node n2: 8 -> 7 nvidia.com/gpu"]
+    assert deleted == ["j-n2 (grace 0s): worker j-n2 failed on n2"]

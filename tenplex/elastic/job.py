@@ -62,7 +62,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -74,9 +74,10 @@ from ..ops.metrics import JobMetrics
 from ..parallel import ParallelConfig
 from .devices import worker_device
 from .envsettings import settings_from_env
-from .faults import DEVICE, EXIT_DEVICE_FAULT, EXIT_PEER_LOST, classify, inject_device_fault
-from . import dataview, progress
+from .faults import DEVICE, EXIT_DEVICE_FAULT, EXIT_PEER_LOST, PEER, classify, inject_device_fault
+from . import dataview, progress, worlds
 from .policy import Choice, choose
+from .protocol import Event, State
 
 if TYPE_CHECKING:
     from ..dataset import DatasetState
@@ -173,33 +174,56 @@ class Job:
         if save_every is not None and save_every < 0:
             raise ConfigError(f"save_every must be None (automatic), 0 (only when stopping) or positive, got "
                               f"{save_every}")
-        if not dist.is_initialized():
-            init_process_group(backend, timeout=timeout)
+        self._policy: dict[str, Any] = {"caps": caps, "pp": pp, "pinned": pinned, "policy": policy}
         self.started = time.time()
+        self.global_batch, self.dataset, self.seed, self.drop_last = global_batch, dataset, seed, drop_last
+        self.save_every, self.save_budget, self.on_save, self.on_exit = save_every, save_budget, on_save, on_exit
+        self.checkpointer_options = dict(checkpointer_options or {}, replicas=replicas)
+        self.replication_wait = replication_wait
+        self.snapshots = snapshots
+        self._init_state()
+        self.metrics = JobMetrics.from_environment()  # served when tenplex run --metrics-port set the port
+        # tenplex run --in-place: the worlds form on the rendezvous store, in this process (tenplex.elastic.worlds)
+        self._membership = worlds.membership_from_environment(timeout, backend)
+        if self._membership is None:
+            if not dist.is_initialized():
+                init_process_group(backend, timeout=timeout)
+            self._enter_world(None)
+        else:
+            self._membership.register()  # warm: imported, connected; only now may the running world change
+            self._enter_world(self._membership.join())
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _enter_world(self, generation) -> None:
+        """This rank's place in the world that just formed (torchrun's, or generation ``generation`` in place):
+        rank, hosts, the configuration the policy chose, the training ranks' group."""
+        from ..integration.exchange import all_gather_json
+
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
         self.host = os.environ.get("TENPLEX_HOST", f"h{self.rank // per_node}")
-        from ..integration.exchange import all_gather_json
-
         # Node order is rank order, as torchrun numbers them. (Store addresses need no exchange here: every save
         # records them, from each rank's TENPLEX_STORE_ADDRESS, which tenplex run sets.)
         peers = all_gather_json({"host": self.host, "token": f"{time.time_ns():x}-{os.getpid()}"})
         self.hosts = list(dict.fromkeys(p["host"] for p in peers))
         self.world_id = peers[0]["token"]  # names this world (rank 0's token) in logs; the same on every rank
         sizes, names = _node_shape(peers, self.hosts, per_node)
-        self.choice: Choice = choose(self.world_size, sizes, **caps, pp=pp, pinned=pinned, policy=policy, hosts=names)
+        p = self._policy
+        self.choice: Choice = choose(self.world_size, sizes, **p["caps"], pp=p["pp"], pinned=p["pinned"],
+                                     policy=p["policy"], hosts=names)
+        if self.choice.idle and self._membership is not None:
+            raise ConfigError(f"the policy leaves ranks {list(self.choice.idle)} idle ({self.choice.reason}); "
+                              f"worlds in place train every rank: pin a configuration for {self.world_size} ranks")
         # Ranks left idle by the policy train nothing: the others save, restore and agree within their own group.
         self.group = dist.new_group(list(self.choice.ranks)) if self.choice.idle else None
         logs.from_environment(host=self.host, world=self.world_id)
-        self.metrics = JobMetrics.from_environment()  # served when tenplex run --metrics-port set the port
         self.metrics.observe_world(self.world_size, self.config)
+        self.world = worlds.generation_world(generation, self.rank, self.world_size, self.config)
         log.info("rank %d of %d in world %s: %s", self.rank, self.world_size, self.world_id, self.config.describe())
-        self.global_batch, self.dataset, self.seed, self.drop_last = global_batch, dataset, seed, drop_last
-        self.save_every, self.save_budget, self.on_save, self.on_exit = save_every, save_budget, on_save, on_exit
-        self.checkpointer_options = dict(checkpointer_options or {}, replicas=replicas)
-        self.replication_wait = replication_wait
-        self.snapshots = snapshots
+
+    def _init_state(self) -> None:
+        """What the job carries from world to world: the step, the data position, the save schedule, costs."""
         self.step = 0
         self.extra: dict = {}
         self.restored: Restored | None = None
@@ -221,7 +245,9 @@ class Job:
         self._next_save: int | None = None
         self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
         self._replication_lag = 0     # agreed (max over ranks), in steps
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._looping = False         # the script iterates job.worlds()
+        self.reconfigurations: list[dict] = []  # one per world change in place: its pause and parts
+        self._step_finished_at = self._world_ended_at = time.monotonic()  # the pause's parts start here
 
     # ----------------------------------------------------------------- configuration
     @property
@@ -312,6 +338,69 @@ class Job:
                 f"{c.tp * c.pp} times per step: pass max_tp=1 to Job (TENPLEX_MAX_TP=1; spec.parallel.maxTp: 1 "
                 f"on Kubernetes) for a data-parallel script, or build the model for job.config")
 
+    # ----------------------------------------------------------------- worlds
+    @property
+    def _in_place(self) -> bool:
+        """Whether a change ends only the world (``tenplex run --in-place`` and a script that loops over
+        :meth:`worlds`), not the process."""
+        return self._membership is not None and self._looping
+
+    def worlds(self) -> Iterator[worlds.World]:
+        """The worlds this process trains in (see :mod:`tenplex.elastic.worlds`): one without ``--in-place``;
+        with it, a new one after every change, until the loop's body ends with its world still active."""
+        self._looping = True
+        while True:
+            world = self.world
+            yield world
+            if world.active or self._membership is None:
+                return
+            self._next_world()
+
+    def _end_world(self, why: str) -> None:
+        log.info("world %d ends at step %d: %s", self.world.generation, self.step, why)
+        self.world.end(why)
+        self._membership.protocol.on(Event.CHANGE_AGREED if why == "change" else Event.PEER_LOST)  # type: ignore
+        self._world_ended_at = time.monotonic()  # after the stopping save of a change
+
+    def _next_world(self) -> None:
+        """Leave the world that ended (its group, its checkpointer) and enter the next generation's."""
+        m, old = self._membership, self.world
+        assert m is not None
+        if m.protocol.state == State.TRAINING:  # World.__exit__ ended it: a lost peer raised in the user's code
+            self._end_world("lost")
+        begin = time.monotonic()
+        if self._tracked is not None:  # a change settled its snapshot in the stopping save; a loss drops it
+            self._tracked["checkpointer"].group = None
+            self._tracked["checkpointer"].close()
+            self._tracked = None
+        self.group, self._data = None, None  # freeing the group joins its gloo threads: drop every reference
+        # The save schedule follows from numbers every rank must share; a joiner has no history: start afresh.
+        self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
+        self._save_s = self._step_s = 0.0
+        m.leave_group()
+        generation = m.join()
+        self._enter_world(generation)
+        self.world.pause = {"reasons": list(generation.reasons), "ended": old.ended, "pid": os.getpid(),
+                            "agree_s": self._world_ended_at - self._step_finished_at,
+                            "re_form_s": time.monotonic() - begin, "since": self._step_finished_at}
+
+    def _first_step_done(self) -> None:
+        """The first step of a world entered in place finished: its pause is over (old world's end to now)."""
+        p, done = self.world.pause, time.monotonic()
+        p["restore_s"] = self.restored.seconds if self.restored is not None else 0.0
+        # Bytes by where they came from: nothing from memory yet (issue 36 item 3); kept and same-host regions
+        # from this host's store, the rest from other hosts'. No plan: every region was this host's already.
+        stats = self.restored.plan_stats if self.restored is not None else {}
+        p["bytes"] = {"memory": 0, "this_host": stats.get("kept_bytes", 0) + stats.get("intra_host_bytes", 0),
+                      "other_hosts": stats.get("inter_host_bytes", 0), "planned": bool(stats)}
+        p["pause_s"] = done - p.pop("since")  # the old world's last step finished -> this world's first one
+        p["first_step_s"] = max(0.0, p["pause_s"] - p["agree_s"] - p["re_form_s"] - p["restore_s"])
+        p.update(generation=self.world.generation, step=self.step, world_size=self.world_size)
+        self.reconfigurations.append(dict(p))
+        self.metrics.observe_reconfiguration("+".join(p["reasons"]), "in_place", p["pause_s"])
+        log.info("world %d in place after %s: pause %.2f s (re-form %.2f, restore %.2f)", self.world.generation,
+                 "+".join(p["reasons"]) or "a re-formation", p["pause_s"], p["re_form_s"], p["restore_s"])
+
     # ----------------------------------------------------------------- data
     def _open_data(self, saved: dict | None) -> None:
         from ..dataset import DatasetState, open_dataset
@@ -398,12 +487,14 @@ class Job:
         if self._tracked is None:
             raise ConfigError("call Job.restore(model, optimizer, …) before the first step_done()")
         inject_device_fault(self.host, worker_device(), self.step)  # tests: TENPLEX_INJECT_DEVICE_FAULT
-        now = time.monotonic()
+        now = self._step_finished_at = time.monotonic()
         step_s = now - self._last_boundary
         self.step += 1
+        leaving = self.stop_requested  # read once: a SIGTERM during the all-reduce counts at the next boundary
         try:
-            flags = torch.tensor([1.0 if self.stop_requested else 0.0, step_s, self._save_s_local,
-                                  float(self._local_lag())], dtype=torch.float64)
+            change = 1.0 if self._in_place and self._membership.wanted else 0.0  # type: ignore[union-attr]
+            flags = torch.tensor([1.0 if leaving else 0.0, step_s, self._save_s_local,
+                                  float(self._local_lag()), change], dtype=torch.float64)
             self._save_s_local = 0.0
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as e:  # noqa: BLE001 -- a peer is gone: nothing can be agreed, nothing is saved
@@ -411,9 +502,14 @@ class Job:
             if classify(e) == DEVICE:
                 self._die(f"step {self.step}: this rank's device failed ({type(e).__name__}: {e})",
                           EXIT_DEVICE_FAULT)
+            if self._in_place:  # the world is over, not the process: the loop goes on in the next world
+                log.warning("step %d: a peer is gone (%s: %s); leaving world %d", self.step, type(e).__name__, e,
+                            self.world.generation)
+                self._end_world("lost")
+                return
             self._die(f"step {self.step}: the ranks cannot agree ({type(e).__name__}: {e}); a peer is gone, "
                       f"exiting without saving")
-        stop, self._step_s, last_save = bool(flags[0] > 0), float(flags[1]), float(flags[2])
+        stop, self._step_s, last_save = bool(flags[0] > 0 or flags[4] > 0), float(flags[1]), float(flags[2])
         self._replication_lag = int(flags[3])
         if self._progress is not None:  # the world finished this step: a failure from now on loses it
             self._progress.write(self.step)
@@ -428,16 +524,30 @@ class Job:
                 self._next_save = (self._saved_step or 0) + auto_interval(self._save_s, mean_step, self.save_budget)
         if stop:
             self._save("stopping")
-            # The copies of this last save protect the next world against losing a host; torchrun's kill timeout
-            # (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s) bounds how long they may take.
-            self._tracked["checkpointer"].wait_replicated(self.replication_wait)
+            if self._in_place:
+                if not self.world.active and not leaving:  # a peer died during the save: the world is lost
+                    return
+                if not leaving:  # a change in place: every rank saved this step and goes on in the next world
+                    self._end_world("change")
+                    return
+                # A worker leaving a world in place: the others do not wait (its node's store keeps serving them).
+            else:
+                # The copies of this last save protect the next world against losing a host; torchrun's kill
+                # timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s) bounds how long they may take. Collective.
+                self._tracked["checkpointer"].wait_replicated(self.replication_wait)
+            if self._membership is not None:  # none of the next worlds waits for this worker
+                self._membership.mark_leaving()
             self._exit(0 if self.stop_requested else EXIT_PEER_LOST,
                        "stopped by SIGTERM" if self.stop_requested else "a peer was stopped")
         if self._next_save is not None and self.step >= self._next_save:
             self._save("snapshot" if self.snapshots else "periodic")
+            if not self.world.active:  # in place, a peer died during the save
+                return
             if self.save_every:
                 self._next_save = self.step + self.save_every
         self._last_boundary = time.monotonic()
+        if self.world.pause and "pause_s" not in self.world.pause:
+            self._first_step_done()
 
     def save(self) -> int:
         """Save now (collective), outside the schedule; returns the version."""
@@ -467,6 +577,10 @@ class Job:
                                        scaler=t["scaler"], annotations=t["annotations"], extra=extra,
                                        checkpointer=ckpt)
         except Exception as e:  # noqa: BLE001 -- the save was not committed anywhere (atomic commit)
+            if self._in_place and classify(e) == PEER and self.world.active:  # the world is over, not the process
+                log.warning("step %d: a peer is gone during the %s save (%s: %s)", self.step, why, type(e).__name__, e)
+                self._end_world("lost")
+                return -1
             self._die(f"step {self.step}: the {why} save failed ({type(e).__name__}: {e}); nothing was committed, "
                       f"exiting")
         seconds = time.monotonic() - begin
@@ -584,8 +698,14 @@ class Job:
         if not self.idle:
             self._tell_idle(stopping=True)
         try:
-            self._leave()
+            self._leave(together=self._membership is None)  # in place, the others stay: no barrier with them
+        except Exception as e:  # noqa: BLE001 -- in place, the others may have left the group first: exit anyway
+            if self._membership is None:
+                raise
+            log.warning("leaving world %d: %s: %s", self.world.generation, type(e).__name__, e)
         finally:
+            if self._membership is not None:
+                self._membership.close()
             sys.stdout.flush()
             sys.stderr.flush()
         raise SystemExit(code)
@@ -607,13 +727,17 @@ class Job:
                 self._save("final")
             self._tracked["checkpointer"].wait_replicated(self.replication_wait)
         self._tell_idle(stopping=False)
+        if self._membership is not None:
+            self._membership.mark_leaving()
         self._leave()
+        if self._membership is not None:
+            self._membership.close()
 
-    def _leave(self) -> None:
-        """Leave together and free the process groups before the interpreter exits
-        (see :mod:`tenplex.integration.process_group`). Idle ranks already waited for
+    def _leave(self, together: bool = True) -> None:
+        """Leave together (unless a worker leaves a world in place alone) and free the process groups before the
+        interpreter exits (see :mod:`tenplex.integration.process_group`). Idle ranks already waited for
         rank 0's word in ``_tell_idle``."""
-        if not self.idle:
+        if not self.idle and together:
             dist.barrier(group=self.group)
         self.group = None  # freeing a group joins its gloo threads: drop every reference first
         if self._tracked is not None:

@@ -2,9 +2,10 @@
 
 May import: ``tenplex.runtime.hosts`` (the store process), ``tenplex.store.client`` (is a store already
 serving?), ``tenplex.errors``, ``tenplex.durable.bucket`` (checks ``--durable``), ``tenplex.elastic.restarts``
-(the agent's restart accounting) and ``.dataview`` (``--data-mount``), ``tenplex.ops`` (its lines under
-``--log-format json``), torch's ``torch.distributed.run`` (the agent) and ``torch.distributed.elastic`` (its
-signal and rendezvous errors), and the standard library. All but ``errors`` are imported on use.
+(the agent's restart accounting), ``.inplace_launch`` (``--in-place``) and ``.dataview`` (``--data-mount``),
+``tenplex.ops`` (its lines under ``--log-format json``), torch's ``torch.distributed.run`` (the agent) and
+``torch.distributed.elastic`` (its signal and rendezvous errors), and the standard library. All but ``errors``
+are imported on use.
 
     tenplex run --host NAME --store-root DIR [--store-bind ADDR] [--store-advertise HOST] [--token-file F]
                 [--durable s3://BUCKET/PREFIX] [--dataset DIR --data-mount PATH] [torchrun options] script.py [args]
@@ -76,6 +77,7 @@ class RunSpec:
     durable: str | None = None
     dataset: Path | None = None       # with data_mount: the node's FUSE view of it (tenplex.elastic.dataview)
     data_mount: Path | None = None
+    in_place: bool = False            # the workers form the worlds themselves (tenplex.elastic.inplace_launch)
 
 
 def parser():
@@ -99,6 +101,10 @@ def parser():
                                                 "Megatron directory or source file, read in place")
     p.add_argument("--data-mount", type=Path, help="where this node mounts the job's view of --dataset (once per "
                                                    "node; every world switches it before its workers read)")
+    p.add_argument("--in-place", action="store_true",
+                   help="survivors keep their processes through joins, leaves and lost nodes: this node's torchrun "
+                        "supervises only its workers, which form each world on --rdzv-endpoint's store "
+                        "(scripts that loop over job.worlds(); others restart at a change as before)")
     return p
 
 
@@ -116,6 +122,9 @@ def parse(argv: list[str]) -> RunSpec:
         if name in _OURS:
             i += 1 if "=" in token else 2
             continue
+        if token == "--in-place":
+            i += 1
+            continue
         if token in _MODES:
             mode = _MODES[token]
         else:
@@ -127,7 +136,8 @@ def parse(argv: list[str]) -> RunSpec:
     if (ns.dataset is None) != (ns.data_mount is None):
         raise ConfigError("--dataset and --data-mount go together: the dataset and where this node mounts its view")
     return RunSpec(ns.host, ns.store_root, ns.store_bind, ns.store_advertise, ns.token_file, passthrough, mode,
-                   ns.training_script, list(ns.training_script_args), ns.durable, ns.dataset, ns.data_mount)
+                   ns.training_script, list(ns.training_script_args), ns.durable, ns.dataset, ns.data_mount,
+                   ns.in_place)
 
 
 def _given(options: list[str], *names: str) -> str | None:
@@ -159,6 +169,10 @@ def _without(options: list[str], *names: str) -> list[str]:
 def torchrun_argv(spec: RunSpec) -> list[str]:
     """The arguments for torchrun: the user's options plus tenplex's measured defaults, then the entry shim."""
     options = list(spec.torchrun)
+    if spec.in_place:
+        from .inplace_launch import local_argv
+
+        options = local_argv(options, _given, _without)[0]
     standalone = _given(options, "--standalone") is not None
     backend = _given(options, "--rdzv-backend", "--rdzv_backend")
     if not standalone:
@@ -348,6 +362,10 @@ def run(argv: list[str]) -> int:
                   f"{root['generation']}, world {root.get('world') or 'none yet'})", sys.stderr, logger=__name__)
     address = ensure_store(spec, token)
     os.environ.update(worker_env(spec, address, token))  # the agent passes its environment on to the workers
+    if spec.in_place:
+        from .inplace_launch import local_argv
+
+        os.environ.update(local_argv(spec.torchrun, _given, _without)[1])  # where the workers form the worlds
     logs.line(f"tenplex run: host {spec.host}, store {address} ({spec.store_root}); torchrun {' '.join(args)}",
               sys.stderr, logger=__name__)
     from .restarts import NodeOutOfDevices, tenplex_agent

@@ -2,8 +2,8 @@
 
 May import: ``tenplex.elastic.policy``, ``tenplex.errors``, the standard
 library, and, in :mod:`.handlers`, :mod:`.main` and :mod:`.pods` only, ``kopf``
-and ``kubernetes``. :mod:`.spec`, :mod:`.observe`, :mod:`.decide` and
-:mod:`.settings` are pure:
+and ``kubernetes``. :mod:`.spec`, :mod:`.observe`, :mod:`.decide`, :mod:`.outcome`
+and :mod:`.settings` are pure:
 no I/O, no Kubernetes client, so that every decision can be tested as a
 function from the observed state to the desired state.
 
@@ -12,6 +12,7 @@ Layout:
 * :mod:`.spec`: a TenplexJob's ``spec`` parsed and validated (errors name the field);
 * :mod:`.observe`: raw Node and Pod objects reduced to what a decision needs;
 * :mod:`.decide`: ``decide(...) -> Decision``, the pure reconciliation step;
+* :mod:`.outcome`: what a decision asks for (:class:`~.outcome.Decision`) and the status merge patches;
 * :mod:`.settings`: the operator's cluster-wide settings (resource name, rendezvous, host paths);
 * :mod:`.pods`: the worker pod a decision asks for (``tenplex run`` per node);
 * :mod:`.handlers`: the kopf handlers that observe, decide and act;

@@ -1,6 +1,6 @@
 """The reconciliation step as a pure function: observed state in, desired state out.
 
-May import: :mod:`.spec`, :mod:`.observe`, ``tenplex.errors`` and the standard library. Pure: no
+May import: :mod:`.spec`, :mod:`.observe`, :mod:`.outcome`, ``tenplex.errors`` and the standard library. Pure: no
 clock (``now`` is an argument), no I/O, so it is tested as a function and an
 operator restarted at any point decides the same thing again from what it
 observes (level-based: the previous ``status`` only carries what cannot be
@@ -17,14 +17,20 @@ The rules (docs/guides/operator.md):
   (default ``gpusPerNode``) free units of the accelerator resource (free:
   allocatable minus what other pods request; our own worker's units count as
   free). The node gets ``min(gpusPerNode, free)``. The target is the most
-  qualifying nodes up to ``maxNodes``, nodes that run a worker first, then
-  those with more free units, then by name: the job never moves a worker to
+  qualifying nodes up to ``maxNodes``, nodes that run a worker (or replace one) first,
+  then those with more free units, then by name: the job never moves a worker to
   get the same size.
-* A worker whose GPU count differs from its node's (the device plugin took an
-  unhealthy GPU out of the node's allocatable, or it came back) is deleted
-  with the grace period and recreated with the node's count: a ``Resize``
-  (phase ``Resizing``, events ``ResizeStarted`` and ``Resized``) when no node
-  joins, leaves or fails with it.
+* A rescale never recreates a surviving worker's pod: a pod carries nothing
+  that changes with the world, so only joining pods are created and only
+  leaving ones deleted.
+* A worker on a node that lost units (the device plugin took an unhealthy GPU
+  out of the node's allocatable) stays while the node qualifies: its ``tenplex
+  run`` drops the failed device itself; ``status.resizedInPlace`` records the
+  units it runs on (a ``Resize``, events ``ResizeStarted`` and ``Resized``).
+  A worker with fewer units than its node's (a GPU came back, ``gpusPerNode``
+  grew) is deleted with the grace period and recreated with the node's count
+  (a pod's request cannot grow): a ``Resize`` (phase ``Resizing``) when no
+  node joins, leaves or fails with it.
 * Fewer than ``minNodes`` qualify: phase ``Pending``, condition
   ``NodesAvailable=False`` saying what is missing; running workers stay
   (their agents wait in the rendezvous), no worker is added.
@@ -53,65 +59,17 @@ The rules (docs/guides/operator.md):
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from .observe import NodeState, PodState, blocking_taints
+from .outcome import Decision, Deletion, Event, replacing
 from . import STORE_NODE_LABELS
 from ..errors import ConfigError
 from .spec import JobSpec, SpecError
 
+# Status fields that a decision writes whole (node-keyed maps inside): their patch removes what is gone.
+REPLACED = {"nodeGpus", "lastRescale", "resizedInPlace"}
 NODE_FAILURE_LIMIT = 3  # a node whose workers failed this often is left out (a bad GPU, a full disk)
-
-
-@dataclass(frozen=True)
-class Deletion:
-    pod: str
-    grace_seconds: int
-    reason: str
-    uid: str = field(default="", compare=False)  # names the WorkerDeleted event (one per pod)
-
-
-@dataclass(frozen=True)
-class Event:
-    type: str  # Normal or Warning
-    reason: str
-    message: str
-    key: str = ""  # what it reports, e.g. "RescaleStarted/<startedAt>": the same key is the same event
-
-
-@dataclass(frozen=True)
-class Decision:
-    phase: str
-    target: tuple[str, ...]  # nodes that should run a worker
-    create: tuple[str, ...]  # nodes to create a worker on now
-    delete: tuple[Deletion, ...]
-    status: dict  # the TenplexJob's new status (a merge patch: None removes a key)
-    events: tuple[Event, ...]
-    gpus: Mapping[str, int] = field(default_factory=dict)  # units of the resource per target node
-
-
-def merge_patch(old: Any, patch: Any) -> Any:
-    """``patch`` applied to ``old`` as a JSON merge patch (RFC 7386), as the API server applies a status patch."""
-    if not isinstance(patch, Mapping):
-        return patch
-    out = dict(old) if isinstance(old, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
-
-
-def worker_created(pod: PodState) -> Event:
-    """The WorkerCreated event of a worker pod (one per pod uid)."""
-    return Event("Normal", "WorkerCreated", f"{pod.name} on node {pod.node}", key=f"WorkerCreated/{pod.uid}")
-
-
-def observed_events(pods: Sequence[PodState]) -> tuple[Event, ...]:
-    """The events the observed workers stand for: a worker that exists was created (posted once, by its key)."""
-    return tuple(worker_created(p) for p in pods if not p.terminating)
 
 
 def decide(spec: JobSpec | SpecError, nodes: Sequence[NodeState], pods: Sequence[PodState], *,
@@ -120,6 +78,14 @@ def decide(spec: JobSpec | SpecError, nodes: Sequence[NodeState], pods: Sequence
     """The desired state of one TenplexJob (see the module docstring for the rules)."""
     return _Decider(spec, nodes, pods, used_by_others, dict(status or {}), generation, now, resource,
                     unschedulable_grace).run()
+
+
+def _record_id(record: Mapping[str, Any]) -> str:
+    """A rescale record's name in its events' keys: its type, start and worlds. Times are whole seconds, so a
+    record that opens and closes at once (a resize in place) may start in the second another one started."""
+    def world(part: str) -> str:
+        return ",".join(f"{n}={g}" for n, g in sorted(((record.get(part) or {}).get("nodeGpus") or {}).items()))
+    return f"{record['type']}/{record['startedAt']}/{world('from')}/{world('to')}"
 
 
 def _seconds_between(start: str, end: str) -> float:
@@ -169,6 +135,8 @@ class _Decider:
             if not any(c["type"] == type_ for c in self.conditions):
                 self.condition(type_, True, "OK", "")
         self.condition("Ready", phase == "Running", phase, f"the job is {phase}")
+        for key in REPLACED & set(status):
+            status[key] = replacing(self.old.get(key), status[key])
         out = {"phase": phase, "observedGeneration": self.generation, "conditions": self.conditions,
                "unschedulable": self.unschedulable or None, **status}
         return Decision(phase, tuple(target), tuple(create), tuple(delete), out, tuple(self.events),
@@ -202,7 +170,8 @@ class _Decider:
 
         self.report_unschedulable()
         eligible, why_not = self.qualify(failures, active)
-        order = sorted(eligible, key=lambda name: (name not in active, -self.gpus[name], name))
+        # Nodes that hold our worker come first (also while it is being replaced): a worker never moves for less.
+        order = sorted(eligible, key=lambda name: (name not in active and name not in busy, -self.gpus[name], name))
         target = tuple(sorted(order[: spec.max_nodes]))
         for name in order[spec.max_nodes:]:
             why_not[name] = f"maxNodes={spec.max_nodes}"
@@ -223,18 +192,43 @@ class _Decider:
             self.condition_event("Warning", "NoConfiguration", message)
             return self.finish("Pending", target, (), deletions, failures=failures)
 
+        resized, in_place = self.resize(active, target, why_not, deletions)
+        create = tuple(n for n in target if n not in active and n not in busy)
+        running = {n for n, p in active.items() if p.phase == "Running" and n not in resized}
+        return self.progress(target, create, deletions, failures, running, lost, failed, why_not, resized, in_place)
+
+    def resize(self, active, target, why_not, deletions) -> tuple[dict[str, str], dict[str, dict]]:
+        """Scale-down deletions, and the workers whose units differ from their node's: ``resized`` (node -> why;
+        deleted, to be recreated with the node's units) and ``in_place`` (node -> {pod, gpus}: fewer units than
+        the pod requests, which its ``tenplex run`` runs by dropping the failed devices itself)."""
         resized: dict[str, str] = {}
+        in_place: dict[str, dict] = {}
         for node, pod in active.items():
             if node not in target:
                 why = why_not.get(node, "not needed")
-                deletions.append(Deletion(pod.name, spec.grace_seconds, f"scale down: {why}"))
-            elif pod.gpus is not None and pod.gpus != self.gpus[node]:
-                # Recreated (same name, once gone) with the units the node has now; SIGTERM first, so it saves.
-                resized[node] = f"node {node}: {pod.gpus} -> {self.gpus[node]} {self.resource}"
-                deletions.append(Deletion(pod.name, spec.grace_seconds, f"resize: {resized[node]}"))
-        create = tuple(n for n in target if n not in active and n not in busy)
-        running = {n for n, p in active.items() if p.phase == "Running" and n not in resized}
-        return self.progress(target, create, deletions, failures, running, lost, failed, why_not, resized)
+                deletions.append(Deletion(pod.name, self.spec.grace_seconds, f"scale down: {why}"))
+                continue
+            runs = self.runs(pod)
+            if runs is None:
+                continue
+            if runs > self.gpus[node] and pod.phase == "Running":
+                # The node lost units (the device plugin took an unhealthy GPU out). A running pod keeps what it
+                # was given; its tenplex run excludes a failed device and re-joins with the others: no new pod.
+                in_place[node] = {"pod": pod.uid, "gpus": self.gpus[node]}
+            elif runs != self.gpus[node]:
+                # Units came back or gpusPerNode grew (a pod's request cannot grow), or a pod not running yet asks
+                # for more than the node has now (the scheduler would never place it): recreated (same name, once
+                # gone) with the node's units; SIGTERM first, so it saves.
+                resized[node] = f"node {node}: {runs} -> {self.gpus[node]} {self.resource}"
+                deletions.append(Deletion(pod.name, self.spec.grace_seconds, f"resize: {resized[node]}"))
+            elif runs != pod.gpus:
+                in_place[node] = {"pod": pod.uid, "gpus": runs}
+        return resized, in_place
+
+    def runs(self, pod: PodState) -> int | None:
+        """The units a worker runs on: fewer than it requests once it was resized in place (None: not read)."""
+        kept = (self.old.get("resizedInPlace") or {}).get(pod.node) or {}
+        return kept["gpus"] if kept.get("pod") == pod.uid else pod.gpus
 
     def classify(self):
         """Split our pods: lost (node gone), failed, terminating (busy) and active; what to delete now."""
@@ -327,13 +321,14 @@ class _Decider:
             return {n: self.old["nodeGpus"].get(n, 0) for n in names}
         return {n: (self.old.get("worldSize") or 0) // len(names) for n in names}
 
-    def progress(self, target, create, deletions, failures, running, lost, failed, why_not, resized) -> Decision:
+    def progress(self, target, create, deletions, failures, running, lost, failed, why_not, resized,
+                 in_place) -> Decision:
         stable = tuple(self.old.get("nodeNames") or ())
         wanted = {n: self.gpus[n] for n in target}
         record = self.old.get("lastRescale") or None
         open_record = record if record and not record.get("finishedAt") else None
         complete = set(target) == running
-        keep: dict = {"failures": failures}
+        keep: dict = {"failures": failures, "resizedInPlace": in_place or None}
         abandoned = None
         to = (open_record or {}).get("to", {})
         if open_record and (to.get("nodeNames") != list(target) or to.get("nodeGpus", wanted) != wanted):
@@ -356,7 +351,7 @@ class _Decider:
                                          key="Started"))
             return self.finish("Running", target, create, deletions, **keep, **self.world(target))
         if not open_record:
-            open_record = self.new_record(stable, target, running, lost, failed, why_not, resized)
+            open_record = self.new_record(stable, target, running, lost, failed, why_not, resized, in_place)
         if complete:
             open_record = {**open_record, "finishedAt": self.now}
             self.record_events(open_record)
@@ -373,30 +368,32 @@ class _Decider:
         closed = {**record, "finishedAt": self.now, "abandoned": why}
         if gone:  # (a record superseded by a larger target needs no event: the new RescaleStarted says it)
             self.emit(Event("Warning", "RescaleAbandoned", f"{self.describe(closed)}: dropped, {why}",
-                            key=f"Abandoned/{record['startedAt']}"))
+                            key=f"Abandoned/{_record_id(record)}"))
         return closed
 
     def record_events(self, record: dict | None) -> None:
-        """The events a rescale record stands for (its start, its end or abandonment), keyed by its start."""
+        """The events a rescale record stands for (its start, its end or abandonment), keyed by the record."""
         if not record:
             return
         started, finished = {"Rescale": ("RescaleStarted", "Rescaled"), "Resize": ("ResizeStarted", "Resized"),
                              "Recovery": ("RecoveryStarted", "Recovered")}[record["type"]]
-        start = record["startedAt"]
-        self.emit(Event("Normal", started, self.describe(record), key=f"Started/{start}"))
+        rid = _record_id(record)
+        self.emit(Event("Normal", started, self.describe(record), key=f"Started/{rid}"))
         if record.get("abandoned"):
             self.emit(Event("Warning", "RescaleAbandoned", f"{self.describe(record)}: dropped, "
-                            f"{record['abandoned']}", key=f"Abandoned/{start}"))
+                            f"{record['abandoned']}", key=f"Abandoned/{rid}"))
         elif record.get("finishedAt"):
-            self.emit(Event("Normal", finished, self.describe(record), key=f"Finished/{start}"))
+            self.emit(Event("Normal", finished, self.describe(record), key=f"Finished/{rid}"))
 
-    def new_record(self, stable, target, running, lost, failed, why_not, resized) -> dict:
+    def new_record(self, stable, target, running, lost, failed, why_not, resized, in_place) -> dict:
         parts = [f"node {n} added" for n in target if n not in stable]
         was = self.ran()
         for n in stable:
             if n not in target:
                 parts.append(lost.get(n) or (f"worker {failed[n]} failed on {n}" if n in failed else None)
                              or f"node {n} removed: {why_not.get(n, 'not needed')}")
+            elif n in in_place and was[n] != self.gpus[n]:
+                parts.append(f"node {n}: {was[n]} -> {self.gpus[n]} {self.resource}, in place")
             elif n in resized or (n not in running and n not in failed and was[n] != self.gpus[n]):
                 # (a resize in flight when the operator restarted: the worker is gone, the counts say why)
                 parts.append(resized.get(n) or f"node {n}: {was[n]} -> {self.gpus[n]} {self.resource}")

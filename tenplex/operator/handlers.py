@@ -41,7 +41,8 @@ from kubernetes.client.rest import ApiException
 from ..ops import logs
 from ..ops.metrics import OperatorMetrics
 from . import GROUP, JOB_LABEL, PLURAL, ROLE_LABEL, VERSION, WORKER_ROLE
-from .decide import Decision, Event, decide, merge_patch, observed_events, worker_created
+from .decide import decide
+from .outcome import Decision, Event, merge_patch, observed_events, worker_created
 from .observe import PodState, gpu_claim, node_state, pod_state, used_by_others
 from .pods import worker_pod
 from .progress import committed_state, store_address

@@ -56,6 +56,7 @@ def worker_command(spec: JobSpec, job_uid: str, settings: WorkerSettings, gpus: 
             "--nnodes", f"{spec.min_nodes}:{spec.max_nodes}", "--nproc-per-node", str(gpus),
             "--rdzv-backend", settings.rdzv_backend, "--rdzv-endpoint", settings.rdzv_endpoint,
             "--rdzv-id", job_uid, *(["--durable", spec.durable] if spec.durable else []),
+            *(["--in-place"] if spec.in_place else []),
             *view_args(spec.dataset, settings.data_root, job_uid), *spec.command]
 
 

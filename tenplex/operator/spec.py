@@ -40,6 +40,7 @@ class JobSpec:
     replicas: int | None = None
     save_interval: int | None = None
     durable: str | None = None  # s3://BUCKET/PREFIX: the job's durable tier (tenplex run --durable)
+    in_place: bool = False  # survivors keep their processes across worlds (tenplex run --in-place)
     grace_seconds: int = 120
     backoff_limit: int = 6
     resources: Mapping[str, Any] = field(default_factory=dict)
@@ -98,6 +99,16 @@ def _durable(spec: Mapping[str, Any], path: str) -> str | None:
     return value
 
 
+def _flag(spec: Mapping[str, Any], key: str, path: str) -> bool:
+    """A boolean, false when absent (or null)."""
+    value = spec.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise SpecError(f"{path}.{key}", f"must be true or false, got {value!r}")
+    return value
+
+
 def _mapping(spec: Mapping[str, Any], key: str, path: str) -> Mapping[str, Any]:
     value = spec.get(key) or {}
     if not isinstance(value, Mapping):
@@ -133,7 +144,7 @@ def parse_spec(spec: Mapping[str, Any]) -> JobSpec:
         dataset=_text(dataset, "path", f"{p}.dataset") if "path" in dataset else None,
         replicas=_optional_count(spec, "replicas", p, minimum=0),
         save_interval=_optional_count(spec, "saveInterval", p),
-        durable=_durable(spec, p),
+        durable=_durable(spec, p), in_place=_flag(spec, "inPlace", p),
         grace_seconds=_count(spec, "terminationGracePeriodSeconds", p, default=120, minimum=0),
         backoff_limit=_count(spec, "backoffLimit", p, default=6, minimum=0),
         resources=_mapping(spec, "resources", p), template=_mapping(spec, "template", p))

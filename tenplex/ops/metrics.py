@@ -307,6 +307,11 @@ class JobMetrics:
         self.world_size = Gauge("tenplex_job_world_size", "Processes in this world", registry=r)
         self.configuration = Gauge("tenplex_job_configuration_info", "The parallel configuration of this world "
                                    "(value 1)", ["config", "dp", "tp", "pp"], registry=r)
+        self.pause = Histogram("tenplex_job_pause_seconds", "A world change's pause in place: the old world's last "
+                               "step finished to the new world's first one", buckets=SECONDS, registry=r)
+        self.reconfigurations = Counter("tenplex_job_reconfigurations", "World changes this worker lived through, "
+                                        "by kind (join, leave, lost; combined with +) and mode (in_place)",
+                                        ["kind", "mode"], registry=r)
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> "JobMetrics":
@@ -327,6 +332,10 @@ class JobMetrics:
         self.configuration.clear()
         name = f"dp={config.dp},tp={config.tp},pp={config.pp},sharding={config.sharding}"  # no devices: bounded
         self.configuration.labels(name, str(config.dp), str(config.tp), str(config.pp)).set(1)
+
+    def observe_reconfiguration(self, kind: str, mode: str, pause_s: float) -> None:
+        self.reconfigurations.labels(kind or "reform", mode).inc()
+        self.pause.observe(pause_s)
 
     def observe_restore(self, step: int, committed: Callable[[], int | None], lost: int = 0,
                         protected: Callable[[], int | None] | None = None) -> None:

@@ -1,0 +1,279 @@
+"""The in-place protocol: how workers move from one world (a *generation*) to the next without restarting.
+
+May import: the standard library only (pure: no torch, no store, no clock; callers pass the time in).
+
+With ``tenplex run --in-place`` each node's torchrun supervises only its own
+workers (a crash restarts them, counted against ``--max-restarts``); the
+training world across the nodes is formed by the workers themselves, once per
+generation, through the job's rendezvous store (``tenplex rendezvous serve``,
+which no agent owns). This module is the protocol's logic: the states of one
+worker, the events that move it, the store's key names, and the decisions
+every worker takes the same way from what it reads there. The I/O lives in
+:mod:`tenplex.elastic.reform`.
+
+A worker's states and the events between them (:data:`TRANSITIONS`)::
+
+    STARTING --registered--> WARM --published_in--> FORMING --formed--> TRAINING --finished--> DONE
+                              ^  \\--published_out--> WARM  \\--form_failed--> WARM (arrives at N+1)
+                              |                           TRAINING --change_agreed--> DRAINING --drained--> WARM
+                              |                           TRAINING --peer_lost--> FAILED --drained--> WARM
+                              +-----------------------------------(DRAINING --peer_lost--> FAILED)
+                                                          DRAINING --left--> LEAVING (a planned leave: exit 0)
+
+The sequence of one change from generation N to N+1:
+
+1. **detect**: each worker's watch thread bumps its heartbeat counter
+   (``hb/W``) and reads the others' (:class:`Liveness`); it flags a change
+   when a warm worker registered that is not a member (a join), when a
+   member's heartbeat stopped (a lost peer), or when a member asked to leave.
+2. **agree**: at the next step boundary the ranks all-reduce the flags
+   (``Job.step_done``); every rank then saves the step (a planned change) and
+   leaves the group. A collective that fails because a peer is gone skips the
+   save (the newest committed snapshot is restored) and leaves the broken group.
+3. **arrive**: every worker that stays writes ``arrive/N+1/W``; a warm joiner
+   arrived there before it registered. Once every expected worker (members of
+   N and registered joiners) arrived, left, or is dead by heartbeat
+   (:func:`ready_to_propose`), any arrived worker proposes generation N+1 =
+   the arrived workers in node order (:func:`propose`), with ``compare_set``
+   on ``gen/N+1``: the first proposal wins and every worker reads that one.
+4. **re-form**: each member of N+1 creates a fresh process group on the
+   store under ``pg/N+1/`` (a ``PrefixStore``: nothing of N's group is reused)
+   with its rank (its place in the member list) and the world size; a member
+   that does not arrive within the timeout fails the formation everywhere, and
+   the others arrive at N+2 without it (a second failure is one more change).
+5. **restore**, then the **first step** of N+1.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+
+
+class ProtocolError(RuntimeError):
+    """An event that the worker's state does not allow: a bug in the caller, never a peer's failure."""
+
+
+class State(str, enum.Enum):
+    STARTING = "starting"   # importing, mounting the dataset view, connecting to the stores
+    WARM = "warm"           # registered and heart-beating; waiting for a generation that includes it
+    FORMING = "forming"     # a generation includes it: creating that generation's process group
+    TRAINING = "training"
+    DRAINING = "draining"   # the ranks agreed to change at a step boundary: saving and leaving the group
+    FAILED = "failed"       # a peer is gone: the group is broken, leaving it without saving
+    LEAVING = "leaving"     # a planned leave: drained, exits 0
+    DONE = "done"           # training finished
+
+
+class Event(str, enum.Enum):
+    REGISTERED = "registered"
+    PUBLISHED_IN = "published_in"
+    PUBLISHED_OUT = "published_out"
+    FORMED = "formed"
+    FORM_FAILED = "form_failed"
+    CHANGE_AGREED = "change_agreed"
+    PEER_LOST = "peer_lost"
+    DRAINED = "drained"
+    LEFT = "left"
+    FINISHED = "finished"
+
+
+S, E = State, Event
+TRANSITIONS: dict[tuple[State, Event], State] = {
+    (S.STARTING, E.REGISTERED): S.WARM,
+    (S.WARM, E.PUBLISHED_IN): S.FORMING,
+    (S.WARM, E.PUBLISHED_OUT): S.WARM,
+    (S.FORMING, E.FORMED): S.TRAINING,
+    (S.FORMING, E.FORM_FAILED): S.WARM,
+    (S.TRAINING, E.CHANGE_AGREED): S.DRAINING,
+    (S.TRAINING, E.PEER_LOST): S.FAILED,
+    (S.TRAINING, E.FINISHED): S.DONE,
+    (S.DRAINING, E.DRAINED): S.WARM,
+    (S.DRAINING, E.PEER_LOST): S.FAILED,
+    (S.DRAINING, E.LEFT): S.LEAVING,
+    (S.FAILED, E.DRAINED): S.WARM,
+}
+
+
+class Worker:
+    """One worker's protocol state; :meth:`on` applies an event or raises :class:`ProtocolError`."""
+
+    def __init__(self) -> None:
+        self.state = State.STARTING
+        self.history: list[tuple[State, Event, State]] = []
+
+    def on(self, event: Event) -> State:
+        after = TRANSITIONS.get((self.state, event))
+        if after is None:
+            allowed = sorted(e.value for (s, e) in TRANSITIONS if s == self.state)
+            raise ProtocolError(f"event {event.value!r} in state {self.state.value!r}; allowed there: {allowed}")
+        self.history.append((self.state, event, after))
+        self.state = after
+        return after
+
+
+# ----------------------------------------------------------------- the store's keys (under the job's prefix)
+class Keys:
+    """Key names in the rendezvous store, all under ``tenplex/inplace/JOB/``."""
+
+    def __init__(self, job: str):
+        self.prefix = f"tenplex/inplace/{job}/"
+        self.slots = self.prefix + "slots"     # a counter: the next worker id
+        self.latest = self.prefix + "latest"   # the newest published generation's number
+
+    def slot(self, wid: int) -> str:            # a registered worker's Member (JSON)
+        return f"{self.prefix}slot/{wid}"
+
+    def heartbeat(self, wid: int) -> str:       # a counter its watch thread bumps
+        return f"{self.prefix}hb/{wid}"
+
+    def leaving(self, wid: int) -> str:         # a counter: > 0 once it left or finished
+        return f"{self.prefix}leave/{wid}"
+
+    def arrived(self, number: int, wid: int) -> str:
+        return f"{self.prefix}arrive/{number}/{wid}"
+
+    def generation(self, number: int) -> str:   # the winning proposal (JSON)
+        return f"{self.prefix}gen/{number}"
+
+    def group(self, number: int) -> str:        # the PrefixStore of that generation's process group
+        return f"{self.prefix}pg/{number}/"
+
+
+# ----------------------------------------------------------------- members and generations
+@dataclass(frozen=True)
+class Member:
+    """A registered worker: its id (the slot it took), node, local rank and pid."""
+
+    wid: int
+    host: str
+    local_rank: int
+    pid: int
+
+    def to_json(self) -> str:
+        return json.dumps({"wid": self.wid, "host": self.host, "local_rank": self.local_rank, "pid": self.pid})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Member":
+        d = json.loads(text)
+        return cls(int(d["wid"]), str(d["host"]), int(d["local_rank"]), int(d["pid"]))
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One world: its number, its members in rank order, and why it was formed (``start``, ``join``, …)."""
+
+    number: int
+    members: tuple[int, ...]
+    reasons: tuple[str, ...] = ()
+    hosts: tuple[str, ...] = field(default=(), compare=False)  # each member's host, in the same order
+
+    def rank_of(self, wid: int) -> int | None:
+        return self.members.index(wid) if wid in self.members else None
+
+    def to_json(self) -> str:
+        return json.dumps({"number": self.number, "members": list(self.members), "reasons": list(self.reasons),
+                           "hosts": list(self.hosts)})
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Generation":
+        d = json.loads(text)
+        return cls(int(d["number"]), tuple(d["members"]), tuple(d["reasons"]), tuple(d.get("hosts", ())))
+
+
+def node_order(previous: Generation | None, members: dict[int, Member]) -> tuple[int, ...]:
+    """The members in rank order: hosts in the order the previous generation had them (new hosts after, by
+    their first worker's id), each host's workers by local rank. Each host's ranks stay consecutive, as the
+    configuration policy expects, and a survivor's rank changes only where a host before it left."""
+    known = list(dict.fromkeys(previous.hosts)) if previous is not None else []
+    by_id = sorted(members.values(), key=lambda m: m.wid)
+    hosts = [h for h in known if any(m.host == h for m in by_id)]
+    hosts += [h for h in dict.fromkeys(m.host for m in by_id) if h not in hosts]
+    ranked = sorted(by_id, key=lambda m: (hosts.index(m.host), m.local_rank, m.wid))
+    return tuple(m.wid for m in ranked)
+
+
+def reasons(previous: Generation | None, members: set[int], leaving: set[int]) -> tuple[str, ...]:
+    """Why the world changes: ``start``, or any of ``join``, ``leave`` (asked to), ``lost`` (gone unasked)."""
+    if previous is None:
+        return ("start",)
+    old = set(previous.members)
+    why = []
+    if members - old:
+        why.append("join")
+    if (old - members) & leaving:
+        why.append("leave")
+    if (old - members) - leaving:
+        why.append("lost")
+    return tuple(why)
+
+
+def expected(previous: Generation | None, registered: set[int], leaving: set[int]) -> set[int]:
+    """The workers a proposal for the next generation waits for: every registered worker not leaving."""
+    return (set(registered) | set(previous.members if previous else ())) - leaving
+
+
+def ready_to_propose(previous: Generation | None, registered: set[int], arrived: set[int], leaving: set[int],
+                     dead: set[int], min_workers: int = 1) -> bool:
+    """Whether the next generation can be proposed: every expected worker arrived, left or is dead, and enough
+    arrived (``min_workers`` applies to the first generation only: later ones go on with the survivors)."""
+    waiting = expected(previous, registered, leaving) - arrived - dead
+    live = arrived - leaving
+    return not waiting and bool(live) and (previous is not None or len(live) >= min_workers)
+
+
+def propose(previous: Generation | None, arrived: dict[int, Member], leaving: set[int]) -> Generation:
+    """The next generation: the arrived workers that are not leaving, in node order. An arrival proves a worker
+    alive, so a slow heartbeat never drops it; one that dies after arriving fails the formation instead."""
+    members = {w: m for w, m in arrived.items() if w not in leaving}
+    order = node_order(previous, members)
+    number = previous.number + 1 if previous is not None else 1
+    return Generation(number, order, reasons(previous, set(order), leaving), tuple(members[w].host for w in order))
+
+
+def change_wanted(current: Generation, registered: set[int], leaving: set[int], dead: set[int]) -> tuple[str, ...]:
+    """What the watch thread flags for the next step boundary: a warm worker that is not a member (``join``),
+    a member that asked to leave (``leave``) or whose heartbeat stopped (``lost``); () when nothing changed."""
+    members = set(current.members)
+    why = []
+    if registered - members - leaving - dead:
+        why.append("join")
+    if members & leaving:
+        why.append("leave")
+    if (members & dead) - leaving:
+        why.append("lost")
+    return tuple(why)
+
+
+class Liveness:
+    """Who is dead, from heartbeat counters read at the caller's clock: a worker whose counter did not advance
+    between observations that span ``timeout`` seconds. Counters, not timestamps, so that clocks of different
+    hosts never compare; spans between observations, so that an observer that was itself starved of CPU (no
+    observation for a while) counts nobody dead for it."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._seen: dict[int, tuple[int, float, float]] = {}  # wid -> (counter, when it last advanced, last seen)
+        self._first: dict[int, float] = {}                     # wid -> when this observer first read it
+
+    def observe(self, wid: int, counter: int, now: float) -> None:
+        last = self._seen.get(wid)
+        self._first.setdefault(wid, now)
+        if last is None or counter != last[0]:
+            self._seen[wid] = (counter, now, now)
+        else:
+            self._seen[wid] = (counter, last[1], now)
+
+    def dead(self) -> set[int]:
+        return {w for w, (_, since, seen) in self._seen.items() if seen - since > self.timeout}
+
+    def alive(self) -> set[int]:
+        """Workers seen heart-beating: their counter advanced since this observer first read it. A worker that
+        died before this observer started (a stale slot) is neither alive nor, for ``timeout`` seconds, dead:
+        it must not look like a joiner meanwhile."""
+        return {w for w, (_, since, seen) in self._seen.items() if since > self._first[w]} - self.dead()
+
+    def forget(self, wid: int) -> None:
+        self._seen.pop(wid, None)
+        self._first.pop(wid, None)
