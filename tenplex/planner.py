@@ -1,6 +1,6 @@
 """The minimal-movement planner: ``plan(old_layout, new_layout) -> Plan``.
 
-May import: ``tenplex.box``, ``tenplex.layout``, ``tenplex.transfer_plan``,
+May import: ``tenplex.box``, ``tenplex.regions``, ``tenplex.layout``, ``tenplex.transfer_plan``,
 ``tenplex.devices``, ``tenplex.errors``, ``tenplex._gc`` and the standard
 library. Pure and deterministic: the same two layouts always give the same
 plan.
@@ -30,8 +30,9 @@ order) before the fan-outs, so a fan-out always follows the transfer that
 filled its source; transfers from old shards can run in any order.
 
 Speed: boxes are handled as (lo, hi) tuples; for each tensor the distinct old
-boxes (replicas share one) go into a bisection/bitmask index that finds the
-boxes overlapping a query in O(ndim log n). When the distinct boxes of each
+boxes (replicas share one) go into a sorted-offsets index
+(:class:`tenplex.regions.RegionIndex`) that finds the boxes overlapping a query
+without scanning them all. When the distinct boxes of each
 layout are pairwise disjoint (always so for layouts made by partition rules),
 a new box splits into one fragment per old box it overlaps, the same on every
 device, so fragments are computed once per distinct box and the per-device
@@ -43,8 +44,6 @@ correctly, only slower.
 
 from __future__ import annotations
 
-import operator
-from bisect import bisect_left, bisect_right
 from typing import Callable, Iterable
 
 from ._gc import paused_gc
@@ -52,96 +51,9 @@ from .box import Box
 from .devices import host_of
 from .errors import PlanError
 from .layout import Layout
+from .regions import Region, RegionIndex, cover as _cover, ignore as _ignore, intersect as _intersect
+from .regions import to_box as _box, volume as _volume
 from .transfer_plan import Plan, PlanStats, Transfer
-
-Region = tuple[tuple[int, ...], tuple[int, ...]]  # (lo, hi), half-open
-
-
-def _intersect(a: Region, b: Region) -> Region | None:
-    lo = tuple(map(max, a[0], b[0]))
-    hi = tuple(map(min, a[1], b[1]))
-    for low, high in zip(lo, hi):
-        if high <= low:
-            return None
-    return lo, hi
-
-
-def _minus(a: Region, common: Region) -> list[Region]:
-    """``a`` minus its sub-region ``common``, as at most 2 * ndim disjoint regions."""
-    lo, hi = list(a[0]), list(a[1])
-    pieces = []
-    for d in range(len(lo)):
-        c_lo, c_hi = common[0][d], common[1][d]
-        if c_lo > lo[d]:
-            pieces.append((tuple(lo), tuple(hi[:d] + [c_lo] + hi[d + 1:])))
-        if hi[d] > c_hi:
-            pieces.append((tuple(lo[:d] + [c_hi] + lo[d + 1:]), tuple(hi)))
-        lo[d], hi[d] = c_lo, c_hi
-    return pieces
-
-
-def _volume(r: Region) -> int:
-    v = 1
-    for low, high in zip(*r):
-        v *= high - low
-    return v
-
-
-def _box(r: Region) -> Box:
-    return Box.trusted(r[0], tuple(map(operator.sub, r[1], r[0])))
-
-
-class _RegionIndex:
-    """Which of a fixed list of regions overlap a query region.
-
-    Per dimension, the regions sorted by ``lo`` give (by bisection and a
-    prefix OR of bitmasks) the set with ``lo < query.hi``; sorted by ``hi``,
-    a suffix OR gives the set with ``hi > query.lo``. Overlap is the AND of
-    both over every dimension. Results come in region order.
-    """
-
-    def __init__(self, regions: list[Region]) -> None:
-        n = len(regions)
-        self.all = (1 << n) - 1
-        self.dims = []
-        for k in range(len(regions[0][0]) if regions else 0):
-            by_lo = sorted(range(n), key=lambda i: regions[i][0][k])
-            prefix, mask = [0], 0
-            for i in by_lo:
-                mask |= 1 << i
-                prefix.append(mask)
-            by_hi = sorted(range(n), key=lambda i: regions[i][1][k])
-            suffix, mask = [0] * (n + 1), 0
-            for j in range(n - 1, -1, -1):
-                mask |= 1 << by_hi[j]
-                suffix[j] = mask
-            self.dims.append(([regions[i][0][k] for i in by_lo], prefix, [regions[i][1][k] for i in by_hi], suffix))
-
-    def overlapping(self, query: Region) -> list[int]:
-        mask = self.all
-        for k, (los, prefix, his, suffix) in enumerate(self.dims):
-            mask &= prefix[bisect_left(los, query[1][k])] & suffix[bisect_right(his, query[0][k])]
-            if not mask:
-                return []
-        found = []
-        while mask:
-            low = mask & -mask
-            found.append(low.bit_length() - 1)
-            mask ^= low
-        return found
-
-
-def _cover(pieces: list[Region], region: Region, emit: Callable[[Region], None]) -> list[Region]:
-    """Emit the parts of ``pieces`` inside ``region``; return the parts outside it."""
-    rest = []
-    for piece in pieces:
-        common = _intersect(piece, region)
-        if common is None:
-            rest.append(piece)
-        else:
-            emit(common)
-            rest.extend(_minus(piece, common))
-    return rest
 
 
 class _Builder:
@@ -194,13 +106,12 @@ class _TensorIndex:
             i = number[(box.offsets, box.ends)]
             self.holders_on[i].setdefault(host[device], []).append(device)
             self.own.setdefault(device, set()).add(i)
-        self.index = _RegionIndex(self.regions)
+        self.index = RegionIndex(self.regions)
         self.targets = sorted({(box.offsets, box.ends) for _, box in new})
-        self.target_index = _RegionIndex(self.targets)
+        self.target_index = RegionIndex(self.targets)
         # "Tiled": the distinct boxes of each layout are pairwise disjoint (replicas share boxes, nothing partly
         # overlaps), as in every layout made by partition rules.
-        self.tiled = (all(self.index.overlapping(r) == [i] for i, r in enumerate(self.regions))
-                      and all(self.target_index.overlapping(t) == [j] for j, t in enumerate(self.targets)))
+        self.tiled = self.index.disjoint() and self.target_index.disjoint()
 
     def fragments(self, box: Box, itemsize: int) -> list[tuple[Region, Box, int, int]] | None:
         """Tiled only: (region, box, old region, bytes) per old box ``box`` overlaps; None if they leave a gap."""
@@ -329,11 +240,7 @@ def _missing_general(tensor: _TensorIndex, wanted: dict[str, set[int]]) -> int:
     return total
 
 
-def _ignore(region: Region) -> None:
-    """``_cover``'s emit when only what is left over counts."""
-
-
-def _check_tensors(old: Layout, new: Layout, allow_new_tensors: bool) -> list[str]:
+def check_tensors(old: Layout, new: Layout, allow_new_tensors: bool) -> list[str]:
     """Names of new tensors absent from ``old``; raise PlanError for changed or (unless allowed) new ones."""
     changed = [f"{name!r} {list(old.tensors[name].shape)} {old.tensors[name].dtype} -> "
                f"{list(spec.shape)} {spec.dtype}"
@@ -362,7 +269,7 @@ def plan(old: Layout, new: Layout, allow_new_tensors: bool = False) -> Plan:
 
 
 def _plan(old: Layout, new: Layout, allow_new_tensors: bool) -> Plan:
-    missing = _check_tensors(old, new, allow_new_tensors)
+    missing = check_tensors(old, new, allow_new_tensors)
     hosts = {d: host_of(d) for d in (*old.devices, *new.devices)}
     out = _Builder(hosts)
     lower_bound = initialized = target = 0

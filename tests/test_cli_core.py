@@ -75,10 +75,17 @@ def test_console_script_exits_non_zero_without_traceback(tmp_path):
 
 def test_bench_plan_prints_json_rows_with_baselines(capsys):
     assert main(["bench", "plan", "--json", "--devices", "256", "--layers", "16", "--hidden", "64", "--heads", "8",
-                 "--vocab", "300", "--series-devices", "128", "--series-layers", ""]) == 0
+                 "--vocab", "300", "--series-devices", "128", "--series-layers", "", "--rank-series", "256"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ranked = [r for r in rows if r["scenario"].startswith("per-rank: ")]
+    rows = rows[:len(rows) - len(ranked)]
     assert [r["scenario"] for r in rows] == ["dp/pp change", "tp/dp change", "ZeRO-1 on", "lose one dp replica",
                                              "series: 128 devices"]
+    assert [r["scenario"] for r in ranked] == [f"per-rank: {r['scenario']} at 256 devices" for r in rows[:4]]
+    for row in ranked:  # one rank's share: a small part of the global plan, beside it
+        assert 0 < row["rank"]["transfers"] < row["global"]["transfers"] // 16
+        assert row["rank"]["peak_traced_bytes"] > 0 and row["global"]["peak_traced_bytes"] > 0
+        assert (row["rank"]["union_max_source_device_bytes"] > 0) == (row["global"]["max_source_device_bytes"] > 0)
     for row in rows:
         assert row["inter_host_bytes"] == row["inter_host_lower_bound"] <= row["baseline"]["reload_bytes"]
         assert row["transfers"] > 0 and row["plan_seconds"] >= 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import tenplex
 
 PURE = ["_gc", "box", "dtypes", "devices", "errors", "parallel", "partition", "ptc", "gpt", "layout", "transfer_plan",
-        "planner", "apply"]
+        "planner", "apply", "regions", "plan_index", "share_planner"]
 FORBIDDEN = ("grpc", "torch", "tenplex.store", "tenplex.transform", "tenplex.integration", "tenplex.dataset",
              "tenplex.cli", "tenplex.files", "google.protobuf")
 # Standard-library modules that do file, process or network I/O.

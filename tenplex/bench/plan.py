@@ -17,7 +17,10 @@ fairer number on a shared machine.
 
 May import: the PTC core (``tenplex.box``, ``tenplex.parallel``, ``tenplex.gpt``,
 ``tenplex.ptc``, ``tenplex.planner``, ``tenplex.transfer_plan``,
-``tenplex._gc``, ``tenplex.errors``), tqdm and the standard library.
+``tenplex._gc``, ``tenplex.errors``), this package's :mod:`.plan_share`, tqdm and the standard library.
+
+Per rank (``--rank-series``, 1,024 to 16,384 devices by default): every scenario again, with one rank's
+share planned beside the global planner (:mod:`.plan_share`).
 """
 
 from __future__ import annotations
@@ -34,13 +37,20 @@ from ..gpt import gpt
 from ..parallel import ParallelConfig
 from ..transfer_plan import Transfer
 from ..planner import plan
-from ..ptc import layout
+from ..ptc import PTC, layout
+from .plan_share import per_rank
 
-DESCRIPTION = "time layout construction and planning for a GPT-3-175B-shaped model on 1,024 devices"
+DESCRIPTION = ("time layout construction and planning for a GPT-3-175B-shaped model on 1,024 devices, and one "
+               "rank's share of the plan beside the global planner up to 16,384 devices")
 PER_HOST = 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rank-series", default="1024,4096,16384", metavar="N,N,…",
+                        help="device counts at which every scenario also plans one rank's share beside the global "
+                             "planner ('per-rank: …' rows; '' to skip)")
+    parser.add_argument("--global-memory-up-to", type=int, default=4096, metavar="N",
+                        help="trace the global planner's memory up to N devices (tracing doubles its time)")
     parser.add_argument("--devices", type=int, default=1024, help="devices (a multiple of 128; default 1024)")
     parser.add_argument("--layers", type=int, default=96)
     parser.add_argument("--hidden", type=int, default=12288)
@@ -106,7 +116,25 @@ def _measure(ptc, old_config: ParallelConfig, new_config: ParallelConfig, label:
 
 def run(args: argparse.Namespace) -> list[dict]:
     jobs = _scenarios(args, *_series(args))
-    return [_measure(*job) for job in tqdm(jobs, desc="bench plan", unit="plan", leave=False, disable=None)]
+    rows = [_measure(*job) for job in tqdm(jobs, desc="bench plan", unit="plan", leave=False, disable=None)]
+    ranked = tqdm(_rank_jobs(args), desc="bench plan per rank", unit="plan", leave=False, disable=None)
+    return rows + [_measure_rank(ptc, old, new, label, args.global_memory_up_to) for ptc, old, new, label in ranked]
+
+
+def _rank_jobs(args: argparse.Namespace) -> list[tuple[PTC, ParallelConfig, ParallelConfig, str]]:
+    """(PTC, old config, new config, label) for every scenario at every ``--rank-series`` device count."""
+    counts = _numbers(args.rank_series, "--rank-series")
+    if any(n % 128 or n < 256 for n in counts):
+        raise ConfigError(f"--rank-series {args.rank_series!r}: device counts must be multiples of 128, at least 256")
+    ptc = gpt(args.layers, args.hidden, args.heads, args.vocab, optimizer="adam")
+    return [(ptc, old, new, f"per-rank: {label} at {n} devices")
+            for n in counts for old, new, label in _changes(n)]
+
+
+def _measure_rank(ptc, old_config: ParallelConfig, new_config: ParallelConfig, label: str, memory_up_to: int) -> dict:
+    old, new = layout(ptc, old_config), layout(ptc, new_config)
+    return {"scenario": label, "old": old_config.describe(), "new": new_config.describe(),
+            **per_rank(old, new, global_memory=len(new.devices) <= memory_up_to)}
 
 
 def _series(args: argparse.Namespace) -> tuple[list[int], list[int]]:
@@ -121,6 +149,16 @@ def _series(args: argparse.Namespace) -> tuple[list[int], list[int]]:
     return series_devices, series_layers
 
 
+def _changes(n: int) -> list[tuple[ParallelConfig, ParallelConfig, str]]:
+    """The benchmark's scenarios at ``n`` devices: (old config, new config, label)."""
+    changes = [(_config(n, 1, 8, 16), _config(n, 2, 8, 8), "dp/pp change"),
+               (_config(n, 1, 8, 16), _config(n, 2, 4, 16), "tp/dp change"),
+               (_config(n, 1, 8, 16), _config(n, 1, 8, 16, "optimizer"), "ZeRO-1 on")]
+    if n > 128:
+        changes.append((_config(n, 1, 8, 16), _config(n - 128, 1, 8, 16), "lose one dp replica"))
+    return changes
+
+
 def _scenarios(args: argparse.Namespace, series_devices: list[int], series_layers: list[int]) -> list[tuple]:
     """(PTC, old config, new config, label, with floor baseline) for every scenario, then the series."""
     def model(layers: int):
@@ -128,11 +166,7 @@ def _scenarios(args: argparse.Namespace, series_devices: list[int], series_layer
 
     n = args.devices
     ptc = model(args.layers)
-    jobs = [(ptc, _config(n, 1, 8, 16), _config(n, 2, 8, 8), "dp/pp change", True),
-            (ptc, _config(n, 1, 8, 16), _config(n, 2, 4, 16), "tp/dp change", True),
-            (ptc, _config(n, 1, 8, 16), _config(n, 1, 8, 16, "optimizer"), "ZeRO-1 on", True)]
-    if n > 128:
-        jobs.append((ptc, _config(n, 1, 8, 16), _config(n - 128, 1, 8, 16), "lose one dp replica", True))
+    jobs = [(ptc, old, new, label, True) for old, new, label in _changes(n)]
     jobs += [(ptc, _config(d, 1, 8, 16), _config(d, 2, 8, 8), f"series: {d} devices", False)
              for d in series_devices]
     jobs += [(model(layers), _config(n, 1, 8, 16), _config(n, 2, 8, 8), f"series: {layers} layers", False)

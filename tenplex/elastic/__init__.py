@@ -7,12 +7,11 @@ library. ``tenplex.elastic.policy`` is pure: it imports only ``tenplex.parallel`
 use it without torch; this package therefore loads :class:`Job` (torch) only
 when it is first used.
 
-Modules: :mod:`.policy` (which configuration a world trains with), :mod:`.job`
-(the training-loop API), :mod:`.launcher` (``tenplex run``), :mod:`.entry`
-(how each worker starts), :mod:`.faults` (device fault, lost peer or crash), :mod:`.devices` (a node's
-devices and their health), :mod:`.restarts` (the agent's restart accounting), :mod:`.rendezvous`
-(``tenplex rendezvous serve``), :mod:`.gpt_train` (the example training script that ``tenplex demo
---elastic`` runs).
+Modules: :mod:`.policy` (which configuration a world trains with), :mod:`.job` (the training-loop API, with
+:mod:`.worlds`, :mod:`.batches`, :mod:`.idle` and :mod:`.saves`), :mod:`.launcher` (``tenplex run``), :mod:`.entry`
+(how each worker starts), :mod:`.faults` (device fault, lost peer or crash), :mod:`.devices` (a node's devices and
+their health), :mod:`.restarts` (the agent's restart accounting), :mod:`.rendezvous` (``tenplex rendezvous serve``),
+:mod:`.gpt_train` (the example training script that ``tenplex demo --elastic`` runs).
 """
 
 from .policy import Choice, choose

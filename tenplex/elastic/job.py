@@ -1,8 +1,15 @@
 """The training-loop API of an elastic job: configuration, one-call restore, data share, step boundaries.
 
 May import: ``tenplex`` (save, restore, Checkpointer), ``tenplex.elastic``
-(policy, envsettings, faults, devices, dataview, progress), ``tenplex.integration``, ``tenplex.dataset``,
-``tenplex.parallel``, ``tenplex.errors``, ``tenplex.ops``, torch, torch.distributed and the standard library.
+(policy, envsettings, faults, devices, dataview, progress, worlds, batches, idle, saves), ``tenplex.integration``,
+``tenplex.dataset``, ``tenplex.parallel``, ``tenplex.errors``, ``tenplex.ops``, torch, torch.distributed and the
+standard library.
+
+:class:`Job` inherits four parts that live in modules of their own: the worlds in place
+(:class:`~tenplex.elastic.worlds.InPlaceWorlds`: :meth:`Job.worlds`, ``job.reconfigurations``), the data
+(:class:`~tenplex.elastic.batches.JobData`: :meth:`Job.batch`, :meth:`Job.loader`, :attr:`Job.data_state`), the
+idle ranks (:class:`~tenplex.elastic.idle.IdleRanks`: :meth:`Job.wait_idle`) and the saves' accounting
+(:class:`~tenplex.elastic.saves.SaveAccounting`: :meth:`Job.save_cost`).
 With ``tenplex run --data-mount``, :meth:`Job.restore` switches the node's dataset view and
 :meth:`Job.batch` reads through it (:mod:`tenplex.elastic.dataview`).
 
@@ -60,9 +67,8 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, NoReturn
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -76,12 +82,14 @@ from .devices import worker_device
 from .envsettings import settings_from_env
 from .faults import DEVICE, EXIT_DEVICE_FAULT, EXIT_PEER_LOST, PEER, classify, inject_device_fault
 from . import dataview, progress, worlds
+from .batches import Batch as Batch, JobData  # Batch: tenplex.elastic.Batch, reached through this module
+from .idle import IdleRanks
+from .saves import SaveAccounting
 from .policy import Choice, choose
-from .protocol import Event, State
 
 if TYPE_CHECKING:
     from ..dataset import DatasetState
-    from ..dataset.torch_data import RankDataset, StepLoader
+    from ..dataset.torch_data import RankDataset
 
 log = logging.getLogger(__name__)
 DATASET_KEY = "tenplex.dataset"  # where the data position travels in the saved ``extra``
@@ -93,16 +101,6 @@ def auto_interval(save_s: float, step_s: float, budget: float = 0.05) -> int:
     if save_s <= 0 or step_s <= 0:
         return 1
     return max(1, math.ceil(save_s / (budget * step_s) - 1e-9))
-
-
-@dataclass(frozen=True)
-class Batch:
-    """This rank's micro-batch of the global batch at ``step``: sample ids, collated data, loss weight."""
-
-    step: int
-    ids: list[int]
-    data: Any            # collated samples (a tensor for token datasets); None when the micro-batch is empty
-    weight: float        # len(ids) / global batch size: multiply the mean loss by it, then sum over dp
 
 
 @dataclass
@@ -120,7 +118,7 @@ class Restored:
     lost_steps_total: int = 0          # the job's lost steps in all, this restore's included
 
 
-class Job:
+class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
     """One rank of an elastic job (see the module docstring).
 
     ``dataset``: a packed tenplex dataset directory (``tenplex data pack``), or
@@ -245,9 +243,7 @@ class Job:
         self._next_save: int | None = None
         self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
         self._replication_lag = 0     # agreed (max over ranks), in steps
-        self._looping = False         # the script iterates job.worlds()
-        self.reconfigurations: list[dict] = []  # one per world change in place: its pause and parts
-        self._step_finished_at = self._world_ended_at = time.monotonic()  # the pause's parts start here
+        self._init_worlds()
 
     # ----------------------------------------------------------------- configuration
     @property
@@ -338,140 +334,6 @@ class Job:
                 f"{c.tp * c.pp} times per step: pass max_tp=1 to Job (TENPLEX_MAX_TP=1; spec.parallel.maxTp: 1 "
                 f"on Kubernetes) for a data-parallel script, or build the model for job.config")
 
-    # ----------------------------------------------------------------- worlds
-    @property
-    def _in_place(self) -> bool:
-        """Whether a change ends only the world (``tenplex run --in-place`` and a script that loops over
-        :meth:`worlds`), not the process."""
-        return self._membership is not None and self._looping
-
-    def worlds(self) -> Iterator[worlds.World]:
-        """The worlds this process trains in (see :mod:`tenplex.elastic.worlds`): one without ``--in-place``;
-        with it, a new one after every change, until the loop's body ends with its world still active."""
-        self._looping = True
-        while True:
-            world = self.world
-            yield world
-            if world.active or self._membership is None:
-                return
-            self._next_world()
-
-    def _end_world(self, why: str) -> None:
-        log.info("world %d ends at step %d: %s", self.world.generation, self.step, why)
-        self.world.end(why)
-        self._membership.protocol.on(Event.CHANGE_AGREED if why == "change" else Event.PEER_LOST)  # type: ignore
-        self._world_ended_at = time.monotonic()  # after the stopping save of a change
-
-    def _next_world(self) -> None:
-        """Leave the world that ended (its group, its checkpointer) and enter the next generation's."""
-        m, old = self._membership, self.world
-        assert m is not None
-        if m.protocol.state == State.TRAINING:  # World.__exit__ ended it: a lost peer raised in the user's code
-            self._end_world("lost")
-        begin = time.monotonic()
-        if self._tracked is not None:  # a change settled its snapshot in the stopping save; a loss drops it
-            self._tracked["checkpointer"].group = None
-            self._tracked["checkpointer"].close()
-            self._tracked = None
-        self.group, self._data = None, None  # freeing the group joins its gloo threads: drop every reference
-        # The save schedule follows from numbers every rank must share; a joiner has no history: start afresh.
-        self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
-        self._save_s = self._step_s = 0.0
-        m.leave_group()
-        generation = m.join()
-        self._enter_world(generation)
-        self.world.pause = {"reasons": list(generation.reasons), "ended": old.ended, "pid": os.getpid(),
-                            "agree_s": self._world_ended_at - self._step_finished_at,
-                            "re_form_s": time.monotonic() - begin, "since": self._step_finished_at}
-
-    def _first_step_done(self) -> None:
-        """The first step of a world entered in place finished: its pause is over (old world's end to now)."""
-        p, done = self.world.pause, time.monotonic()
-        p["restore_s"] = self.restored.seconds if self.restored is not None else 0.0
-        # Bytes by where they came from: nothing from memory yet (issue 36 item 3); kept and same-host regions
-        # from this host's store, the rest from other hosts'. No plan: every region was this host's already.
-        stats = self.restored.plan_stats if self.restored is not None else {}
-        p["bytes"] = {"memory": 0, "this_host": stats.get("kept_bytes", 0) + stats.get("intra_host_bytes", 0),
-                      "other_hosts": stats.get("inter_host_bytes", 0), "planned": bool(stats)}
-        p["pause_s"] = done - p.pop("since")  # the old world's last step finished -> this world's first one
-        p["first_step_s"] = max(0.0, p["pause_s"] - p["agree_s"] - p["re_form_s"] - p["restore_s"])
-        p.update(generation=self.world.generation, step=self.step, world_size=self.world_size)
-        self.reconfigurations.append(dict(p))
-        self.metrics.observe_reconfiguration("+".join(p["reasons"]), "in_place", p["pause_s"])
-        log.info("world %d in place after %s: pause %.2f s (re-form %.2f, restore %.2f)", self.world.generation,
-                 "+".join(p["reasons"]) or "a re-formation", p["pause_s"], p["re_form_s"], p["restore_s"])
-
-    # ----------------------------------------------------------------- data
-    def _open_data(self, saved: dict | None) -> None:
-        from ..dataset import DatasetState, open_dataset
-
-        if self.dataset is None:
-            raise ConfigError("this job has no dataset to position; pass dataset= to Job")
-        info = open_dataset(self.dataset)
-        if saved is not None:
-            state = DatasetState.from_dict(saved, source="the restored data position")
-            if state.dataset != info.identity:
-                raise ConfigError(f"the saved data position belongs to dataset {state.dataset[:12]}…, but "
-                                  f"{self.dataset} is {info.identity[:12]}…; pass the dataset the job trained on")
-        else:
-            state = DatasetState(info.identity, info.num_samples, self.seed, 0, self.global_batch, self.drop_last)
-        if state.global_batch != self.global_batch:
-            raise ConfigError(f"the job was saved with global batch {state.global_batch}, not {self.global_batch}")
-        self._info, self._state0, self._data_start = info, state, self.step
-        self._data = None
-
-    @property
-    def data_view(self) -> Path | None:
-        """This rank's directory of its node's dataset view, switched to this world (``tenplex run --data-mount``);
-        None without a view. Before :meth:`restore` (which switches it) a job with a view raises, in one line."""
-        return dataview.checked(self._data_view, restored=self._tracked is not None)
-
-    @property
-    def data_state(self):
-        """The dataset state (position) at :attr:`step`; None without a dataset."""
-        if self._state0 is None:
-            return None
-        return self._state0.advance(self.step - self._data_start)
-
-    def batch(self) -> Batch:
-        """This rank's data-parallel share of the global batch at :attr:`step` (its tp/pp peers get the same)."""
-        from ..dataset.torch_data import collate
-
-        first, data, batches = self._stretch()
-        positions = batches[self.step - first]
-        starts, stops = data.reader.state.batch_bounds()
-        size = int(stops[self.step - first] - starts[self.step - first])
-        ids = data.sample_ids[positions].tolist()
-        return Batch(self.step, ids, collate([data[i] for i in positions]), len(ids) / size)
-
-    def _stretch(self) -> tuple[int, "RankDataset", list[list[int]]]:
-        """(first step, RankDataset, micro-batches) of this epoch's rest from :attr:`step` on (the view's, if any)."""
-        from ..dataset.torch_data import RankBatchSampler, RankDataset
-
-        if self._state0 is None:
-            raise ConfigError("this Job has no dataset: pass dataset= to Job, or read your data yourself")
-        if self._data is not None and 0 <= self.step - self._data[0] < len(self._data[2]):
-            return self._data
-        # A reader per stretch of steps within one epoch: it yields the rest of that epoch's micro-batches.
-        first, state = self.step, self.data_state
-        if self._data_view is None:
-            data = RankDataset.fallback(self._info, state, self.config.dp, self.coords["dp"])
-        else:
-            if self._data is not None:  # a new epoch: the view held the rest of the last one
-                self._data_view = dataview.follow(self, state)
-            data = dataview.open_rank(self._data_view, state)
-        self._data = (first, data, list(RankBatchSampler(data)))
-        return self._data
-
-    def loader(self, **options: Any) -> "StepLoader":
-        """This rank's batches from :attr:`step` on through a ``torch.utils.data.DataLoader`` (``options``:
-        ``num_workers``, ``prefetch_factor``, ``pin_memory``, ``collate_fn``, …): one :class:`Batch` per step,
-        across epochs; call :meth:`step_done` after each. Samples its workers prefetched but the job did not
-        train on are not counted: the position is the steps done (see ``tenplex.dataset.torch_data``)."""
-        from ..dataset.torch_data import StepLoader
-
-        return StepLoader(self._stretch, lambda: self.step, lambda: self.data_state, Batch, **options)
-
     # ----------------------------------------------------------------- step boundary
     def _on_sigterm(self, signum, frame) -> None:
         if self._terminated_at is None:
@@ -524,14 +386,9 @@ class Job:
                 self._next_save = (self._saved_step or 0) + auto_interval(self._save_s, mean_step, self.save_budget)
         if stop:
             self._save("stopping")
-            if self._in_place:
-                if not self.world.active and not leaving:  # a peer died during the save: the world is lost
-                    return
-                if not leaving:  # a change in place: every rank saved this step and goes on in the next world
-                    self._end_world("change")
-                    return
-                # A worker leaving a world in place: the others do not wait (its node's store keeps serving them).
-            else:
+            if self._change_in_place(leaving):  # only this world ends: the process goes on in the next one
+                return
+            if not self._in_place:  # a worker leaving a world in place: the others do not wait for its copies
                 # The copies of this last save protect the next world against losing a host; torchrun's kill
                 # timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s) bounds how long they may take. Collective.
                 self._tracked["checkpointer"].wait_replicated(self.replication_wait)
@@ -598,99 +455,6 @@ class Job:
         if self.on_save is not None:
             self.on_save(dict(self.last_save))
         return version
-
-    def _snapshot_stat(self, key: str, default=None):
-        """One of this rank's :meth:`tenplex.Checkpointer.snapshot_stats` (``default`` before a restore, or with
-        blocking saves only)."""
-        t = self._tracked
-        return default if t is None else t["checkpointer"].snapshot_stats().get(key, default)
-
-    def _local_lag(self) -> int:
-        return self._snapshot_stat("replication_lag", 0)
-
-    def _last_committed_step(self) -> int | None:
-        """The step of this job's newest committed save: the last blocking one, or a newer committed snapshot."""
-        steps = [s for s in (self._committed_blocking, self._snapshot_stat("committed_step")) if s is not None]
-        return max(steps, default=None)
-
-    def _protected_step(self) -> int | None:
-        """The newest committed step that survives the loss of any one host: the committed one when every region is
-        on two hosts or more (DDP, HSDP); else the committed one less the agreed replication lag, when copies are
-        made; None when nothing protects it (one host, or ``replicas=0`` without replicas across hosts)."""
-        committed = self._last_committed_step()
-        if committed is None or self._snapshot_stat("spread", False):
-            return committed
-        return committed - self._replication_lag if self._snapshot_stat("copies", 0) else None
-
-    def _background_s(self) -> float:
-        """Seconds of this rank's last finished background snapshot write (0: none yet, or blocking saves only)."""
-        return float(self._snapshot_stat("last_write_s", 0.0))
-
-    def save_cost(self) -> dict:
-        """Saves so far and the seconds they blocked training (``save_s``), steps and their total time (agreed
-        over the ranks, without saves), the ratio of the two times, and the current interval. With snapshots
-        also: this rank's seconds of background writing (``background_s``), snapshots committed and failed, its
-        staging memory (``staging_bytes``) and the replication lag in steps (agreed: the largest over the ranks)
-        between the newest committed snapshot and the newest whose copies are committed. ``lost_steps``: the
-        steps an earlier world finished beyond the restored one, ``lost_steps_total``: the job's in all.
-        ``committed_step``: the newest committed save's step; ``protected_step``: the newest that survives the loss
-        of any one host (the elastic guide, "Committed is not the same as protected")."""
-        c: dict[str, Any] = dict(self._cost)
-        c["fraction"] = c["save_s"] / c["train_s"] if c["train_s"] else 0.0
-        c["interval"] = None if self._next_save is None else max(1, self._next_save - (self._saved_step or 0))
-        c["lost_steps"] = 0 if self.restored is None else self.restored.lost_steps
-        c["lost_steps_total"] = 0 if self.restored is None else self.restored.lost_steps_total
-        c["committed_step"], c["protected_step"] = self._last_committed_step(), self._protected_step()
-        stats = {} if self._tracked is None else self._tracked["checkpointer"].snapshot_stats()
-        if stats:
-            c.update(background_s=stats["write_s"], snapshots=stats["committed"], failed_snapshots=stats["failed"],
-                     staging_bytes=stats["staging_bytes"], replication_lag=self._replication_lag)
-        return c
-
-    def wait_idle(self) -> None:
-        """An idle rank's whole job: wait until the training ranks finish (exit 0) or stop (exit as they do).
-
-        Rank 0 leaves the word in the job's c10d store (``MASTER_ADDR:MASTER_PORT``;
-        gloo's point-to-point receive cannot be polled), and waits briefly for
-        each idle rank to acknowledge it; a SIGTERM from torchrun ends the wait too.
-        """
-        if not self.idle:
-            raise ConfigError(f"rank {self.rank} trains in this world ({self.choice.degrees()}); wait_idle() is for "
-                              f"the ranks the policy left idle")
-        store, key = self._idle_store(), f"tenplex/{self.world_id}/idle"
-        while not self.stop_requested:
-            try:
-                if store.check([key]):
-                    word = store.get(key).decode()
-                    store.set(f"{key}/ack{self.rank}", "1")
-                    if self.rank == 0:  # an idle rank 0 hosts the store: keep it up until every idle rank read it
-                        store.wait([f"{key}/ack{r}" for r in self.choice.idle], timedelta(seconds=10))
-                    break
-            except Exception:  # noqa: BLE001 -- rank 0 and its store are gone: the world is over
-                word = "stop"
-                break
-            time.sleep(0.1)
-        else:
-            self._exit(0, "stopped by SIGTERM while idle")
-        if word == "done":
-            self._exit(0, "the training ranks finished")
-        self._exit(EXIT_PEER_LOST, "the training ranks stopped")
-
-    def _idle_store(self):
-        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                             timeout=timedelta(seconds=30))
-
-    def _tell_idle(self, stopping: bool) -> None:
-        if not self.choice.idle or self.rank != self.choice.ranks[0]:  # the first training rank tells
-            return
-        key = f"tenplex/{self.world_id}/idle"
-        try:
-            store = self._idle_store()
-            store.set(key, "stop" if stopping else "done")
-            # Rank 0 hosts that store (when it trains): keep it up until every idle rank has read the word.
-            store.wait([f"{key}/ack{r}" for r in self.choice.idle], timedelta(seconds=10))
-        except Exception:  # noqa: BLE001 -- idle ranks stopped by SIGTERM need no word
-            pass
 
     def _exit(self, code: int, why: str) -> None:
         if self.on_exit is not None:

@@ -3,6 +3,10 @@
 May import: ``tenplex.elastic`` (protocol, reform, faults), ``tenplex.errors``, torch.distributed and the standard
 library.
 
+:class:`InPlaceWorlds` is the in-place half of :class:`~tenplex.elastic.job.Job` (which inherits it):
+:meth:`~InPlaceWorlds.worlds`, ending a world at a step boundary, entering the next generation's, and the record
+of each change's pause (``job.reconfigurations``).
+
 The loop form (works under ``tenplex run`` with and without ``--in-place``)::
 
     job = tenplex.elastic.Job(dataset=..., global_batch=...)
@@ -33,14 +37,17 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ..errors import ConfigError
 from . import faults
-from .protocol import Generation
+from .protocol import Event, Generation, State
 from .reform import Membership
 
 log = logging.getLogger(__name__)
+job_log = logging.getLogger("tenplex.elastic.job")  # a Job's own records keep its logger's name
 
 IN_PLACE_ENV = "TENPLEX_IN_PLACE"
 ENDPOINT_ENV = "TENPLEX_RDZV_ENDPOINT"
@@ -108,3 +115,102 @@ def generation_world(generation: Generation | None, rank: int, world_size: int, 
     return World(generation.number if generation else 0, rank, world_size, config,
                  generation.reasons if generation else ())
 
+
+class InPlaceWorlds:
+    """The worlds of a :class:`~tenplex.elastic.job.Job` in one process (``tenplex run --in-place``): the loop
+    over them, a world's end at a step boundary, the next generation's world, and each change's pause. The job
+    provides the attributes declared below and ``_enter_world`` (this rank's place in a world that just formed)."""
+
+    if TYPE_CHECKING:
+        world: World
+        _membership: Membership | None
+        _tracked: dict[str, Any] | None
+        group: Any
+        _data: Any
+        _cost: dict[str, Any]
+        _save_s: float
+        _step_s: float
+        restored: Any
+        metrics: Any
+        step: int
+        world_size: int
+
+        def _enter_world(self, generation: Generation | None) -> None: ...
+
+    def _init_worlds(self) -> None:
+        """What the worlds carry from one to the next: whether the script loops, the changes' records."""
+        self._looping = False         # the script iterates job.worlds()
+        self.reconfigurations: list[dict] = []  # one per world change in place: its pause and parts
+        self._step_finished_at = self._world_ended_at = time.monotonic()  # the pause's parts start here
+
+    @property
+    def _in_place(self) -> bool:
+        """Whether a change ends only the world (``tenplex run --in-place`` and a script that loops over
+        :meth:`worlds`), not the process."""
+        return self._membership is not None and self._looping
+
+    def worlds(self) -> Iterator[World]:
+        """The worlds this process trains in (see :mod:`tenplex.elastic.worlds`): one without ``--in-place``;
+        with it, a new one after every change, until the loop's body ends with its world still active."""
+        self._looping = True
+        while True:
+            world = self.world
+            yield world
+            if world.active or self._membership is None:
+                return
+            self._next_world()
+
+    def _end_world(self, why: str) -> None:
+        job_log.info("world %d ends at step %d: %s", self.world.generation, self.step, why)
+        self.world.end(why)
+        self._membership.protocol.on(Event.CHANGE_AGREED if why == "change" else Event.PEER_LOST)  # type: ignore
+        self._world_ended_at = time.monotonic()  # after the stopping save of a change
+
+    def _next_world(self) -> None:
+        """Leave the world that ended (its group, its checkpointer) and enter the next generation's."""
+        m, old = self._membership, self.world
+        assert m is not None
+        if m.protocol.state == State.TRAINING:  # World.__exit__ ended it: a lost peer raised in the user's code
+            self._end_world("lost")
+        begin = time.monotonic()
+        if self._tracked is not None:  # a change settled its snapshot in the stopping save; a loss drops it
+            self._tracked["checkpointer"].group = None
+            self._tracked["checkpointer"].close()
+            self._tracked = None
+        self.group, self._data = None, None  # freeing the group joins its gloo threads: drop every reference
+        # The save schedule follows from numbers every rank must share; a joiner has no history: start afresh.
+        self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
+        self._save_s = self._step_s = 0.0
+        m.leave_group()
+        generation = m.join()
+        self._enter_world(generation)
+        self.world.pause = {"reasons": list(generation.reasons), "ended": old.ended, "pid": os.getpid(),
+                            "agree_s": self._world_ended_at - self._step_finished_at,
+                            "re_form_s": time.monotonic() - begin, "since": self._step_finished_at}
+
+    def _first_step_done(self) -> None:
+        """The first step of a world entered in place finished: its pause is over (old world's end to now)."""
+        p, done = self.world.pause, time.monotonic()
+        p["restore_s"] = self.restored.seconds if self.restored is not None else 0.0
+        # Bytes by where they came from: nothing from memory yet (issue 36 item 3); kept and same-host regions
+        # from this host's store, the rest from other hosts'. No plan: every region was this host's already.
+        stats = self.restored.plan_stats if self.restored is not None else {}
+        p["bytes"] = {"memory": 0, "this_host": stats.get("kept_bytes", 0) + stats.get("intra_host_bytes", 0),
+                      "other_hosts": stats.get("inter_host_bytes", 0), "planned": bool(stats)}
+        p["pause_s"] = done - p.pop("since")  # the old world's last step finished -> this world's first one
+        p["first_step_s"] = max(0.0, p["pause_s"] - p["agree_s"] - p["re_form_s"] - p["restore_s"])
+        p.update(generation=self.world.generation, step=self.step, world_size=self.world_size)
+        self.reconfigurations.append(dict(p))
+        self.metrics.observe_reconfiguration("+".join(p["reasons"]), "in_place", p["pause_s"])
+        job_log.info("world %d in place after %s: pause %.2f s (re-form %.2f, restore %.2f)", self.world.generation,
+                     "+".join(p["reasons"]) or "a re-formation", p["pause_s"], p["re_form_s"], p["restore_s"])
+
+    def _change_in_place(self, leaving: bool) -> bool:
+        """After the stopping save: whether only this world ends and the process goes on in the next one (in
+        place, for every rank that is not leaving)."""
+        if not self._in_place or leaving:
+            return False
+        if self.world.active:  # a change in place: every rank saved this step and goes on in the next world
+            self._end_world("change")
+        # else a peer died during the save: the world is lost already
+        return True

@@ -2,30 +2,80 @@
 stores (read-through), or the stores run the plan into a new version (transformation).
 
 May import: ``tenplex.errors``, ``tenplex.store``, ``tenplex.transform``, ``tenplex.layout``,
-``tenplex.transfer_plan``, this package's :mod:`.exchange`, :mod:`.readthrough`, :mod:`.nontensor`, :mod:`.pieces`
-and :mod:`.shardio`, and torch.distributed.
+``tenplex.transfer_plan``, ``tenplex.plan_index``, ``tenplex.share_planner``, this package's :mod:`.exchange`,
+:mod:`.readthrough`, :mod:`.nontensor`, :mod:`.pieces` and :mod:`.shardio`, and torch.distributed.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Mapping
+from dataclasses import asdict, dataclass
+from typing import Callable, Mapping
 
 import torch.distributed as dist
 
 from ..errors import StoreError
 from ..layout import Layout
+from ..plan_index import LayoutIndex
+from ..share_planner import layouts_digest, plan_share
 from ..store import Store
 from ..store.client import StoreClient
 from ..transfer_plan import Plan
 from .exchange import agree, all_gather_json
 from .nontensor import StateMismatchError
 from .pieces import Piece
-from .readthrough import RemoteVersion, read_through, source_hosts
+from .readthrough import RemoteVersion, fans_out, read_hosts, read_through, source_hosts
 from .shardio import RegionReader
 
 log = logging.getLogger(__name__)
 READ_STALL_S = 5.0  # a store that sends nothing for this long while a restore reads from it is dead
+
+
+@dataclass(frozen=True)
+class Shares:
+    """What every rank's share of a plan adds up to: enough to choose between read-through and transformation."""
+
+    fans_out: bool        # some share reads a region another device of its host brought in ("from": "new")
+    read_hosts: set[str]  # the hosts whose old shards some share reads
+    stats: dict           # the whole plan's PlanStats fields
+
+
+def plan_my_share(old: Layout, new: Layout, device: str, group) -> tuple[Plan, Shares]:
+    """This rank's share of the plan from ``old`` to ``new`` (its device's transfers only), and the sum of all
+    shares. Collective: one all-gather of small summaries, each with a digest of the two layouts, which must
+    agree (every rank planned from the same layouts; ranks that did not raise StateMismatchError everywhere)."""
+    def mine() -> tuple[Plan, dict]:
+        o, n = LayoutIndex(old), LayoutIndex(new)
+        share = plan_share(o, n, [device] if device in new.devices else [])
+        sent: dict[str, int] = {}
+        received: dict[str, int] = {}
+        for t in share.transfers:  # bytes between hosts, so the sum of the shares can name the busiest host
+            if t.crosses_hosts:
+                nbytes = t.box.volume * new.tensors[t.tensor].itemsize
+                sent[o.host[t.src]] = sent.get(o.host[t.src], 0) + nbytes
+                received[n.host[t.dst]] = received.get(n.host[t.dst], 0) + nbytes
+        return share, {"digest": layouts_digest(o, n), "fans_out": fans_out(share),
+                       "reads": sorted(read_hosts(share)), "stats": asdict(share.stats), "sent": sent,
+                       "received": received}
+
+    share, summary = agree("restore: planning this rank's share of the change", mine, group)
+    summaries = all_gather_json(summary, group)
+    if len({s["digest"] for s in summaries}) > 1:
+        raise StateMismatchError("restore: the ranks planned from different layouts (their digests differ); "
+                                 "every rank must restore the same saved version into the same configuration")
+    return share, Shares(any(s["fans_out"] for s in summaries), {h for s in summaries for h in s["reads"]},
+                         _add_up(summaries))
+
+
+def _add_up(summaries: list[dict]) -> dict:
+    stats = {key: sum(s["stats"][key] for s in summaries) for key in summaries[0]["stats"]}
+    for key, side in (("max_host_send_bytes", "sent"), ("max_host_recv_bytes", "received")):
+        per_host: dict[str, int] = {}
+        for s in summaries:
+            for host, nbytes in s[side].items():
+                per_host[host] = per_host.get(host, 0) + nbytes
+        stats[key] = max(per_host.values(), default=0)
+    return stats
 
 
 def read_plan_through(the_plan: Plan, old: Layout, version: int, pieces: list[Piece], addresses: dict[str, str], *,
@@ -70,9 +120,10 @@ def read_plan_through(the_plan: Plan, old: Layout, version: int, pieces: list[Pi
     return not failures
 
 
-def transform_stored(the_plan: Plan, old: Layout, new: Layout, old_version: int, target: int,
+def transform_stored(the_plan: Plan | Callable[[], Plan], old: Layout, new: Layout, old_version: int, target: int,
                      addresses: dict[str, str], *, token: str | None, group) -> int:
-    """Rank 0 has the stores run ``the_plan`` from ``old_version`` into version ``target``. Collective."""
+    """Rank 0 has the stores run ``the_plan`` (or the plan it returns, made on rank 0 only) from
+    ``old_version`` into version ``target``. Collective."""
     from ..transform import transform
 
     def run():
@@ -80,7 +131,8 @@ def transform_stored(the_plan: Plan, old: Layout, new: Layout, old_version: int,
             return None
         require_addresses(set(old.hosts()) | set(new.hosts()), addresses)
         # The transformer carries the JSON documents (the state doc included) into the new version.
-        transform(the_plan, old, new, stores=addresses, old_version=old_version, new_version=target, token=token)
+        whole = the_plan() if callable(the_plan) else the_plan
+        transform(whole, old, new, stores=addresses, old_version=old_version, new_version=target, token=token)
         return target
 
     agree("restore: transforming the stored state", run, group)

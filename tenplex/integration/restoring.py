@@ -1,6 +1,6 @@
 """The restore's steps after the version is chosen: bring the state within each rank's reach, apply the rest.
 
-May import: ``tenplex.box``, ``tenplex.layout``, ``tenplex.planner``, ``tenplex.replication``, ``tenplex.store``,
+May import: ``tenplex.box``, ``tenplex.layout``, ``tenplex.share_planner``, ``tenplex.replication``, ``tenplex.store``,
 this package's modules, torch and torch.distributed.
 
 :meth:`Checkpointer.restore` finds the version (:mod:`.versions`) and checks the new layout (:mod:`.layouts`);
@@ -11,23 +11,21 @@ state must move between hosts), and :func:`apply_state` applies the non-tensor s
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch.distributed as dist
 
 from ..box import Box
 from ..layout import Layout
-from ..planner import plan as make_plan
+from ..share_planner import plan_for
 from ..store import Store
 from ..store.manifest import PROMOTE_PART
 from .commit import stage_and_commit
-from .exchange import agree
 from .layouts import local_sources
-from .moves import read_plan_through, transform_stored
+from .moves import plan_my_share, read_plan_through, transform_stored
 from .nontensor import apply_rng, derived_seed, from_json, seed_rng
 from .pieces import Piece, set_optimizer_scalars
-from .readthrough import fans_out, read_hosts
 from .savedoc import store_addresses
 from .versions import Found
 
@@ -80,18 +78,19 @@ def bring_within_reach(at: Reach, found: Found, new: Layout, docs, pieces: list[
     if sources is not None:
         return sources
     addresses = {**found.addresses, **store_addresses(docs, at.overrides)}
-    the_plan = agree("restore: planning the change", lambda: make_plan(old, new), at.group)
-    info.plan_stats = asdict(the_plan.stats)
+    # Each rank plans only its own device's transfers; the sum of the shares decides the way (tenplex.share_planner).
+    mine, shares = plan_my_share(old, new, at.device, at.group)
+    info.plan_stats = shares.stats
     # Read through only when that crosses hosts no more than the plan and leaves the job depending on no
     # store outside it (a departed host's store may go away before the job's next save).
-    inside = read_hosts(the_plan) <= {d["host"] for d in docs}
-    if inside and not fans_out(the_plan) and read_plan_through(
-            the_plan, old, source_version, pieces, addresses, store=at.store, device=at.device,
+    inside = shares.read_hosts <= {d["host"] for d in docs}
+    if inside and not shares.fans_out and read_plan_through(
+            mine, old, source_version, pieces, addresses, store=at.store, device=at.device,
             token=at.token, group=at.group):
         info.read_through = True
         return None
-    info.version = transform_stored(the_plan, old, new, source_version, newest + 1, addresses,
-                                    token=at.token, group=at.group)
+    info.version = transform_stored(lambda: plan_for(old, new, new.devices), old, new, source_version, newest + 1,
+                                    addresses, token=at.token, group=at.group)
     info.transformed = True
     return {d: {(s.tensor, s.box): [(d, s.box)] for s in shards} for d, shards in new.devices.items()}
 
