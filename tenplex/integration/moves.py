@@ -47,16 +47,12 @@ def plan_my_share(old: Layout, new: Layout, device: str, group) -> tuple[Plan, S
     def mine() -> tuple[Plan, dict]:
         o, n = LayoutIndex(old), LayoutIndex(new)
         share = plan_share(o, n, [device] if device in new.devices else [])
-        sent: dict[str, int] = {}
-        received: dict[str, int] = {}
-        for t in share.transfers:  # bytes between hosts, so the sum of the shares can name the busiest host
-            if t.crosses_hosts:
-                nbytes = t.box.volume * new.tensors[t.tensor].itemsize
-                sent[o.host[t.src]] = sent.get(o.host[t.src], 0) + nbytes
-                received[n.host[t.dst]] = received.get(n.host[t.dst], 0) + nbytes
+        # bytes between hosts, so the sum of the shares can name the busiest host
+        traffic = share.host_traffic({name: spec.itemsize for name, spec in new.tensors.items()})
         return share, {"digest": layouts_digest(o, n), "fans_out": fans_out(share),
-                       "reads": sorted(read_hosts(share)), "stats": asdict(share.stats), "sent": sent,
-                       "received": received}
+                       "reads": sorted(read_hosts(share)), "stats": asdict(share.stats),
+                       "sent": {host: out for host, (out, _) in traffic.items()},
+                       "received": {host: into for host, (_, into) in traffic.items()}}
 
     share, summary = agree("restore: planning this rank's share of the change", mine, group)
     summaries = all_gather_json(summary, group)
