@@ -19,10 +19,6 @@ from .box import Box
 Region = tuple[tuple[int, ...], tuple[int, ...]]  # (lo, hi), half-open
 
 
-def region(box: Box) -> Region:
-    return box.offsets, box.ends
-
-
 def intersect(a: Region, b: Region) -> Region | None:
     lo = tuple(map(max, a[0], b[0]))
     hi = tuple(map(min, a[1], b[1]))
