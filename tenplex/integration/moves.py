@@ -116,9 +116,9 @@ def read_plan_through(the_plan: Plan, old: Layout, version: int, pieces: list[Pi
     return not failures
 
 
-def transform_stored(the_plan: Plan | Callable[[], Plan], old: Layout, new: Layout, old_version: int, target: int,
+def transform_stored(make_plan: Callable[[], Plan], old: Layout, new: Layout, old_version: int, target: int,
                      addresses: dict[str, str], *, token: str | None, group) -> int:
-    """Rank 0 has the stores run ``the_plan`` (or the plan it returns, made on rank 0 only) from
+    """Rank 0 has the stores run the plan ``make_plan`` returns (made on rank 0 only: the whole plan) from
     ``old_version`` into version ``target``. Collective."""
     from ..transform import transform
 
@@ -127,8 +127,7 @@ def transform_stored(the_plan: Plan | Callable[[], Plan], old: Layout, new: Layo
             return None
         require_addresses(set(old.hosts()) | set(new.hosts()), addresses)
         # The transformer carries the JSON documents (the state doc included) into the new version.
-        whole = the_plan() if callable(the_plan) else the_plan
-        transform(whole, old, new, stores=addresses, old_version=old_version, new_version=target, token=token)
+        transform(make_plan(), old, new, stores=addresses, old_version=old_version, new_version=target, token=token)
         return target
 
     agree("restore: transforming the stored state", run, group)
