@@ -199,14 +199,7 @@ def reasons(previous: Generation | None, members: set[int], leaving: set[int]) -
     if previous is None:
         return ("start",)
     old = set(previous.members)
-    why = []
-    if members - old:
-        why.append("join")
-    if (old - members) & leaving:
-        why.append("leave")
-    if (old - members) - leaving:
-        why.append("lost")
-    return tuple(why)
+    return _why(join=members - old, leave=(old - members) & leaving, lost=(old - members) - leaving)
 
 
 def expected(previous: Generation | None, registered: set[int], leaving: set[int]) -> set[int]:
@@ -236,14 +229,12 @@ def change_wanted(current: Generation, registered: set[int], leaving: set[int], 
     """What the watch thread flags for the next step boundary: a warm worker that is not a member (``join``),
     a member that asked to leave (``leave``) or whose heartbeat stopped (``lost``); () when nothing changed."""
     members = set(current.members)
-    why = []
-    if registered - members - leaving - dead:
-        why.append("join")
-    if members & leaving:
-        why.append("leave")
-    if (members & dead) - leaving:
-        why.append("lost")
-    return tuple(why)
+    return _why(join=registered - members - leaving - dead, leave=members & leaving, lost=(members & dead) - leaving)
+
+
+def _why(*, join: set[int], leave: set[int], lost: set[int]) -> tuple[str, ...]:
+    """The labels of the non-empty sets, in the order ``join``, ``leave``, ``lost``."""
+    return tuple(label for label, who in (("join", join), ("leave", leave), ("lost", lost)) if who)
 
 
 class Liveness:

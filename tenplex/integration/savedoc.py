@@ -13,7 +13,7 @@ keyed by parallel coordinates, optimizer scalars, scheduler and scaler) into the
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from ..box import Box
@@ -111,6 +111,9 @@ class SaveRound:
     parts: list[str]                            # this host's parts of the version (one per rank)
     addresses: dict[str, str]                   # host -> store address
     ring: list[str]                             # the hosts of the saved layout
+    # :meth:`layout`, built once: it reads only what stays the same within a world (the writers and each rank's
+    # device), so a snapshot's round (``dataclasses.replace`` with the step's documents) keeps it.
+    _layout: Layout | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, docs: list[dict], host: str, overrides: Mapping[str, str]) -> "SaveRound":
@@ -133,4 +136,6 @@ class SaveRound:
 
     def layout(self) -> Layout:
         """The saved layout: every box with the device that writes it on each host."""
-        return saved_layout(self.tensors, self.docs, self.writers)
+        if self._layout is None:
+            self._layout = saved_layout(self.tensors, self.docs, self.writers)
+        return self._layout
