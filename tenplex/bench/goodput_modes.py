@@ -133,7 +133,30 @@ class TenplexInPlace(TenplexRestart):
     )
 
 
-class TorchrunDcp:
+class _OnProcesses:
+    """A mode whose nodes are ``_Processes`` beside one server process (a rendezvous store, a lighthouse): a
+    leave is a SIGTERM to the node's processes, a failure a SIGKILL."""
+
+    procs: _Processes
+    server: subprocess.Popen
+
+    def leave(self, host: str) -> None:
+        self.procs.signal(host, signal.SIGTERM)
+
+    def fail(self, host: str) -> None:
+        self.procs.kill(host)
+
+    def running(self) -> list[str]:
+        return self.procs.running()
+
+    def close(self) -> None:
+        self.procs.close()
+        if self.server.poll() is None:
+            self.server.terminate()
+        self.server.wait()
+
+
+class TorchrunDcp(_OnProcesses):
     """torchrun's elastic agent per node, DCP checkpoints on shared storage (see :mod:`.goodput_peers`)."""
 
     LINGER_S = 60.0
@@ -158,10 +181,10 @@ class TorchrunDcp:
         self.devices: dict[str, list[str]] = {}
         port_file, log = base / "rendezvous.port", base / "rendezvous.log"
         with open(log, "ab") as out:
-            self.store = subprocess.Popen([sys.executable, "-m", "tenplex.cli", "rendezvous", "serve", "--port", "0",
+            self.server = subprocess.Popen([sys.executable, "-m", "tenplex.cli", "rendezvous", "serve", "--port", "0",
                                            "--port-file", str(port_file)], stdout=out, stderr=subprocess.STDOUT,
                                           stdin=subprocess.DEVNULL, start_new_session=True)
-        self.endpoint = await_store(self.store, "rendezvous", port_file, time.monotonic() + 120, log)
+        self.endpoint = await_store(self.server, "rendezvous", port_file, time.monotonic() + 120, log)
 
     def start(self, host: str, devices: list[str] | None = None) -> None:
         self.devices[host] = devices or [str(d) for d in range(DEVICES)]
@@ -172,24 +195,10 @@ class TorchrunDcp:
         self.procs.spawn(host, argv, {"GOODPUT_HOST": host, "GOODPUT_DEVICES": ",".join(self.devices[host])},
                          f"agent-{host}-{len(self.procs.procs.get(host, []))}")
 
-    def leave(self, host: str) -> None:
-        self.procs.signal(host, signal.SIGTERM)
-
-    def fail(self, host: str) -> None:
-        self.procs.kill(host)
-
     def gpufail(self, host: str, device: str) -> None:
         self.procs.kill(host)
         self.start(host, [d for d in self.devices[host] if d != device])
 
-    def running(self) -> list[str]:
-        return self.procs.running()
-
-    def close(self) -> None:
-        self.procs.close()
-        if self.store.poll() is None:
-            self.store.terminate()
-        self.store.wait()
 
 
 def _free_port() -> int:
@@ -198,7 +207,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class Torchft:
+class Torchft(_OnProcesses):
     """torchft: a lighthouse, and one replica group (one process) per GPU (see :mod:`.goodput_peers`)."""
 
     # A torchft job has no end of its own: a replica that joins after the others finished would train from step 0
@@ -234,23 +243,8 @@ class Torchft:
             self.procs.spawn(host, [*self.script, "--lighthouse", self.lighthouse],
                              {"GOODPUT_HOST": host, "GOODPUT_DEVICE": str(d)}, f"replica-{host}-{d}")
 
-    def leave(self, host: str) -> None:
-        self.procs.signal(host, signal.SIGTERM)
-
-    def fail(self, host: str) -> None:
-        self.procs.kill(host)
-
     def gpufail(self, host: str, device: str) -> None:
         pass  # the replica raises by itself (the FAULTS file)
-
-    def running(self) -> list[str]:
-        return self.procs.running()
-
-    def close(self) -> None:
-        self.procs.close()
-        if self.server.poll() is None:
-            self.server.terminate()
-        self.server.wait()
 
 
 # name -> (class, worker mode, what it is) or Unavailable. Adding a mode is one entry here.

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parents[1]))  # the tests folder: source_helpers
 
+import job_record  # noqa: E402  (its neighbour)
 import source_helpers  # noqa: E402
-import tenplex.elastic  # noqa: E402
 from tenplex.dataset import open_dataset  # noqa: E402
 from tenplex.dataset.reader import open_fallback  # noqa: E402
 
@@ -42,25 +39,8 @@ def other_ids(job, infos: dict) -> dict[str, list[int]]:
 
 def main() -> None:
     folder, steps, sources = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
-    out = None
-
-    def write(**doc) -> None:
-        out.write(json.dumps(doc) + "\n")
-        out.flush()
-
-    job = tenplex.elastic.Job(global_batch=GLOBAL_BATCH, max_tp=1, save_every=2, timeout=60,
-                              checkpointer_options={"keep": 1000},
-                              on_save=lambda save: write(event="saved", **save, time=time.time()),
-                              on_exit=lambda code, why: write(event="exit", code=code, why=why, time=time.time()))
-    model = torch.nn.Linear(2, 1)
-    out = open(folder / f"rank-{job.host}-{os.getpid()}-{job.rank}.jsonl", "a")
-    job.restore(model, torch.optim.SGD(model.parameters(), lr=0.01))
-    r = job.restored
-    write(event="start", world_id=job.world_id, time=job.started, ready=time.time(), world=job.world_size,
-          hosts=job.hosts, parallel=job.choice.degrees(), rank=job.rank, host=job.host, coords=job.coords,
-          restored_step=r.step if r.version is not None else None, version=r.version, saved_version=r.saved_version,
-          transformed=r.transformed, read_through=r.read_through, plan_stats=r.plan_stats, restore_s=r.seconds,
-          position=job.data_state.position, view=str(job.data_view))
+    job, write = job_record.recorded_job(folder, GLOBAL_BATCH)
+    job_record.write_start(write, job, position=job.data_state.position, view=str(job.data_view))
     infos = {kind: open_dataset(path) for kind, path in sources["others"].items()}
     primary = sources["primary"]
     loader = job.loader(num_workers=2, prefetch_factor=2, pin_memory=True, collate_fn=list)

@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
-import tenplex.elastic
+import job_record  # its neighbour
 from tenplex.elastic.dataview import GENERATION_ENV
 
 GLOBAL_BATCH = 12
@@ -27,29 +26,13 @@ GLOBAL_BATCH = 12
 
 def main() -> None:
     folder, steps = Path(sys.argv[1]), int(sys.argv[2])
-    out = None
-
-    def write(**doc) -> None:
-        out.write(json.dumps(doc) + "\n")
-        out.flush()
-
-    job = tenplex.elastic.Job(global_batch=GLOBAL_BATCH, max_tp=1, save_every=2, timeout=60,
-                              checkpointer_options={"keep": 1000},
-                              on_save=lambda save: write(event="saved", **save, time=time.time()),
-                              on_exit=lambda code, why: write(event="exit", code=code, why=why, time=time.time()))
-    model = torch.nn.Linear(2, 1)
-    out = open(folder / f"rank-{job.host}-{os.getpid()}-{job.rank}.jsonl", "a")
-    job.restore(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    job, write = job_record.recorded_job(folder, GLOBAL_BATCH)
     view = job.data_view                                          # MOUNT/.gN/rankR of this world
     doc = json.loads((view / "state.json").read_bytes())
     assert doc["world"] == job.world_id == os.environ[GENERATION_ENV], (doc["world"], job.world_id)
     index = np.load(view / "index.npy")                           # (n, 4): id, offset in data, length, crc
-    r = job.restored
-    write(event="start", world_id=job.world_id, time=job.started, ready=time.time(), world=job.world_size,
-          hosts=job.hosts, parallel=job.choice.degrees(), rank=job.rank, host=job.host, coords=job.coords,
-          restored_step=r.step if r.version is not None else None, version=r.version, saved_version=r.saved_version,
-          transformed=r.transformed, read_through=r.read_through, plan_stats=r.plan_stats, restore_s=r.seconds,
-          position=doc["state"]["position"], view=str(view), view_generation=doc["generation"])
+    job_record.write_start(write, job, position=doc["state"]["position"], view=str(view),
+                           view_generation=doc["generation"])
     first, done = job.step, 0
     with open(view / "data", "rb") as data:
         while job.step < steps:
