@@ -2,7 +2,7 @@
 
 May import: ``tenplex.box``, ``tenplex.store``, ``tenplex.replication``, ``tenplex.layout``, ``tenplex.errors``,
 ``tenplex.integration`` (pieces, layouts, canonical, snapshot_buffers, exchange, jobstore, nontensor, rollforward,
-savedoc, snapshot_round, versions), torch,
+savedoc, snapshot_pieces, snapshot_round, versions), torch,
 torch.distributed and the standard library.
 
 A snapshot is a version like any other: the same parts, manifest and commit
@@ -64,10 +64,10 @@ from ..store import CorruptShard
 from ..store.contract import LinkingWriter
 from .exchange import agree, all_gather_json
 from .jobstore import JobKeyValue
-from .layouts import state_pieces
 from .pieces import Piece
 from .rollforward import PARTS_DOC, parts_doc
 from .savedoc import SaveRound, state_doc
+from .snapshot_pieces import PiecesCache
 from .snapshot_round import RoundCache
 from .shardio import _as_storage
 from .canonical import canonical_buffers
@@ -80,14 +80,13 @@ _COPY_TRIES, _COPY_RETRY_S = 20, 0.25  # a snapshot's copy is retried for ~5 s: 
 
 
 def _fingerprint(piece: Piece) -> tuple | None:
-    """What must stay the same for a piece to count as unchanged: the storage it lives in and the in-place
+    """What must stay the same for a piece to count as unchanged: the memory it lives in and the in-place
     version counters (a change through ``.data`` bumps no counter and is not seen: optimizers change parameters
     in place, torch's own under ``no_grad``, which counts). None: not tracked (never skipped)."""
     if piece.version is None:
         return None
     local = piece.local
-    return (str(local.device), local.untyped_storage().data_ptr(), local.storage_offset(), str(local.dtype),
-            piece.version)
+    return local.device, local.data_ptr(), local.dtype, piece.version
 
 
 class SnapshotError(TenplexError, RuntimeError):
@@ -130,6 +129,7 @@ class Snapshotter:
         self.inflight: _InFlight | None = None
         self._kv = JobKeyValue()
         self.rounds = RoundCache(ckpt)
+        self.pieces = PiecesCache()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # snapshots for the writer thread; None: stop
         self._writer: threading.Thread | None = None
         self._unchanged_base: tuple[int, dict[tuple[str, Box], tuple]] | None = None  # newest committed, its pieces
@@ -153,12 +153,14 @@ class Snapshotter:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         previous = self._stop_background()
         waited = time.monotonic() - begin
-        pieces = [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
-        docs = self.rounds.exchange(pieces, rank, rng, model, optimizer, previous=previous, nonce=uuid.uuid4().hex)
+        pieces = self.pieces.pieces(model, optimizer, annotations)
+        docs = self.rounds.exchange(pieces, rank, rng, model, optimizer, pieces_key=self.pieces.generation,
+                                    previous=previous, nonce=uuid.uuid4().hex)
         self._settle(docs)
         round_ = self.rounds.round(docs)  # the same on every rank: a mismatch raises everywhere
         writers = round_.writers
-        canonical = canonical_buffers(pieces, docs, writers, rank, group)  # replicas may differ: see .canonical
+        canonical = canonical_buffers(pieces, docs, writers, rank, group,  # replicas may differ: see .canonical
+                                      self.rounds.canonical_sends(round_))
         version = round_.next_version([d["previous"]["version"] for d in docs if d["previous"]])
         leader = round_.leader
         replicas = ckpt.replica_count(round_)
