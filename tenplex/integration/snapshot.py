@@ -139,6 +139,7 @@ class Snapshotter:
         self._copy_wanted = threading.Condition()
         self._copier: threading.Thread | None = None
         self._closed = False
+        self._gc_due = False  # a commit at the boundary left retention to the writer thread
         self.stats: dict[str, Any] = {"snapshots": 0, "committed": 0, "failed": 0, "blocking_s": 0.0,
                                       "waited_s": 0.0, "last_blocking_s": 0.0, "write_s": 0.0, "last_write_s": 0.0,
                                       "last_commit_s": None, "staging_bytes": 0, "linked_bytes": 0, "late_commits": 0,
@@ -156,7 +157,7 @@ class Snapshotter:
         pieces = self.pieces.pieces(model, optimizer, annotations)
         docs = self.rounds.exchange(pieces, rank, rng, model, optimizer, pieces_key=self.pieces.generation,
                                     previous=previous, nonce=uuid.uuid4().hex)
-        self._settle(docs)
+        self._settle(docs, gc=False)  # a late commit's retention runs in the writer thread, before this write
         round_ = self.rounds.round(docs)  # the same on every rank: a mismatch raises everywhere
         writers = round_.writers
         canonical = canonical_buffers(pieces, docs, writers, rank, group,  # replicas may differ: see .canonical
@@ -217,7 +218,7 @@ class Snapshotter:
         job.done.wait()
         return {"version": job.version, "error": job.error, "committed": job.committed, "leader": job.leader}
 
-    def _settle(self, docs: list[dict]) -> None:
+    def _settle(self, docs: list[dict], gc: bool = True) -> None:
         job, self.inflight = self.inflight, None
         reports = [d["previous"] for d in docs if d["previous"]]
         if job is None or not reports:
@@ -229,7 +230,7 @@ class Snapshotter:
             # Some host did not see the decision in time (or there is no key-value store): commit it now.
             def commit():
                 if job.leader and not job.committed:
-                    self._commit(job)
+                    self._commit(job, gc=gc)
             try:
                 agree(f"snapshot of step {job.step} (committing version {job.version})", commit, self.ckpt.group)
                 self.stats["late_commits"] += 1
@@ -281,6 +282,9 @@ class Snapshotter:
         ckpt, store = self.ckpt, self.ckpt.store
         begin = time.monotonic()
         try:
+            if self._gc_due:  # the previous snapshot was committed at the boundary, its retention left to here
+                self._gc_due = False
+                store.gc(ckpt.keep)
             if leader_docs is not None:
                 job.layout = leader_docs.layout()
                 documents[STORES_DOC] = stores_doc(job.version, {h: job.addresses.get(h) for h in leader_docs.ring},
@@ -345,12 +349,15 @@ class Snapshotter:
                 return
             time.sleep(_POLL_S)
 
-    def _commit(self, job: _InFlight) -> None:
+    def _commit(self, job: _InFlight, gc: bool = True) -> None:
         store = self.ckpt.store
         store.commit(job.version, parts=job.parts)
         job.committed = True
         job.commit_s = time.monotonic() - job.called_at
-        store.gc(self.ckpt.keep)  # retention, off the training thread (unless the boundary had to commit)
+        if gc:  # retention, off the training thread: a boundary that had to commit leaves it to the next write
+            store.gc(self.ckpt.keep)
+        else:
+            self._gc_due = True
         self._queue_copy(job)
         if self.ckpt.durable is not None:  # the durable tier flushes snapshots like saves (its own policy)
             self.ckpt.durable.saved()

@@ -21,7 +21,7 @@ writer calls :meth:`SnapshotBuffers.wait_copied` before it reads a buffer.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -37,6 +37,8 @@ class SnapshotBuffers:
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
         self._events: list[torch.cuda.Event] = []  # the last staging's copies, when some piece is on a GPU
+        # (tensor, box) -> (the source memory it was made for, destination view, source view)
+        self._plans: dict[tuple[str, Box], tuple[tuple, Any, Any]] = {}
 
     @property
     def nbytes(self) -> int:
@@ -49,13 +51,29 @@ class SnapshotBuffers:
         for key in list(self._buffers):  # a piece no longer written (a new layout): free its buffer
             if key not in wanted:
                 del self._buffers[key]
+                self._plans.pop(key, None)
         on_gpu = [p for p in pieces if p.local.device.type == "cuda"]
         with torch.no_grad():
             for p in pieces:
                 if p.local.device.type != "cuda":
-                    copy_on_this_thread(self._buffer(p), p.local[p.local_box.slices()])
+                    self._copy(p)
             if on_gpu:
                 self._stage_cuda(on_gpu)
+
+    def _copy(self, piece: Piece) -> None:
+        """Copy one CPU piece into its buffer through views made once (the region of the same memory, into the
+        same buffer): slicing and viewing cost more than copying a small piece."""
+        local, key = piece.local, (piece.name, piece.box)
+        where = (local.data_ptr(), local.shape, local.stride(), local.dtype, piece.local_box)
+        plan = self._plans.get(key)
+        if plan is None or plan[0] != where:
+            buffer = self._buffer(piece)
+            plan = self._plans[key] = (where, *_copy_views(buffer, local[piece.local_box.slices()]))
+        _, destination, source = plan
+        if isinstance(destination, np.ndarray):
+            np.copyto(destination, source, casting="no")
+        else:
+            destination.copy_(source)
 
     def _stage_cuda(self, pieces: list[Piece]) -> None:
         devices = {p.local.device for p in pieces}  # one event per device (a rank usually has one)
@@ -95,9 +113,11 @@ def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
         return tensor.view(_SAME_SIZE_INT[tensor.element_size()]).numpy()
 
 
-def copy_on_this_thread(buffer: torch.Tensor, source: torch.Tensor) -> None:
-    """``buffer.copy_(source)`` for CPU tensors of the same dtype and shape, on the calling thread only."""
+def _copy_views(buffer: torch.Tensor, source: torch.Tensor) -> tuple[Any, Any]:
+    """Numpy views of both (a copy between them runs on the calling thread alone), or the tensors themselves
+    when numpy cannot view them (conjugate or negative bits, dtypes of no fixed size)."""
     try:
-        np.copyto(_as_numpy(buffer), _as_numpy(source), casting="no")
-    except (TypeError, RuntimeError, KeyError):  # what numpy cannot view (conjugate/negative bits, odd dtypes)
-        buffer.copy_(source)
+        return _as_numpy(buffer), _as_numpy(source)
+    except (TypeError, RuntimeError, KeyError):
+        return buffer, source
+
