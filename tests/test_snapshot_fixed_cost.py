@@ -67,6 +67,26 @@ def test_cached_pieces_are_the_fresh_ones_and_follow_every_change_of_structure()
     assert any(p.name.startswith("optim.") and p.name.endswith("1.weight") for p in got)
 
 
+def test_annotations_equal_by_value_keep_the_cache_and_a_new_one_rebuilds_it():
+    from tenplex.integration.annotate import Annotation
+
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer)
+    cache = PiecesCache()
+
+    def annotated(offset):  # made anew at every call, as a model's annotations() method would
+        return {"0.weight": Annotation((3, 8), (0, offset))}
+    first = cache.pieces(model, optimizer, annotated(4))
+    generation = cache.generation
+    assert described(cache.pieces(model, optimizer, annotated(4))) == described(first)
+    assert cache.generation is generation
+    moved = cache.pieces(model, optimizer, annotated(0))
+    assert cache.generation is not generation
+    assert described(moved) == described([p for p in state_pieces(model, optimizer, annotated(0))
+                                          if not p.box.is_empty()])
+    assert {p.box for p in moved if p.name == "0.weight"} != {p.box for p in first if p.name == "0.weight"}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool,
                                    torch.float8_e4m3fn, torch.complex64])
 def test_staging_copies_every_dtype_bit_for_bit_and_follows_new_memory(dtype):

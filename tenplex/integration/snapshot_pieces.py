@@ -6,7 +6,7 @@ May import: this package's :mod:`.layouts` and :mod:`.pieces`, torch and the sta
 validates each :class:`~tenplex.box.Box`: ~2 ms per snapshot for the ~90 pieces of a tiny GPT on this busy machine,
 while within a world nothing of it changes from one step to the next but the in-place version counters.
 :class:`PiecesCache` keeps the pieces while the *structure* is the same: the same model and optimizer objects,
-the same annotation objects, and the same tensor objects (by identity) with the same shape, dtype and storage in
+equal annotations, and the same tensor objects (by identity) with the same shape, dtype and storage in
 the model's state dict and the optimizer's state, in the same order. Only the version counters are read again.
 A change of any of these (a parameter replaced or its ``.data`` swapped, an optimizer state created or
 loaded, a new parameter group) builds the pieces again from scratch.
@@ -26,7 +26,11 @@ from .pieces import Piece, version_of
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local tensor (``to_local`` makes a new alias of it at every call), or the tensor."""
     if isinstance(tensor, DTensor):
-        return tensor._local_tensor
+        local = getattr(tensor, "_local_tensor", None)  # torch's own attribute; to_local() would alias it anew
+        if local is None:
+            with torch.no_grad():
+                local = tensor.to_local()
+        return local
     return tensor
 
 
@@ -64,9 +68,13 @@ class PiecesCache:
         self.generation: Any = None  # the same while the pieces' names, boxes and specs are (None: not cached)
 
     def pieces(self, model, optimizer, annotations) -> list[Piece]:
-        tensors = _tensors(model, optimizer)
-        key = (id(model), id(optimizer), tuple((k, id(v)) for k, v in (annotations or {}).items()),
-               tuple(_describe(t) for t in tensors))
+        try:
+            tensors = _tensors(model, optimizer)
+            key = (id(model), id(optimizer), tuple((annotations or {}).items()),  # frozen dataclasses: by value
+                   tuple(_describe(t) for t in tensors))
+        except (RuntimeError, TypeError, NotImplementedError):  # a tensor without plain memory (sparse, ...)
+            self._key, self.generation = None, None
+            return [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
         if key == self._key:
             return [Piece(p.name, p.spec, p.box, p.local_box, p.local, version_of(*sources))
                     for p, sources in zip(self._pieces, self._sources)]
