@@ -134,12 +134,14 @@ class InPlaceWorlds:
         metrics: Any
         step: int
         world_size: int
+        last_save: dict
 
         def _enter_world(self, generation: Generation | None) -> None: ...
 
     def _init_worlds(self) -> None:
         """What the worlds carry from one to the next: whether the script loops, the changes' records."""
         self._looping = False         # the script iterates job.worlds()
+        self._kept: Any = None        # the old world's model and optimizer, kept for the next restore (in place)
         self.reconfigurations: list[dict] = []  # one per world change in place: its pause and parts
         self._step_finished_at = self._world_ended_at = time.monotonic()  # the pause's parts start here
 
@@ -192,11 +194,11 @@ class InPlaceWorlds:
         """The first step of a world entered in place finished: its pause is over (old world's end to now)."""
         p, done = self.world.pause, time.monotonic()
         p["restore_s"] = self.restored.seconds if self.restored is not None else 0.0
-        # Bytes by where they came from: nothing from memory yet (issue 36 item 3); kept and same-host regions
-        # from this host's store, the rest from other hosts'. No plan: every region was this host's already.
-        stats = self.restored.plan_stats if self.restored is not None else {}
-        p["bytes"] = {"memory": 0, "this_host": stats.get("kept_bytes", 0) + stats.get("intra_host_bytes", 0),
-                      "other_hosts": stats.get("inter_host_bytes", 0), "planned": bool(stats)}
+        # This rank's restored bytes by where they came from: its own memory (what it kept of the stopping save's
+        # version), this host's store, other hosts' stores; planned: whether the change needed a plan.
+        restored = self.restored
+        p["bytes"] = dict(restored.bytes if restored is not None else {"memory": 0, "this_host": 0, "other_hosts": 0},
+                          planned=bool(restored is not None and restored.plan_stats))
         p["pause_s"] = done - p.pop("since")  # the old world's last step finished -> this world's first one
         p["first_step_s"] = max(0.0, p["pause_s"] - p["agree_s"] - p["re_form_s"] - p["restore_s"])
         p.update(generation=self.world.generation, step=self.step, world_size=self.world_size)
@@ -205,12 +207,22 @@ class InPlaceWorlds:
         job_log.info("world %d in place after %s: pause %.2f s (re-form %.2f, restore %.2f)", self.world.generation,
                      "+".join(p["reasons"]) or "a re-formation", p["pause_s"], p["re_form_s"], p["restore_s"])
 
+    def _keep_in_memory(self) -> None:
+        """Keep the model and optimizer that the stopping save just committed: the next world's restore takes
+        what they hold of that version from memory (:mod:`tenplex.integration.memory`), not from the store."""
+        from ..integration.memory import Kept
+
+        t = self._tracked
+        if t is not None and self.last_save["why"] == "stopping" and self.last_save["step"] == self.step:
+            self._kept = Kept.capture(t["model"], t["optimizer"], t["annotations"], self.last_save["version"])
+
     def _change_in_place(self, leaving: bool) -> bool:
         """After the stopping save: whether only this world ends and the process goes on in the next one (in
         place, for every rank that is not leaving)."""
         if not self._in_place or leaving:
             return False
         if self.world.active:  # a change in place: every rank saved this step and goes on in the next world
+            self._keep_in_memory()
             self._end_world("change")
         # else a peer died during the save: the world is lost already
         return True

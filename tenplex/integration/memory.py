@@ -1,0 +1,114 @@
+"""Restore from memory: what a survivor of a world change in place still holds comes from its own tensors.
+
+May import: ``tenplex.box``, ``tenplex.layout``, ``tenplex.transfer_plan``, this package's :mod:`.pieces` and
+:mod:`.layouts`, torch and the standard library. No store, no process group.
+
+In place (:mod:`tenplex.elastic.worlds`) a worker that survives a change keeps its process, and with it the
+model and optimizer it trained in the old world. At the change's stopping save, committed on every host, it
+keeps a reference to them (:meth:`Kept.capture`): their tensors hold exactly that version. When the new
+world's :meth:`~tenplex.Checkpointer.restore` restores that version, every region of a new piece that a kept
+piece holds is copied from memory, device to device (:meth:`Memory.fill`); only what memory lacks is read,
+from this host's store or from other hosts' (:meth:`Memory.cut_tiles`, :meth:`Memory.cut_share`: the
+plan's transfers cut to the lacking regions). Memory wins over any store, as the planner's rule "data
+already on a device stays there" says. The stores still hold the whole version, so the other ranks (a
+joiner, a survivor that now holds other slices) read this survivor's slices from them.
+
+Memory is used only where it is exactly the restored version: the version is the captured one, and each
+kept tensor's in-place version counters are unchanged since the capture (a kept tensor changed since, say a
+model reused and reset by the user's ``build``, is read from the stores instead). A world ended by a lost
+peer keeps nothing: its tensors may be past the newest committed version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+import torch
+
+from ..box import Box, tile
+from ..errors import LayoutError
+from ..layout import TensorSpec
+from ..transfer_plan import Plan
+from .layouts import state_pieces
+from .pieces import Piece
+
+
+@dataclass
+class Kept:
+    """A survivor's state at the end of a world: references to its model and optimizer, and the pieces (with
+    their in-place version counters) that equal the committed ``version``."""
+
+    version: int
+    model: Any
+    optimizer: Any
+    annotations: Any
+    pieces: list[Piece]
+
+    @classmethod
+    def capture(cls, model, optimizer, annotations, version: int) -> "Kept":
+        """Keep ``model`` and ``optimizer`` as they are right after ``version`` was saved from them."""
+        return cls(version, model, optimizer, annotations, _pieces(model, optimizer, annotations))
+
+    def usable(self, version: int | None, specs: Mapping[str, TensorSpec]) -> "Memory | None":
+        """The kept pieces that still hold ``version``'s values (same version, counters unchanged, same global
+        spec as ``specs``, the restored version's tensors); None when no piece does."""
+        if version != self.version:
+            return None
+        try:
+            now = {(p.name, p.box): p.version for p in _pieces(self.model, self.optimizer, self.annotations)}
+        except (LayoutError, RuntimeError):  # the kept objects were changed beyond recognition: read the stores
+            return None
+        valid = [p for p in self.pieces if p.version is not None and now.get((p.name, p.box)) == p.version
+                 and specs.get(p.name) == p.spec]
+        return Memory(valid) if valid else None
+
+
+def _pieces(model, optimizer, annotations) -> list[Piece]:
+    return [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
+
+
+class Memory:
+    """The kept pieces a restore takes its regions from; ``bytes``: how many it copied."""
+
+    def __init__(self, pieces: list[Piece]):
+        self.by_name: dict[str, list[Piece]] = {}
+        for p in pieces:
+            self.by_name.setdefault(p.name, []).append(p)
+        self.bytes = 0
+        self.lacking: dict[tuple[str, Box], list[Box]] = {}  # (tensor, new piece's box) -> regions memory lacks
+
+    @torch.no_grad()
+    def fill(self, pieces: list[Piece]) -> None:
+        """Copy into each piece every region memory holds; remember, per piece, the regions it lacks."""
+        for piece in pieces:
+            tiles, lacking = tile(piece.box, ((kept, kept.box) for kept in self.by_name.get(piece.name, ())))
+            for kept, region in tiles:
+                _region(piece, region).copy_(_region(kept, region))
+                self.bytes += region.volume * piece.local.element_size()
+            self.lacking[(piece.name, piece.box)] = lacking
+
+    def cut_tiles(self, piece: Piece, tiles: list[tuple[str, Box]]) -> list[tuple[str, Box]]:
+        """``piece``'s (stored device, region) tiles cut to the regions memory lacks."""
+        lacking = self.lacking.get((piece.name, piece.box), [piece.box])
+        return [(device, part) for device, region in tiles for box in lacking
+                if (part := region.intersect(box)) is not None]
+
+    def cut_share(self, share: Plan, device: str) -> Plan:
+        """``device``'s transfers of ``share`` cut to the regions memory lacks (other devices' as they are)."""
+        lacking: dict[str, list[Box]] = {}
+        for (name, _box), boxes in self.lacking.items():
+            lacking.setdefault(name, []).extend(boxes)
+        transfers = []
+        for t in share.transfers:
+            if t.dst != device:
+                transfers.append(t)
+                continue
+            transfers += [replace(t, box=part) for box in lacking.get(t.tensor, ())
+                          if (part := t.box.intersect(box)) is not None]
+        return replace(share, transfers=tuple(transfers))
+
+
+def _region(piece: Piece, region: Box) -> torch.Tensor:
+    """The part of ``piece``'s local tensor that holds ``region`` (global coordinates, inside the piece's box)."""
+    return piece.local[piece.local_box.slices()][region.local(piece.box).slices()]
