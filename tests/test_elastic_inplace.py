@@ -110,5 +110,19 @@ def test_a_lost_node_a_warm_join_and_a_leave_change_the_world_and_the_survivor_k
     for kind in ("join", "leave", "lost"):
         assert f'tenplex_job_reconfigurations_total{{kind="{kind}",mode="in_place"}} 1.0' in final["metrics"]
     assert "tenplex_job_pause_seconds_count 3.0" in final["metrics"]
+    # Restore from memory: after a planned change the survivor keeps its whole (data-parallel) state in memory and
+    # reads nothing. After the kill it does so only when its tensors still hold the restored (newest committed)
+    # step: the kill came before its next optimizer step and that step's snapshot committed; else its store.
+    # The joiner reads all from the survivor's host.
+    state = (8 * 8 + 8) * 8  # Linear(8, 8) in float64; plain SGD keeps no state tensors
+    kept, read = {"memory": state, "this_host": 0, "other_hosts": 0}, {"memory": 0, "this_host": state, "other_hosts": 0}
+    by_source = [{k: v for k, v in p["bytes"].items() if k != "planned"} for p in pauses]
+    assert by_source[0] in (kept, read) and by_source[1:] == [kept, kept]
+    if by_source[0] == kept:  # the survivor's tensors held its last finished step: that step was restored
+        assert worlds[1]["restored"] == last[1]
+    joined = [d for d in _lines(tmp_path / "h1-again" / "w0.jsonl") if "pid" in d]
+    assert joined[0]["bytes"] == {"memory": 0, "this_host": 0, "other_hosts": state}
+    memory = sum(p["bytes"]["memory"] for p in pauses)
+    assert f'tenplex_job_restore_bytes_total{{source="memory"}} {float(memory)}' in final["metrics"]
     print(json.dumps([{k: p[k] for k in ("reasons", "pause_s", "agree_s", "re_form_s", "restore_s",
                                          "first_step_s", "bytes")} for p in pauses]))

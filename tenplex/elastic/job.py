@@ -295,6 +295,7 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
                          "annotations": annotations, "checkpointer": ckpt}
         self._saved_step = step
         self._committed_blocking = step  # the restored version is committed
+        self._remember_save(info.version)  # the tensors hold it now
         gathered = progress.gather(ckpt.store.root, self.host, self.world_id, self.step, self.group)
         self._progress = gathered.record
         if self.dataset is not None:
@@ -446,6 +447,7 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
             self._die(f"step {self.step}: the {why} save failed ({type(e).__name__}: {e}); nothing was committed, "
                       f"exiting")
         seconds = time.monotonic() - begin
+        self._remember_save(version)
         self._save_s_local = seconds
         self._saved_step = self.step
         self._cost["saves"] += 1

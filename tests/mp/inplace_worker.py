@@ -55,7 +55,7 @@ for world in job.worlds():
         model, optimizer = build()
         job.restore(model, optimizer)
         say(pid=os.getpid(), generation=world.generation, rank=world.rank, size=world.world_size,
-            reasons=list(world.reasons), restored=job.step)
+            reasons=list(world.reasons), restored=job.step, bytes=job.restored.bytes)
         while job.step < steps(world) and world.active:
             torch.manual_seed(job.step)
             x = torch.randn(4, 8, dtype=torch.float64)
