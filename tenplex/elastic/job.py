@@ -283,11 +283,10 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
             self._tracked["checkpointer"].close()
         ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), group=self.group, **self.checkpointer_options)
         extra: dict = {}
-        # In place, a survivor's old model and optimizer hold the stopping save's version: restored from memory
-        kept, self._kept = self._kept, None
+        # In place, a survivor's old model and optimizer may hold the restored version: taken from memory
         step = ckpt.restore(model, optimizer, scheduler=scheduler, scaler=scaler, annotations=annotations,
-                            extra=extra, memory=kept)
-        del kept  # the old world's tensors go as soon as the new ones hold their values
+                            extra=extra, memory=self._kept)
+        self._kept = None  # the old world's tensors go now; kept for the next world when a peer died meanwhile
         info = ckpt.last_restore
         self.step = step or 0
         self.extra = dict(extra.get(EXTRA_KEY) or {})

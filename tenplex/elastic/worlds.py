@@ -1,7 +1,7 @@
 """Worlds in place: a :class:`~tenplex.elastic.job.Job` that lives through several worlds in one process.
 
 May import: ``tenplex.elastic`` (protocol, reform, faults), ``tenplex.errors``, ``tenplex.integration.memory``,
-torch, torch.distributed and the standard library.
+torch.distributed and the standard library.
 
 :class:`InPlaceWorlds` is the in-place half of :class:`~tenplex.elastic.job.Job` (which inherits it):
 :meth:`~InPlaceWorlds.worlds`, ending a world at a step boundary, entering the next generation's, and the record
@@ -214,18 +214,20 @@ class InPlaceWorlds:
         none) and their in-place version counters, so that a world lost later can tell whether its tensors still
         hold that version (about 0.3 ms for 800 tensors; not done outside in place, where nothing is kept)."""
         if self._membership is not None and self._tracked is not None:
+            from ..integration.memory import state_counters
+
             self._last_saved = None if version is None else (
-                version, _counters(self._tracked["model"], self._tracked["optimizer"]))
+                version, state_counters(self._tracked["model"], self._tracked["optimizer"]))
 
     def _keep_if_unchanged(self) -> None:
         """Keep the old world's model and optimizer for the next restore (:mod:`tenplex.integration.memory`) when
         nothing changed them since the last save: always after a change (its stopping save), after a lost peer
         when it died before this rank's next optimizer step. The restore takes from them only if that save is
         the version it restores (committed everywhere)."""
-        from ..integration.memory import Kept
+        from ..integration.memory import Kept, state_counters
 
         t, saved = self._tracked, self._last_saved
-        if t is not None and saved is not None and _counters(t["model"], t["optimizer"]) == saved[1]:
+        if t is not None and saved is not None and state_counters(t["model"], t["optimizer"]) == saved[1]:
             self._kept = Kept.capture(t["model"], t["optimizer"], t["annotations"], saved[0])
 
     def _change_in_place(self, leaving: bool) -> bool:
@@ -238,20 +240,3 @@ class InPlaceWorlds:
         # else a peer died during the save: the world is lost already
         return True
 
-
-def _counters(model, optimizer) -> tuple[int, ...]:
-    """The in-place version counters of the model's tensors and the optimizer's state tensors (a DTensor's and
-    its local tensor's: an in-place op bumps the first, a copy into the local tensor the second)."""
-    import torch
-
-    tensors = list(model.state_dict(keep_vars=True).values())
-    if optimizer is not None:
-        tensors += [v for state in optimizer.state.values() for v in state.values()]
-    counts = []
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            counts.append(t._version)
-            local = getattr(t, "_local_tensor", None)
-            if local is not None:
-                counts.append(local._version)
-    return tuple(counts)

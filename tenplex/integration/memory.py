@@ -1,7 +1,7 @@
 """Restore from memory: what a survivor of a world change in place still holds comes from its own tensors.
 
-May import: ``tenplex.box``, ``tenplex.layout``, ``tenplex.transfer_plan``, this package's :mod:`.pieces` and
-:mod:`.layouts`, torch and the standard library. No store, no process group.
+May import: ``tenplex.box``, ``tenplex.layout``, ``tenplex.transfer_plan``, this package's
+:mod:`.pieces` and :mod:`.layouts`, torch and the standard library. No store, no process group.
 
 In place (:mod:`tenplex.elastic.worlds`) a worker that survives a change keeps its process, and with it the
 model and optimizer it trained in the old world. At the change's stopping save, committed on every host, it
@@ -15,23 +15,27 @@ joiner, a survivor that now holds other slices) read this survivor's slices from
 
 Memory is used only where it is exactly the restored version: the version is the captured one, and each
 kept tensor's in-place version counters are unchanged since the capture (a kept tensor changed since, say a
-model reused and reset by the user's ``build``, is read from the stores instead). A world ended by a lost
-peer keeps nothing: its tensors may be past the newest committed version.
+model reused and reset by the user's ``build``, is read from the stores instead). The job keeps its tensors
+after a change (the stopping save's version) and after a lost peer only when :func:`state_counters` says
+nothing changed them since its last save (the peer died before this rank's next optimizer step); a restore
+of any other version (that save was not committed everywhere) reads the stores.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
 
 from ..box import Box, tile
-from ..errors import LayoutError
 from ..layout import TensorSpec
 from ..transfer_plan import Plan
 from .layouts import state_pieces
 from .pieces import Piece
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,7 +61,9 @@ class Kept:
             return None
         try:
             now = {(p.name, p.box): p.version for p in _pieces(self.model, self.optimizer, self.annotations)}
-        except (LayoutError, RuntimeError):  # the kept objects were changed beyond recognition: read the stores
+        except Exception as e:  # noqa: BLE001 -- memory is only a faster source: any doubt reads the stores
+            log.warning("restore: the state kept in memory is not usable (%s: %s); reading the stores",
+                        type(e).__name__, e)
             return None
         valid = [p for p in self.pieces if p.version is not None and now.get((p.name, p.box)) == p.version
                  and specs.get(p.name) == p.spec]
@@ -112,3 +118,19 @@ class Memory:
 def _region(piece: Piece, region: Box) -> torch.Tensor:
     """The part of ``piece``'s local tensor that holds ``region`` (global coordinates, inside the piece's box)."""
     return piece.local[piece.local_box.slices()][region.local(piece.box).slices()]
+
+
+def state_counters(model, optimizer) -> tuple[int, ...]:
+    """The in-place version counters of the model's tensors and the optimizer's state tensors (a DTensor's and
+    its local tensor's: an in-place op bumps the first, a copy into the local tensor the second)."""
+    tensors = list(model.state_dict(keep_vars=True).values())
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values()]
+    counts = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            counts.append(t._version)
+            local = getattr(t, "_local_tensor", None)
+            if local is not None:
+                counts.append(local._version)
+    return tuple(counts)

@@ -23,7 +23,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from tenplex.integration import Annotation, Checkpointer
 from tenplex.integration.exchange import all_gather_json
