@@ -90,7 +90,9 @@ class Memory:
         for piece in pieces:
             tiles, lacking = tile(piece.box, ((kept, kept.box) for kept in self.by_name.get(piece.name, ())))
             for kept, region in tiles:
-                _region(piece, region).copy_(_region(kept, region))
+                into, values = _region(piece, region), _region(kept, region)
+                if into.data_ptr() != values.data_ptr() or into.stride() != values.stride():  # else: the same tensor
+                    into.copy_(values)
                 self.bytes += region.volume * piece.local.element_size()
             self.lacking[(piece.name, piece.box)] = lacking
 
