@@ -92,8 +92,8 @@ def bring_within_reach(at: Reach, found: Found, new: Layout, docs, pieces: list[
     # Read through only when that crosses hosts no more than the plan and leaves the job depending on no
     # store outside it (a departed host's store may go away before the job's next save).
     inside = shares.read_hosts <= {d["host"] for d in docs}
-    if memory is not None:
-        mine = memory.cut_share(mine, at.device)
+    if memory is not None:  # after the choice: what memory holds its host's store holds too, so it never
+        mine = memory.cut_share(mine, at.device)  # crosses hosts or fans out, and cannot change the choice
     count_share(mine, at.device, new, info.bytes)
     if inside and not shares.fans_out and read_plan_through(
             mine, old, source_version, pieces, addresses, store=at.store, device=at.device,
