@@ -1,6 +1,6 @@
 """Restore from memory (issue 36 item 3): a survivor of a change in place takes what it kept of the restored
 version from its own tensors and reads only what it lacks, from this host's store or other hosts'. Two processes
-(real gloo group, each host's real store served over gRPC) go through five changes of layout; each restore's bytes
+(real gloo group, each host's real store served over gRPC) go through six changes of layout; each restore's bytes
 by source are pinned and its state is compared bit for bit with an uninterrupted run's (tests/mp/memory_worker.py).
 """
 
@@ -34,3 +34,5 @@ def test_a_survivor_restores_what_it_kept_from_memory_and_reads_only_what_it_lac
         assert b["C"] == {"memory": FULL - W, "this_host": W, "other_hosts": 0}  # a kept tensor changed since
         assert b["D"] == {"memory": 0, "this_host": FULL, "other_hosts": 0}      # memory of another version
         assert b["E"] == {"memory": HALF, "this_host": 0, "other_hosts": 0}      # whole -> tp=2: all kept
+        assert b["F"] == {"memory": HALF, "this_host": HALF, "other_hosts": 0}   # a DTensor's shard kept; v2 is
+        # whole on each host: the other half from this host's store

@@ -2,7 +2,7 @@
 
 Usage: ``python memory_worker.py DIR RANK``. Rank r is device hr/0 of host hr, whose store (DIR/hr) it serves
 itself; the two ranks form a gloo group (file:// under DIR). A float64 model {w: [8, 6], b: [8]} with Adam
-(foreach off: elementwise, so a shard trains exactly as its part of the whole) goes through five restores, each
+(foreach off: elementwise, so a shard trains exactly as its part of the whole) goes through six restores, each
 from a new Checkpointer as a new world's would be, with the state the rank kept of the old "world" in memory
 (:class:`tenplex.integration.memory.Kept`):
 
@@ -10,7 +10,9 @@ A. tp=2 (rows split by annotations) -> every rank the whole (dp=2): half from me
 B. dp=2 -> dp=2 (pure data parallelism): everything from memory;
 C. as B, but the kept ``w`` was changed after the capture: ``w`` from this host's store, the rest from memory;
 D. memory of another version: nothing from memory;
-E. dp=2 -> tp=2: a rank needs half of what it holds: everything from memory.
+E. dp=2 -> tp=2: a rank needs half of what it holds: everything from memory;
+F. rows sharded by DTensor placements (holding B's version, stored whole on each host) -> every rank the whole:
+   half from memory, half from this host's store.
 
 After each restore the state is compared bit for bit with an uninterrupted run's. Prints one JSON line:
 {"bytes": {case: RestoreInfo.bytes}, "equal": {case: bool}, "read_through": {case: bool}}.
@@ -46,6 +48,16 @@ class Model(torch.nn.Module):
 
     def annotations(self) -> dict[str, Annotation]:
         return {"w": Annotation((ROWS, COLS), (self.lo, 0)), "b": Annotation((ROWS,), (self.lo,))}
+
+
+def dtensor_model() -> Model:
+    """The whole model's w and b as DTensors sharded by rows over both ranks (each holds its half)."""
+    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+
+    mesh, model = DeviceMesh("cpu", [0, 1]), Model()
+    model.w = torch.nn.Parameter(distribute_tensor(model.w.detach(), mesh, [Shard(0)]))
+    model.b = torch.nn.Parameter(distribute_tensor(model.b.detach(), mesh, [Shard(0)]))
+    return model
 
 
 def train(model: Model, optimizer: torch.optim.Optimizer, steps: range) -> None:
@@ -118,6 +130,10 @@ def main() -> None:
     restore("C", Model(), kept_b, 3, False)
     restore("D", Model(), kept_v1, 3, False)
     restore("E", Model(*half), kept_v2, 3, True)
+    distributed = dtensor_model()  # rows sharded by a DTensor's placements, holding v2 (restored from the stores)
+    d_optimizer = adam(distributed)
+    assert checkpointer().restore(distributed, d_optimizer) == 3
+    restore("F", Model(), Kept.capture(distributed, d_optimizer, None, v2), 3, False)
     print(json.dumps(report), flush=True)
     all_gather_json(None)  # both ranks done with the other's store before it stops
     server.stop(None)
