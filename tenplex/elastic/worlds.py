@@ -228,7 +228,7 @@ class InPlaceWorlds:
 
         t, saved = self._tracked, self._last_saved
         if t is not None and saved is not None and state_counters(t["model"], t["optimizer"]) == saved[1]:
-            self._kept = Kept.capture(t["model"], t["optimizer"], t["annotations"], saved[0])
+            self._kept = Kept.capture(t["model"], t["optimizer"], t["annotations"], saved[0], saved[1])
 
     def _change_in_place(self, leaving: bool) -> bool:
         """After the stopping save: whether only this world ends and the process goes on in the next one (in

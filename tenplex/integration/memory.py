@@ -13,9 +13,9 @@ plan's transfers cut to the lacking regions). Memory wins over any store, as the
 already on a device stays there" says. The stores still hold the whole version, so the other ranks (a
 joiner, a survivor that now holds other slices) read this survivor's slices from them.
 
-Memory is used only where it is exactly the restored version: the version is the captured one, and each
-kept tensor's in-place version counters are unchanged since the capture (a kept tensor changed since, say a
-model reused and reset by the user's ``build``, is read from the stores instead). The job keeps its tensors
+Memory is used only where it is exactly the restored version: the version is the captured one, and no kept
+tensor's in-place version counter changed since the capture (when one did, say a model reused and reset by
+the user's ``build``, everything is read from the stores instead). The job keeps its tensors
 after a change (the stopping save's version) and after a lost peer only when :func:`state_counters` says
 nothing changed them since its last save (the peer died before this rank's next optimizer step); a restore
 of any other version (that save was not committed everywhere) reads the stores.
@@ -40,33 +40,34 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Kept:
-    """A survivor's state at the end of a world: references to its model and optimizer, and the pieces (with
-    their in-place version counters) that equal the committed ``version``."""
+    """A survivor's state at the end of a world: references to its model and optimizer, the committed ``version``
+    they hold, and their in-place version counters (:func:`state_counters`) then."""
 
     version: int
     model: Any
     optimizer: Any
     annotations: Any
-    pieces: list[Piece]
+    counters: tuple[int, ...]
 
     @classmethod
-    def capture(cls, model, optimizer, annotations, version: int) -> "Kept":
-        """Keep ``model`` and ``optimizer`` as they are right after ``version`` was saved from them."""
-        return cls(version, model, optimizer, annotations, _pieces(model, optimizer, annotations))
+    def capture(cls, model, optimizer, annotations, version: int, counters: tuple[int, ...] | None = None) -> "Kept":
+        """Keep ``model`` and ``optimizer`` as they are right after ``version`` was saved from them (``counters``:
+        their :func:`state_counters` now, when the caller has them). Cheap: the pieces are made when used."""
+        return cls(version, model, optimizer, annotations,
+                   state_counters(model, optimizer) if counters is None else counters)
 
     def usable(self, version: int | None, specs: Mapping[str, TensorSpec]) -> "Memory | None":
-        """The kept pieces that still hold ``version``'s values (same version, counters unchanged, same global
-        spec as ``specs``, the restored version's tensors); None when no piece does."""
-        if version != self.version:
+        """The kept pieces when they still hold ``version``'s values (the same version, no kept tensor changed
+        since the capture), those with the global spec of ``specs`` (the restored version's); else None."""
+        if version != self.version or state_counters(self.model, self.optimizer) != self.counters:
             return None
         try:
-            now = {(p.name, p.box): p.version for p in _pieces(self.model, self.optimizer, self.annotations)}
+            pieces = _pieces(self.model, self.optimizer, self.annotations)
         except Exception as e:  # noqa: BLE001 -- memory is only a faster source: any doubt reads the stores
             log.warning("restore: the state kept in memory is not usable (%s: %s); reading the stores",
                         type(e).__name__, e)
             return None
-        valid = [p for p in self.pieces if p.version is not None and now.get((p.name, p.box)) == p.version
-                 and specs.get(p.name) == p.spec]
+        valid = [p for p in pieces if specs.get(p.name) == p.spec]
         return Memory(valid) if valid else None
 
 

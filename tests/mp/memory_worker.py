@@ -8,7 +8,7 @@ from a new Checkpointer as a new world's would be, with the state the rank kept 
 
 A. tp=2 (rows split by annotations) -> every rank the whole (dp=2): half from memory, half from the other host;
 B. dp=2 -> dp=2 (pure data parallelism): everything from memory;
-C. as B, but the kept ``w`` was changed after the capture: ``w`` from this host's store, the rest from memory;
+C. as B, but the kept ``w`` was changed after the capture: everything from this host's store;
 D. memory of another version: nothing from memory;
 E. dp=2 -> tp=2: a rank needs half of what it holds: everything from memory;
 F. rows sharded by DTensor placements (holding B's version, stored whole on each host) -> every rank the whole:
