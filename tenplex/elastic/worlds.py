@@ -134,7 +134,6 @@ class InPlaceWorlds:
         metrics: Any
         step: int
         world_size: int
-        last_save: dict
 
         def _enter_world(self, generation: Generation | None) -> None: ...
 
@@ -196,8 +195,8 @@ class InPlaceWorlds:
         """The first step of a world entered in place finished: its pause is over (old world's end to now)."""
         p, done = self.world.pause, time.monotonic()
         p["restore_s"] = self.restored.seconds if self.restored is not None else 0.0
-        # This rank's restored bytes by where they came from: its own memory (what it kept of the stopping save's
-        # version), this host's store, other hosts' stores; planned: whether the change needed a plan.
+        # This rank's restored bytes by where they came from: its own memory (what it kept of the old world's
+        # tensors), this host's store, other hosts' stores; planned: whether the change needed a plan.
         restored = self.restored
         p["bytes"] = dict(restored.bytes if restored is not None else {"memory": 0, "this_host": 0, "other_hosts": 0},
                           planned=bool(restored is not None and restored.plan_stats))
@@ -239,4 +238,3 @@ class InPlaceWorlds:
             self._end_world("change")
         # else a peer died during the save: the world is lost already
         return True
-
