@@ -337,7 +337,8 @@ class Checkpointer:
                            replica_devices={d: list(v) for d, v in found.replica_devices.items()})
         # A survivor in place: what it still holds of this version comes from its memory (every rank takes part)
         own = None if memory is None else memory.usable(found.version, found.layout.tensors)
-        agree("restore: copying the regions kept in memory", lambda: None if own is None else own.fill(pieces), self.group)
+        agree("restore: copying the regions kept in memory", lambda: None if own is None else own.fill(pieces),
+              self.group)
         info.bytes["memory"] = own.bytes if own is not None else 0
         sources = bring_within_reach(Reach(self.store, self.device, self.token, self.group, self.stores), found, new,
                                      docs, pieces, info, own)
