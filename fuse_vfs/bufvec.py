@@ -32,8 +32,8 @@ BUF = np.dtype({"names": ["size", "flags", "mem", "fd", "pos"],
 _PIECE = struct.Struct("<Qi4xQi4xq")
 _HEADER = struct.Struct("<QQQ")            # struct fuse_bufvec: size_t count, idx, off; then the bufs inline
 FD_FLAGS = (1 << 1) | (1 << 2) | (1 << 3)  # FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY
-_POS = BUF.fields["pos"][1]                # offset of ``pos`` in a buf
-assert _PIECE.size == BUF.itemsize
+_POS = 32                                  # offset of ``pos`` in a buf (BUF above)
+assert _PIECE.size == BUF.itemsize and BUF.fields is not None and BUF.fields["pos"][1] == _POS
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.malloc.restype = ctypes.c_void_p
