@@ -399,3 +399,19 @@ def test_libfuse_choice_errors_name_the_fix(monkeypatch):
     with pytest.raises(ValueError, match=r"TENPLEX_LIBFUSE=3 but libfuse3 is not installed \(apt-get install fuse3\)"):
         binding.library_path("3")
     assert binding.library_path("auto") is None
+
+
+def test_bench_vfs_reports_buffered_and_o_direct_first_passes_with_the_load(tmp_path):
+    import argparse
+    from tenplex.bench import vfs as bench_vfs
+    parser = argparse.ArgumentParser()
+    bench_vfs.add_arguments(parser)
+    args = parser.parse_args(["--size-mb", "2", "--sample-kb", "16", "--repeat", "1", "--random-reads", "20",
+                              "--dir", str(tmp_path)])
+    result = bench_vfs.run(args)
+    assert result["bytes"] == 2 << 20 and result["samples"] == 128 and len(result["load"]) == 2
+    for first, ratio in (("vfs_seq_gbps", "seq_ratio"), ("vfs_seq_odirect_gbps", "seq_odirect_ratio"),
+                         ("vfs_seq_warm_gbps", "seq_warm_ratio")):
+        assert result[first] > 0
+        assert result[ratio] == pytest.approx(result[first] / result["direct_seq_gbps"], rel=1e-3, abs=1e-4)
+    assert not os.listdir(tmp_path)  # the work directory and its mount are gone
