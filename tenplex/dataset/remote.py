@@ -167,12 +167,10 @@ def open_remote(address: str, dataset: str, cache_dir: str | os.PathLike | None 
 
     try:
         root = Path(f"{address}:{remote_root}")
-        try:
-            client.stat_file(str(remote_root / METADATA_NAME))
-        except RemoteStoreError as e:
-            if e.code == grpc.StatusCode.NOT_FOUND:
-                raise DatasetError(f"{root}: {REMOTE_NEEDS_PACKED}") from None
-            raise
+        try:  # first, so that an in-place source on the store is refused saying what to do instead
+            missing_as_file_not_found(lambda: client.stat_file(str(remote_root / METADATA_NAME)))
+        except FileNotFoundError:
+            raise DatasetError(f"{root}: {REMOTE_NEEDS_PACKED}") from None
         info = open_packed(root, read_bytes=read_bytes, file_size=file_size)
         cache = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "tenplex-dataset-cache"
         return info, RemoteRecords(client, info, remote_root, cache, stats=stats)
