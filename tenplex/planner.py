@@ -23,7 +23,10 @@ The lower bound is computed from the layouts alone, not from the transfers.
 Sender balancing is greedy: each remote piece comes from the replica whose
 host has sent the fewest bytes so far (then the least-loaded device, then the
 first in device order). That spreads load over all replicas, but it is not
-an optimal schedule of ``max_host_send_bytes``.
+an optimal schedule of ``max_host_send_bytes``. A replica set on 8 hosts or
+more finds that host through a heap shared by the sets on the same hosts (the
+same choice as a scan, in O(log hosts): at 16,384 devices a set spans 128
+hosts).
 
 The plan lists every ``"from": "old"`` transfer (kept, local, remote, in that
 order) before the fan-outs, so a fan-out always follows the transfer that
