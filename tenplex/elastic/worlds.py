@@ -39,7 +39,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..errors import ConfigError
 from . import faults
@@ -70,7 +70,17 @@ def membership_from_environment(timeout: float, backend: str) -> Membership | No
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
     return Membership(endpoint, os.environ.get(JOB_ENV, "default"), os.environ.get("TENPLEX_HOST", "h0"),
                       int(os.environ.get("LOCAL_RANK", "0")), min_workers=int(os.environ.get(MIN_WORKERS_ENV, "1")),
-                      timeout=timeout, dead_after=float(os.environ.get(DEAD_AFTER_ENV, "2.0")), backend=backend)
+                      timeout=timeout, dead_after=float(os.environ.get(DEAD_AFTER_ENV, "2.0")), backend=backend,
+                      siblings=_node_incarnation())
+
+
+def _node_incarnation() -> tuple[str, int] | None:
+    """(this node's agent and its start of the workers, how many it started): the workers of one start."""
+    agent, size = os.environ.get("TENPLEX_AGENT_PID"), os.environ.get("LOCAL_WORLD_SIZE")
+    if agent is None or size is None:
+        return None
+    host, restart = os.environ.get("TENPLEX_HOST", "h0"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"{host}/{agent}/{restart}", int(size)
 
 
 @dataclass
@@ -91,6 +101,7 @@ class World:
     active: bool = True
     ended: str | None = None
     pause: dict = field(default_factory=dict)
+    on_device_fault: Callable[[], None] | None = None  # in place: tell the others at once that this worker leaves
 
     def end(self, why: str) -> None:
         self.active, self.ended = False, why
@@ -103,7 +114,10 @@ class World:
         process. Device faults and crashes propagate (the agent excludes the device, or restarts the worker)."""
         if error is None or not isinstance(error, Exception) or self.generation == 0:
             return False
-        if faults.classify(error) != faults.PEER:
+        kind = faults.classify(error)
+        if kind == faults.DEVICE and self.on_device_fault is not None:
+            self.on_device_fault()  # the process ends (its agent drops the device); the others go on without it
+        if kind != faults.PEER:
             return False
         log.warning("world %d: a peer is gone (%s: %s); on to the next world", self.generation,
                     type(error).__name__, error)
@@ -132,6 +146,7 @@ class InPlaceWorlds:
         _step_s: float
         restored: Any
         metrics: Any
+        _terminated_at: float | None
         step: int
         world_size: int
 
@@ -155,10 +170,18 @@ class InPlaceWorlds:
         self._looping = True
         while True:
             world = self.world
+            if self._membership is not None:
+                world.on_device_fault = self._membership.mark_leaving
             yield world
             if world.active or self._membership is None:
                 return
             self._next_world()
+
+    @property
+    def change_pending(self) -> bool:
+        """Whether this world will end at the next step boundary as far as this rank knows (SIGTERM, or in place
+        a join, leave or loss the membership saw): a script that waits between steps should go on to it."""
+        return self._terminated_at is not None or bool(self._in_place and self._membership.wanted)  # type: ignore
 
     def _end_world(self, why: str) -> None:
         job_log.info("world %d ends at step %d: %s", self.world.generation, self.step, why)
