@@ -402,6 +402,7 @@ def _plot_pauses(ax, summary: dict) -> None:
         ax.text(left, y, f" {e['pause_s']:.2f} s, {kept}/{len(e['pids'])} pids kept", va="center", fontsize=8)
     ax.set_yticks(range(len(rows)), [f"{e['kind']} {e['host']}" for e in rows])
     ax.invert_yaxis()
+    ax.set_xlim(0, 1.3 * max((e["pause_s"] for e in rows), default=1.0))  # room for the labels
     ax.set_xlabel(f"pause (s): last step of the old world to the first of the new ({summary.get('mode', '?')})")
     if rows:
-        ax.legend(loc="lower right", fontsize=7, ncol=5)
+        ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=7, ncol=5, frameon=False)
