@@ -396,8 +396,9 @@ class _Progress:
                 self.worlds[d["world_id"]] = d
                 how = "fresh start" if d["restored_step"] is None else f"restored step {d['restored_step']}"
                 self.say(f"  world {d['world']} on {','.join(d['hosts'])}: {d['parallel']}, {how}")
+        rank0 = {d["file"] for d in self.docs if d["event"] == "start" and d["rank"] == 0}  # one file per world
         for d in self.docs:
-            if d["event"] == "step" and d["file"].endswith("-0.jsonl") and (d["file"], d["step"]) not in self.printed:
+            if d["event"] == "step" and d["file"] in rank0 and (d["file"], d["step"]) not in self.printed:
                 self.printed.add((d["file"], d["step"]))
                 self.say(f"  step {d['step']:3d}  loss {d['loss']:.6f}")
         return True
