@@ -36,7 +36,7 @@ def test_gpufail_schedules_are_checked():
 
 def test_a_failed_gpu_leaves_its_node_in_the_job_and_the_survivors_keep_their_processes(tmp_path):
     lines: list[str] = []
-    summary, _ = demo.run(tmp_path, SCHEDULE, STEPS, save_every=2, say=lines.append)
+    summary, _ = demo.run(tmp_path, SCHEDULE, STEPS, save_every=1, say=lines.append)  # a snapshot every step
     assert summary["ok"], "\n".join(lines[-30:])
     assert summary["mode"] == "in_place"
     c = summary["checks"]
@@ -47,7 +47,7 @@ def test_a_failed_gpu_leaves_its_node_in_the_job_and_the_survivors_keep_their_pr
     assert gpufail["from"] == {"world": 4, "hosts": ["h0", "h1"], "parallel": "dp=2,tp=2,pp=1"}
     # 2+1 ranks: the demo pins world 3 to dp=3 (DEFAULT_PINS), so that every remaining device trains.
     assert gpufail["to"] == {"world": 3, "hosts": ["h0", "h1"], "parallel": "dp=3,tp=1,pp=1"}
-    # The fault hit during step 3: nothing was saved, the next world resumed from the save at step 2.
+    # The fault hit at the boundary of step 3, before its snapshot: the next world resumed from step 2's.
     assert (gpufail["resumed_from_step"], gpufail["lost_steps"]) == (2, 1)
     # The node holding data-parallel rank 0 (h0) is SIGKILLed: h1's last worker trains alone, at most a step lost.
     assert fail["to"] == {"world": 1, "hosts": ["h1"], "parallel": "dp=1,tp=1,pp=1"} and fail["lost_steps"] <= 1
