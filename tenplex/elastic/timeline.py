@@ -89,8 +89,8 @@ def read_worlds(folder: Path) -> list[World]:
             continue
         if d["event"] == "step":
             coords = w.files[d["file"]]
-            entry = w.steps.setdefault(d["step"], {"loss": d["loss"], "ids": [], "time": d["time"]})
-            entry["time"] = max(entry["time"], d["time"])  # the step finished once its last rank finished it
+            entry = w.steps.setdefault(d["step"], {"loss": d["loss"], "ids": [], "time": d.get("time", 0.0)})
+            entry["time"] = max(entry["time"], d.get("time", 0.0))  # finished once its last rank finished it
             if coords["tp"] == 0 and coords["pp"] == 0:  # each dp rank's share once (its tp/pp peers read the same)
                 entry["ids"] += d["ids"]
         elif d["event"] == "saved":
