@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 
@@ -220,7 +221,7 @@ def expected(previous: Generation | None, registered: set[int], leaving: set[int
 
 
 def ready_to_propose(previous: Generation | None, registered: set[int], arrived: set[int], leaving: set[int],
-                     dead: set[int], min_workers: int = 1, warming: set[int] = frozenset()) -> bool:
+                     dead: set[int], min_workers: int = 1, warming: Set[int] = frozenset()) -> bool:
     """Whether the next generation can be proposed: every expected worker arrived, left or is dead, and enough
     arrived (``min_workers`` applies to the first generation only: later ones go on with the survivors). The
     first generation also waits while a host it has workers of still starts others (``warming``, from
@@ -243,7 +244,7 @@ def propose(previous: Generation | None, arrived: dict[int, Member], leaving: se
 
 
 def change_wanted(current: Generation, registered: set[int], leaving: set[int], dead: set[int],
-                  warming: set[int] = frozenset()) -> tuple[str, ...]:
+                  warming: Set[int] = frozenset()) -> tuple[str, ...]:
     """What the watch thread flags for the next step boundary: a warm worker that is not a member (``join``;
     not while its host still starts others: ``warming``), a member that asked to leave (``leave``) or whose
     heartbeat stopped (``lost``); () when nothing changed."""
@@ -252,7 +253,7 @@ def change_wanted(current: Generation, registered: set[int], leaving: set[int], 
                 lost=(members & dead) - leaving)
 
 
-def warming_up(present: dict[int, Member], members: set[int], overdue: set[int] = frozenset()) -> set[int]:
+def warming_up(present: dict[int, Member], members: set[int], overdue: Set[int] = frozenset()) -> set[int]:
     """The joiners held back because their host still starts others: the workers of ``present`` (registered,
     alive, not leaving) that are not ``members``, on a host with fewer workers present than the largest
     ``local_world`` a joiner of it announces; except those waiting longer than the batching allows

@@ -87,6 +87,7 @@ class Membership:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.wanted: tuple[str, ...] = ()        # the watch thread's flag: why the world should change
+        self.held_back: set[int] = set()         # joiners it saw whose host still starts others (no change yet)
         wid = self._store.add(self.keys.slots, 1) - 1
         if local_world is None:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -144,10 +145,10 @@ class Membership:
             members, leaving, dead = self.view()
             # a registered worker counts once seen heart-beating: a stale slot of a dead one is no joiner
             registered = set(members) & (self.liveness.alive() | set(current.members))
-            wanted = change_wanted(current, registered, leaving, dead,
-                                   self.warming(current, members, registered, leaving | dead))
+            held = self.warming(current, members, registered, leaving | dead)
+            wanted = change_wanted(current, registered, leaving, dead, held)
             if self.current is current:  # not re-formed meanwhile
-                self.wanted = wanted
+                self.wanted, self.held_back = wanted, held
 
     def warming(self, current: Generation | None, members: dict[int, Member], registered: set[int],
                 gone: set[int]) -> set[int]:
