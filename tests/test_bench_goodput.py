@@ -62,8 +62,8 @@ def test_accounting_of_a_rollback_a_cut_step_and_the_goodput():
     docs += [d for i, s in enumerate(range(4, 9)) for d in _step("B", s, 10.0 + i)]
     docs.append({"event": "start", "bytes_read": 100})
     # world A's two ranks: their start-up phases (medians) before the first step at t=1
-    docs += [{"event": "start", "world": "A", "phases": {"process": 0.1 + r, "imported": 0.3 + r, "started": 0.7}}
-             for r in (0.0, 0.2)]
+    docs += [{"event": "start", "world": "A", "time": 0.7, "host": f"h{r}", "pid": r,
+              "phases": {"process": 0.1 + r / 5, "imported": 0.3 + r / 5, "started": 0.7}} for r in (0, 1)]
     reference = {s: 1.0 for s in range(1, 9)}
     report = account(docs, [{"kind": "fail", "host": "h1", "time": 5.5}], reference, steps=8, step_s=1.0,
                      launched=0.0, global_batch=B)

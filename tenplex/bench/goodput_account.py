@@ -110,7 +110,15 @@ def startup(docs: list[dict], first: dict | None, launched: float) -> dict | Non
     """The start-up phases of the first world's ranks (module docstring), medians after ``launched``."""
     if first is None:
         return None
-    starts = [d.get("phases", {}) for d in docs if d["event"] == "start" and d.get("world") == first["world"]]
+    # the ranks that trained the first world's steps (a peer may name its start record's world otherwise)
+    ranks = {(d.get("host"), d.get("pid")) for d in docs if d["event"] == "step" and d["world"] == first["world"]}
+    earliest: dict[tuple, dict] = {}  # each of those ranks' first start record (in place, it has one per world)
+    for d in docs:
+        key = (d.get("host"), d.get("pid"))
+        if d["event"] == "start" and (d.get("world") == first["world"] or key in ranks) and d.get("phases"):
+            if key not in earliest or d["time"] < earliest[key]["time"]:
+                earliest[key] = d
+    starts = [d["phases"] for d in earliest.values()] or [{}]
     names = dict.fromkeys(name for p in starts for name in p)
     out = {n: round(statistics.median(p[n] for p in starts if n in p) - launched, 3) for n in names}
     return dict(out, first_step=round(first["time"] - launched, 3))

@@ -35,9 +35,9 @@ def _run(args) -> int:
     from ..elastic.launcher import run
     from . import _run_operations
 
+    early = _store_early(args.argv)  # before anything imports torch (the operations' parser does)
     argv, operations = _run_operations.take(args.argv)
     _run_operations.start(operations)
-    early = _store_early(argv)
     if early is not None:
         _undo_if_misread(argv, *early)
     try:
