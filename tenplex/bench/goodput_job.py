@@ -28,10 +28,9 @@ IMPORTED = time.time()  # this module's imports (torch's the bulk) are done: a s
 
 def process_started() -> float:
     """When this process started (wall clock), from the kernel's record of it: the first start-up phase."""
-    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-    btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                 if line.startswith("btime "))
-    return btime + ticks / os.sysconf("SC_CLK_TCK")
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # since boot
+    uptime = float(Path("/proc/uptime").read_text().split()[0])  # 10 ms resolution (/proc/stat's btime: 1 s)
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 class NextToken(torch.nn.Module):
