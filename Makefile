@@ -2,6 +2,12 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# The suite runs on pytest-xdist workers: one per core, at most 4 (each test already runs several processes);
+# --dist loadfile keeps a file's tests in one worker, so its module fixtures (the jobs its tests read) run once;
+# the files go out slowest first (tests/conftest.py; --no-loadscope-reorder keeps that order).
+# TEST_WORKERS=1 (or a one-core machine) runs it in this process, without workers.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n > 4 ? 4 : n )))
+XDIST_ARGS := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder,)
 
 .PHONY: setup demo test lint docs proto
 setup:
@@ -11,7 +17,7 @@ demo: setup
 	$(VENV)/bin/tenplex demo
 
 test: setup
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST_ARGS) $(PYTEST_ARGS)
 
 # ruff and mypy with the rule sets in pyproject.toml; .ci/run runs this before the tests.
 lint: setup

@@ -120,10 +120,16 @@ def test_nothing_is_left_behind_when_the_owner_is_killed(sig):
 def test_leftovers_of_crashed_runs_are_swept():
     gone = subprocess.Popen(["true"])
     gone.wait()  # a PID that no longer runs: the "crashed run"
-    stale = f"{emulated.PREFIX}-{gone.pid}-abcd-h0"
-    subprocess.run(["ip", "netns", "add", stale], check=True)
-    try:
-        assert stale in emulated.sweep_stale()
-        assert stale not in emulated._namespaces()
-    finally:
-        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+    # Another test process starting a cluster meanwhile sweeps it too (make test runs files at once): then the
+    # leftover is gone all the same, and a new one is left for this sweep to find.
+    for suffix in ("abcd", "abce", "abcf", "abd0", "abd1"):
+        stale = f"{emulated.PREFIX}-{gone.pid}-{suffix}-h0"
+        subprocess.run(["ip", "netns", "add", stale], check=True)
+        try:
+            swept = stale in emulated.sweep_stale()
+            assert stale not in emulated._namespaces()
+        finally:
+            subprocess.run(["ip", "netns", "del", stale], capture_output=True)
+        if swept:
+            return
+    pytest.fail("sweep_stale never swept the leftover itself: each time it was gone before")

@@ -154,34 +154,51 @@ def test_a_gpu_style_byte_buffer_is_read_as_the_regions_c_order_values(h0):
 
 
 # ------------------------------------------------------------ whole jobs (gloo)
-@pytest.mark.parametrize("fault", ["corrupted_chunks", "always_corrupted", "failed_read"])
-def test_a_job_swapping_hosts_reads_through_and_falls_back_to_the_stores(tmp_path, fault):
-    """Saved by [h0/0, h1/0] (rows 0:4 and 4:8 of w, b on both); restored by [h1/0, h0/0], so each rank's rows are
-    on the other host (both hosts stay in the job, nothing fans out: read-through).
+# In this order: the first two cases commit nothing (each asserts it), so each restores the same saved version 1
+# as a fresh job would; the last one commits version 2.
+FAULTS = ["corrupted_chunks", "always_corrupted", "failed_read"]
 
-    corrupted_chunks: h1's store damages its first chunks in flight; the reads fetch them again and the
+
+@pytest.fixture(scope="module")
+def swapped(tmp_path_factory):
+    """Saved once by [h0/0, h1/0] (rows 0:4 and 4:8 of w, b on both); then, for each fault in turn, restored by
+    [h1/0, h0/0], so each rank's rows are on the other host (both hosts stay in the job, nothing fans out:
+    read-through). Before each restore h1's store restarts on its recorded address, with the fault's hook."""
+    base = tmp_path_factory.mktemp("swapped")
+    stores = {h: StoreProcess(base / "stores" / h, h) for h in ("h0", "h1")}
+    results: dict[str, list[dict] | BaseException] = {}
+    try:
+        run_replica_job(base, "save", ["h0/0", "h1/0"], stores, [{"op": "train", "steps": 2}, {"op": "save"}],
+                        replicas=0, keep=10)
+        port = stores["h1"].port  # the saved version recorded this address: h1 comes back on it
+        for fault in FAULTS:
+            count = {"corrupted_chunks": 2, "always_corrupted": 1_000_000}.get(fault, 0)
+            stores["h1"].stop()
+            stores["h1"] = StoreProcess(base / "stores" / "h1", "h1", extra_args=("--port", str(port)),
+                                        env={"TENPLEX_STORE_TEST_HOOKS": f"corrupt_chunks={count}"} if count else {})
+            restore: dict = {"op": "restore"} if count else {"op": "restore", "break_read_through_on_rank": 1}
+            try:
+                results[fault] = [ops[0] for ops in run_replica_job(base, fault, ["h1/0", "h0/0"], stores, [restore],
+                                                                    replicas=0, keep=10)]
+            except Exception as e:  # noqa: BLE001 -- reported by that case's test
+                results[fault] = e
+    finally:
+        for p in stores.values():
+            p.stop()
+    return base, results
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_job_swapping_hosts_reads_through_and_falls_back_to_the_stores(swapped, fault):
+    """corrupted_chunks: h1's store damages its first chunks in flight; the reads fetch them again and the
     restore reads through. always_corrupted: it damages every chunk; the reads give up, the stores'
     transformation fails the same way, and the restore raises on every rank. failed_read: rank 1's reads
     from other stores fail; every rank falls back to the stores' transformation, which commits a new version
     on both hosts."""
-    stores = {h: StoreProcess(tmp_path / "stores" / h, h) for h in ("h0", "h1")}
-    try:
-        run_replica_job(tmp_path, "save", ["h0/0", "h1/0"], stores, [{"op": "train", "steps": 2}, {"op": "save"}],
-                        replicas=0, keep=10)
-        restore: dict = {"op": "restore"}
-        if fault in ("corrupted_chunks", "always_corrupted"):
-            port = stores["h1"].port  # the saved version recorded this address: h1 comes back on it
-            stores["h1"].stop()
-            count = 2 if fault == "corrupted_chunks" else 1_000_000
-            stores["h1"] = StoreProcess(tmp_path / "stores" / "h1", "h1", extra_args=("--port", str(port)),
-                                        env={"TENPLEX_STORE_TEST_HOOKS": f"corrupt_chunks={count}"})
-        else:
-            restore["break_read_through_on_rank"] = 1
-        results = run_replica_job(tmp_path, "restore", ["h1/0", "h0/0"], stores, [restore], replicas=0, keep=10)
-    finally:
-        for p in stores.values():
-            p.stop()
-    records = [ops[0] for ops in results]
+    base, results = swapped
+    records = results[fault]
+    if isinstance(records, BaseException):
+        raise records
     if fault == "always_corrupted":  # the same hook, firing on every chunk: the restore fails on every rank
         for record in records:
             assert record.get("error") and "corrupted" in record["message"], record
@@ -198,5 +215,5 @@ def test_a_job_swapping_hosts_reads_through_and_falls_back_to_the_stores(tmp_pat
         assert info["transformed"] and not info["read_through"] and info["version"] == 2
         assert [r["versions"] for r in records] == [[1, 2], [1, 2]]
     for rank in (0, 1):  # the same rows as the saving rank of that index: bit for bit
-        saved = load_file(str(tmp_path / "save" / f"saved_step2_r{rank}.safetensors"))
-        assert_bit_equal(load_file(str(tmp_path / "restore" / f"restored_r{rank}.safetensors")), saved)
+        saved = load_file(str(base / "save" / f"saved_step2_r{rank}.safetensors"))
+        assert_bit_equal(load_file(str(base / fault / f"restored_r{rank}.safetensors")), saved)
