@@ -61,6 +61,9 @@ def test_accounting_of_a_rollback_a_cut_step_and_the_goodput():
     docs = [d for s in range(1, 6) for d in _step("A", s, float(s))] + _step("A", 6, 6.0)[:1]
     docs += [d for i, s in enumerate(range(4, 9)) for d in _step("B", s, 10.0 + i)]
     docs.append({"event": "start", "bytes_read": 100})
+    # world A's two ranks: their start-up phases (medians) before the first step at t=1
+    docs += [{"event": "start", "world": "A", "time": 0.7, "host": f"h{r}", "pid": r,
+              "phases": {"process": 0.1 + r / 5, "imported": 0.3 + r / 5, "started": 0.7}} for r in (0, 1)]
     reference = {s: 1.0 for s in range(1, 9)}
     report = account(docs, [{"kind": "fail", "host": "h1", "time": 5.5}], reference, steps=8, step_s=1.0,
                      launched=0.0, global_batch=B)
@@ -68,6 +71,7 @@ def test_accounting_of_a_rollback_a_cut_step_and_the_goodput():
     assert report["cut_short"] == 1 and report["replayed_steps"] == 2 and report["attempts"] == 10
     assert report["wall_s"] == 14.0 and report["ideal_s"] == 8.0 and report["goodput"] == round(8 / 14, 4)
     assert report["worlds"] == 2 and report["bytes_read"] == 100 and report["losses"]["equal"]
+    assert report["startup"] == {"process": 0.2, "imported": 0.4, "started": 0.7, "first_step": 1.0}
     (event,) = report["events"]
     assert (event["before"], event["resumed"], event["steps_lost"]) == (5, 3, 2)
     assert event["pause_s"] == 4.5 and event["regain_s"] == 6.5  # to step 4 at t=10, to step 6 at t=12

@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from tenplex.elastic.protocol import (TRANSITIONS, Event, Generation, Keys, Liveness, Member, ProtocolError, State,
-                                      Worker, change_wanted, node_order, propose, ready_to_propose, reasons)
+                                      Worker, change_wanted, node_order, overdue, propose, ready_to_propose,
+                                      reasons, warming_up)
 
 
 def _walk(*events: Event) -> Worker:
@@ -134,6 +135,50 @@ def test_change_wanted_flags_joins_leaves_and_lost_members():
     assert change_wanted(gen, {0, 1}, {1}, {1}) == ("leave",)       # it left, then its heartbeat stopped
 
 
+def _node(first: int, host: str, size: int) -> dict[int, Member]:
+    """A node's ``size`` workers with ids from ``first``, each announcing ``size`` (its launcher's local world)."""
+    return {first + i: Member(first + i, host, i, 1000 + first + i, size) for i in range(size)}
+
+
+def test_a_joining_node_is_admitted_in_one_change_once_all_its_workers_registered():
+    gen = Generation(1, (0, 1), hosts=("h0", "h0"))
+    present = {**_node(0, "h0", 2), **_node(2, "h1", 2)}
+    first_only = {w: m for w, m in present.items() if w != 3}
+    # one of h1's two workers registered: held back, no change yet
+    assert warming_up(first_only, set(gen.members)) == {2}
+    assert change_wanted(gen, set(first_only), set(), set(), warming_up(first_only, set(gen.members))) == ()
+    # the second registered: both admitted by the same change
+    assert warming_up(present, set(gen.members)) == set()
+    assert change_wanted(gen, set(present), set(), set(), warming_up(present, set(gen.members))) == ("join",)
+    # a sibling that hangs in its start holds its host back only until the batching wait is over
+    assert warming_up(first_only, set(gen.members), overdue={2}) == set()
+    # a host's workers that are members count: a restarted worker of a running node rejoins at once
+    assert warming_up({**_node(0, "h0", 2)}, {0}) == set()
+    # a worker announcing a local world of 1 (or an old one that announces none) is never held back
+    assert warming_up({0: Member(0, "h0", 0, 1), 1: Member(1, "h1", 0, 2)}, set()) == set()
+    # a lost member is flagged at once even while a joiner's host warms up
+    assert change_wanted(gen, set(first_only), set(), {1}, {2}) == ("lost",)
+
+
+def test_the_first_world_waits_for_the_hosts_it_has_workers_of_and_later_ones_never_do():
+    h0, h1 = _node(0, "h0", 2), _node(2, "h1", 2)
+    partial = {**h0, 2: h1[2]}
+    warming = warming_up(partial, set())
+    assert warming == {2}
+    assert not ready_to_propose(None, set(partial), arrived=set(partial), leaving=set(), dead=set(), warming=warming)
+    assert ready_to_propose(None, {0, 1, 2, 3}, arrived={0, 1, 2, 3}, leaving=set(), dead=set(),
+                            warming=warming_up({**h0, **h1}, set()))
+    assert ready_to_propose(None, {0, 1, 2}, arrived={0, 1, 2}, leaving=set(), dead={2}, warming=warming)
+    # a later generation: the change was agreed already (a loss must not wait for a joiner's sibling)
+    prev = Generation(1, (0, 1), hosts=("h0", "h0"))
+    assert ready_to_propose(prev, {0, 1, 2}, arrived={0, 1, 2}, leaving=set(), dead=set(), warming={2})
+
+
+def test_overdue_counts_the_wait_on_the_observers_clock():
+    assert overdue({0: 10.0, 1: 25.0}, now=40.5, wait=30.0) == {0}
+    assert overdue({0: 10.0, 1: 25.0}, now=40.0, wait=30.0) == set()
+
+
 def test_liveness_counts_a_worker_dead_only_after_its_counter_stood_still_for_the_timeout():
     live = Liveness(timeout=2.0)
     live.observe(0, 5, now=10.0)
@@ -171,8 +216,9 @@ def test_an_observer_starved_of_cpu_counts_nobody_dead_for_its_own_silence():
 
 
 def test_member_json_round_trips_and_keys_stay_under_the_job_prefix():
-    m = Member(3, "h1", 0, 4242)
+    m = Member(3, "h1", 0, 4242, 2)
     assert Member.from_json(m.to_json()) == m
+    assert Member.from_json('{"wid": 3, "host": "h1", "local_rank": 0, "pid": 4242}').local_world == 1
     k = Keys("job-7")
     names = [k.slots, k.latest, k.slot(1), k.heartbeat(1), k.leaving(1), k.arrived(2, 1), k.generation(2),
              k.group(2)]

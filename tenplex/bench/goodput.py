@@ -99,14 +99,16 @@ def _mode(setup: Setup, name: str, reference: dict[int, float]) -> dict:
         return {"mode": name, "status": "unavailable", "error": entry.reason}
     cls, _, what = entry
     setup.say(f"{name}: {what}")
+    load_before = _load()
     launched, fired, error = run_mode(setup, name)
+    load = {"start": load_before, "end": _load()}  # [1, 5, 15 min]: the end's 5-min value spans most of a run
     report = account(read_records(setup.workdir / name / "record"), [f for f in fired if f["reached"]], reference,
                      setup.steps, setup.step_ms / 1000, launched, setup.global_batch)
     report["events"] += [f for f in fired if not f["reached"]]
     ok = error is None and report["finished"]
     return {"mode": name, "what": what, "status": "ok" if ok else "error",
             "error": error if error or ok else "the job did not finish every step completely",
-            "settings": cls.SETTINGS, **report}
+            "settings": cls.SETTINGS, "load": load, **report}
 
 
 def _load() -> list[float] | None:

@@ -20,6 +20,10 @@ shares' weighted mean, compared with the reference run's.
   the event and the new world's first step (the job's stall: a peer whose survivors train on while a joining replica
   starts stalls only while the quorum changes), ``regain_s`` = from the event to the first step beyond ``before``
   (the time until the job is as far as it was). No new world (the event came after the end): all null.
+* ``startup``: where the start-up went, in seconds after the launch: each phase's median over the first world's
+  ranks (``process``: the worker process started; ``imported``: torch and the job's modules imported; ``job``:
+  tenplex's Job created; ``registered``/``formed``: in place, registered as warm and formed its first world;
+  ``started``: restored and about to step) and ``first_step``, the first world's first step.
 * ``bytes_read``: what the restores and heals read (from checkpoint storage, the stores or a peer), as the ranks
   recorded it.
 """
@@ -102,6 +106,24 @@ def _stall(tries: list[dict], t: float, until: float) -> float:
     return max(b - a for a, b in zip(times, times[1:]))
 
 
+def startup(docs: list[dict], first: dict | None, launched: float) -> dict | None:
+    """The start-up phases of the first world's ranks (module docstring), medians after ``launched``."""
+    if first is None:
+        return None
+    # the ranks that trained the first world's steps (a peer may name its start record's world otherwise)
+    ranks = {(d.get("host"), d.get("pid")) for d in docs if d["event"] == "step" and d["world"] == first["world"]}
+    earliest: dict[tuple, dict] = {}  # each of those ranks' first start record (in place, it has one per world)
+    for d in docs:
+        key = (d.get("host"), d.get("pid"))
+        if d["event"] == "start" and (d.get("world") == first["world"] or key in ranks) and d.get("phases"):
+            if key not in earliest or d["time"] < earliest[key]["time"]:
+                earliest[key] = d
+    starts = [d["phases"] for d in earliest.values()] or [{}]
+    names = dict.fromkeys(name for p in starts for name in p)
+    out = {n: round(statistics.median(p[n] for p in starts if n in p) - launched, 3) for n in names}
+    return dict(out, first_step=round(first["time"] - launched, 3))
+
+
 def compare_losses(history: dict[int, dict], reference: dict[int, float]) -> dict:
     """The final losses against the reference's; ``unknown``: steps whose shares were not all recorded."""
     diffs = [abs(a["loss"] - reference[s]) for s, a in history.items() if s in reference and a["loss"] is not None]
@@ -135,6 +157,7 @@ def account(docs: list[dict], fired: list[dict], reference: dict[int, float], st
         "ideal_s": round(steps * step_s, 3),
         "goodput": round(len(history) * step_s / wall, 4) if done and wall > 0 else None,
         "startup_s": round(tries[0]["time"] - launched, 3) if tries else None,
+        "startup": startup(docs, tries[0] if tries else None, launched),
         "median_step_s": round(statistics.median(gaps), 4) if gaps else None,
         "worlds": len({a["world"] for a in tries}),
         "saves": len({d["step"] for d in saves}),

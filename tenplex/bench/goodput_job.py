@@ -23,6 +23,14 @@ import torch
 import torch.nn.functional as F
 
 VOCAB = 64
+IMPORTED = time.time()  # this module's imports (torch's the bulk) are done: a start-up phase
+
+
+def process_started() -> float:
+    """When this process started (wall clock), from the kernel's record of it: the first start-up phase."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # since boot
+    uptime = float(Path("/proc/uptime").read_text().split()[0])  # 10 ms resolution (/proc/stat's btime: 1 s)
+    return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 class NextToken(torch.nn.Module):
@@ -87,6 +95,9 @@ class Record:
         self.file = open(folder / f"rank-{host}-{device}-{os.getpid()}.jsonl", "a")
 
     def write(self, event: str, **doc) -> None:
+        if event == "start":  # this process's start-up phases (wall clock), for the accounting's breakdown
+            doc["phases"] = {"process": process_started(), "imported": IMPORTED, **doc.get("phases", {}),
+                             "started": time.time()}
         self.file.write(json.dumps({"event": event, "time": time.time(), **self.base, **doc}) + "\n")
         self.file.flush()
 

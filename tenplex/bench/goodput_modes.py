@@ -201,6 +201,20 @@ class TorchrunDcp(_OnProcesses):
 
 
 
+def _await_port(server: subprocess.Popen, port: int, deadline: float, log: Path) -> None:
+    """Wait until ``server`` accepts connections on loopback ``port`` (every mode's service serves before the
+    clock starts: see :mod:`.goodput_run`)."""
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the lighthouse did not serve on port {port}: "
+                                   f"{log.read_text(errors='replace')[-2000:]}") from None
+            time.sleep(0.05)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -237,6 +251,7 @@ class Torchft(_OnProcesses):
                 [str(Path(sys.executable).parent / "torchft_lighthouse"), "--bind", f"127.0.0.1:{port}",
                  "--min_replicas", "1", "--quorum_tick_ms", "100", "--join_timeout_ms", "10000"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        _await_port(self.server, port, time.monotonic() + 120, base / "lighthouse.log")
 
     def start(self, host: str) -> None:
         for d in range(DEVICES):

@@ -76,8 +76,11 @@ def run_mode(setup: Setup, name: str) -> tuple[float, list[dict], str | None]:
     script = worker_args(setup, worker_mode, base)
     if name == "torchft":
         script = [sys.executable, *script]
-    launched, fired, error = time.time(), [], None
+    fired, error = [], None
+    # The clock starts at the first node's launch, with the mode's service (rendezvous store, lighthouse) already
+    # serving: a cluster's service, started once and waited for in every mode alike, not a part of the job's start.
     cluster = cls(base, script, setup.env, setup.max_nodes)
+    launched = time.time()
     try:
         for host in setup.initial:
             cluster.start(host)

@@ -63,9 +63,11 @@ def _train_world(args: argparse.Namespace, job, world, rec: Record, device: str)
     r = job.restored
     restored = r.step if r.version is not None else None
     moved = r.plan_stats.get("intra_host_bytes", 0) + r.plan_stats.get("inter_host_bytes", 0)
+    membership = getattr(job, "_membership", None)  # in place: when it registered, formed its first world
+    phases = {"job": job.started, **(membership.timeline if membership is not None else {})}
     rec.write("start", world=job.world_id, size=job.world_size, restored_step=restored, restore_s=r.seconds,
               bytes_read=state_bytes(model, optimizer) if restored is not None else 0, moved_bytes=moved,
-              generation=world.generation)
+              generation=world.generation, phases=phases)
     dp, rank = job.config.dp, job.coords["dp"]
     while job.step < args.steps and world.active:
         check_device(args.faults, job.host, device)

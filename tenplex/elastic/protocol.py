@@ -26,6 +26,15 @@ The sequence of one change from generation N to N+1:
    (``hb/W``) and reads the others' (:class:`Liveness`); it flags a change
    when a warm worker registered that is not a member (a join), when a
    member's heartbeat stopped (a lost peer), or when a member asked to leave.
+   Joiners are admitted **by host**: a node's launcher starts all its workers
+   at once, and each announces how many (``local_world``); the running world
+   flags the join only once every worker of the joining host registered
+   (:func:`warming_up`), so a node of k workers costs one change, not k. The
+   same holds for the first world: it waits for the hosts it has workers of.
+   A sibling that hangs in its start (never registers, never dies) holds its
+   host back at most ``batch_wait`` seconds (:func:`overdue`); one that
+   crashes makes its launcher restart the node's workers, whose heartbeats
+   stop: no wait for it either.
 2. **agree**: at the next step boundary the ranks all-reduce the flags
    (``Job.step_done``); every rank then saves the step (a planned change) and
    leaves the group. A collective that fails because a peer is gone skips the
@@ -48,6 +57,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 
@@ -144,20 +154,23 @@ class Keys:
 # ----------------------------------------------------------------- members and generations
 @dataclass(frozen=True)
 class Member:
-    """A registered worker: its id (the slot it took), node, local rank and pid."""
+    """A registered worker: its id (the slot it took), node, local rank, pid, and how many workers its node's
+    launcher started with it (``local_world``: torchrun's ``LOCAL_WORLD_SIZE``)."""
 
     wid: int
     host: str
     local_rank: int
     pid: int
+    local_world: int = 1
 
     def to_json(self) -> str:
-        return json.dumps({"wid": self.wid, "host": self.host, "local_rank": self.local_rank, "pid": self.pid})
+        return json.dumps({"wid": self.wid, "host": self.host, "local_rank": self.local_rank, "pid": self.pid,
+                           "local_world": self.local_world})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Member":
         d = json.loads(text)
-        return cls(int(d["wid"]), str(d["host"]), int(d["local_rank"]), int(d["pid"]))
+        return cls(int(d["wid"]), str(d["host"]), int(d["local_rank"]), int(d["pid"]), int(d.get("local_world", 1)))
 
 
 @dataclass(frozen=True)
@@ -208,11 +221,16 @@ def expected(previous: Generation | None, registered: set[int], leaving: set[int
 
 
 def ready_to_propose(previous: Generation | None, registered: set[int], arrived: set[int], leaving: set[int],
-                     dead: set[int], min_workers: int = 1) -> bool:
+                     dead: set[int], min_workers: int = 1, warming: Set[int] = frozenset()) -> bool:
     """Whether the next generation can be proposed: every expected worker arrived, left or is dead, and enough
-    arrived (``min_workers`` applies to the first generation only: later ones go on with the survivors)."""
+    arrived (``min_workers`` applies to the first generation only: later ones go on with the survivors). The
+    first generation also waits while a host it has workers of still starts others (``warming``, from
+    :func:`warming_up`); a later one never does: its change was agreed already (a loss must not wait for a
+    joiner's sibling)."""
     waiting = expected(previous, registered, leaving) - arrived - dead
     live = arrived - leaving
+    if previous is None and warming - leaving - dead:
+        return False
     return not waiting and bool(live) and (previous is not None or len(live) >= min_workers)
 
 
@@ -225,11 +243,35 @@ def propose(previous: Generation | None, arrived: dict[int, Member], leaving: se
     return Generation(number, order, reasons(previous, set(order), leaving), tuple(members[w].host for w in order))
 
 
-def change_wanted(current: Generation, registered: set[int], leaving: set[int], dead: set[int]) -> tuple[str, ...]:
-    """What the watch thread flags for the next step boundary: a warm worker that is not a member (``join``),
-    a member that asked to leave (``leave``) or whose heartbeat stopped (``lost``); () when nothing changed."""
+def change_wanted(current: Generation, registered: set[int], leaving: set[int], dead: set[int],
+                  warming: Set[int] = frozenset()) -> tuple[str, ...]:
+    """What the watch thread flags for the next step boundary: a warm worker that is not a member (``join``;
+    not while its host still starts others: ``warming``), a member that asked to leave (``leave``) or whose
+    heartbeat stopped (``lost``); () when nothing changed."""
     members = set(current.members)
-    return _why(join=registered - members - leaving - dead, leave=members & leaving, lost=(members & dead) - leaving)
+    return _why(join=registered - members - leaving - dead - warming, leave=members & leaving,
+                lost=(members & dead) - leaving)
+
+
+def warming_up(present: dict[int, Member], members: set[int], overdue: Set[int] = frozenset()) -> set[int]:
+    """The joiners held back because their host still starts others: the workers of ``present`` (registered,
+    alive, not leaving) that are not ``members``, on a host with fewer workers present than the largest
+    ``local_world`` a joiner of it announces; except those waiting longer than the batching allows
+    (``overdue``). When the last of a host's workers registers, the host's joiners are admitted together."""
+    joiners = {w: m for w, m in present.items() if w not in members}
+    count: dict[str, int] = {}
+    for m in present.values():
+        count[m.host] = count.get(m.host, 0) + 1
+    want: dict[str, int] = {}
+    for m in joiners.values():
+        want[m.host] = max(want.get(m.host, 1), m.local_world)
+    return {w for w, m in joiners.items() if count[m.host] < want[m.host] and w not in overdue}
+
+
+def overdue(first_seen: dict[int, float], now: float, wait: float) -> set[int]:
+    """The workers first seen more than ``wait`` seconds before ``now`` (on the observer's clock): a host whose
+    other workers hang in their start holds these back no longer."""
+    return {w for w, since in first_seen.items() if now - since > wait}
 
 
 def _why(*, join: set[int], leave: set[int], lost: set[int]) -> tuple[str, ...]:
@@ -264,6 +306,10 @@ class Liveness:
         died before this observer started (a stale slot) is neither alive nor, for ``timeout`` seconds, dead:
         it must not look like a joiner meanwhile."""
         return {w for w, (_, since, seen) in self._seen.items() if since > self._first[w]} - self.dead()
+
+    def first_seen(self) -> dict[int, float]:
+        """When this observer first read each worker's counter (its clock)."""
+        return dict(self._first)
 
     def forget(self, wid: int) -> None:
         self._seen.pop(wid, None)

@@ -39,8 +39,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..integration.process_group import import_world_capturing_modules, leave_process_group
-from .protocol import (Event, Generation, Keys, Liveness, Member, Worker, change_wanted, propose,
-                       ready_to_propose)
+from .protocol import (Event, Generation, Keys, Liveness, Member, Worker, change_wanted, overdue, propose,
+                       ready_to_propose, warming_up)
 
 log = logging.getLogger(__name__)
 
@@ -62,16 +62,21 @@ class Membership:
     ``timeout``: each generation's process-group timeout (a hung collective,
     a member that never forms). ``dead_after``: seconds of a still heartbeat
     after which a worker counts as dead; ``heartbeat_s``: the watch thread's
-    period.
+    period. ``local_world``: how many workers this node's launcher started
+    (default: torchrun's ``LOCAL_WORLD_SIZE``); a joining node's workers are
+    admitted together once all of them registered, or ``batch_wait`` seconds
+    after one was first seen (a sibling that hangs in its start).
+    :attr:`timeline` records when this worker registered and each generation
+    it formed (wall-clock seconds, for start-up accounting).
     """
 
     def __init__(self, endpoint: str, job: str, host: str, local_rank: int, *, min_workers: int = 1,
                  timeout: float = 10.0, dead_after: float = 2.0, heartbeat_s: float = 0.1, backend: str = "gloo",
-                 siblings: tuple[str, int] | None = None):
+                 local_world: int | None = None, batch_wait: float = 30.0):
         self.keys = Keys(job)
-        self.siblings = siblings  # (this node's incarnation, its number of workers): they register together
         self.endpoint, self.min_workers, self.timeout, self.backend = endpoint, min_workers, timeout, backend
-        self.heartbeat_s = heartbeat_s
+        self.heartbeat_s, self.batch_wait = heartbeat_s, batch_wait
+        self.timeline: dict[str, float] = {"connecting": time.time()}
         self.protocol = Worker()
         self.current: Generation | None = None   # the generation whose group this worker is in
         self._seen: Generation | None = None     # the newest one it read (it may have been left out of it)
@@ -82,8 +87,11 @@ class Membership:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.wanted: tuple[str, ...] = ()        # the watch thread's flag: why the world should change
+        self.held_back: set[int] = set()         # joiners it saw whose host still starts others (no change yet)
         wid = self._store.add(self.keys.slots, 1) - 1
-        self.me = Member(wid, host, local_rank, os.getpid())
+        if local_world is None:
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self.me = Member(wid, host, local_rank, os.getpid(), local_world)
         self._watcher = threading.Thread(target=self._watch, name="tenplex-membership", daemon=True)
 
     # ----------------------------------------------------------------- registration and the watch thread
@@ -95,23 +103,12 @@ class Membership:
         # import-time objects takes ~1 s on a busy machine (measured), long enough to be taken for dead. Frozen
         # objects are never traversed again; what the worlds create later (groups included) still is.
         gc.freeze()
-        self._await_siblings()
         self._store.set(self.keys.slot(self.me.wid), self.me.to_json())
         self._store.add(self.keys.heartbeat(self.me.wid), 1)
         self._watcher.start()
         self.protocol.on(Event.REGISTERED)
+        self.timeline["registered"] = time.time()
         return self.me
-
-    def _await_siblings(self) -> None:
-        """Wait (up to ``timeout``) until this node's other workers are warm too, so that they register together
-        and a joining node changes the running world once, not once per worker (demo-owned hunk: goodput's join
-        batching may replace it)."""
-        if self.siblings is None or self.siblings[1] <= 1:
-            return
-        key, deadline = f"{self.keys.prefix}warm/{self.siblings[0]}", time.monotonic() + self.timeout
-        self._store.add(key, 1)
-        while self._store.add(key, 0) < self.siblings[1] and time.monotonic() < deadline:
-            time.sleep(0.02)
 
     def _watch(self) -> None:
         store = connect(self.endpoint)
@@ -145,13 +142,20 @@ class Membership:
             self.liveness.observe(wid, store.add(self.keys.heartbeat(wid), 0), now)
         current = self.current
         if current is not None:
-            with self._lock:
-                registered, leaving = set(self._members), set(self._leaving)
+            members, leaving, dead = self.view()
             # a registered worker counts once seen heart-beating: a stale slot of a dead one is no joiner
-            registered &= self.liveness.alive() | set(current.members)
-            wanted = change_wanted(current, registered, leaving, self.liveness.dead())
+            registered = set(members) & (self.liveness.alive() | set(current.members))
+            held = self.warming(current, members, registered, leaving | dead)
+            wanted = change_wanted(current, registered, leaving, dead, held)
             if self.current is current:  # not re-formed meanwhile
-                self.wanted = wanted
+                self.wanted, self.held_back = wanted, held
+
+    def warming(self, current: Generation | None, members: dict[int, Member], registered: set[int],
+                gone: set[int]) -> set[int]:
+        """The registered joiners whose host still starts other workers (see :func:`.protocol.warming_up`)."""
+        present = {w: members[w] for w in registered - gone}
+        late = overdue(self.liveness.first_seen(), time.monotonic(), self.batch_wait)
+        return warming_up(present, set(current.members) if current else set(), late)
 
     def view(self) -> tuple[dict[int, Member], set[int], set[int]]:
         """(registered workers, leaving, dead) as the watch thread saw them last."""
@@ -180,7 +184,8 @@ class Membership:
             arrived = {w: m for w, m in members.items() if self._store.add(self.keys.arrived(number, w), 0)}
             # expected: the previous generation's members and the joiners seen heart-beating (not stale slots)
             registered = set(members) & (self.liveness.alive() | set(previous.members if previous else ()))
-            if ready_to_propose(previous, registered, set(arrived), leaving, dead, self.min_workers):
+            warming = self.warming(previous, members, registered, leaving | dead) if previous is None else set()
+            if ready_to_propose(previous, registered, set(arrived), leaving, dead, self.min_workers, warming):
                 proposal = propose(previous, arrived, leaving)
                 if previous is not None and dead & set(previous.members):
                     log.warning("generation %d: proposing %s without %s (no heartbeat for %.1f s)", number,
@@ -215,6 +220,7 @@ class Membership:
         self.current = generation
         self.wanted = ()
         self.protocol.on(Event.FORMED)
+        self.timeline.setdefault("formed", time.time())  # the first generation this worker trained in
 
     def join(self, deadline: float | None = None) -> Generation:
         """Wait for the next generation that includes this worker and form its group; a formation that fails

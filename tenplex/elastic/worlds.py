@@ -71,17 +71,7 @@ def membership_from_environment(timeout: float, backend: str) -> Membership | No
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
     return Membership(endpoint, os.environ.get(JOB_ENV, "default"), os.environ.get("TENPLEX_HOST", "h0"),
                       int(os.environ.get("LOCAL_RANK", "0")), min_workers=int(os.environ.get(MIN_WORKERS_ENV, "1")),
-                      timeout=timeout, dead_after=float(os.environ.get(DEAD_AFTER_ENV, "2.0")), backend=backend,
-                      siblings=_node_incarnation())
-
-
-def _node_incarnation() -> tuple[str, int] | None:
-    """(this node's agent and its start of the workers, how many it started): the workers of one start."""
-    agent, size = os.environ.get("TENPLEX_AGENT_PID"), os.environ.get("LOCAL_WORLD_SIZE")
-    if agent is None or size is None:
-        return None
-    host, restart = os.environ.get("TENPLEX_HOST", "h0"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"{host}/{agent}/{restart}", int(size)
+                      timeout=timeout, dead_after=float(os.environ.get(DEAD_AFTER_ENV, "2.0")), backend=backend)
 
 
 @dataclass
