@@ -102,12 +102,17 @@ def run(args: argparse.Namespace) -> dict:
         return {"benchmark": "durable", "endpoint": "moto (loopback)" if proc else endpoint, "state_bytes": nbytes,
                 "flush_s": round(flush_s, 3), "restore_s": round(restore_s, 3),
                 "raw_upload_s": round(raw_upload_s, 3), "raw_download_s": round(raw_download_s, 3),
-                "flush_MBps": round(mb / flush_s, 1), "restore_MBps": round(mb / restore_s, 1),
-                "raw_upload_MBps": round(mb / raw_upload_s, 1), "raw_download_MBps": round(mb / raw_download_s, 1),
-                # three significant digits, not two decimals: on a loaded machine a ratio under 0.005 is real
-                "flush_vs_raw": float(f"{raw_upload_s / flush_s:.3g}"),
-                "restore_vs_raw": float(f"{raw_download_s / restore_s:.3g}")}
+                # rates and ratios keep three significant digits (fixed decimals rounded a slow restore to 0.0)
+                "flush_MBps": _digits3(mb / flush_s), "restore_MBps": _digits3(mb / restore_s),
+                "raw_upload_MBps": _digits3(mb / raw_upload_s), "raw_download_MBps": _digits3(mb / raw_download_s),
+                "flush_vs_raw": _digits3(raw_upload_s / flush_s),
+                "restore_vs_raw": _digits3(raw_download_s / restore_s)}
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if proc is not None:
             stop(proc)
+
+
+def _digits3(value: float) -> float:
+    """``value`` to three significant digits."""
+    return float(f"{value:.3g}")
