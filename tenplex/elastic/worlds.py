@@ -1,7 +1,7 @@
 """Worlds in place: a :class:`~tenplex.elastic.job.Job` that lives through several worlds in one process.
 
-May import: ``tenplex.elastic`` (protocol, reform, faults), ``tenplex.errors``, torch.distributed and the standard
-library.
+May import: ``tenplex.elastic`` (protocol, reform, faults, leftovers), ``tenplex.errors``, torch.distributed and
+the standard library.
 
 :class:`InPlaceWorlds` is the in-place half of :class:`~tenplex.elastic.job.Job` (which inherits it):
 :meth:`~InPlaceWorlds.worlds`, ending a world at a step boundary, entering the next generation's, and the record
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ..errors import ConfigError
-from . import faults
+from . import faults, leftovers
 from .protocol import Event, Generation, State
 from .reform import Membership
 
@@ -68,6 +68,7 @@ def membership_from_environment(timeout: float, backend: str) -> Membership | No
     # torchrun's own store (MASTER_ADDR) is only this node's in place.
     host, _, port = endpoint.rpartition(":")
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
+    leftovers.import_before_worlds()  # else it pins the first world's group
     return Membership(endpoint, os.environ.get(JOB_ENV, "default"), os.environ.get("TENPLEX_HOST", "h0"),
                       int(os.environ.get("LOCAL_RANK", "0")), min_workers=int(os.environ.get(MIN_WORKERS_ENV, "1")),
                       timeout=timeout, dead_after=float(os.environ.get(DEAD_AFTER_ENV, "2.0")), backend=backend)
@@ -181,6 +182,7 @@ class InPlaceWorlds:
         # The save schedule follows from numbers every rank must share; a joiner has no history: start afresh.
         self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
         self._save_s = self._step_s = 0.0
+        leftovers.forget_world()  # DTensor's caches would hand the old meshes' shapes to the new ones
         m.leave_group()
         generation = m.join()
         self._enter_world(generation)
