@@ -12,24 +12,14 @@ Measured with torch 2.13 (CPU, gloo), a process that lives through several world
   (tp=2 -> tp=1 -> tp=2, the joiner taking rank 0) got the old rank's local shapes
   from the cache: the head's ``view`` failed on the uneven vocabulary shard. The
   redistribution planners' cache (keyed by a weak reference to the mesh, but each
-  planner holds its mesh) and the mesh topologies' cache kept every mesh, and with it the old world's groups, their
-  gloo threads and sockets, for the rest of the process. :func:`forget_world`
-  clears these caches when a world ends.
-* The first import of ``torch._dynamo`` (which building any ``torch.optim``
-  optimizer triggers) keeps the default process group of that moment alive for
-  the rest of the process: two gloo threads and the group's sockets. Importing it
-  before the first world forms (:func:`import_before_worlds`) leaves nothing to
-  keep.
+  planner holds its mesh) and the mesh topologies' cache kept every mesh, and with
+  it the old world's groups, their gloo threads and sockets, for the rest of the
+  process. :func:`forget_world` clears these caches when a world ends.
 """
 
 from __future__ import annotations
 
 import sys
-
-
-def import_before_worlds() -> None:
-    """Import what would otherwise pin the first world's process group (see the module docstring)."""
-    import torch._dynamo  # noqa: F401
 
 
 def forget_world() -> None:

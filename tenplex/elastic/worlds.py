@@ -68,7 +68,6 @@ def membership_from_environment(timeout: float, backend: str) -> Membership | No
     # torchrun's own store (MASTER_ADDR) is only this node's in place.
     host, _, port = endpoint.rpartition(":")
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
-    leftovers.import_before_worlds()  # else it pins the first world's group
     return Membership(endpoint, os.environ.get(JOB_ENV, "default"), os.environ.get("TENPLEX_HOST", "h0"),
                       int(os.environ.get("LOCAL_RANK", "0")), min_workers=int(os.environ.get(MIN_WORKERS_ENV, "1")),
                       timeout=timeout, dead_after=float(os.environ.get(DEAD_AFTER_ENV, "2.0")), backend=backend)
