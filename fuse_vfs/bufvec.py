@@ -8,9 +8,10 @@ record files, so no sample passes through Python. libfuse frees the bufvec and
 every memory buffer in it with free(), so all of it comes from malloc.
 
 This runs once per read request, so it is kept cheap: ``PieceTable`` holds, per
-sample of a view, the descriptor and record-file offset as flat arrays, built
-once per generation; a request is two binary searches plus, for the usual few
-pieces, a short Python loop (numpy's per-call overhead would cost more there).
+sample of a view, its whole-sample piece (a ``struct fuse_buf``) in one array,
+built once per generation; a request is two binary searches, one copy of the
+pieces it overlaps and two edits (a 896 KiB request of 64 KiB samples: 9-15 us at
+load ~12, against 30-34 us for the per-piece Python loop this replaced).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ BUF = np.dtype({"names": ["size", "flags", "mem", "fd", "pos"],
 _PIECE = struct.Struct("<Qi4xQi4xq")
 _HEADER = struct.Struct("<QQQ")            # struct fuse_bufvec: size_t count, idx, off; then the bufs inline
 FD_FLAGS = (1 << 1) | (1 << 2) | (1 << 3)  # FUSE_BUF_IS_FD | FUSE_BUF_FD_SEEK | FUSE_BUF_FD_RETRY
-_LOOP_MAX = 32                             # more pieces than this: numpy is faster than a Python loop
-assert _PIECE.size == BUF.itemsize
+_POS = 32                                  # offset of ``pos`` in a buf (BUF above)
+assert _PIECE.size == BUF.itemsize and BUF.fields is not None and BUF.fields["pos"][1] == _POS
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.malloc.restype = ctypes.c_void_p
@@ -55,14 +56,6 @@ def _bufvec(count: int) -> tuple[int, ctypes.Array]:
     return ptr, mem
 
 
-def array_bufvec(bufs: np.ndarray) -> int:
-    """A bufvec holding the ``BUF`` records ``bufs``."""
-    ptr, _ = _bufvec(len(bufs))
-    if len(bufs):
-        ctypes.memmove(ptr + _HEADER.size, bufs.ctypes.data, bufs.nbytes)
-    return ptr
-
-
 def memory_bufvec(data: bytes) -> int:
     """A bufvec of one malloc'd copy of ``data`` (no buf when empty)."""
     if not data:
@@ -75,43 +68,40 @@ def memory_bufvec(data: bytes) -> int:
 
 
 class PieceTable:
-    """Where the bytes of one rank's ``data`` live: each sample's record-file descriptor and offset."""
+    """Where the bytes of one rank's ``data`` live: one ready-made fd piece per (non-empty) sample."""
 
     def __init__(self, view: RankView, fds: np.ndarray):
-        self.starts = view.data_offsets                          # (n + 1,) each sample's start in data, then its size
-        self.fds = fds[view.rows[:, FILE]].astype(np.int64)      # (n,) descriptor of each sample's record file
-        self.pos = np.ascontiguousarray(view.rows[:, OFFSET])    # (n,) each sample's offset in that file
+        lengths = np.diff(view.data_offsets)
+        keep = np.flatnonzero(lengths > 0)                       # empty samples have no piece
+        # Each kept sample's start in data, then data's size: a sample ends where the next kept one starts.
+        self.starts = np.append(view.data_offsets[keep], view.data_size).astype(np.int64)
+        self.pieces = np.zeros(len(keep), dtype=BUF)             # (k,) whole-sample pieces, in view order
+        self.pieces["size"], self.pieces["flags"] = lengths[keep], FD_FLAGS
+        self.pieces["fd"] = fds[view.rows[keep, FILE]]
+        self.pieces["pos"] = view.rows[keep, OFFSET]
+        self._at = self.pieces.ctypes.data                       # the table outlives every reply built from it
         self.size = view.data_size
 
     def bufvec(self, offset: int, size: int) -> int:
-        """A malloc'd bufvec of the fd pieces of ``data[offset : offset+size]`` (clipped to the file)."""
+        """A malloc'd bufvec of the fd pieces of ``data[offset : offset+size]`` (clipped to the file).
+
+        One copy of the whole-sample pieces the read overlaps, then the first is cut at ``offset``
+        and the last at the read's end: a few microseconds per request, whatever its size.
+        """
         end = min(offset + size, self.size)
         if offset >= end:
             return _bufvec(0)[0]
-        i0 = int(self.starts.searchsorted(offset, "right")) - 1  # the sample holding ``offset``
-        i1 = int(self.starts.searchsorted(end, "left"))           # the first sample at or after ``end``
-        if i1 - i0 > _LOOP_MAX:
-            return self._array_bufvec(i0, i1, offset, end)
-        starts = self.starts[i0:i1 + 1].tolist()
-        fds, pos = self.fds[i0:i1].tolist(), self.pos[i0:i1].tolist()
-        ptr, mem = _bufvec(i1 - i0)
-        at, count = _HEADER.size, 0
-        for j in range(i1 - i0):
-            lo, hi = max(starts[j], offset), min(starts[j + 1], end)
-            if hi > lo:  # empty samples have no piece
-                _PIECE.pack_into(mem, at, hi - lo, FD_FLAGS, 0, fds[j], pos[j] + lo - starts[j])
-                at, count = at + BUF.itemsize, count + 1
-        if count != i1 - i0:
-            _HEADER.pack_into(mem, 0, count, 0, 0)
+        i0 = int(self.starts.searchsorted(offset, "right")) - 1  # the piece holding ``offset``
+        i1 = int(self.starts.searchsorted(end, "left"))           # one past the piece holding ``end - 1``
+        count = i1 - i0
+        ptr = malloc(_HEADER.size + BUF.itemsize * count)
+        ctypes.memmove(ptr, _HEADER.pack(count, 0, 0), _HEADER.size)
+        first = ptr + _HEADER.size
+        ctypes.memmove(first, self._at + BUF.itemsize * i0, BUF.itemsize * count)
+        head, tail = offset - int(self.starts[i0]), int(self.starts[i1]) - end
+        if head:
+            ctypes.c_uint64.from_address(first).value -= head
+            ctypes.c_int64.from_address(first + _POS).value += head
+        if tail:
+            ctypes.c_uint64.from_address(first + BUF.itemsize * (count - 1)).value -= tail
         return ptr
-
-    def _array_bufvec(self, i0: int, i1: int, offset: int, end: int) -> int:
-        starts = self.starts[i0:i1 + 1]                           # (k + 1,) for the k samples i0..i1-1
-        lo = np.maximum(starts[:-1], offset)
-        hi = np.minimum(starts[1:], end)
-        keep = hi > lo                                            # (k,) drops empty samples
-        bufs = np.zeros(int(keep.sum()), dtype=BUF)
-        bufs["size"], bufs["flags"] = (hi - lo)[keep], FD_FLAGS
-        bufs["fd"] = self.fds[i0:i1][keep]
-        bufs["pos"] = (self.pos[i0:i1] + lo - starts[:-1])[keep]
-        return array_bufvec(bufs)

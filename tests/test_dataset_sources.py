@@ -204,3 +204,17 @@ def test_the_step_loader_yields_each_step_once_and_keeps_the_position_of_steps_d
     loader().load_state_dict(start.advance(5).to_dict())
     with pytest.raises(StateError, match="loader state is at position 8"):
         loader().load_state_dict(saved)
+
+
+_GUIDE = os.path.join(os.path.dirname(__file__), "..", "docs", "guides", "datasets.md")
+
+
+def test_the_guides_megatron_snippet_runs(sources, tmp_path, monkeypatch):
+    """The guide's Megatron block, verbatim (test_docs leaves it to this test: megatron-core imports slowly)."""
+    marker = "<!-- tested-by: tests/test_dataset_sources.py::test_the_guides_megatron_snippet_runs -->\n```python\n"
+    text = open(_GUIDE).read()
+    assert text.count(marker) == 1
+    code = text.split(marker)[1].split("\n```\n")[0]
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, f"{_GUIDE} (Megatron block)", "exec"), {"__name__": "__guide__"})
+    assert open_dataset(tmp_path / "corpus.source.json").num_samples == 12

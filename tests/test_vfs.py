@@ -57,6 +57,20 @@ def _read_all(path, chunk):
     return bytes(out)
 
 
+def _read_direct(path, chunk):
+    """The whole file read with O_DIRECT (the server answers straight into the buffer) in page-aligned reads."""
+    import mmap
+    buf, out = mmap.mmap(-1, chunk), bytearray()
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        while n := os.readv(fd, [buf]):
+            out += buf[:n]
+    finally:
+        os.close(fd)
+        buf.close()
+    return bytes(out)
+
+
 def test_plain_file_io_serves_each_ranks_view(mounted, dataset):
     info, toks = dataset
     mnt = mounted.mountpoint
@@ -343,7 +357,8 @@ def test_a_failed_mount_leaves_no_log_of_its_own_behind(dataset, tmp_path, monke
 
 @pytest.mark.parametrize("libfuse", ["3", "2"])
 def test_each_libfuse_serves_large_reads_and_switches(tmp_path, libfuse):
-    """Both bindings serve whole views in 1 MiB reads (libfuse3: 896 KiB requests), before and after a switch."""
+    """Both bindings serve whole views in 1 MiB reads (libfuse3: 896 KiB requests), also O_DIRECT ones, before
+    and after a switch."""
     from fuse_vfs import binding, fs
     from tenplex.dataset.pack import write_dataset
     try:
@@ -367,6 +382,7 @@ def test_each_libfuse_serves_large_reads_and_switches(tmp_path, libfuse):
                 expected = b"".join(records[i] for i in open_fallback(info.root, state, dp, r).sample_ids)
                 assert len(expected) > 1 << 20   # more than one request, each spanning many records
                 assert _read_all(handle.mountpoint / f"rank{r}" / "data", 1 << 20) == expected
+                assert _read_direct(handle.mountpoint / f"rank{r}" / "data", 1 << 20) == expected  # bench vfs
         if os.geteuid() == 0:  # the server widened the kernel's readahead window for its mount
             ra = f"/sys/class/bdi/{binding.mount_device(str(handle.mountpoint))}/read_ahead_kb"
             assert int(open(ra).read()) >= binding.READAHEAD_REQUESTS * fs.MAX_READ >> 10
@@ -383,3 +399,19 @@ def test_libfuse_choice_errors_name_the_fix(monkeypatch):
     with pytest.raises(ValueError, match=r"TENPLEX_LIBFUSE=3 but libfuse3 is not installed \(apt-get install fuse3\)"):
         binding.library_path("3")
     assert binding.library_path("auto") is None
+
+
+def test_bench_vfs_reports_buffered_and_o_direct_first_passes_with_the_load(tmp_path):
+    import argparse
+    from tenplex.bench import vfs as bench_vfs
+    parser = argparse.ArgumentParser()
+    bench_vfs.add_arguments(parser)
+    args = parser.parse_args(["--size-mb", "2", "--sample-kb", "16", "--repeat", "1", "--random-reads", "20",
+                              "--dir", str(tmp_path)])
+    result = bench_vfs.run(args)
+    assert result["bytes"] == 2 << 20 and result["samples"] == 128 and len(result["load"]) == 2
+    for first, ratio in (("vfs_seq_gbps", "seq_ratio"), ("vfs_seq_odirect_gbps", "seq_odirect_ratio"),
+                         ("vfs_seq_warm_gbps", "seq_warm_ratio")):
+        assert result[first] > 0
+        assert result[ratio] == pytest.approx(result[first] / result["direct_seq_gbps"], rel=1e-3, abs=1e-4)
+    assert not os.listdir(tmp_path)  # the work directory and its mount are gone

@@ -31,7 +31,7 @@ def _read_back(ptr: int) -> np.ndarray:
 @pytest.fixture(scope="module")
 def view(tmp_path_factory):
     rng = np.random.default_rng(4)
-    # Sizes 0..300: empty samples, and many samples per read (both the loop and the numpy path).
+    # Sizes 0..300: empty samples, reads inside one sample, and many samples per read.
     records = [bytes(int(n)) for n in rng.integers(0, 300, 500)]
     info = write_dataset(iter(records), tmp_path_factory.mktemp("d") / "ds", "bytes", file_bytes=4000)
     return build_view(info, DatasetState(info.identity, len(records), 3, 0, 10), 2, 1)

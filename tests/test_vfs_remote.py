@@ -68,6 +68,12 @@ def test_remote_errors(store, tmp_path):
         open_remote(proc.address, "../tok", cache_dir=tmp_path / "c")
     with pytest.raises(DatasetError, match="not a tenplex dataset"):
         open_remote(proc.address, "missing", cache_dir=tmp_path / "c")
+    shards = tmp_path / "store" / "datasets" / "shards"   # a WebDataset source, not packed: says what to do
+    shards.mkdir()
+    (shards / "000.tar").write_bytes(bytes(1024))
+    with pytest.raises(DatasetError, match=r"shards: not a tenplex dataset .* must be packed; .*tenplex data pack "
+                                           r"--from hf\|parquet\|webdataset\|megatron SRC OUT"):
+        open_remote(proc.address, "shards", cache_dir=tmp_path / "c")
 
 
 _WHY = fuse_vfs.fuse_unavailable_reason()

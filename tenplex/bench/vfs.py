@@ -13,18 +13,26 @@ run switches the mount to a new generation first.
 
 - ``vfs_seq_gbps``: first pass of ``rank0/data``, front to back in ``--chunk`` reads;
 - ``vfs_seq_warm_gbps``: the same file read again;
+- ``vfs_seq_odirect_gbps``: a first pass like ``vfs_seq`` by a reader that opens ``data`` with
+  ``O_DIRECT``: each read goes to the server and straight into the reader's buffer (one copy, as
+  the baseline's), and nothing of the view is cached. Buffered first passes copy twice (record
+  pages into freshly allocated view pages, then those into the reader's buffer) and pay the
+  allocation of every view page: that is where their time goes (``perf``: the server's copy, the
+  reader's page allocation and its copy; the server's Python is ~10%);
 - ``direct_seq_gbps``: the record files front to back the same way (the baseline);
 - ``direct_view_gbps``: the view's bytes in view order, one pread per sample from the
   record files (what the in-process fallback reader does);
 - ``vfs_random_samples_per_s``: single samples at random positions, one pread each,
   first pass through a fresh view; ``vfs_random_warm_samples_per_s``: repeated;
 - ``direct_random_samples_per_s``: the same samples from the record files;
-- ``*_ratio``: mount / direct (``seq_ratio`` and ``random_ratio`` for first passes).
+- ``*_ratio``: mount / direct (``seq_ratio``, ``seq_odirect_ratio`` and ``random_ratio`` for first passes);
+- ``load``: the 1-minute load average before and after the run (the ratios fall with load).
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import tempfile
 import time
@@ -51,18 +59,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="libfuse the mount serves with (default: $TENPLEX_LIBFUSE, else auto)")
 
 
-def _seq(paths: list[Path], chunk: int) -> tuple[int, float]:
-    buf = bytearray(chunk)
+def _seq(paths: list[Path], chunk: int, flags: int = 0) -> tuple[int, float]:
+    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT readers use; the same buffer for every reader
     view = memoryview(buf)
     total, t0 = 0, time.perf_counter()
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | flags)
         try:
             while n := os.readv(fd, [view]):
                 total += n
         finally:
             os.close(fd)
-    return total, time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    view.release()
+    buf.close()
+    return total, seconds
 
 
 def _preads(fds: list[int], rows: np.ndarray) -> float:
@@ -94,6 +105,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import fuse_vfs
     from fuse_vfs.mount import write_state_file
 
+    load_before = os.getloadavg()[0]
     sample = args.sample_kb << 10
     count = max(1, (args.size_mb << 20) // sample)
     chunk = args.chunk_kb << 10
@@ -113,7 +125,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         finally:
             handle.unmount(lazy=True)
     total = sum(f.bytes for f in info.files)
-    return _summary(args, seconds, total, count, sample, chunk, libfuse)
+    return {**_summary(args, seconds, total, count, sample, chunk, libfuse),
+            "load": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
 
 
 def _fresh_view(mount: Path) -> Path:
@@ -125,12 +138,13 @@ def _fresh_view(mount: Path) -> Path:
 
 
 def _sequential(info, mount: Path, chunk: int, repeat: int) -> dict[str, float]:
-    """Seconds to read everything in ``chunk`` pieces: the record files, the view first-pass, the view warm."""
+    """Seconds to read everything in ``chunk`` pieces: the record files; the view first pass, warm, O_DIRECT."""
     records = [info.record_path(i) for i in range(len(info.files))]
     _seq(records, chunk)  # warm the record files' page cache
     return {"direct_seq": _best(lambda: _seq(records, chunk)[1], repeat),
             "vfs_seq": _best(lambda: _seq([_fresh_view(mount)], chunk)[1], repeat),
-            "vfs_seq_warm": _best(lambda: _seq([mount / "rank0" / "data"], chunk)[1], repeat)}
+            "vfs_seq_warm": _best(lambda: _seq([mount / "rank0" / "data"], chunk)[1], repeat),
+            "vfs_seq_odirect": _best(lambda: _seq([_fresh_view(mount)], chunk, os.O_DIRECT)[1], repeat)}
 
 
 def _random(info, mount: Path, count: int, random_reads: int, repeat: int) -> dict[str, float]:
@@ -160,6 +174,7 @@ def _summary(args: argparse.Namespace, seconds: dict[str, float], total: int, co
         "bytes": total, "samples": count, "sample_bytes": sample, "chunk_bytes": chunk, "libfuse": libfuse,
         "repeat": args.repeat,
         "vfs_seq_gbps": gb / seconds["vfs_seq"], "vfs_seq_warm_gbps": gb / seconds["vfs_seq_warm"],
+        "vfs_seq_odirect_gbps": gb / seconds["vfs_seq_odirect"],
         "direct_seq_gbps": gb / seconds["direct_seq"], "direct_view_gbps": gb / seconds["direct_view"],
         "vfs_random_samples_per_s": reads / seconds["vfs_rand"],
         "vfs_random_warm_samples_per_s": reads / seconds["vfs_rand_warm"],
@@ -167,6 +182,7 @@ def _summary(args: argparse.Namespace, seconds: dict[str, float], total: int, co
     }
     result["seq_ratio"] = result["vfs_seq_gbps"] / result["direct_seq_gbps"]
     result["seq_warm_ratio"] = result["vfs_seq_warm_gbps"] / result["direct_seq_gbps"]
+    result["seq_odirect_ratio"] = result["vfs_seq_odirect_gbps"] / result["direct_seq_gbps"]
     result["random_ratio"] = result["vfs_random_samples_per_s"] / result["direct_random_samples_per_s"]
     result["random_warm_ratio"] = result["vfs_random_warm_samples_per_s"] / result["direct_random_samples_per_s"]
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()}

@@ -9,6 +9,14 @@ blocks of ``BLOCK_BYTES`` and kept in a local cache directory (one file per
 block, written aside and renamed, so a crash never leaves half a block). The
 cache is keyed by the dataset identity, so a re-packed dataset never reuses
 stale blocks; each sample is still verified against its crc32 by the readers.
+
+Only packed datasets (``tenplex data pack``) can be remote, not the sources read in
+place (``inplace``): the store serves files by name and cannot list a directory
+(a source's shards, Parquet files or Arrow files are found by listing), and a
+source's identity and index take one pass over every byte (whole-file sha256s,
+a crc32 per sample), which remotely would pull the whole dataset to every host
+that opens it. A packed dataset carries both in ``dataset.json`` and its index,
+so a remote open reads two small files. ``REMOTE_NEEDS_PACKED`` says what to do.
 """
 
 from __future__ import annotations
@@ -21,9 +29,13 @@ import threading
 import time
 from pathlib import Path, PurePosixPath
 
-from .format import DatasetError, DatasetInfo, open_packed, safe_name
+from .format import METADATA_NAME, DatasetError, DatasetInfo, open_packed, safe_name
 
 BLOCK_BYTES = 4 << 20
+REMOTE_NEEDS_PACKED = ("not a tenplex dataset (no dataset.json): a remote (--store) dataset must be packed; for a "
+                       "Hugging Face, Parquet, WebDataset or Megatron source run `tenplex data pack --from "
+                       "hf|parquet|webdataset|megatron SRC OUT` where it lies and put OUT under the store's "
+                       "datasets/ directory")
 CHANGE_CHECK_S = 1.0  # how often changed() asks the store (it is polled by the mount's watcher)
 
 
@@ -154,7 +166,12 @@ def open_remote(address: str, dataset: str, cache_dir: str | os.PathLike | None 
         return st["size"]
 
     try:
-        info = open_packed(Path(f"{address}:{remote_root}"), read_bytes=read_bytes, file_size=file_size)
+        root = Path(f"{address}:{remote_root}")
+        try:  # first, so that an in-place source on the store is refused saying what to do instead
+            missing_as_file_not_found(lambda: client.stat_file(str(remote_root / METADATA_NAME)))
+        except FileNotFoundError:
+            raise DatasetError(f"{root}: {REMOTE_NEEDS_PACKED}") from None
+        info = open_packed(root, read_bytes=read_bytes, file_size=file_size)
         cache = Path(cache_dir) if cache_dir else Path(tempfile.gettempdir()) / "tenplex-dataset-cache"
         return info, RemoteRecords(client, info, remote_root, cache, stats=stats)
     except BaseException:

@@ -66,7 +66,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NoReturn
 
@@ -116,6 +116,7 @@ class Restored:
     read_through: bool = False         # the ranks read the plan's regions from other hosts' stores (no new version)
     lost_steps: int = 0                # steps an earlier world finished beyond ``step`` (:mod:`.progress`)
     lost_steps_total: int = 0          # the job's lost steps in all, this restore's included
+    bytes: dict = field(default_factory=dict)  # this rank's tensor bytes by source: memory, this_host, other_hosts
 
 
 class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
@@ -282,8 +283,10 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
             self._tracked["checkpointer"].close()
         ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), group=self.group, **self.checkpointer_options)
         extra: dict = {}
-        step = tenplex.restore(model, optimizer, scheduler=scheduler, scaler=scaler, annotations=annotations,
-                               extra=extra, checkpointer=ckpt)
+        # In place, a survivor's old model and optimizer may hold the restored version: taken from memory
+        step = ckpt.restore(model, optimizer, scheduler=scheduler, scaler=scaler, annotations=annotations,
+                            extra=extra, memory=self._kept)
+        self._kept = None  # the old world's tensors go now; kept for the next world when a peer died meanwhile
         info = ckpt.last_restore
         self.step = step or 0
         self.extra = dict(extra.get(EXTRA_KEY) or {})
@@ -291,6 +294,7 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
                          "annotations": annotations, "checkpointer": ckpt}
         self._saved_step = step
         self._committed_blocking = step  # the restored version is committed
+        self._remember_save(info.version)  # the tensors hold it now
         gathered = progress.gather(ckpt.store.root, self.host, self.world_id, self.step, self.group)
         self._progress = gathered.record
         if self.dataset is not None:
@@ -299,7 +303,8 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
             self._data_view = dataview.follow(self, self.data_state)
         self.restored = Restored(self.step, info.version, info.transformed, dict(info.plan_stats),
                                  time.monotonic() - begin, info.saved_version, info.read_through,
-                                 gathered.lost, gathered.lost_total)
+                                 gathered.lost, gathered.lost_total, dict(info.bytes))
+        self.metrics.observe_restore_bytes(info.bytes)
         self._last_boundary = time.monotonic()
         self.metrics.observe_restore(self.step, self._last_committed_step, gathered.lost, self._protected_step)
         if self.save_every:
@@ -441,6 +446,7 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
             self._die(f"step {self.step}: the {why} save failed ({type(e).__name__}: {e}); nothing was committed, "
                       f"exiting")
         seconds = time.monotonic() - begin
+        self._remember_save(version)
         self._save_s_local = seconds
         self._saved_step = self.step
         self._cost["saves"] += 1

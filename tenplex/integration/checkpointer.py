@@ -77,10 +77,11 @@ from .durable import DurableTier
 from .exchange import agree, all_gather_json
 from .layouts import check_and_build, check_optimizer, specs_of, state_pieces
 from .pieces import Piece, init_optimizer_state, state_owners
-from .restoring import Reach, RestoreInfo, apply_state, bring_within_reach
+from .memory import Kept
+from .restoring import Reach, RestoreInfo, apply_state, bring_within_reach, read_local
 from .rollforward import PARTS_DOC, parts_doc, roll_forward
 from .savedoc import SaveRound, coord_key, rank_doc, replica_count, state_doc
-from .shardio import read_piece, write_piece
+from .shardio import write_piece
 from .snapshot import Snapshotter
 from .versions import STATE_DOC, VersionFinder
 
@@ -290,7 +291,7 @@ class Checkpointer:
     def restore(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                 extra: dict | None = None,
                 scheduler=None, scaler=None, annotations: Annotations | None = None, rng: bool = True,
-                layout: Layout | None = None, version: int | None = None) -> int | None:
+                layout: Layout | None = None, version: int | None = None, memory: Kept | None = None) -> int | None:
         """Load the newest saved state into ``model`` and ``optimizer`` (in place); return its step. Collective.
 
         Returns None when no state was saved yet (the optimizer then holds its
@@ -298,7 +299,9 @@ class Checkpointer:
         ``extra`` dict. Without an optimizer only the model is restored and the
         saved optimizer state is ignored. ``layout`` is a new
         layout made in advance (by partition rules) to plan with instead of
-        the one gathered from the ranks; it must give every rank what it needs.
+        the one gathered from the ranks; it must give every rank what it needs. ``memory``: this rank's state
+        kept from the world before (a survivor in place, :mod:`.memory`); the regions it still holds of the
+        restored version are copied from it, not read from a store (``last_restore.bytes`` counts each kind).
         """
         rank = dist.get_rank(self.group)
         roll_forward(self.store, self.group)  # a version whose commit decision was lost with a host
@@ -332,14 +335,19 @@ class Checkpointer:
         info = RestoreInfo(version=found.version, saved_version=found.version, step=found.state["step"],
                            lost_hosts=found.lost_hosts, skipped=found.skipped,
                            replica_devices={d: list(v) for d, v in found.replica_devices.items()})
+        # A survivor in place: what it still holds of this version comes from its memory (every rank takes part)
+        own = None if memory is None else memory.usable(found.version, found.layout.tensors)
+        agree("restore: copying the regions kept in memory", lambda: None if own is None else own.fill(pieces),
+              self.group)
+        info.bytes["memory"] = own.bytes if own is not None else 0
         sources = bring_within_reach(Reach(self.store, self.device, self.token, self.group, self.stores), found, new,
-                                     docs, pieces, info)
+                                     docs, pieces, info, own)
         if sources is not None:
-            def load():
-                reader = self.store.open(info.version)
-                for piece in pieces:
-                    read_piece(reader, sources[self.device][(piece.name, piece.box)], piece)
-            agree(f"restore: reading version {info.version}", load, self.group)
+            tiles, counts = sources.get(self.device, {}), None if info.plan_stats else info.bytes  # None: counted
+            version = info.version
+            assert version is not None
+            agree(f"restore: reading version {version}",
+                  lambda: read_local(self.store, version, tiles, pieces, own, counts), self.group)
         apply_state(found.state, model, optimizer, scheduler, scaler, extra, rng, self.coord_key(rank))
         self.last_restore = info
         return found.state["step"]

@@ -309,6 +309,9 @@ class JobMetrics:
                                    "(value 1)", ["config", "dp", "tp", "pp"], registry=r)
         self.pause = Histogram("tenplex_job_pause_seconds", "A world change's pause in place: the old world's last "
                                "step finished to the new world's first one", buckets=SECONDS, registry=r)
+        self.restore_bytes = Counter("tenplex_job_restore_bytes", "Tensor bytes this worker's restores took, by "
+                                     "source: memory (what a survivor in place kept), this_host (its host's store), "
+                                     "other_hosts (other hosts' stores)", ["source"], registry=r)
         self.reconfigurations = Counter("tenplex_job_reconfigurations", "World changes this worker lived through, "
                                         "by kind (join, leave, lost; combined with +) and mode (in_place)",
                                         ["kind", "mode"], registry=r)
@@ -348,6 +351,10 @@ class JobMetrics:
         self.committed_step.set_function(lambda: -1 if (last := committed()) is None else last)
         if protected is not None:
             self.protected_step.set_function(lambda: -1 if (safe := protected()) is None else safe)
+
+    def observe_restore_bytes(self, by_source: Mapping[str, int]) -> None:
+        for source, nbytes in by_source.items():
+            self.restore_bytes.labels(source).inc(nbytes)
 
     def observe_step(self, seconds: float, step: int) -> None:
         self.step_seconds.observe(seconds)
