@@ -1,7 +1,7 @@
 """A layout indexed once for planning per destination: who holds which box, found without scanning the layout.
 
-May import: ``tenplex._gc``, ``tenplex.box``, ``tenplex.regions``, ``tenplex.layout``, ``tenplex.devices``
-and the standard library. Pure.
+May import: ``tenplex._gc``, ``tenplex.box``, ``tenplex.regions``, ``tenplex.layout`` and the standard
+library. Pure.
 
 :func:`tenplex.share_planner.plan_share` plans only the transfers into some
 devices. Scanning every (device, box) entry of a 16,384-device layout takes
@@ -11,11 +11,15 @@ seconds in Python, so the index never does: replicas share one tuple of shards
 grouped by their tuple of shards and only each group's shards are read (on
 the first per-tensor query). Per tensor, on first use only, the distinct boxes
 go into a :class:`~tenplex.regions.RegionIndex` with the groups that hold
-each. Building the index costs O(devices + distinct entries): milliseconds for
-replicated layouts, seconds for a ZeRO-sharded one at 16k devices, whose every
-device holds distinct boxes. A rank that plans its share touches only the
-tensors it receives. Build it once per layout and share it
-between the planning calls of a host's ranks when they run in one process.
+each. Building the index costs O(devices) (device order and hosts: 12-20 ms at
+16k devices); the groups are made on first use, which only the layout a share
+reads from (and a digest) needs: O(distinct entries), milliseconds for
+replicated layouts, but a ZeRO-sharded layout has no two devices alike, so
+grouping it and indexing its tensors reads every entry (a share took 1.8-1.9 s
+at 16k devices when a rank restores *from* a ZeRO layout; restoring *into* one
+costs nothing extra). A rank that plans its share touches only the tensors it
+receives. Build it once per layout and share it between the planning calls of
+a host's ranks when they run in one process.
 
 :meth:`LayoutIndex.digest` fingerprints the layout from the same groups, so
 ranks can check cheaply that they plan from the same layouts.
@@ -28,7 +32,6 @@ import operator
 
 from ._gc import paused_gc
 from .box import Box
-from .devices import host_of
 from .layout import Layout, Shard
 from .regions import Region, RegionIndex
 
@@ -79,37 +82,61 @@ class LayoutIndex:
 
     def _build(self, layout: Layout) -> None:
         self.layout = layout
-        self.shards: list[tuple[Shard, ...]] = []  # group -> its shards
-        self.members: list[list[str]] = []  # group -> its devices, in device order
-        self.group_of: dict[str, int] = {}
         self.host: dict[str, str] = {}
         self.devices_on: dict[str, list[str]] = {}  # host -> its devices, in device order
-        by_object: dict[int, int] = {}  # id(shards tuple) -> group
-        # hash of the ids of the Shard objects -> groups: keeping the ids themselves cost 150 MB at 16k ZeRO devices
-        by_shards: dict[int, list[int]] = {}
         for device in sorted(layout.devices):
-            shards = layout.devices[device]
-            g = by_object.get(id(shards))
-            if g is None:
-                g = by_object[id(shards)] = self._group(shards, by_shards.setdefault(hash(tuple(map(id, shards))), []))
-            self.members[g].append(device)
-            self.group_of[device] = g
-            host = self.host[device] = host_of(device)
+            # Layout.validate parsed every device id already: HOST/INDEX, so the host is what precedes the last /
+            host = self.host[device] = device.rpartition("/")[0]
             self.devices_on.setdefault(host, []).append(device)
-        self.number = {device: k for k, device in enumerate(self.group_of)}  # device -> its place in device order
+        self.number = {device: k for k, device in enumerate(self.host)}  # device -> its place in device order
+        self._grouped: tuple[list[tuple[Shard, ...]], list[list[str]], dict[str, int]] | None = None
         self._boxes: dict[str, list[tuple[int, Box]]] | None = None  # tensor -> (group, box), on first use
         self._hosts_of_group: dict[int, dict[str, list[str]]] = {}
         self._tensors: dict[str, TensorHolders] = {}
 
-    def _group(self, shards: tuple[Shard, ...], candidates: list[int]) -> int:
-        """The group of the devices holding these very Shard objects (a new one if none does yet)."""
-        for g in candidates:
-            if len(self.shards[g]) == len(shards) and all(map(operator.is_, self.shards[g], shards)):
-                return g
-        candidates.append(len(self.shards))
-        self.shards.append(shards)
-        self.members.append([])
-        return candidates[-1]
+    @property
+    def shards(self) -> list[tuple[Shard, ...]]:
+        """Group -> its shards."""
+        return self._groups()[0]
+
+    @property
+    def members(self) -> list[list[str]]:
+        """Group -> its devices, in device order."""
+        return self._groups()[1]
+
+    @property
+    def group_of(self) -> dict[str, int]:
+        """Device -> its group."""
+        return self._groups()[2]
+
+    def _groups(self) -> tuple[list[tuple[Shard, ...]], list[list[str]], dict[str, int]]:
+        """Devices grouped by the shards they share, on first use: only the layout a share reads from (or a
+        digest) needs them. A ZeRO-sharded layout at 16k devices has no two devices alike, and grouping it
+        reads every entry (0.2 s), which the layout a share writes into never needs."""
+        if self._grouped is None:
+            with paused_gc():
+                self._grouped = self._group_devices()
+        return self._grouped
+
+    def _group_devices(self) -> tuple[list[tuple[Shard, ...]], list[list[str]], dict[str, int]]:
+        shards: list[tuple[Shard, ...]] = []
+        members: list[list[str]] = []
+        group_of: dict[str, int] = {}
+        devices = self.layout.devices
+        by_object: dict[int, int] = {}  # id(shards tuple) -> group
+        # (length, first and last Shard object) -> groups, each checked entry by entry: O(1) per device with
+        # shards of its own (ZeRO), one pass at C speed per replica (from_dict shares Shards, not tuples); a key of
+        # every Shard's id cost 0.2-0.4 s at 16k devices
+        by_shards: dict[tuple[int, int, int], list[int]] = {}
+        for device in self.host:  # device order
+            held = devices[device]
+            g = by_object.get(id(held))
+            if g is None:
+                key = (len(held), id(held[0]), id(held[-1])) if held else (0, 0, 0)
+                g = by_object[id(held)] = _group(shards, members, held, by_shards.setdefault(key, []))
+            members[g].append(device)
+            group_of[device] = g
+        return shards, members, group_of
 
     def tensor(self, name: str) -> TensorHolders:
         """``name``'s distinct boxes and their holders (indexed on first use)."""
@@ -144,3 +171,15 @@ class LayoutIndex:
         for device, g in self.group_of.items():  # device order
             h.update(device.encode() + b"\0" + boxes[g])
         return h.hexdigest()
+
+
+def _group(shards: list[tuple[Shard, ...]], members: list[list[str]], held: tuple[Shard, ...],
+           candidates: list[int]) -> int:
+    """The group of the devices holding these very Shard objects (a new one if none does yet)."""
+    for g in candidates:
+        if len(shards[g]) == len(held) and all(map(operator.is_, shards[g], held)):
+            return g
+    candidates.append(len(shards))
+    shards.append(held)
+    members.append([])
+    return candidates[-1]

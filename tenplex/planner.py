@@ -23,7 +23,10 @@ The lower bound is computed from the layouts alone, not from the transfers.
 Sender balancing is greedy: each remote piece comes from the replica whose
 host has sent the fewest bytes so far (then the least-loaded device, then the
 first in device order). That spreads load over all replicas, but it is not
-an optimal schedule of ``max_host_send_bytes``.
+an optimal schedule of ``max_host_send_bytes``. A replica set on 8 hosts or
+more finds that host through a heap shared by the sets on the same hosts (the
+same choice as a scan, in O(log hosts): at 16,384 devices a set spans 128
+hosts).
 
 The plan lists every ``"from": "old"`` transfer (kept, local, remote, in that
 order) before the fan-outs, so a fan-out always follows the transfer that
@@ -44,6 +47,7 @@ correctly, only slower.
 
 from __future__ import annotations
 
+import heapq
 from typing import Callable, Iterable
 
 from ._gc import paused_gc
@@ -70,6 +74,7 @@ class _Builder:
         self.device_sent = dict.fromkeys(hosts, 0)
         self.host_sent = dict.fromkeys(hosts.values(), 0)
         self.host_received = dict.fromkeys(hosts.values(), 0)
+        self.heaps: dict[tuple[str, ...], _HostHeap] = {}
 
     def add(self, kind: str, tensor: str, src: str, dst: str, region: Region | Box, nbytes: int) -> None:
         box = region if isinstance(region, Box) else _box(region)
@@ -85,19 +90,57 @@ class _Builder:
     def least_loaded(self, devices: list[str]) -> str:
         return devices[0] if len(devices) == 1 else min(devices, key=self.device_sent.__getitem__)
 
-    def least_loaded_remote(self, holders_on: dict[str, list[str]]) -> str:
-        """The least-loaded device of the host that has sent least; ``holders_on`` maps host -> devices."""
+    def least_loaded_remote(self, holders_on: dict[str, list[str]], heap: "_HostHeap | None") -> str:
+        """The least-loaded device of the host that has sent least (the first such host in ``holders_on``'s
+        order); ``holders_on`` maps host -> devices, ``heap`` (for many hosts) finds that host in O(log hosts)."""
+        if heap is not None:
+            return self.least_loaded(holders_on[heap.least(self.host_sent)])
         hosts = list(holders_on)
         if len(hosts) > 1:
             loads = list(map(self.host_sent.__getitem__, hosts))
             return self.least_loaded(holders_on[hosts[loads.index(min(loads))]])
         return self.least_loaded(holders_on[hosts[0]])
 
+    def heap(self, hosts: tuple[str, ...]) -> "_HostHeap | None":
+        """The one heap of these hosts (replica sets of many tensors share their hosts), if they are many."""
+        if len(hosts) < HEAP_FROM:
+            return None
+        found = self.heaps.get(hosts)
+        if found is None:
+            found = self.heaps[hosts] = _HostHeap(hosts, self.host_sent)
+        return found
+
+
+HEAP_FROM = 8  # replica sets on this many hosts or more find their least-loaded host by a heap, not a scan
+
+
+class _HostHeap:
+    """The hosts of a replica set by (bytes sent, place in the set): the first least-loaded one in O(log n).
+
+    Loads only grow, so an entry's load is at most its host's load now; when the top's load is stale it is
+    replaced by the current one and the heap looked at again. A top whose load is current is the least
+    (every other entry's load now is at least its recorded one), and the place breaks ties as a scan would:
+    the same host as ``loads.index(min(loads))``."""
+
+    def __init__(self, hosts: tuple[str, ...], host_sent: dict[str, int]) -> None:
+        self.entries = [(host_sent[h], k, h) for k, h in enumerate(hosts)]
+        heapq.heapify(self.entries)
+
+    def least(self, host_sent: dict[str, int]) -> str:
+        entries = self.entries
+        while True:
+            load, k, host = entries[0]
+            now = host_sent[host]
+            if now == load:
+                return host
+            heapq.heapreplace(entries, (now, k, host))
+
 
 class _TensorIndex:
     """One tensor's distinct old and new boxes as regions, who holds each old one, and whether both are tiled."""
 
-    def __init__(self, host: dict[str, str], old: list[tuple[str, Box]], new: list[tuple[str, Box]]) -> None:
+    def __init__(self, out: _Builder, old: list[tuple[str, Box]], new: list[tuple[str, Box]]) -> None:
+        host = out.host
         self.regions = sorted({(box.offsets, box.ends) for _, box in old})
         number = {r: i for i, r in enumerate(self.regions)}
         self.holders_on: list[dict[str, list[str]]] = [{} for _ in self.regions]  # old region -> host -> devices
@@ -106,6 +149,7 @@ class _TensorIndex:
             i = number[(box.offsets, box.ends)]
             self.holders_on[i].setdefault(host[device], []).append(device)
             self.own.setdefault(device, set()).add(i)
+        self.heaps = [out.heap(tuple(on)) for on in self.holders_on]
         self.index = RegionIndex(self.regions)
         self.targets = sorted({(box.offsets, box.ends) for _, box in new})
         self.target_index = RegionIndex(self.targets)
@@ -128,7 +172,7 @@ class _TensorIndex:
 def _plan_tensor(out: _Builder, name: str, itemsize: int, old: list[tuple[str, Box]],
                  new: list[tuple[str, Box]]) -> int:
     """Append the transfers that fill ``name``'s new boxes; return its inter-host lower bound in bytes."""
-    tensor = _TensorIndex(out.host, old, new)
+    tensor = _TensorIndex(out, old, new)
     arrived: dict[str, dict[Region, str]] = {}  # host -> regions brought in from other hosts -> device holding it
     fragments: dict[Region, list[tuple[Region, Box, int, int]] | None] = {}  # target -> its fragments, once
     for dst, box in new:
@@ -159,7 +203,7 @@ def _fill_tiled(out: _Builder, name: str, tensor: _TensorIndex, dst: str,
         elif r in here:
             out.add("fanout", name, here[r], dst, piece, nbytes)
         else:
-            out.add("remote", name, out.least_loaded_remote(tensor.holders_on[i]), dst, piece, nbytes)
+            out.add("remote", name, out.least_loaded_remote(tensor.holders_on[i], tensor.heaps[i]), dst, piece, nbytes)
             here[r] = dst
 
 
@@ -186,7 +230,7 @@ def _fill_general(out: _Builder, name: str, itemsize: int, tensor: _TensorIndex,
         pieces = _cover(pieces, region, emit("fanout", src))
     for i in overlapping:
         if pieces and h not in holders_on[i]:
-            src = out.least_loaded_remote(holders_on[i])
+            src = out.least_loaded_remote(holders_on[i], tensor.heaps[i])
 
             def receive(r: Region, src: str = src) -> None:
                 out.add("remote", name, src, dst, r, _volume(r) * itemsize)

@@ -106,7 +106,7 @@ class _Share:
 def plan_share(old: LayoutIndex, new: LayoutIndex, devices: Iterable[str], allow_new_tensors: bool = False) -> Plan:
     """The transfers into ``devices`` (devices of ``new``) that turn ``old`` into ``new`` (module docstring)."""
     wanted = set(devices)
-    unknown = sorted(wanted - set(new.group_of))
+    unknown = sorted(wanted - new.number.keys())
     if unknown:
         raise PlanError(f"device(s) {', '.join(unknown[:5])} hold nothing in the new layout; plan a share only "
                         f"for devices of the new layout")
@@ -120,7 +120,7 @@ def plan_share(old: LayoutIndex, new: LayoutIndex, devices: Iterable[str], allow
 
 def plan_by_hosts(old: LayoutIndex, new: LayoutIndex, allow_new_tensors: bool = False) -> Plan:
     """The whole plan as the union of every host's share: what the ranks' shares add up to (tools, transformer)."""
-    return plan_share(old, new, new.group_of, allow_new_tensors)
+    return plan_share(old, new, new.number, allow_new_tensors)
 
 
 def _plan_host(out: _Share, old: LayoutIndex, new: LayoutIndex, host: str) -> None:

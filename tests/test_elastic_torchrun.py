@@ -2,11 +2,16 @@
 process group and store, a node leaves by SIGTERM. The example GPT trains through tenplex.elastic.Job, reading
 its data through each node's FUSE view (`tenplex demo --elastic --fuse`; in process where FUSE is unavailable:
 test_elastic_partition covers that path too); the demo's checks (losses vs an uninterrupted run, exactly-once
-data, bit-exact restores, step and position) must hold, and must fail on doctored records."""
+data, bit-exact restores, step and position) must hold, and must fail on doctored records.
+
+The module's run is in place (the demo's default, `tenplex run --in-place`): every survivor keeps its process
+through the three changes, and the model is rebuilt with another tp and pp in the same process. The restart mode
+(`--restart-mode`: torchrun restarts every worker) runs a shorter schedule against the same reference."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -37,7 +42,8 @@ def run(tmp_path_factory):
 
 def test_summary_format_and_checks(run):
     _, summary, _, lines = run
-    assert list(summary) == ["format", "ok", "events", "checks", "saves"] + (["view"] if FUSE else [])
+    assert list(summary) == ["format", "ok", "mode", "events", "checks", "saves"] + (["view"] if FUSE else [])
+    assert summary["mode"] == "in_place"
     assert summary["format"] == FORMAT
     assert summary["ok"], "\n".join(lines[-30:])
     c = summary["checks"]
@@ -62,15 +68,16 @@ def test_each_event_changes_the_world_and_the_configuration(run):
     _, summary, _, _ = run
     join, fail, leave = summary["events"]
     assert [e["kind"] for e in summary["events"]] == ["join", "fail", "leave"]
-    assert join["from"] == {"world": 4, "hosts": ["h0", "h1"], "parallel": "dp=2,tp=2,pp=1"}
-    assert join["to"] == {"world": 6, "hosts": ["h0", "h1", "h2"], "parallel": "dp=1,tp=2,pp=3"}  # pinned
-    assert fail["to"] == {"world": 4, "hosts": ["h0", "h2"], "parallel": "dp=2,tp=2,pp=1"}
+    # In place a world's nodes are in the order their workers registered (tenplex.elastic.protocol.node_order)
+    assert _sorted(join["from"]) == {"world": 4, "hosts": ["h0", "h1"], "parallel": "dp=2,tp=2,pp=1"}
+    assert _sorted(join["to"]) == {"world": 6, "hosts": ["h0", "h1", "h2"], "parallel": "dp=1,tp=2,pp=3"}  # pinned
+    assert _sorted(fail["to"]) == {"world": 4, "hosts": ["h0", "h2"], "parallel": "dp=2,tp=2,pp=1"}
     assert leave["to"] == {"world": 2, "hosts": ["h0"], "parallel": "dp=1,tp=2,pp=1"}
     for e in summary["events"]:
-        assert set(e) == {"kind", "host", "at_step", "resumed_from_step", "lost_steps", "from", "to", "detect_s",
-                          "restart_s", "restore_s", "bytes"}
-        assert set(e["bytes"]) == {"kept", "intra_host", "inter_host", "inter_host_lower_bound"}
-        assert e["bytes"]["inter_host"] == e["bytes"]["inter_host_lower_bound"]
+        _check_row_shape(e)
+        # In place: every survivor (a device in the worlds before and after) kept its process.
+        assert e["pids"] and all(p["before"] == p["after"] for p in e["pids"].values()), e["pids"]
+    assert sorted(join["pids"]) == ["h0/0", "h0/1", "h1/0", "h1/1"] and sorted(leave["pids"]) == ["h0/0", "h0/1"]
     # A join and a leave save at the step boundary after the signal: nothing is lost.
     assert join["lost_steps"] == 0 and join["resumed_from_step"] == join["at_step"] + 1
     assert leave["lost_steps"] == 0 and leave["resumed_from_step"] in (leave["at_step"], leave["at_step"] + 1)
@@ -82,6 +89,43 @@ def test_each_event_changes_the_world_and_the_configuration(run):
     # The joining node's store starts empty: its stage crosses hosts. After the failure, h1's pipeline stage had
     # no data-parallel copy: it came back from the replicated copies, then moved to the new configuration.
     assert join["bytes"]["inter_host"] > 0 and fail["bytes"]["inter_host"] > 0
+
+
+def _sorted(world: dict) -> dict:
+    return dict(world, hosts=sorted(world["hosts"]))
+
+
+def _check_row_shape(e: dict) -> None:
+    """An event's row: the same keys in both modes; the pause's parts add up to it."""
+    assert set(e) == {"kind", "host", "at_step", "resumed_from_step", "lost_steps", "from", "to", "detect_s",
+                      "restart_s", "restore_s", "bytes", "pause_s", "pause", "pids"}
+    assert set(e["bytes"]) == {"kept", "intra_host", "inter_host", "inter_host_lower_bound"}
+    assert e["bytes"]["inter_host"] == e["bytes"]["inter_host_lower_bound"]
+    assert set(e["pause"]) == {"detect_s", "agree_s", "re_form_s", "restore_s", "first_step_s"}
+    assert e["pause_s"] > 0 and sum(e["pause"].values()) == pytest.approx(e["pause_s"], abs=0.01)
+
+
+def test_the_restart_mode_restarts_every_worker_and_passes_the_same_checks(run, tmp_path):
+    """``--restart-mode`` (torchrun restarts every worker at a change) on a shorter schedule: the node that holds
+    data-parallel rank 0 is SIGKILLed. The same checks against the module run's reference, the same row shape,
+    and new pids for the survivors."""
+    workdir, _, _, _ = run
+    events = demo.parse_schedule("fail:h0@2", ("h0", "h1"), STEPS)
+    lines: list[str] = []
+    record, fired = demo.run_elastic(tmp_path, workdir / "data" / "dataset", STEPS, events, ("h0", "h1"), 1,
+                                     demo.DEFAULT_PINS, lines.append, in_place=False)
+    summary, _ = summarize(workdir / "reference" / "record", record, events, fired,
+                           [tmp_path / "elastic" / h for h in ("h0", "h1")], [["h1"]])
+    assert summary["ok"], "\n".join(lines[-30:])
+    assert any("elastic run (restart mode)" in line for line in lines)
+    (fail,) = summary["events"]
+    _check_row_shape(fail)
+    # h0 held data-parallel rank 0 (torchrun numbers the nodes as they arrive: the world's first host)
+    assert fail["from"]["hosts"][0] == "h0" and fail["to"] == {"world": 2, "hosts": ["h1"],
+                                                                 "parallel": "dp=1,tp=2,pp=1"}
+    assert fail["lost_steps"] <= 1
+    assert sorted(fail["pids"]) == ["h1/0", "h1/1"]
+    assert all(p["before"] != p["after"] for p in fail["pids"].values())  # restarted
 
 
 def test_the_checks_fail_on_doctored_records(run, tmp_path):
@@ -126,7 +170,7 @@ def test_the_checks_fail_on_doctored_records(run, tmp_path):
 def test_live_progress_names_worlds_and_steps(run):
     _, _, _, lines = run
     text = "\n".join(lines)
-    assert "world 6 on h0,h1,h2: dp=1,tp=2,pp=3" in text
+    assert re.search(r"world 6 on h[01],h[01],h2: dp=1,tp=2,pp=3", text)  # h0 and h1 in the order they registered
     assert "event 2: fail h1 at step 4" in text
     assert f"step {STEPS:3d}" in text
 

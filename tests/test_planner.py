@@ -244,3 +244,28 @@ def test_fewer_and_more_hosts_with_sharded_states():
     small = layout(ptc, ParallelConfig.on_hosts(1, 2, 1, 1, 2, sharding="optimizer"))
     assert check_plan(big, small).stats.inter_host_bytes > 0
     check_plan(small, big)
+
+
+def plan_both_ways(old, new):
+    """The plan with every replica set's least-loaded host found by the heap, and by the plain scan."""
+    from tenplex import planner
+    saved = planner.HEAP_FROM
+    try:
+        planner.HEAP_FROM = 2
+        heaped = plan(old, new)
+        planner.HEAP_FROM = 1 << 60
+        return heaped, plan(old, new)
+    finally:
+        planner.HEAP_FROM = saved
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(gpt_configs(), gpt_configs(), st.data())
+def test_the_heap_picks_the_senders_the_scan_picks(old_config, new_config, data):
+    """Sender choice by heap (many replica hosts, as at 16k devices) and by a scan give the same plan."""
+    ptc = gpt(3, 8, 4, 13, ffn=7, optimizer="adam", vocab_pad_multiple=2)
+    heaped, scanned = plan_both_ways(layout(ptc, old_config), layout(ptc, new_config))
+    assert heaped == scanned
+    tensors = {f"t{i}": ((data.draw(st.integers(1, 6)), 2), "float32") for i in range(3)}
+    heaped, scanned = plan_both_ways(data.draw(random_layouts(tensors, 4)), data.draw(random_layouts(tensors, 3)))
+    assert heaped == scanned

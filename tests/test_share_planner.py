@@ -64,6 +64,17 @@ def test_unknown_devices_are_an_error():
         plan_share(*shares(old, old), ["h9/0"])
 
 
+def test_the_layout_a_share_writes_into_is_never_grouped():
+    """Grouping devices by their shards reads every entry (0.2 s for a ZeRO layout at 16k devices); only the
+    layout a share reads from needs it."""
+    ptc = gpt(2, 8, 2, 11, optimizer="adam")
+    old = layout(ptc, ParallelConfig.on_hosts(2, 2, 1, 2, 2))
+    new = layout(ptc, ParallelConfig.on_hosts(2, 1, 2, 2, 2, sharding="optimizer"))
+    o, n = shares(old, new)
+    assert plan_share(o, n, ["h1/1"]).transfers
+    assert n._grouped is None and o._grouped is not None
+
+
 def test_the_digest_names_the_boxes_not_how_the_layout_was_built():
     ptc = gpt(2, 8, 2, 11, optimizer="adam")
     built = layout(ptc, ParallelConfig.on_hosts(2, 2, 1, 2, 2))

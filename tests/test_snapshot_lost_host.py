@@ -7,7 +7,9 @@ not committed it yet (their commit is held back): the next world resumes from st
 in that world of two nodes, its rank-0 node is SIGKILLed in the middle of its background write of step 7's
 snapshot, after the other host prepared its part: the last node resumes from step 7 (the snapshot its surviving
 ranks all prepared). Every restore is bit for bit the state saved at its step and the reference's, every step's
-samples are trained exactly once in the final history, and the losses equal an uninterrupted run's.
+samples are trained exactly once in the final history, and the losses equal an uninterrupted run's. The same on
+an emulated cluster (every node in a network namespace of its own) with the rank-0 node's link cut instead of a
+SIGKILL: the cut-off node's processes keep running, unreachable, and the others resume from the decided step.
 """
 
 from __future__ import annotations
@@ -17,17 +19,23 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from mp.ddp_kill_worker import reference
 from store_helpers import assert_bit_equal
+from tenplex.cluster import emulated
+from tenplex.elastic.demo import LINKED_TCP_RETRIES
 from tenplex.elastic.nodes import Nodes
 from tenplex.integration.versions import STATE_DOC
 from tenplex.store import Store
 
+REASON = emulated.unavailable()
+linked = pytest.mark.skipif(REASON is not None, reason=f"emulated cluster unavailable: {REASON}")
 WORKER = Path(__file__).parent / "mp" / "ddp_kill_worker.py"
 STEPS, FIRST, SECOND = 9, 3, 6
+CUT_STEPS = 5
 
 
 def committed_step(root: Path, host: str) -> int | None:
@@ -102,12 +110,52 @@ def test_the_rank0_host_dies_after_a_committed_snapshot_and_during_the_next_writ
         codes = nodes.wait(240)
         assert codes[last[0]] == 0, (nodes.log(last[0]).read_text()[-3000:])
 
-    losses, states = reference(STEPS)
+    check_history(out, hosts, STEPS, [FIRST, SECOND + 1])  # the newest decided, or prepared, step
+
+
+@linked
+def test_the_rank0_hosts_link_is_cut_after_a_committed_snapshot(tmp_path):
+    """The same on an emulated cluster, with the rank-0 node's link cut instead: its agent, worker and store keep
+    running but no packet gets in or out (no reset), once step 3's commit is decided and the other hosts have not
+    committed it yet. The two others resume from step 3 without reaching the cut-off node."""
+    from tenplex.cluster import EmulatedCluster
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "holds").write_text(str(FIRST))
+    (out / "late-commit").write_text(str(FIRST))
+    hosts = ["h0", "h1", "h2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    script = [str(WORKER), str(out), str(CUT_STEPS)]
+    with EmulatedCluster(hosts, tcp_retries=LINKED_TCP_RETRIES) as cluster, \
+            Nodes(tmp_path, 1, 3, script, env=env, cluster=cluster) as nodes:
+        nodes.start_rendezvous()
+        for host in hosts:
+            nodes.start(host)
+        wait_for(f"three nodes hold at step {FIRST}", lambda: held_world(out, FIRST, hosts))
+        cut = rank0_host(out, hosts, (out / f"held-{FIRST}-h0").read_text())
+        survivors = [h for h in hosts if h != cut]
+        wait_for(f"the commit of step {FIRST} is decided", lambda: committed_step(nodes.root(cut), cut) == FIRST
+                 and all(prepared_next(nodes.root(h), h) for h in survivors))
+        nodes.partition(cut)
+        (out / f"go-{FIRST}").touch()
+        codes = nodes.wait(240)
+        assert all(codes[h] == 0 for h in survivors), nodes.log(survivors[0]).read_text()[-3000:]
+        assert codes[cut] != 0  # the cut-off node gave up on its own
+    check_history(out, hosts, CUT_STEPS, [0, FIRST])
+
+
+def check_history(out: Path, hosts: list[str], steps: int, last_restores: list[int]) -> None:
+    """The run's restores and history: the last worlds restored ``last_restores`` (one step each), every restore is
+    bit for bit the reference's state at its step and the state the previous world dumped there, each step's
+    samples are trained exactly once in the final history with the reference's loss, committed/protected steps are
+    reported, and no step a world finished is trained again by the next world."""
+    losses, states = reference(steps)
     lines = [json.loads(line) for h in hosts for line in (out / f"{h}.jsonl").read_text().splitlines()]
     restored = [d for d in lines if "restored" in d]
     worlds = sorted({d["world"] for d in restored}, key=lambda w: min(d["at"] for d in restored if d["world"] == w))
     steps_of = {w: sorted({d["restored"] for d in restored if d["world"] == w}) for w in worlds}
-    assert [steps_of[w] for w in worlds][-2:] == [[FIRST], [SECOND + 1]]  # the newest decided, or prepared, step
+    assert [steps_of[w] for w in worlds][-len(last_restores):] == [[s] for s in last_restores]
     for w in worlds:
         step = steps_of[w][0]
         got = load_file(out / f"restored-{w}.safetensors")
@@ -125,7 +173,7 @@ def test_the_rank0_host_dies_after_a_committed_snapshot_and_during_the_next_writ
                 final[d["step"]] = (order, [])
             if final[d["step"]][0] == order:
                 final[d["step"]][1].append(d)
-    assert sorted(final) == list(range(1, STEPS + 1))
+    assert sorted(final) == list(range(1, steps + 1))
     for step, (_, done) in final.items():
         assert sorted(i for d in done for i in d["ids"]) == list(range((step - 1) * 6, step * 6))
         assert {d["loss"] for d in done} == {losses[step - 1]}
@@ -138,6 +186,7 @@ def test_the_rank0_host_dies_after_a_committed_snapshot_and_during_the_next_writ
             assert d["protected"] == (d["committed"] if ranks[d["world"]] > 1 else None)
     for before, after in zip(worlds, worlds[1:]):  # no step that a world finished is trained again by the next
         assert max(d["step"] for d in lines if d.get("world") == before and "step" in d) <= steps_of[after][0]
+
 
 
 def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -18,14 +18,18 @@ class Record:
     """What ``tenplex demo --elastic`` checks: per-rank JSON lines (losses, sample ids, saves, times) and the
     full parameters and Adam moments (safetensors) after every save and after the restore."""
 
-    def __init__(self, folder: Path, job, trainer):
+    def __init__(self, folder: Path, job, trainer, started: float | None = None):
+        """``started``: when this world began in this process (the job's start for its first world)."""
         self.folder, self.job, self.trainer = folder, job, trainer
         (folder / "dumps").mkdir(parents=True, exist_ok=True)
-        self.tag = f"{os.getpid()}-{job.rank}"
+        generation = job.world.generation  # 0 without --in-place; in place one file per world of this process
+        self.tag = f"{os.getpid()}-{job.rank}" + (f"-g{generation}" if generation else "")
         self.file = open(folder / f"rank-{job.host}-{self.tag}.jsonl", "a")
         r = job.restored
-        self.write(event="start", world_id=job.world_id, time=job.started, ready=time.time(), world=job.world_size,
-                   hosts=job.hosts,
+        device = f"{job.host}/{os.environ.get('LOCAL_RANK', job.rank)}"
+        self.write(event="start", world_id=job.world_id, time=job.started if started is None else started,
+                   ready=time.time(), world=job.world_size, hosts=job.hosts, pid=os.getpid(), device=device,
+                   generation=generation,
                    parallel=job.choice.degrees(), rank=job.rank, host=job.host, coords=trainer.coords,
                    restored_step=r.step if r.version is not None else None, version=r.version,
                    saved_version=r.saved_version,
@@ -36,9 +40,10 @@ class Record:
             self.dump(f"restored-{r.step}-{self.tag}")
 
     def hold(self) -> None:
-        """Wait while the demo holds the job at this step (file ``hold-STEP``), unless torchrun stops us."""
+        """Wait while the demo holds the job at this step (file ``hold-STEP``), unless the world is about to
+        change (torchrun stops us, or in place the membership saw a join, leave or loss)."""
         flag = self.folder / f"hold-{self.job.step}"
-        while flag.exists() and not self.job.stop_requested:
+        while flag.exists() and not self.job.change_pending:  # SIGTERM, or in place a join, leave or loss
             time.sleep(0.05)
 
     def write(self, **doc) -> None:
@@ -58,6 +63,13 @@ class Record:
         state = self.trainer.full_state()  # collective: every rank calls it
         if self.trainer.coords["dp"] == 0 and self.trainer.coords["tp"] == 0:
             save_file({k: v.contiguous() for k, v in state.items()}, str(self.folder / "dumps" / f"{name}.safetensors"))
+
+    def ended(self, why: str | None) -> None:
+        """This world ended in place (``why``: change, lost); the process goes on in the next one."""
+        if not self.file.closed:
+            self.write(event="end", why=why, time=time.time())
+            self.file.close()
+        self.trainer = None  # its model and process groups end with the world
 
     def exit(self, code: int, why: str) -> None:
         if not self.file.closed:

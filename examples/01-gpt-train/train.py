@@ -8,7 +8,9 @@ Run one ``tenplex run`` per node (see README.md in this folder)::
 
 Nodes may join, leave (SIGTERM) or die while it trains: torchrun restarts the
 workers in the new world and this script continues where the job stopped,
-under the configuration tenplex's policy picks for that world.
+under the configuration tenplex's policy picks for that world. With
+``tenplex run --in-place`` the survivors keep their processes: the loop over
+``job.worlds()`` builds the model again for each world, in the same process.
 
 May import: ``tenplex.elastic``, ``tenplex.models.gpt``, ``record`` (its neighbour) and the standard library.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import tenplex.elastic
@@ -26,30 +29,34 @@ from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
 def main() -> None:
     args = parse_args()
+    record: Record | None = None
     job = tenplex.elastic.Job(dataset=args.data, global_batch=args.global_batch, max_tp=args.max_tp,
                               pinned=args.pin, save_every=args.save_every, replicas=args.replicas, timeout=args.timeout,
                               checkpointer_options={"keep": args.keep_versions},
                               on_save=(lambda save: record.saved(save)) if args.record else None,
                               on_exit=(lambda code, why: record.exit(code, why)) if args.record else None)
-    c = job.config
-    trainer = Trainer(GPTConfig(), Parallel(dp=c.dp, tp=c.tp, pp=c.pp), job.global_batch, seed=args.init_seed)
-    job.restore(trainer.model, trainer.optimizer, scheduler=trainer.scheduler, coords=trainer.coords)
-    record = Record(args.record, job, trainer) if args.record else None
-    if job.rank == 0:
-        print(f"world {job.world_size} on {','.join(job.hosts)}: {job.choice.degrees()} ({job.choice.reason}); "
-              f"{'fresh start' if job.restored.version is None else f'restored step {job.step}'}", flush=True)
     try:
-        while job.step < args.steps:
-            if record:
-                record.hold()
-            batch = job.batch()                       # this rank's share of the global batch at job.step
-            tokens = batch.data.long()                # (micro-batch, seq + 1)
-            loss = trainer.train_step(job.step, (tokens[:, :-1], tokens[:, 1:]))
-            if record:
-                record.step(job.step + 1, loss, batch.ids)
-            if job.rank == 0:
-                print(f"step {job.step + 1:4d}  loss {loss:.6f}", flush=True)
-            job.step_done()                           # periodic save; on SIGTERM: agree, save, exit
+        # One world without --in-place (torchrun restarts this script at a change); with it, one per change.
+        for world in job.worlds():
+            with world:                               # a lost peer ends this world, not the process
+                # when this world began here: in place, when it formed (a joiner started before, warm)
+                started = time.time() if world.generation else job.started
+                c = world.config
+                trainer = Trainer(GPTConfig(), Parallel(dp=c.dp, tp=c.tp, pp=c.pp), job.global_batch,
+                                  seed=args.init_seed)
+                job.restore(trainer.model, trainer.optimizer, scheduler=trainer.scheduler, coords=trainer.coords)
+                record = Record(args.record, job, trainer, started) if args.record else None
+                if job.rank == 0:
+                    print(f"world {job.world_size} on {','.join(job.hosts)}: {job.choice.degrees()} "
+                          f"({job.choice.reason}); "
+                          f"{'fresh start' if job.restored.version is None else f'restored step {job.step}'}",
+                          flush=True)
+                train(job, world, trainer, record, args.steps)
+            if record and not world.active:
+                record.ended(world.ended)             # and drops its reference to the trainer
+            # Nothing of this world may outlive it: a process group still referenced (the pipeline's) stays open,
+            # and a peer waiting on it in a receive would wait forever.
+            trainer = None
         job.finish()
         if job.rank == 0:
             print(f"done at step {job.step}; saving cost {json.dumps(job.save_cost())}", flush=True)
@@ -59,6 +66,21 @@ def main() -> None:
         raise
     if record:
         record.exit(0, "done")
+
+
+def train(job, world, trainer: Trainer, record: Record | None, steps: int) -> None:
+    """Train this world until the last step, or until it ends (a change, a lost peer)."""
+    while job.step < steps and world.active:
+        if record:
+            record.hold()
+        batch = job.batch()                       # this rank's share of the global batch at job.step
+        tokens = batch.data.long()                # (micro-batch, seq + 1)
+        loss = trainer.train_step(job.step, (tokens[:, :-1], tokens[:, 1:]))
+        if record:
+            record.step(job.step + 1, loss, batch.ids)
+        if job.rank == 0:
+            print(f"step {job.step + 1:4d}  loss {loss:.6f}", flush=True)
+        job.step_done()                           # periodic save; on SIGTERM: agree, save, exit (or next world)
 
 
 def parse_args() -> argparse.Namespace:

@@ -22,14 +22,16 @@ round the slowest rank (barriers around it):
 * ``tenplex_snapshot_fixed_s``: the blocking seconds of a snapshot of the same model's structure with tiny
   tensors (``tenplex_snapshot_fixed_state_bytes`` in all): what a snapshot costs whatever the state's size (the
   all-gather, the hand-off to the writer thread, the bookkeeping); ``tenplex_snapshot_s_per_mb``: the rest of
-  ``tenplex_snapshot_blocking_s`` per MB a rank stages;
+  ``tenplex_snapshot_blocking_s`` per MB a rank stages; the same three in CPU seconds of the training thread
+  (``time.thread_time``: ``tenplex_snapshot_blocking_cpu_s``, ``tenplex_snapshot_fixed_cpu_s``,
+  ``tenplex_snapshot_cpu_s_per_mb``), which a loaded machine's scheduling does not inflate as it does wall time;
 * memory: ``tenplex_staging_bytes`` (the snapshot's buffers, all ranks; before each round every parameter and
   moment is changed in place, as by a step, so only what no step changes is linked,
   ``tenplex_snapshot_linked_bytes``) and
   ``dcp_async_extra_rss_bytes`` (resident memory grown during ``async_save``,
   all ranks);
 * ``snapshot_interval_at_20ms_steps``: the interval between snapshots that ``tenplex.elastic.Job``'s 5% budget
-  rule takes with this blocking time and steps of 20 ms (1: every step);
+  rule takes with this blocking time and steps of 20 ms (1: every step; ``…_cpu``: with the blocking CPU time);
 * the end-to-end cost on this machine: ``train_step_s`` without saving and
   ``train_step_snapshot_s`` with a snapshot after every step (the background
   writer shares the CPU with training), and their ratio ``snapshot_slowdown``.
@@ -106,7 +108,7 @@ def _rounds(repeat: int, fn: Callable[[int], tuple[float, ...]]) -> list[float]:
     for i in range(repeat):
         dist.barrier()
         samples.append([_slowest(s) for s in fn(i)])
-    return [round(statistics.median(column), 4) for column in zip(*samples)]
+    return [round(statistics.median(column), 5) for column in zip(*samples)]
 
 
 def _rss() -> int:
@@ -142,7 +144,7 @@ def _tenplex_saves(ckpt, trainer, repeat: int) -> dict:
         tenplex.save(trainer.model, trainer.optimizer, step=i, scheduler=trainer.scheduler, checkpointer=ckpt)
         return (time.perf_counter() - begin,)
 
-    def snapshot(i: int) -> tuple[float, float, float]:
+    def snapshot(i: int) -> tuple[float, float, float, float]:
         import torch.distributed as dist
 
         floor = memcpy()  # the floor, measured next to each snapshot: this machine's load varies
@@ -150,18 +152,18 @@ def _tenplex_saves(ckpt, trainer, repeat: int) -> dict:
             for t in local:    # stages them all; only what no step changes, buffers, is linked from the last one)
                 t.mul_(1)
         dist.barrier()
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.thread_time()
         ckpt.async_save(trainer.model, trainer.optimizer, step=100 + i, scheduler=trainer.scheduler)
-        returned = time.perf_counter()
+        returned, cpu = time.perf_counter(), time.thread_time() - cpu
         ckpt.wait_snapshot()
         # From the call until this host committed (the first rank of the host; the others report 0).
-        return floor, returned - begin, ckpt.snapshot_stats()["last_commit_s"] or 0.0
+        return floor, returned - begin, ckpt.snapshot_stats()["last_commit_s"] or 0.0, cpu
 
     result: dict[str, Any] = {}
     result["tenplex_save_s"], = _rounds(repeat, save)
-    _, result["tenplex_snapshot_first_blocking_s"], _ = _rounds(1, snapshot)
-    result["memcpy_s"], result["tenplex_snapshot_blocking_s"], result["tenplex_snapshot_commit_s"] = _rounds(
-        repeat, snapshot)
+    _, result["tenplex_snapshot_first_blocking_s"], _, _ = _rounds(1, snapshot)
+    (result["memcpy_s"], result["tenplex_snapshot_blocking_s"], result["tenplex_snapshot_commit_s"],
+     result["tenplex_snapshot_blocking_cpu_s"]) = _rounds(repeat, snapshot)
     stats = ckpt.snapshot_stats()
     result["tenplex_staging_bytes"] = int(_summed(stats["staging_bytes"]))
     result["tenplex_snapshot_linked_bytes"] = int(_summed(stats["linked_bytes"]))
@@ -187,23 +189,25 @@ def _fixed_cost(spec: dict, work: Path, result: dict) -> dict:
 
     local = _local_tensors(tiny)
 
-    def snapshot(i: int) -> tuple[float]:
+    def snapshot(i: int) -> tuple[float, float]:
         ckpt.wait_snapshot()
         with torch.no_grad():  # as a step would: every tensor changes, so every one is staged
             for t in local:
                 t.mul_(1)
         dist.barrier()
-        begin = time.perf_counter()
+        begin, cpu = time.perf_counter(), time.thread_time()
         ckpt.async_save(tiny.model, tiny.optimizer, step=i, scheduler=tiny.scheduler)
-        return (time.perf_counter() - begin,)
+        return time.perf_counter() - begin, time.thread_time() - cpu
     _rounds(2, snapshot)  # the first allocates its buffers and sends the static documents
-    fixed, = _rounds(max(5, 3 * spec["repeat"]), snapshot)
+    fixed, fixed_cpu = _rounds(max(5, 3 * spec["repeat"]), snapshot)
     ckpt.wait_snapshot()
     tiny_bytes = int(_summed(ckpt.snapshot_stats()["staging_bytes"]))
     ckpt.close()
     per_rank = (result["tenplex_staging_bytes"] - tiny_bytes) / dist.get_world_size() / 1e6
     per_mb = max(0.0, result["tenplex_snapshot_blocking_s"] - fixed) / max(per_rank, 1e-9)
+    per_mb_cpu = max(0.0, result["tenplex_snapshot_blocking_cpu_s"] - fixed_cpu) / max(per_rank, 1e-9)
     return {"tenplex_snapshot_fixed_s": round(fixed, 5), "tenplex_snapshot_s_per_mb": round(per_mb, 6),
+            "tenplex_snapshot_fixed_cpu_s": round(fixed_cpu, 5), "tenplex_snapshot_cpu_s_per_mb": round(per_mb_cpu, 6),
             "tenplex_snapshot_fixed_state_bytes": tiny_bytes}
 
 
@@ -274,6 +278,7 @@ def _ratios(result: dict) -> dict:
     blocking = result["tenplex_snapshot_blocking_s"]
     # The steps between snapshots that tenplex.elastic.Job's budget rule (5%) takes for 20 ms training steps.
     return {"snapshot_interval_at_20ms_steps": auto_interval(blocking, 0.020),
+            "snapshot_interval_at_20ms_steps_cpu": auto_interval(result["tenplex_snapshot_blocking_cpu_s"], 0.020),
             "snapshot_over_memcpy": round(blocking / max(result["memcpy_s"], 1e-9), 2),
             "snapshot_over_dcp_async": round(blocking / max(result["dcp_async_blocking_s"], 1e-9), 2),
             "snapshot_commit_over_save": round(result["tenplex_snapshot_commit_s"]

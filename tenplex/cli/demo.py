@@ -33,7 +33,12 @@ def register(subparsers) -> None:
                                       "evict:all@STEP (the whole job lost, restored from a bucket on three new nodes; "
                                       "needs moto) (default join:h2@4,fail:h1@8,leave:h2@12; h0 and h1 run at the "
                                       "start)")
-    p.add_argument("--plot", type=Path, help="with --elastic: write both loss curves and the events to this PNG")
+    p.add_argument("--plot", type=Path, help="with --elastic: write both loss curves, the events and each event's "
+                                             "pause to this PNG")
+    p.add_argument("--restart-mode", action="store_true",
+                   help="with --elastic: torchrun restarts every worker at each change (the mode before issue 36) "
+                        "instead of the default in place (tenplex run --in-place: survivors keep their processes; "
+                        "schedules with partition or evict, and --link-mbit, run in restart mode)")
     p.add_argument("--link-mbit", type=float, metavar="N",
                    help="with --elastic: run every node in its own network namespace with a link of N Mbit/s each "
                         "way (needs root and iproute2); enables partition:HOST@STEP events")
@@ -72,8 +77,8 @@ def _output_and_workdir(args: argparse.Namespace, prefix: str):
 def main(args: argparse.Namespace) -> int:
     if args.elastic:
         return elastic(args)
-    if args.schedule or args.plot or args.link_mbit is not None:
-        raise UsageError("--schedule, --plot and --link-mbit belong to --elastic")
+    if args.schedule or args.plot or args.link_mbit is not None or args.restart_mode:
+        raise UsageError("--schedule, --plot, --link-mbit and --restart-mode belong to --elastic")
     args.steps = 8 if args.steps is None else args.steps
     if args.steps < 1:
         raise UsageError("--steps must be at least 1")
@@ -163,6 +168,7 @@ def elastic(args: argparse.Namespace) -> int:
         raise UsageError(f"--link-mbit must be positive, got {args.link_mbit:g}")
     # bad input: one line, before anything starts
     events = parse_schedule(schedule, ("h0", "h1"), steps, links=args.link_mbit is not None)
+    in_place = False if args.restart_mode else None  # None: in place where the schedule allows it
     if any(e.kind == "evict" for e in events):
         require_moto()
     if args.link_mbit is not None:
@@ -170,7 +176,8 @@ def elastic(args: argparse.Namespace) -> int:
     say, workdir = _output_and_workdir(args, "tenplex-elastic-")
     start = time.monotonic()
     try:
-        summary, history = run(workdir, schedule, steps, say=say, link_mbit=args.link_mbit, fuse=args.fuse)
+        summary, history = run(workdir, schedule, steps, say=say, link_mbit=args.link_mbit, fuse=args.fuse,
+                               in_place=in_place)
     finally:
         if args.workdir is None and not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)

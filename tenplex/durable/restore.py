@@ -1,13 +1,14 @@
 """Restoring a durable version from the bucket into this host's store, in any layout.
 
 May import: numpy, xxhash, ``tenplex.store`` (its local store, manifest rows and errors),
-``tenplex.planner``, ``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``, ``tenplex.dtypes``,
+``tenplex.share_planner``, ``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``, ``tenplex.dtypes``,
 this package's ``bucket`` and ``flush``, and the standard library.
 
 The bucket is one more source for the planner: its manifest is a layout in which device ``durable/0``
-(on host ``durable``) holds every region of the version. ``plan(durable layout, new layout)`` says which
-regions each new host needs; the planner makes each region cross to a host once and fans it out there
-(``"from": "new"``). Each host fetches only the transfers whose destination is its own, by ranged reads
+(on host ``durable``) holds every region of the version. Each host plans only its own share of the change
+from that layout to the new one (``share_planner.plan_for`` with its devices: time and memory grow with the
+host's share, not with the job): each region crosses to the host once and fans out there (``"from":
+"new"``). Each host fetches the transfers of its share, by ranged reads
 of the blocks that hold them (``Bucket.get_ranges``, concurrently), checks every block against the
 manifest's digest before a byte of it is used (``CorruptShard`` otherwise: a damaged object is never
 restored), and commits the new shards as the same version number in its store, with the version's
@@ -26,7 +27,7 @@ from ..box import Box
 from ..devices import host_of
 from ..dtypes import itemsize, numpy_storage
 from ..layout import Layout, Shard, from_dict as layout_from_dict
-from ..planner import plan as make_plan
+from ..share_planner import plan_for
 from ..store import Store
 from ..store.manifest import LAYOUT_DOC, MANIFEST_FORMAT, CorruptShard, ShardEntry
 from .bucket import Bucket, DurableError
@@ -99,7 +100,7 @@ def restore_host(bucket: Bucket, version: int, new: Layout, store: Store, *, con
     returns the bytes fetched from the bucket. Every host of ``new`` calls it (any world size)."""
     source = DurableVersion(bucket, version)
     host = store.host
-    the_plan = make_plan(source.layout, new)
+    the_plan = plan_for(source.layout, new, [d for d in new.devices if host_of(d) == host])  # this host's share
     fetched = 0
     with store.begin(version, part=RESTORE_PART) as writer:
         shards: dict[tuple[str, str], list[tuple[Box, np.ndarray]]] = {}
@@ -114,7 +115,7 @@ def restore_host(bucket: Bucket, version: int, new: Layout, store: Store, *, con
             held, array = next((b, a) for b, a in shards[(device, tensor)] if b.contains(box))
             return array[box.local(held).slices() + (...,)]  # a view, also of a 0-d shard
 
-        mine = [t for t in the_plan.transfers if host_of(t.dst) == host]
+        mine = the_plan.transfers
 
         def fetch(t) -> int:
             region_of(t.dst, t.tensor, t.box)[...] = source.read(t.tensor, t.box)

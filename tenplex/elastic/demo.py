@@ -50,7 +50,16 @@ this process: the training runs in the workers (``examples/01-gpt-train/train.py
    and the rendezvous store in the cluster's control namespace; the kernel's
    counters give each host's bytes in and out.
 
-4. :mod:`.timeline` reads what every worker recorded and checks it.
+   **In place** (the default, :func:`run`'s ``in_place``; not for partitions, evictions or ``link_mbit``,
+   :func:`restart_only`) every node runs ``tenplex run --in-place`` and the example loops over
+   ``job.worlds()``: the survivors keep their processes and build the model of the next world in them. A join
+   or a leave ends the world at the next step boundary (the held workers go on to it once the change is
+   wanted), a failure ends it at the collective that failed, and a GPU fault ends that worker's process
+   alone: its agent drops the device, the node's other worker stays (:mod:`tenplex.elastic.restarts`).
+
+4. :mod:`.timeline` reads what every worker recorded and checks it; per event it reports the pause (the old
+   world's last step, or the event if later, to the new world's first step) with its parts, and each
+   survivor's pid before and after.
 """
 
 from __future__ import annotations
@@ -221,10 +230,11 @@ def _records(folder: Path) -> list[dict]:
 def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], initial: tuple[str, ...],
                 save_every: int, pins: dict[int, str], say: Callable[[str], None],
                 timeout: float = 900.0, cluster: "EmulatedCluster | None" = None, fuse: bool = False,
-                script: list[str] | None = None) -> tuple[Path, list[dict]]:
+                script: list[str] | None = None, in_place: bool = False) -> tuple[Path, list[dict]]:
     """The elastic run (with ``cluster``: each node in its own network namespace; with ``fuse``: each node's
-    workers read through its FUSE view of ``data``; ``script``: another worker program); returns its record
-    folder and when each event was set off (wall time)."""
+    workers read through its FUSE view of ``data``; ``script``: another worker program; ``in_place``: ``tenplex
+    run --in-place``, the survivors keep their processes); returns its record folder and when each event was set
+    off (wall time)."""
     record = workdir / "elastic" / "record"
     record.mkdir(parents=True)
     for e in events:
@@ -239,13 +249,17 @@ def run_elastic(workdir: Path, data: Path, steps: int, events: list[Event], init
     max_nodes = len(every_host(initial, events))
     script = script or _script(data, steps, record, save_every, pins,
                                LINKED_TIMEOUT_S if cluster is not None else None)
+    # In place the first world waits for every initial node (later ones go on with the survivors); torchrun's
+    # rendezvous gathers them by its last call instead, and its minimum must let one node go on alone.
     with Nodes(workdir / "elastic", WORKERS_PER_NODE, max_nodes, script, env, cluster,
-               dataset=data if fuse else None) as nodes:
+               dataset=data if fuse else None, run_options=("--in-place",) if in_place else (),
+               min_nodes=len(initial) if in_place else 1) as nodes:
         before = cluster.counters() if cluster is not None else None
         nodes.start_rendezvous()
         for host in initial:
             nodes.start(host)
-        say(f"elastic run: nodes {', '.join(initial)} (2 workers each) join the rendezvous at {nodes.endpoint}")
+        say(f"elastic run ({'in place' if in_place else 'restart mode'}): nodes {', '.join(initial)} (2 workers "
+            f"each) join the rendezvous at {nodes.endpoint}")
         progress = _Progress(record, say)
         for i, e in enumerate(events):
             at = _await_event(progress, nodes, e, sorted(initial) if i == 0 else after[i - 1], deadline, save_every)
@@ -382,8 +396,9 @@ class _Progress:
                 self.worlds[d["world_id"]] = d
                 how = "fresh start" if d["restored_step"] is None else f"restored step {d['restored_step']}"
                 self.say(f"  world {d['world']} on {','.join(d['hosts'])}: {d['parallel']}, {how}")
+        rank0 = {d["file"] for d in self.docs if d["event"] == "start" and d["rank"] == 0}  # one file per world
         for d in self.docs:
-            if d["event"] == "step" and d["file"].endswith("-0.jsonl") and (d["file"], d["step"]) not in self.printed:
+            if d["event"] == "step" and d["file"] in rank0 and (d["file"], d["step"]) not in self.printed:
                 self.printed.add((d["file"], d["step"]))
                 self.say(f"  step {d['step']:3d}  loss {d['loss']:.6f}")
         return True
@@ -413,6 +428,15 @@ def _wait(ready: Callable[[], bool], deadline: float, nodes: Nodes, what: str) -
         time.sleep(0.2)
 
 
+def restart_only(events: list[Event], link_mbit: float | None) -> str | None:
+    """Why this run cannot be in place (None: it can): partitions, evictions and per-node links are not yet
+    demonstrated in place (issue 36)."""
+    kinds = sorted({e.kind for e in events} & {"partition", "evict"})
+    if kinds:
+        return f"schedules with {' and '.join(kinds)}"
+    return "--link-mbit" if link_mbit is not None else None
+
+
 def require_links() -> None:
     """Raise :class:`~tenplex.cluster.ClusterUnavailable` (one line) where network namespaces cannot be used."""
     from ..cluster import ClusterUnavailable, unavailable
@@ -424,8 +448,13 @@ def require_links() -> None:
 
 def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initial: tuple[str, ...] = ("h0", "h1"),
         save_every: int = 1, pins: dict[int, str] | None = None,
-        say: Callable[[str], None] = print, link_mbit: float | None = None, fuse: bool = False) -> tuple[dict, dict]:
+        say: Callable[[str], None] = print, link_mbit: float | None = None, fuse: bool = False,
+        in_place: bool | None = None) -> tuple[dict, dict]:
     """Everything: dataset, reference, elastic run, summary. Returns the summary and the loss histories.
+
+    ``in_place`` (default: yes, unless :func:`restart_only` names a reason): the nodes run ``tenplex run
+    --in-place`` and the survivors keep their processes through every change; False: torchrun restarts every
+    worker at each change (restart mode). The summary's ``mode`` says which ran.
 
     ``link_mbit``: run every node in its own network namespace with a link of that rate; raises
     :class:`~tenplex.cluster.ClusterUnavailable` (one line) before anything starts where namespaces
@@ -435,6 +464,10 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
     from .timeline import summarize
 
     events = parse_schedule(schedule, initial, steps, links=link_mbit is not None)
+    why_not = restart_only(events, link_mbit)
+    if in_place and why_not:
+        raise ConfigError(f"the demo runs {why_not} in restart mode only; leave out in place")
+    in_place = not why_not if in_place is None else in_place
     hosts = every_host(initial, events)
     if link_mbit is not None:
         require_links()
@@ -451,7 +484,8 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
     if link_mbit is None:
         # With an eviction every node flushes its saves to the bucket (TENPLEX_DURABLE in their environment).
         with demo_bucket(workdir) if evicts else contextlib.nullcontext():
-            record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say, fuse=fuse)
+            record, fired = run_elastic(workdir, data, steps, events, initial, save_every, pins, say, fuse=fuse,
+                                        in_place=in_place)
     else:
         from ..cluster import EmulatedCluster
 
@@ -462,6 +496,8 @@ def run(workdir: Path, schedule: str = DEFAULT_SCHEDULE, steps: int = 16, initia
                                         cluster=cluster, fuse=fuse)
     summary, history = summarize(reference, record, events, fired, [workdir / "elastic" / h for h in hosts],
                                  expected_hosts(initial, events))
+    summary = {"format": summary.pop("format"), "ok": summary.pop("ok"),
+               "mode": "in_place" if in_place else "restart", **summary}
     links = workdir / "elastic" / "links.json"
     if links.exists():
         summary["links"] = json.loads(links.read_text())

@@ -367,6 +367,8 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
         except Exception as e:  # noqa: BLE001 -- a peer is gone: nothing can be agreed, nothing is saved
             # tenplex's own collective: its failure is a lost peer, or this rank's device (faults.classify)
             if classify(e) == DEVICE:
+                if self._membership is not None:  # in place the others go on at once, without this worker
+                    self._membership.mark_leaving()
                 self._die(f"step {self.step}: this rank's device failed ({type(e).__name__}: {e})",
                           EXIT_DEVICE_FAULT)
             if self._in_place:  # the world is over, not the process: the loop goes on in the next world

@@ -54,8 +54,9 @@ class Nodes:
 
     def __init__(self, base: Path, nproc_per_node: int, max_nodes: int, script: Sequence[str],
                  env: dict[str, str] | None = None, cluster: "EmulatedCluster | None" = None,
-                 dataset: Path | None = None, run_options: Sequence[str] = ()):
+                 dataset: Path | None = None, run_options: Sequence[str] = (), min_nodes: int = 1):
         self.run_options = list(run_options)  # more options of tenplex run for every node (e.g. --in-place)
+        self.min_nodes = min_nodes  # --nnodes MIN: in place, how many nodes the first world waits for
         self.base, self.nproc, self.max_nodes, self.script = base, nproc_per_node, max_nodes, list(script)
         self.dataset = dataset  # each node mounts its view of it at view(host) (tenplex run --data-mount)
         self.env = dict(os.environ if env is None else env)
@@ -109,7 +110,7 @@ class Nodes:
         if host in self.agents and self.agents[host].poll() is None:
             raise HostError(f"node {host} is already running")
         argv = [sys.executable, "-m", "tenplex.cli", "run", *self.run_options, "--host", host,
-                "--store-root", str(self.root(host)), "--nnodes", f"1:{self.max_nodes}",
+                "--store-root", str(self.root(host)), "--nnodes", f"{self.min_nodes}:{self.max_nodes}",
                 "--nproc-per-node", str(self.nproc),
                 "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.rdzv_id]
         if self.dataset is not None:

@@ -66,8 +66,10 @@ class Membership:
     """
 
     def __init__(self, endpoint: str, job: str, host: str, local_rank: int, *, min_workers: int = 1,
-                 timeout: float = 10.0, dead_after: float = 2.0, heartbeat_s: float = 0.1, backend: str = "gloo"):
+                 timeout: float = 10.0, dead_after: float = 2.0, heartbeat_s: float = 0.1, backend: str = "gloo",
+                 siblings: tuple[str, int] | None = None):
         self.keys = Keys(job)
+        self.siblings = siblings  # (this node's incarnation, its number of workers): they register together
         self.endpoint, self.min_workers, self.timeout, self.backend = endpoint, min_workers, timeout, backend
         self.heartbeat_s = heartbeat_s
         self.protocol = Worker()
@@ -93,11 +95,23 @@ class Membership:
         # import-time objects takes ~1 s on a busy machine (measured), long enough to be taken for dead. Frozen
         # objects are never traversed again; what the worlds create later (groups included) still is.
         gc.freeze()
+        self._await_siblings()
         self._store.set(self.keys.slot(self.me.wid), self.me.to_json())
         self._store.add(self.keys.heartbeat(self.me.wid), 1)
         self._watcher.start()
         self.protocol.on(Event.REGISTERED)
         return self.me
+
+    def _await_siblings(self) -> None:
+        """Wait (up to ``timeout``) until this node's other workers are warm too, so that they register together
+        and a joining node changes the running world once, not once per worker (demo-owned hunk: goodput's join
+        batching may replace it)."""
+        if self.siblings is None or self.siblings[1] <= 1:
+            return
+        key, deadline = f"{self.keys.prefix}warm/{self.siblings[0]}", time.monotonic() + self.timeout
+        self._store.add(key, 1)
+        while self._store.add(key, 0) < self.siblings[1] and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def _watch(self) -> None:
         store = connect(self.endpoint)

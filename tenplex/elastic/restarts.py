@@ -22,6 +22,12 @@ here is torchrun's :class:`LocalElasticAgent` with two hooks:
   planned leave would (:class:`NodeOutOfDevices`): the others go on without it.
 
 A join needs no hook: torchrun restarts the workers for a waiting node without counting it.
+
+In place (``tenplex run --in-place``: ``TENPLEX_IN_PLACE`` set, each node's torchrun alone) the workers form the
+job's worlds themselves, and a device fault must not stop the node's other workers: a worker that exited with a
+device fault while others of the node still run is dropped from torchrun's watch (:func:`drop_device_faults`) and
+its device excluded; the others go on in the next world, which forms without it (it marked itself leaving). Its
+exit is neither a restart nor a crash. When every worker of the node failed, the restart path above applies.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class TenplexAgent(LocalElasticAgent):
         self.started_on: list[str] = []   # the device of each LOCAL_RANK of the running workers
         self.crashes = 0
         self.stopped_by_agent: set[int] = set()  # local ranks torchrun stopped when it closed the group
+        self.in_place = os.environ.get("TENPLEX_IN_PLACE", "") not in ("", "0")  # set by tenplex run --in-place
 
     def _say(self, text: str) -> None:
         logs.line(f"tenplex run: host {self.host}: {text}", sys.stderr, logger=__name__)
@@ -82,6 +89,12 @@ class TenplexAgent(LocalElasticAgent):
         return pids
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        if self.in_place:
+            for local_rank in drop_device_faults(self._pcontext):
+                device = self.started_on[local_rank] if local_rank < len(self.started_on) else str(local_rank)
+                self.devices.exclude(device, f"worker {local_rank} exited with a device fault")
+                self._say(f"device {device} (local rank {local_rank}) had a device fault; excluded, the node's "
+                          f"other workers go on in place ({len(self.devices.healthy)} device(s))")
         result = super()._monitor_workers(worker_group)
         if result.state not in (WorkerState.FAILED, WorkerState.UNHEALTHY) or not result.failures:
             return result
@@ -125,6 +138,21 @@ def record_stops(pcontext: Any) -> set[int]:
 
     pcontext._close = closing
     return stopped
+
+
+def drop_device_faults(pcontext: Any) -> list[int]:
+    """The local ranks of torchrun's process context ``pcontext`` that exited with a device fault while others
+    still run, taken off its watch: torchrun stops every worker once one failed, and in place the others must go
+    on. Only for scripts (a ``SubprocessContext``, whose running ranks it tracks); else none."""
+    running, handlers = getattr(pcontext, "_running_local_ranks", None), getattr(pcontext, "subprocess_handlers", {})
+    if not running or not handlers:
+        return []
+    codes = {rank: handlers[rank].proc.poll() for rank in running}
+    faulted = [rank for rank, code in codes.items() if code == faults.EXIT_DEVICE_FAULT]
+    if not faulted or all(code is not None for code in codes.values()):
+        return []  # none, or nobody left running: the restart path decides (NodeOutOfDevices for the last device)
+    running.difference_update(faulted)
+    return sorted(faulted)
 
 
 def failure_kinds(codes: dict[int, int], stopped: set[int]) -> dict[int, str]:

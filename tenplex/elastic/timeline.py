@@ -53,6 +53,8 @@ class World:
     steps: dict[int, dict] = field(default_factory=dict)    # step -> {"loss": …, "ids": […]}
     saves: list[dict] = field(default_factory=list)
     exits: list[dict] = field(default_factory=list)
+    ends: list[dict] = field(default_factory=list)          # in place: its ranks' "end" (the process went on)
+    pids: dict[str, int] = field(default_factory=dict)      # device (HOST/LOCAL_RANK) -> the pid of its rank
 
     def describe(self) -> dict:
         return {"world": self.size, "hosts": self.hosts, "parallel": self.parallel}
@@ -78,6 +80,8 @@ def read_worlds(folder: Path) -> list[World]:
         w.restore_s = max(w.restore_s, d["restore_s"])
         w.files[d["file"]] = d["coords"]
         w.file_hosts[d["file"]] = d["host"]
+        if "pid" in d:
+            w.pids[d["device"]] = d["pid"]
         owner[d["file"]] = w
     for d in docs:
         w = owner.get(d["file"])
@@ -85,13 +89,16 @@ def read_worlds(folder: Path) -> list[World]:
             continue
         if d["event"] == "step":
             coords = w.files[d["file"]]
-            entry = w.steps.setdefault(d["step"], {"loss": d["loss"], "ids": []})
+            entry = w.steps.setdefault(d["step"], {"loss": d["loss"], "ids": [], "time": d.get("time", 0.0)})
+            entry["time"] = max(entry["time"], d.get("time", 0.0))  # finished once its last rank finished it
             if coords["tp"] == 0 and coords["pp"] == 0:  # each dp rank's share once (its tp/pp peers read the same)
                 entry["ids"] += d["ids"]
         elif d["event"] == "saved":
             w.saves.append(d)
         elif d["event"] == "exit":
             w.exits.append(d)
+        elif d["event"] == "end":
+            w.ends.append(d)
     return sorted(worlds.values(), key=lambda w: w.start)
 
 
@@ -223,12 +230,39 @@ def _event_row(e, f: dict, hosts: list[str], worlds: list[World], elastic: Path,
            "lost_steps": max(0, reached - resumed), "from": source.describe(), "to": target.describe(),
            "detect_s": round(detected - f["time"], 3),
            "restart_s": round(target.ready - target.restore_s - detected, 3),
-           "restore_s": round(target.restore_s, 3), "bytes": _bytes(target, roots)}
+           "restore_s": round(target.restore_s, 3), "bytes": _bytes(target, roots),
+           **_pause(e.kind, f["time"], between, target), "pids": _pids(source, target)}
     if e.kind == "partition":
         row["cut_off"] = _cut_off(e.host, f["time"], worlds, roots)
     if e.kind == "evict":
         resumed_right &= _evicted(row, f)
     return row, exact, resumed_right
+
+
+def _pause(kind: str, fired: float, between: list[World], target: World) -> dict:
+    """``pause_s``: from the old world's last step finished (or the event, if later: a failure strikes a world the
+    demo holds between steps) to the new world's first step finished, and its parts, which add up to it:
+    ``detect_s`` (a failure: until the old world's first rank stopped), ``agree_s`` (a planned change: the ranks
+    agreeing and saving at the step boundary), ``re_form_s`` (to the new world formed, its model built: in
+    restart mode the processes' restart), ``restore_s`` and ``first_step_s``."""
+    last = max((h["time"] for w in between for h in w.steps.values()), default=fired)
+    begin = max(last, fired)
+    if not target.steps:
+        return {"pause_s": None, "pause": None}
+    first = target.steps[min(target.steps)]["time"]
+    stopped = min((x["time"] for w in between for x in w.exits + w.ends if x["time"] >= begin), default=target.start)
+    stopped = min(max(stopped, begin), target.ready - target.restore_s)
+    planned = kind in ("join", "leave", "evict")
+    parts = {"detect_s": 0.0 if planned else stopped - begin, "agree_s": stopped - begin if planned else 0.0,
+             "re_form_s": target.ready - target.restore_s - stopped, "restore_s": target.restore_s,
+             "first_step_s": first - target.ready}
+    return {"pause_s": round(first - begin, 3), "pause": {k: round(v, 3) for k, v in parts.items()}}
+
+
+def _pids(source: World, target: World) -> dict[str, dict]:
+    """Each survivor's (a device in both worlds) pid before and after the change: equal when it kept its process."""
+    both = sorted(source.pids.keys() & target.pids.keys())
+    return {d: {"before": source.pids[d], "after": target.pids[d]} for d in both}
 
 
 def _evicted(row: dict, f: dict) -> bool:
@@ -282,6 +316,11 @@ def print_timeline(summary: dict, say) -> None:
             f"({','.join(e['to']['hosts'])}; {e['to']['parallel']})")
         say(f"   detect {e['detect_s']:.1f} s, restart {e['restart_s']:.1f} s, restore {e['restore_s']:.2f} s; "
             f"resumed from step {e['resumed_from_step']}, {e['lost_steps']} step(s) lost and replayed")
+        if e.get("pause"):
+            p, kept = e["pause"], sum(v["before"] == v["after"] for v in e["pids"].values())
+            say(f"   pause {e['pause_s']:.2f} s (detect {p['detect_s']:.2f}, agree {p['agree_s']:.2f}, re-form "
+                f"{p['re_form_s']:.2f}, restore {p['restore_s']:.2f}, first step {p['first_step_s']:.2f}); "
+                f"{kept} of {len(e['pids'])} survivor(s) kept their process")
         say(f"   bytes: kept {b['kept']}, within hosts {b['intra_host']}, between hosts {b['inter_host']} "
             f"(lower bound {b['inter_host_lower_bound']})")
         if e.get("durable"):
@@ -317,7 +356,7 @@ def plot(summary: dict, history: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     h = history
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, (ax, bars) = plt.subplots(2, 1, figsize=(9, 6.5), gridspec_kw={"height_ratios": [3, 1.4]})
     ref = sorted(h["reference"].items())
     ax.plot([s for s, _ in ref], [v for _, v in ref], color="black", lw=2.5, alpha=0.35,
             label="reference (uninterrupted)")
@@ -339,6 +378,31 @@ def plot(summary: dict, history: dict, path: Path) -> None:
     ax.set_title(f"tenplex demo --elastic: {'OK' if summary['ok'] else 'FAILED'}, max rel diff "
                  f"{summary['checks']['loss_max_rel_diff']:.1e}")
     ax.legend(loc="lower left")
+    _plot_pauses(bars, summary)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+PAUSE_PARTS = (("detect_s", "detect", "tab:red"), ("agree_s", "agree + save", "tab:orange"),
+               ("re_form_s", "re-form", "tab:blue"), ("restore_s", "restore", "tab:green"),
+               ("first_step_s", "first step", "tab:gray"))
+
+
+def _plot_pauses(ax, summary: dict) -> None:
+    """Each event's pause as a bar of its parts (seconds), labelled with the survivors whose pid was kept."""
+    rows = [e for e in summary["events"] if e.get("pause")]
+    for y, e in enumerate(rows):
+        left = 0.0
+        for key, label, color in PAUSE_PARTS:
+            width = max(0.0, e["pause"][key])
+            ax.barh(y, width, left=left, color=color, label=label if y == 0 else None)
+            left += width
+        kept = sum(v["before"] == v["after"] for v in e["pids"].values())
+        ax.text(left, y, f" {e['pause_s']:.2f} s, {kept}/{len(e['pids'])} pids kept", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [f"{e['kind']} {e['host']}" for e in rows])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.3 * max((e["pause_s"] for e in rows), default=1.0))  # room for the labels
+    ax.set_xlabel(f"pause (s): last step of the old world to the first of the new ({summary.get('mode', '?')})")
+    if rows:
+        ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=7, ncol=5, frameon=False)

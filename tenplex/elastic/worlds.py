@@ -37,9 +37,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..errors import ConfigError
 from . import faults, leftovers
@@ -70,7 +71,17 @@ def membership_from_environment(timeout: float, backend: str) -> Membership | No
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
     return Membership(endpoint, os.environ.get(JOB_ENV, "default"), os.environ.get("TENPLEX_HOST", "h0"),
                       int(os.environ.get("LOCAL_RANK", "0")), min_workers=int(os.environ.get(MIN_WORKERS_ENV, "1")),
-                      timeout=timeout, dead_after=float(os.environ.get(DEAD_AFTER_ENV, "2.0")), backend=backend)
+                      timeout=timeout, dead_after=float(os.environ.get(DEAD_AFTER_ENV, "2.0")), backend=backend,
+                      siblings=_node_incarnation())
+
+
+def _node_incarnation() -> tuple[str, int] | None:
+    """(this node's agent and its start of the workers, how many it started): the workers of one start."""
+    agent, size = os.environ.get("TENPLEX_AGENT_PID"), os.environ.get("LOCAL_WORLD_SIZE")
+    if agent is None or size is None:
+        return None
+    host, restart = os.environ.get("TENPLEX_HOST", "h0"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"{host}/{agent}/{restart}", int(size)
 
 
 @dataclass
@@ -91,6 +102,7 @@ class World:
     active: bool = True
     ended: str | None = None
     pause: dict = field(default_factory=dict)
+    on_device_fault: Callable[[], None] | None = None  # in place: tell the others at once that this worker leaves
 
     def end(self, why: str) -> None:
         self.active, self.ended = False, why
@@ -103,7 +115,10 @@ class World:
         process. Device faults and crashes propagate (the agent excludes the device, or restarts the worker)."""
         if error is None or not isinstance(error, Exception) or self.generation == 0:
             return False
-        if faults.classify(error) != faults.PEER:
+        kind = faults.classify(error)
+        if kind == faults.DEVICE and self.on_device_fault is not None:
+            self.on_device_fault()  # the process ends (its agent drops the device); the others go on without it
+        if kind != faults.PEER:
             return False
         log.warning("world %d: a peer is gone (%s: %s); on to the next world", self.generation,
                     type(error).__name__, error)
@@ -114,6 +129,24 @@ class World:
 def generation_world(generation: Generation | None, rank: int, world_size: int, config) -> World:
     return World(generation.number if generation else 0, rank, world_size, config,
                  generation.reasons if generation else ())
+
+
+def forget_dtensor_caches() -> None:
+    """Clear DTensor's caches of sharding decisions. They are keyed by specs whose meshes compare by their layout,
+    not by their process groups: the next world's mesh equals an earlier one's, and a cached result would hand
+    the model a mesh of destroyed groups (measured, torch 2.13: "Could not resolve the process group registered
+    under the name 8" in the next world's first collective). Demo-owned hunk (issue 36 item 8)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # no DTensor was ever made: nothing cached
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:
+        native()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached):
+        cached.cache_clear()
 
 
 class InPlaceWorlds:
@@ -132,6 +165,7 @@ class InPlaceWorlds:
         _step_s: float
         restored: Any
         metrics: Any
+        _terminated_at: float | None
         step: int
         world_size: int
 
@@ -157,10 +191,18 @@ class InPlaceWorlds:
         self._looping = True
         while True:
             world = self.world
+            if self._membership is not None:
+                world.on_device_fault = self._membership.mark_leaving
             yield world
             if world.active or self._membership is None:
                 return
             self._next_world()
+
+    @property
+    def change_pending(self) -> bool:
+        """Whether this world will end at the next step boundary as far as this rank knows (SIGTERM, or in place
+        a join, leave or loss the membership saw): a script that waits between steps should go on to it."""
+        return self._terminated_at is not None or bool(self._in_place and self._membership.wanted)  # type: ignore
 
     def _end_world(self, why: str) -> None:
         job_log.info("world %d ends at step %d: %s", self.world.generation, self.step, why)
@@ -186,6 +228,7 @@ class InPlaceWorlds:
         self._save_s = self._step_s = 0.0
         leftovers.forget_world()  # DTensor's caches would hand the old meshes' shapes to the new ones
         m.leave_group()
+        forget_dtensor_caches()
         generation = m.join()
         self._enter_world(generation)
         self.world.pause = {"reasons": list(generation.reasons), "ended": old.ended, "pid": os.getpid(),

@@ -44,13 +44,16 @@ def canonical_sends(docs, writers: dict[tuple[str, str, Box], int]) -> list[tupl
 
 
 def canonical_buffers(pieces: list[Piece], docs, writers: dict[tuple[str, str, Box], int], rank: int,
-                      group=None) -> dict[tuple[str, Box], Piece]:
+                      group=None, sends: list[tuple[int, str, Box]] | None = None) -> dict[tuple[str, Box], Piece]:
     """The pieces this rank writes in place of its own buffers' (the canonical values). Collective: one
-    broadcast of the concatenated bytes per source rank."""
+    broadcast of the concatenated bytes per source rank. ``sends``: :func:`canonical_sends`, when known."""
+    sends = canonical_sends(docs, writers) if sends is None else sends
+    if not sends:
+        return {}
     mine = {(p.name, p.box): p for p in pieces}
     host = docs[rank]["host"]
     by_src: dict[int, list[tuple[str, Box]]] = {}
-    for src, name, box in canonical_sends(docs, writers):
+    for src, name, box in sends:
         by_src.setdefault(src, []).append((name, box))
     device = collective_device(group)
     replaced: dict[tuple[str, Box], Piece] = {}

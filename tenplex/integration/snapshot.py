@@ -2,7 +2,7 @@
 
 May import: ``tenplex.box``, ``tenplex.store``, ``tenplex.replication``, ``tenplex.layout``, ``tenplex.errors``,
 ``tenplex.integration`` (pieces, layouts, canonical, snapshot_buffers, exchange, jobstore, nontensor, rollforward,
-savedoc, snapshot_round, versions), torch,
+savedoc, snapshot_pieces, snapshot_round, versions), torch,
 torch.distributed and the standard library.
 
 A snapshot is a version like any other: the same parts, manifest and commit
@@ -64,10 +64,10 @@ from ..store import CorruptShard
 from ..store.contract import LinkingWriter
 from .exchange import agree, all_gather_json
 from .jobstore import JobKeyValue
-from .layouts import state_pieces
 from .pieces import Piece
 from .rollforward import PARTS_DOC, parts_doc
 from .savedoc import SaveRound, state_doc
+from .snapshot_pieces import PiecesCache
 from .snapshot_round import RoundCache
 from .shardio import _as_storage
 from .canonical import canonical_buffers
@@ -80,14 +80,13 @@ _COPY_TRIES, _COPY_RETRY_S = 20, 0.25  # a snapshot's copy is retried for ~5 s: 
 
 
 def _fingerprint(piece: Piece) -> tuple | None:
-    """What must stay the same for a piece to count as unchanged: the storage it lives in and the in-place
+    """What must stay the same for a piece to count as unchanged: the memory it lives in and the in-place
     version counters (a change through ``.data`` bumps no counter and is not seen: optimizers change parameters
     in place, torch's own under ``no_grad``, which counts). None: not tracked (never skipped)."""
     if piece.version is None:
         return None
     local = piece.local
-    return (str(local.device), local.untyped_storage().data_ptr(), local.storage_offset(), str(local.dtype),
-            piece.version)
+    return local.device, local.data_ptr(), local.dtype, piece.version
 
 
 class SnapshotError(TenplexError, RuntimeError):
@@ -130,6 +129,7 @@ class Snapshotter:
         self.inflight: _InFlight | None = None
         self._kv = JobKeyValue()
         self.rounds = RoundCache(ckpt)
+        self.pieces = PiecesCache()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # snapshots for the writer thread; None: stop
         self._writer: threading.Thread | None = None
         self._unchanged_base: tuple[int, dict[tuple[str, Box], tuple]] | None = None  # newest committed, its pieces
@@ -139,6 +139,7 @@ class Snapshotter:
         self._copy_wanted = threading.Condition()
         self._copier: threading.Thread | None = None
         self._closed = False
+        self._gc_due = False  # a commit at the boundary left retention to the writer thread
         self.stats: dict[str, Any] = {"snapshots": 0, "committed": 0, "failed": 0, "blocking_s": 0.0,
                                       "waited_s": 0.0, "last_blocking_s": 0.0, "write_s": 0.0, "last_write_s": 0.0,
                                       "last_commit_s": None, "staging_bytes": 0, "linked_bytes": 0, "late_commits": 0,
@@ -153,12 +154,14 @@ class Snapshotter:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         previous = self._stop_background()
         waited = time.monotonic() - begin
-        pieces = [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
-        docs = self.rounds.exchange(pieces, rank, rng, model, optimizer, previous=previous, nonce=uuid.uuid4().hex)
-        self._settle(docs)
+        pieces = self.pieces.pieces(model, optimizer, annotations)
+        docs = self.rounds.exchange(pieces, rank, rng, model, optimizer, pieces_key=self.pieces.generation,
+                                    previous=previous, nonce=uuid.uuid4().hex)
+        self._settle(docs, gc=False)  # a late commit's retention runs in the writer thread, before this write
         round_ = self.rounds.round(docs)  # the same on every rank: a mismatch raises everywhere
         writers = round_.writers
-        canonical = canonical_buffers(pieces, docs, writers, rank, group)  # replicas may differ: see .canonical
+        canonical = canonical_buffers(pieces, docs, writers, rank, group,  # replicas may differ: see .canonical
+                                      self.rounds.canonical_sends(round_))
         version = round_.next_version([d["previous"]["version"] for d in docs if d["previous"]])
         leader = round_.leader
         replicas = ckpt.replica_count(round_)
@@ -215,7 +218,7 @@ class Snapshotter:
         job.done.wait()
         return {"version": job.version, "error": job.error, "committed": job.committed, "leader": job.leader}
 
-    def _settle(self, docs: list[dict]) -> None:
+    def _settle(self, docs: list[dict], gc: bool = True) -> None:
         job, self.inflight = self.inflight, None
         reports = [d["previous"] for d in docs if d["previous"]]
         if job is None or not reports:
@@ -227,7 +230,7 @@ class Snapshotter:
             # Some host did not see the decision in time (or there is no key-value store): commit it now.
             def commit():
                 if job.leader and not job.committed:
-                    self._commit(job)
+                    self._commit(job, gc=gc)
             try:
                 agree(f"snapshot of step {job.step} (committing version {job.version})", commit, self.ckpt.group)
                 self.stats["late_commits"] += 1
@@ -279,6 +282,9 @@ class Snapshotter:
         ckpt, store = self.ckpt, self.ckpt.store
         begin = time.monotonic()
         try:
+            if self._gc_due:  # the previous snapshot was committed at the boundary, its retention left to here
+                self._gc_due = False
+                store.gc(ckpt.keep)
             if leader_docs is not None:
                 job.layout = leader_docs.layout()
                 documents[STORES_DOC] = stores_doc(job.version, {h: job.addresses.get(h) for h in leader_docs.ring},
@@ -343,12 +349,15 @@ class Snapshotter:
                 return
             time.sleep(_POLL_S)
 
-    def _commit(self, job: _InFlight) -> None:
+    def _commit(self, job: _InFlight, gc: bool = True) -> None:
         store = self.ckpt.store
         store.commit(job.version, parts=job.parts)
         job.committed = True
         job.commit_s = time.monotonic() - job.called_at
-        store.gc(self.ckpt.keep)  # retention, off the training thread (unless the boundary had to commit)
+        if gc:  # retention, off the training thread: a boundary that had to commit leaves it to the next write
+            store.gc(self.ckpt.keep)
+        else:
+            self._gc_due = True
         self._queue_copy(job)
         if self.ckpt.durable is not None:  # the durable tier flushes snapshots like saves (its own policy)
             self.ckpt.durable.saved()

@@ -229,8 +229,21 @@ class Trainer:
         inputs = torch.zeros(micro, self.cfg.seq, dtype=torch.long, device=self.device) if first else hidden
         outputs = torch.zeros(micro, self.cfg.seq, self.cfg.vocab, device=self.device) if last else hidden
         pipe = PipelineStage(self.model, stage, self.par.pp, self.device, input_args=inputs, output_args=outputs,
-                             group=self.mesh.get_group("pp"))
+                             group=self._pipeline_group())
         return ScheduleGPipe(pipe, n_microbatches=self.par.microbatches, loss_fn=loss_fn)
+
+    def _pipeline_group(self):
+        """This rank's pipeline group, a plain ``new_group`` (every rank creates each one, in the same order): a
+        ``PipelineStage`` given the DeviceMesh's pp group keeps references to it after the stage is freed (torch
+        2.13, measured), so its connections stay open after the world ends, and a peer of a world in place that
+        waits in a pipeline receive from this rank would wait forever."""
+        grid, mine = self.mesh.mesh, None  # (pp, dp, tp) global ranks
+        for d in range(self.par.dp):
+            for t in range(self.par.tp):
+                ranks = grid[:, d, t].tolist()
+                group = dist.new_group(ranks)
+                mine = group if dist.get_rank() in ranks else mine
+        return mine
 
     def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = batch(self.cfg, step, self.global_batch)

@@ -1,0 +1,154 @@
+"""What keeps a snapshot's fixed cost down must not keep a stale view of the state (issue 40 item 2).
+
+The pieces are cached while the state's structure is the same (:mod:`tenplex.integration.snapshot_pieces`): a
+replaced parameter, a swapped ``.data``, a new optimizer state or a new parameter group are seen at once. Staging
+copies run through views made once per piece (:mod:`tenplex.integration.snapshot_buffers`): they follow the
+memory when it changes and copy every dtype bit for bit. The snapshot's all-gather sends unchanged RNG streams as a
+word and grows its agreed capacity when a document is longer (:mod:`tenplex.integration.snapshot_round`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tenplex.integration.layouts import state_pieces
+from tenplex.integration.snapshot_buffers import SnapshotBuffers
+from tenplex.integration.snapshot_pieces import PiecesCache
+
+
+def model_and_optimizer():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    return model, torch.optim.Adam(model[0].parameters(), lr=0.1)  # the LayerNorm's join later
+
+
+def step(model, optimizer):
+    model(torch.randn(2, 4)).square().sum().backward()
+    optimizer.step()
+
+
+def described(pieces):
+    return [(p.name, p.box, p.local_box, p.spec, p.version, p.local.data_ptr()) for p in pieces]
+
+
+def fresh(model, optimizer):
+    return [p for p in state_pieces(model, optimizer, None) if not p.box.is_empty()]
+
+
+def test_cached_pieces_are_the_fresh_ones_and_follow_every_change_of_structure():
+    model, optimizer = model_and_optimizer()
+    cache = PiecesCache()
+    assert described(cache.pieces(model, optimizer, None)) == described(fresh(model, optimizer))
+    assert not any(p.name.startswith("optim.") for p in cache.pieces(model, optimizer, None))
+    step(model, optimizer)  # Adam's moments appear: a new structure
+    assert described(cache.pieces(model, optimizer, None)) == described(fresh(model, optimizer))
+    generation = cache.generation
+    step(model, optimizer)  # values and version counters change, nothing else: the cache answers
+    assert described(cache.pieces(model, optimizer, None)) == described(fresh(model, optimizer))
+    assert cache.generation is generation and generation is not None
+    with torch.no_grad():
+        model[0].weight.data = torch.zeros(3, 4)  # same shape, other memory
+    assert described(cache.pieces(model, optimizer, None)) == described(fresh(model, optimizer))
+    assert cache.generation is not generation
+    model[0].bias = optimizer.param_groups[0]["params"][1] = torch.nn.Parameter(torch.ones(3))  # replaced
+    got = cache.pieces(model, optimizer, None)
+    assert described(got) == described(fresh(model, optimizer))
+    assert any(p.name == "0.bias" and p.local is model[0].bias for p in got)
+    optimizer.add_param_group({"params": list(model[1].parameters())})  # a new group, and its moments
+    step(model, optimizer)
+    got = cache.pieces(model, optimizer, None)
+    assert described(got) == described(fresh(model, optimizer))
+    assert any(p.name.startswith("optim.") and p.name.endswith("1.weight") for p in got)
+
+
+def test_annotations_equal_by_value_keep_the_cache_and_a_new_one_rebuilds_it():
+    from tenplex.integration.annotate import Annotation
+
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer)
+    cache = PiecesCache()
+
+    def annotated(offset):  # made anew at every call, as a model's annotations() method would
+        return {"0.weight": Annotation((3, 8), (0, offset))}
+    first = cache.pieces(model, optimizer, annotated(4))
+    generation = cache.generation
+    assert described(cache.pieces(model, optimizer, annotated(4))) == described(first)
+    assert cache.generation is generation
+    moved = cache.pieces(model, optimizer, annotated(0))
+    assert cache.generation is not generation
+    assert described(moved) == described([p for p in state_pieces(model, optimizer, annotated(0))
+                                          if not p.box.is_empty()])
+    assert {p.box for p in moved if p.name == "0.weight"} != {p.box for p in first if p.name == "0.weight"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool,
+                                   torch.float8_e4m3fn, torch.complex64])
+def test_staging_copies_every_dtype_bit_for_bit_and_follows_new_memory(dtype):
+    from tenplex.box import Box
+    from tenplex.integration.pieces import Piece
+    from tenplex.layout import TensorSpec
+
+    def piece(tensor):  # columns 2..6 of rows 0..5: a strided region of the local tensor
+        return Piece("t", TensorSpec((6, 5), str(dtype)), Box((0, 0), (6, 5)), Box((0, 2), (6, 5)), tensor)
+
+    def values(seed):
+        g = torch.Generator().manual_seed(seed)
+        raw = torch.randint(0, 256, (6, 8 * dtype.itemsize), generator=g).to(torch.uint8)
+        return (raw % 2 if dtype == torch.bool else raw).view(dtype)
+
+    buffers = SnapshotBuffers()
+    tensor = values(1)
+    for round_ in range(3):
+        buffers.stage([piece(tensor)])
+        (_, _, staged), = buffers.buffers()
+        assert torch.equal(staged.view(torch.uint8), tensor[:, 2:7].contiguous().view(torch.uint8))
+        if round_ == 0:
+            tensor.view(torch.uint8).bitwise_xor_(1)  # new values, same memory
+        else:
+            tensor = values(round_).clone()  # other memory: the views are made again
+
+
+def test_the_gather_sends_unchanged_rng_streams_as_a_word_and_grows_its_capacity(tmp_path, monkeypatch):
+    import tenplex
+    from tenplex.integration import snapshot_round
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model, optimizer = model_and_optimizer()
+        step(model, optimizer)
+        ckpt = tenplex.Checkpointer(store_root=tmp_path, host="h0", device="h0/0", replicas=0)
+        rounds = snapshot_round.RoundCache(ckpt)
+        sent: list[dict] = []
+        gather = rounds._gather
+
+        def spy(doc):
+            sent.append(dict(doc))
+            return gather(doc)
+        monkeypatch.setattr(rounds, "_gather", spy)
+        pieces = fresh(model, optimizer)
+        first = rounds.exchange(pieces, 0, True, model, optimizer)[0]
+        capacity = rounds._capacity
+        assert "static" in sent[0] and capacity >= len(json.dumps(sent[0], separators=(",", ":")).encode())
+        second = rounds.exchange(pieces, 0, True, model, optimizer, big="x" * (4 * capacity))[0]
+        assert sent[1]["rng"] == snapshot_round._UNCHANGED and "static" not in sent[1]
+        assert second["rng"] == first["rng"] and second["big"] == "x" * (4 * capacity)  # a second round
+        assert rounds._capacity > capacity
+        torch.rand(1)  # the torch stream moves on: sent in full again
+        third = rounds.exchange(pieces, 0, True, model, optimizer)[0]
+        assert sent[2]["rng"] != snapshot_round._UNCHANGED and third["rng"] != first["rng"]
+        assert third["tensors"] == first["tensors"]  # the static part, from what this rank sent first
+        ckpt.close()
+    finally:
+        dist.destroy_process_group()
+        os.environ.pop("MASTER_PORT", None)
