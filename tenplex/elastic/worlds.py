@@ -1,7 +1,7 @@
 """Worlds in place: a :class:`~tenplex.elastic.job.Job` that lives through several worlds in one process.
 
-May import: ``tenplex.elastic`` (protocol, reform, faults), ``tenplex.errors``, ``tenplex.integration.memory``,
-torch.distributed and the standard library.
+May import: ``tenplex.elastic`` (protocol, reform, faults, leftovers), ``tenplex.errors``,
+``tenplex.integration.memory``, torch.distributed and the standard library.
 
 :class:`InPlaceWorlds` is the in-place half of :class:`~tenplex.elastic.job.Job` (which inherits it):
 :meth:`~InPlaceWorlds.worlds`, ending a world at a step boundary, entering the next generation's, and the record
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from ..errors import ConfigError
-from . import faults
+from . import faults, leftovers
 from .protocol import Event, Generation, State
 from .reform import Membership
 
@@ -216,6 +216,7 @@ class InPlaceWorlds:
         # The save schedule follows from numbers every rank must share; a joiner has no history: start afresh.
         self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
         self._save_s = self._step_s = 0.0
+        leftovers.forget_world()  # DTensor's caches would hand the old meshes' shapes to the new ones
         m.leave_group()
         forget_dtensor_caches()
         generation = m.join()
