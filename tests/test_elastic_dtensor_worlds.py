@@ -1,6 +1,6 @@
 """A model under DTensor (the example GPT at tp=2) rebuilt in a second world in the same process, as a survivor in
 place does: DTensor caches sharding decisions by meshes that compare by layout, not by process group, so without
-:func:`tenplex.elastic.worlds.forget_dtensor_caches` the second world's model gets the first world's (destroyed)
+:func:`tenplex.elastic.leftovers.forget_world` the second world's model gets the first world's (destroyed)
 groups. Four real gloo ranks on loopback; the same run without the call must fail (the test would catch a torch
 that no longer caches so, or a call that no longer clears)."""
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
@@ -121,24 +120,6 @@ def generation_world(generation: Generation | None, rank: int, world_size: int, 
                  generation.reasons if generation else ())
 
 
-def forget_dtensor_caches() -> None:
-    """Clear DTensor's caches of sharding decisions. They are keyed by specs whose meshes compare by their layout,
-    not by their process groups: the next world's mesh equals an earlier one's, and a cached result would hand
-    the model a mesh of destroyed groups (measured, torch 2.13: "Could not resolve the process group registered
-    under the name 8" in the next world's first collective). Demo-owned hunk (issue 36 item 8)."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return  # no DTensor was ever made: nothing cached
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if native is not None:
-        native()
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    for cached in (propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached):
-        cached.cache_clear()
-
-
 class InPlaceWorlds:
     """The worlds of a :class:`~tenplex.elastic.job.Job` in one process (``tenplex run --in-place``): the loop
     over them, a world's end at a step boundary, the next generation's world, and each change's pause. The job
@@ -218,7 +199,6 @@ class InPlaceWorlds:
         self._save_s = self._step_s = 0.0
         leftovers.forget_world()  # DTensor's caches would hand the old meshes' shapes to the new ones
         m.leave_group()
-        forget_dtensor_caches()
         generation = m.join()
         self._enter_world(generation)
         self.world.pause = {"reasons": list(generation.reasons), "ended": old.ended, "pid": os.getpid(),

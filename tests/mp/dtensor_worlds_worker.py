@@ -13,7 +13,7 @@ import sys
 
 import torch.distributed as dist
 
-from tenplex.elastic.worlds import forget_dtensor_caches
+from tenplex.elastic.leftovers import forget_world
 from tenplex.integration.process_group import leave_process_group
 from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
@@ -34,7 +34,7 @@ def main() -> None:
     store = dist.TCPStore("127.0.0.1", port, 4, rank == 0, timeout=datetime.timedelta(seconds=120))
     world(store, rank, 1, 0)
     if mode == "forget":
-        forget_dtensor_caches()  # what Job does between worlds in place
+        forget_world()  # what Job does between worlds in place
     try:
         world(store, rank, 2, 3)
         print("ok", flush=True)
