@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 # The slowest files, slowest first: their wall time in a two-worker run of the whole suite (2026-12-05, 2 cores,
-# `pytest -n 2 --dist loadfile --durations=80`, load 15-20). A file missing here just runs in its usual place.
+# `pytest -n 2 --dist loadfile --durations=80`, load 15-20; files added later by their authors' timings). A file
+# missing here just runs in its usual place.
 SLOW_FIRST = (
     "test_bench_goodput.py",
     "test_snapshot.py",
@@ -21,6 +22,8 @@ SLOW_FIRST = (
     "test_elastic_ddp_defaults.py",
     "test_elastic_torchrun.py",
     "test_elastic_gpufail.py",
+    "test_elastic_dtensor_worlds.py",
+    "test_elastic_inplace_faults.py",
     "test_examples_llama_ddp.py",
     "test_elastic_partition.py",
     "test_elastic_sigterm.py",
@@ -34,6 +37,9 @@ SLOW_FIRST = (
     "test_examples_gpt_train.py",
     "test_process_group.py",
     "test_snapshot_lost_host.py",
+    "test_elastic_join_batch.py",
+    "test_elastic_inplace_memory.py",
+    "test_elastic_inplace_tp.py",
     "test_share_planner.py",
     "test_integration_gpt.py",
     "test_ops_metrics.py",
