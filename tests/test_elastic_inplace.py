@@ -10,30 +10,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import torch
 
-from tenplex.elastic import rendezvous
-from tenplex.elastic.launcher import stop_store
+from inplace_nodes import InPlaceNodes, lines, wait_for
 
 WORKER = Path(__file__).parent / "mp" / "inplace_worker.py"
-
-
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _wait(path: Path, predicate, procs, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not any(predicate(d) for d in _lines(path)):
-        assert time.monotonic() < deadline, f"timed out waiting in {path}"
-        assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
-        time.sleep(0.05)
 
 
 def _reference(steps: int) -> dict[str, torch.Tensor]:
@@ -49,62 +32,40 @@ def _reference(steps: int) -> dict[str, torch.Tensor]:
 
 
 def test_a_lost_node_a_warm_join_and_a_leave_change_the_world_and_the_survivor_keeps_its_process(tmp_path):
-    stop, ports = threading.Event(), []
-    server = threading.Thread(target=rendezvous.serve, kwargs={"stop": stop, "ready": ports.append}, daemon=True)
-    server.start()
-    while not ports:
-        server.join(0.05)
-    # a busy machine can starve a heartbeat for a second or two: a dead node is noticed after 5 s still here
-    env = dict(os.environ, OMP_NUM_THREADS="1", TENPLEX_DEAD_AFTER="5")
-    procs: list[subprocess.Popen] = []
-
-    def node(host: str, out: Path) -> subprocess.Popen:
-        out.mkdir()
-        log = open(tmp_path / f"{out.name}.log", "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tenplex.cli", "run", "--in-place", "--host", host, "--store-root",
-             str(tmp_path / host), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
-             f"127.0.0.1:{ports[0]}", "--rdzv-id", f"inplace-{os.getpid()}", str(WORKER), str(out)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))  # a node: its own group
-        return procs[-1]
-
+    nodes = InPlaceNodes(tmp_path, f"inplace-{os.getpid()}", WORKER)
+    procs, node = nodes.procs, nodes.node
     w0 = tmp_path / "h0" / "w0.jsonl"
     try:
         survivor, lost = node("h0", tmp_path / "h0-out"), node("h1", tmp_path / "h1-out")
         w0 = tmp_path / "h0-out" / "w0.jsonl"
-        _wait(w0, lambda d: d.get("step", 0) >= 3, procs)
+        wait_for(w0, lambda d: d.get("step", 0) >= 3, procs)
         os.killpg(lost.pid, signal.SIGKILL)                        # the node dies: agent, worker
-        _wait(w0, lambda d: d.get("generation") == 2, [survivor])
+        wait_for(w0, lambda d: d.get("generation") == 2, [survivor])
         hold = tmp_path / "h0-out" / "hold-snapshots"
         hold.touch()                                               # the join finds a snapshot in flight
         joiner = node("h1", tmp_path / "h1-again")                 # a replacement, warm before the world changes
-        _wait(w0, lambda d: d.get("generation") == 3 and "step" in d, [survivor, joiner])
+        wait_for(w0, lambda d: d.get("generation") == 3 and "step" in d, [survivor, joiner])
         hold.unlink()
         joiner.send_signal(signal.SIGTERM)                         # a planned leave
         assert joiner.wait(timeout=120) == 0
-        _wait(w0, lambda d: d.get("generation") == 4 and "step" in d, [survivor])
-        steps = max(d["step"] for d in _lines(w0) if "step" in d) + 3
+        wait_for(w0, lambda d: d.get("generation") == 4 and "step" in d, [survivor])
+        steps = max(d["step"] for d in lines(w0) if "step" in d) + 3
         (tmp_path / "h0-out" / "steps").write_text(str(steps))    # a world of one rank reads it: the end
         assert survivor.wait(timeout=120) == 0, (tmp_path / "h0-out.log").read_text()[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        stop.set()
-        for host in ("h0", "h1"):
-            stop_store(tmp_path / host)
-    worlds = [d for d in _lines(w0) if "pid" in d]
+        nodes.close()
+    worlds = [d for d in lines(w0) if "pid" in d]
     assert [(d["generation"], d["size"], d["reasons"]) for d in worlds] == [
         (1, 2, ["start"]), (2, 1, ["lost"]), (3, 2, ["join"]), (4, 1, ["leave"])]
     pid = worlds[0]["pid"]
     assert {d["pid"] for d in worlds} == {pid}                      # one process through four worlds
-    done = [d for d in _lines(w0) if "step" in d]
+    done = [d for d in lines(w0) if "step" in d]
     last = {g: max(d["step"] for d in done if d["generation"] == g) for g in (1, 2, 3)}
     assert last[1] - 1 <= worlds[1]["restored"] <= last[1]          # a kill loses at most the step in flight
     assert worlds[2]["restored"] == last[2] and worlds[3]["restored"] == last[3]  # a planned change loses none
     # the join came while the snapshot of the step before was still being written: the stopping save settled it
-    assert any(d.get("snapshot_written") == last[2] - 1 and d["released_by_save"] for d in _lines(w0))
-    assert [d["generation"] for d in _lines(tmp_path / "h1-again" / "w0.jsonl") if "pid" in d] == [3]
+    assert any(d.get("snapshot_written") == last[2] - 1 and d["released_by_save"] for d in lines(w0))
+    assert [d["generation"] for d in lines(tmp_path / "h1-again" / "w0.jsonl") if "pid" in d] == [3]
     final = json.loads((tmp_path / "h0-out" / f"final-{pid}.json").read_text())
     assert final["step"] == steps
     for name, value in _reference(steps).items():
@@ -127,7 +88,7 @@ def test_a_lost_node_a_warm_join_and_a_leave_change_the_world_and_the_survivor_k
     assert by_source[0] in (kept, read) and by_source[1:] == [kept, kept]
     if by_source[0] == kept:  # the survivor's tensors held its last finished step: that step was restored
         assert worlds[1]["restored"] == last[1]
-    joined = [d for d in _lines(tmp_path / "h1-again" / "w0.jsonl") if "pid" in d]
+    joined = [d for d in lines(tmp_path / "h1-again" / "w0.jsonl") if "pid" in d]
     assert joined[0]["bytes"] == {"memory": 0, "this_host": 0, "other_hosts": state}
     memory = sum(p["bytes"]["memory"] for p in pauses)
     assert f'tenplex_job_restore_bytes_total{{source="memory"}} {float(memory)}' in final["metrics"]

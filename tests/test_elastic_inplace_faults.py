@@ -10,64 +10,41 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import torch
 
-from tenplex.elastic import rendezvous
-from tenplex.elastic.launcher import stop_store
-
-from test_elastic_inplace import WORKER, _lines, _reference, _wait
+from inplace_nodes import InPlaceNodes, lines, wait_for
+from test_elastic_inplace import WORKER, _reference
 
 
 def test_a_crash_restarts_the_worker_alone_and_a_second_failure_during_the_change_leads_to_one_more(tmp_path):
-    stop, ports = threading.Event(), []
-    server = threading.Thread(target=rendezvous.serve, kwargs={"stop": stop, "ready": ports.append}, daemon=True)
-    server.start()
-    while not ports:
-        server.join(0.05)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TENPLEX_DEAD_AFTER="5")
-    procs: list[subprocess.Popen] = []
+    nodes = InPlaceNodes(tmp_path, f"faults-{os.getpid()}", WORKER)
+    procs = nodes.procs
 
     def node(host: str, *options: str) -> subprocess.Popen:
-        out = tmp_path / f"{host}-out"
-        out.mkdir()
-        log = open(tmp_path / f"{host}.log", "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tenplex.cli", "run", "--in-place", "--host", host, "--store-root",
-             str(tmp_path / host), "--nnodes", "2", "--nproc-per-node", "1", *options, "--rdzv-endpoint",
-             f"127.0.0.1:{ports[0]}", "--rdzv-id", f"faults-{os.getpid()}", str(WORKER), str(out)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        return procs[-1]
+        return nodes.node(host, tmp_path / f"{host}-out", *options)
 
     w0, w1 = tmp_path / "h0-out" / "w0.jsonl", tmp_path / "h1-out" / "w0.jsonl"
     try:
         survivor, crashing = node("h0"), node("h1", "--max-restarts", "1")
-        _wait(w1, lambda d: d.get("generation") == 1 and "step" in d, procs)  # the first world trains
+        wait_for(w1, lambda d: d.get("generation") == 1 and "step" in d, procs)  # the first world trains
         at = tmp_path / "h1-out" / "crash-at.tmp"
-        at.write_text(str(max(d["step"] for d in _lines(w1) if "step" in d) + 2))
+        at.write_text(str(max(d["step"] for d in lines(w1) if "step" in d) + 2))
         at.rename(at.with_name("crash-at"))                                   # h1's worker crashes at that step
-        assert crashing.wait(timeout=240) != 0, (tmp_path / "h1.log").read_text()[-3000:]  # restarts exhausted
-        _wait(w0, lambda d: d.get("size") == 1 and d.get("generation", 0) > _building(w1), [survivor])
-        steps = max(d["step"] for d in _lines(w0) if "step" in d) + 3
+        assert crashing.wait(timeout=240) != 0, nodes.tail(tmp_path / "h1-out")  # restarts exhausted
+        wait_for(w0, lambda d: d.get("size") == 1 and d.get("generation", 0) > _building(w1), [survivor])
+        steps = max(d["step"] for d in lines(w0) if "step" in d) + 3
         (tmp_path / "h0-out" / "steps").write_text(str(steps))
-        assert survivor.wait(timeout=120) == 0, (tmp_path / "h0.log").read_text()[-3000:]
+        assert survivor.wait(timeout=120) == 0, nodes.tail(tmp_path / "h0-out")
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        stop.set()
-        for host in ("h0", "h1"):
-            stop_store(tmp_path / host)
-    first = [d for d in _lines(w1) if "pid" in d and "size" in d]
-    building = [d for d in _lines(w1) if "building" in d]
+        nodes.close()
+    first = [d for d in lines(w1) if "pid" in d and "size" in d]
+    building = [d for d in lines(w1) if "building" in d]
     assert [d["restarts"] for d in first] == [0] and len(building) == 1        # one restart, crashed in its build
     assert building[0]["pid"] != first[0]["pid"]                               # a new process on h1 ...
-    worlds = [d for d in _lines(w0) if "size" in d]
+    worlds = [d for d in lines(w0) if "size" in d]
     assert len({d["pid"] for d in worlds}) == 1 and worlds[0]["restarts"] == 0  # ... h0's went on, never restarted
     g = building[0]["building"]
     assert g not in [d["generation"] for d in worlds]    # h0 never finished restoring in that world: no first step
@@ -82,4 +59,4 @@ def test_a_crash_restarts_the_worker_alone_and_a_second_failure_during_the_chang
 
 def _building(path: Path) -> int:
     """The generation h1's restarted worker was building when it crashed (a large number until then)."""
-    return next((d["building"] for d in _lines(path) if "building" in d), 10**9)
+    return next((d["building"] for d in lines(path) if "building" in d), 10**9)

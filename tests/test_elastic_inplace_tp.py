@@ -12,59 +12,28 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
-from tenplex.elastic import rendezvous
-from tenplex.elastic.launcher import stop_store
+from inplace_nodes import InPlaceNodes, lines, wait_for
 
 WORKER = Path(__file__).parent / "mp" / "inplace_tp_worker.py"
 
 
-def _lines(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def _wait(path: Path, predicate, procs, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not any(predicate(d) for d in _lines(path)):
-        assert time.monotonic() < deadline, f"timed out waiting in {path}"
-        assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
-        time.sleep(0.05)
-
-
 def test_a_dtensor_model_is_rebuilt_with_another_tp_in_the_same_process(tmp_path):
-    stop, ports = threading.Event(), []
-    server = threading.Thread(target=rendezvous.serve, kwargs={"stop": stop, "ready": ports.append}, daemon=True)
-    server.start()
-    while not ports:
-        server.join(0.05)
-    env = dict(os.environ, OMP_NUM_THREADS="1", TENPLEX_DEAD_AFTER="5")
-    procs: list[subprocess.Popen] = []
-
-    def node(host: str, out: Path) -> subprocess.Popen:
-        out.mkdir()
-        log = open(tmp_path / f"{out.name}.log", "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tenplex.cli", "run", "--in-place", "--host", host, "--store-root",
-             str(tmp_path / host), "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
-             f"127.0.0.1:{ports[0]}", "--rdzv-id", f"inplace-tp-{os.getpid()}", str(WORKER), str(out)],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        return procs[-1]
-
+    nodes = InPlaceNodes(tmp_path, f"inplace-tp-{os.getpid()}", WORKER)
+    procs, node, env = nodes.procs, nodes.node, nodes.env
     out = tmp_path / "h0-out"
     w = out / "w.jsonl"
     try:
         survivor, leaver = node("h0", out), node("h1", tmp_path / "h1-out")
-        _wait(w, lambda d: d.get("generation") == 1 and d.get("size") == 2, procs)  # both in one tp=2 world
-        _wait(w, lambda d: d.get("step", 0) >= 2, procs)
+        wait_for(w, lambda d: d.get("generation") == 1 and d.get("size") == 2, procs)  # both in one tp=2 world
+        wait_for(w, lambda d: d.get("step", 0) >= 2, procs)
         leaver.send_signal(signal.SIGTERM)                                       # a planned leave: tp=2 -> tp=1
         assert leaver.wait(timeout=120) == 0, (tmp_path / "h1-out.log").read_text()[-3000:]
-        _wait(w, lambda d: "step" in d and d["generation"] >= 2, [survivor])
+        wait_for(w, lambda d: "step" in d and d["generation"] >= 2, [survivor])
         joiner = node("h1", tmp_path / "h1-again")                               # a warm join: tp=1 -> tp=2
-        _wait(w, lambda d: "step" in d and d["generation"] >= 3, [survivor, joiner])
-        steps = max(d["step"] for d in _lines(w) if "step" in d) + 2
+        wait_for(w, lambda d: "step" in d and d["generation"] >= 3, [survivor, joiner])
+        steps = max(d["step"] for d in lines(w) if "step" in d) + 2
         for o in (out, tmp_path / "h1-again"):
             (o / "steps").write_text(str(steps))
         for p in (survivor, joiner):
@@ -73,16 +42,11 @@ def test_a_dtensor_model_is_rebuilt_with_another_tp_in_the_same_process(tmp_path
                              capture_output=True, text=True, timeout=120)
         assert ref.returncode == 0, ref.stderr[-3000:]
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-        stop.set()
-        for host in ("h0", "h1"):
-            stop_store(tmp_path / host)
-    worlds = [d for d in _lines(w) if "pid" in d]
+        nodes.close()
+    worlds = [d for d in lines(w) if "pid" in d]
     assert [(d["generation"], d["size"], d["tp"]) for d in worlds] == [(1, 2, 2), (2, 1, 1), (3, 2, 2)]
     assert len({d["pid"] for d in worlds}) == 1                          # one process through three worlds
-    done = {d["step"]: d for d in _lines(w) if "step" in d}
+    done = {d["step"]: d for d in lines(w) if "step" in d}
     for before, after in zip(worlds, worlds[1:]):                       # a planned change loses no step
         assert after["restored"] == max(s for s, d in done.items() if d["generation"] == before["generation"])
         assert after["same_as_held"] is True                           # restored bit for bit
