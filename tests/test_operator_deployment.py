@@ -2,7 +2,8 @@
 
 The Deployment's container command and env run in a subprocess as uid 65532, which has no passwd entry here
 (nor in the image); the only stand-ins are the API server's address (a kubeconfig instead of the in-cluster
-service account), the token volume (a directory), and the liveness port (a free one instead of 8080).
+service account), the token volume (a directory), and the liveness and metrics ports (free ones
+instead of 8080 and 9102).
 """
 
 import os
@@ -57,8 +58,13 @@ class Pod:
                 assert item["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}, item
                 value = name
             env[item["name"]] = value
-        self.liveness = _free_port()
+        # Each pod has a network namespace of its own; here they share the machine (and other test processes
+        # run at once): the liveness and metrics ports become free ones, as the stand-in for that namespace.
+        self.liveness, self.metrics = _free_port(), _free_port()
         command = [c.replace(":8080/", f":{self.liveness}/") for c in container["command"]]
+        at = command.index("--metrics-port") + 1
+        assert command[at] == str(container["ports"][0]["containerPort"]), command  # the port the pod declares
+        command[at] = str(self.metrics)
         self.proc = subprocess.Popen(
             [SETPRIV, f"--reuid={UID}", f"--regid={UID}", "--clear-groups", *command], env=env, cwd="/",
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
