@@ -132,18 +132,18 @@ def test_the_gather_sends_unchanged_rng_streams_as_a_word_and_grows_its_capacity
         sent: list[dict] = []
         gather = rounds._gather
 
-        def spy(doc):
+        def spy(doc, group=None):
             sent.append(dict(doc))
-            return gather(doc)
+            return gather(doc, group)
         monkeypatch.setattr(rounds, "_gather", spy)
         pieces = fresh(model, optimizer)
         first = rounds.exchange(pieces, 0, True, model, optimizer)[0]
-        capacity = rounds._capacity
+        capacity = gather.capacity
         assert "static" in sent[0] and capacity >= len(json.dumps(sent[0], separators=(",", ":")).encode())
         second = rounds.exchange(pieces, 0, True, model, optimizer, big="x" * (4 * capacity))[0]
         assert sent[1]["rng"] == snapshot_round._UNCHANGED and "static" not in sent[1]
         assert second["rng"] == first["rng"] and second["big"] == "x" * (4 * capacity)  # a second round
-        assert rounds._capacity > capacity
+        assert gather.capacity > capacity
         torch.rand(1)  # the torch stream moves on: sent in full again
         third = rounds.exchange(pieces, 0, True, model, optimizer)[0]
         assert sent[2]["rng"] != snapshot_round._UNCHANGED and third["rng"] != first["rng"]

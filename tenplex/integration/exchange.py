@@ -52,6 +52,38 @@ def all_gather_json(doc: Any, group=None) -> list[Any]:
     return [_decode(t, n) for t, n in zip(gathered, sizes)]
 
 
+class JsonGather:
+    """:func:`all_gather_json` in one collective when the documents fit, for a caller that gathers documents of
+    similar sizes again and again: every rank sends its document in a buffer of the agreed capacity, its length
+    in front. The capacity is what every rank derives from the last gather's lengths (the longest, rounded up to
+    a power of two), so it is the same on every rank; a longer document (the first time, a new kind) makes every
+    rank send again, padded to the longest."""
+
+    def __init__(self) -> None:
+        self.capacity = 0
+
+    def __call__(self, doc: Any, group=None) -> list[Any]:
+        device = collective_device(group)
+        data = _encode(doc, torch.device("cpu"))
+        world = dist.get_world_size(group)
+        buffer = torch.zeros(8 + self.capacity, dtype=torch.uint8)
+        buffer[:8] = torch.tensor([data.numel()], dtype=torch.int64).view(torch.uint8)
+        if data.numel() <= self.capacity:
+            buffer[8:8 + data.numel()] = data
+        gathered = [torch.empty_like(buffer, device=device) for _ in range(world)]
+        dist.all_gather(gathered, buffer.to(device), group=group)
+        lengths = [int(t[:8].cpu().view(torch.int64).item()) for t in gathered]
+        bodies = [t[8:] for t in gathered]
+        longest = max(lengths)
+        if longest > self.capacity:
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[:data.numel()] = data
+            bodies = [torch.empty_like(padded, device=device) for _ in range(world)]
+            dist.all_gather(bodies, padded.to(device), group=group)
+        self.capacity = 1 << (longest - 1).bit_length()  # room for the next ones, the same on every rank
+        return [_decode(t, n) for t, n in zip(bodies, lengths)]
+
+
 def broadcast_json(doc: Any, src: int = 0, group=None) -> Any:
     """``doc`` of global rank ``src`` on every rank (other ranks' ``doc`` is ignored)."""
     device = collective_device(group)

@@ -1,7 +1,7 @@
 """A snapshot's all-gather, with the documents that stay the same within a world sent once.
 
 May import: ``tenplex.replication`` (which regions one host alone holds), this package's :mod:`.canonical`,
-:mod:`.exchange`, :mod:`.pieces` and :mod:`.savedoc`, torch, torch.distributed and the standard library.
+:mod:`.exchange`, :mod:`.pieces` and :mod:`.savedoc`, and the standard library.
 
 Every snapshot begins with one all-gather of JSON (:mod:`.snapshot`, step 1). Most of a rank's save document
 (:func:`.savedoc.static_doc`: its device, the tensors and boxes it holds, the parameter groups) does not change
@@ -14,25 +14,19 @@ the newest version, the RNG streams (the word ``unchanged`` when they equal the 
 loop without dropout or shuffling leaves them alone), the optimizer scalars and what the caller adds (the
 previous snapshot's outcome).
 
-One collective per snapshot, not two (:func:`all_gather_json` sends the lengths first): every rank sends its
-document in a buffer of the round's capacity, its length in front. The capacity is what every rank derives from
-the last gather's lengths (the longest, rounded up to a power of two), so it is the same on every rank; a
-document longer than it (the first snapshot, a new static document) makes every rank send again, padded to the
-longest.
+One collective per snapshot, not two (:func:`.exchange.all_gather_json` sends the lengths first): the gather is
+an :class:`.exchange.JsonGather`, whose capacity follows the documents; the first snapshot and a new static
+document send again, padded to the longest.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 from ..replication.plan import unique_regions
 from .canonical import canonical_sends
-from .exchange import collective_device
+from .exchange import JsonGather
 from .pieces import Piece
 from .savedoc import SaveRound, static_doc, step_doc
 
@@ -52,7 +46,7 @@ class RoundCache:
         self._round: SaveRound | None = None
         self.changed = True              # the last exchange carried some rank's new static document
         self.spread = False              # every region of the round's layout is on two hosts or more
-        self._capacity = 0               # bytes of a document in one gather (the same on every rank)
+        self._gather = JsonGather()      # one collective per snapshot while the documents fit
         self._rng_sent: dict | None = None  # the RNG streams this rank sent last
         self._peer_rng: dict[int, Any] = {}  # rank -> the RNG streams it sent last
         self._sends: tuple[SaveRound, list] | None = None  # the round's canonical buffer sends
@@ -75,7 +69,7 @@ class RoundCache:
         streams = mine["rng"]
         if streams is not None and streams == self._rng_sent:
             mine["rng"] = _UNCHANGED  # every rank keeps what this rank sent last
-        docs = self._gather(mine)
+        docs = self._gather(mine, self.ckpt.group)
         self._sent, self._rng_sent = True, streams
         self.changed = any("static" in d for d in docs)
         for r, d in enumerate(docs):
@@ -102,28 +96,3 @@ class RoundCache:
         if self._sends is None or self.changed or self._sends[0].writers is not round_.writers:
             self._sends = (round_, canonical_sends(round_.docs, round_.writers))
         return self._sends[1]
-
-    def _gather(self, doc: dict) -> list[dict]:
-        """Every rank's ``doc``: one all-gather of buffers of the agreed capacity, a second one only when some
-        document is longer (see the module docstring). Collective."""
-        group = self.ckpt.group
-        device = collective_device(group)
-        data = json.dumps(doc, separators=(",", ":")).encode()
-        world = dist.get_world_size(group)
-        buffer = torch.zeros(8 + self._capacity, dtype=torch.uint8)
-        buffer[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-        if len(data) <= self._capacity:
-            buffer[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        gathered = [torch.empty_like(buffer, device=device) for _ in range(world)]
-        dist.all_gather(gathered, buffer.to(device), group=group)
-        gathered = [t.cpu() for t in gathered]
-        lengths = [int(t[:8].view(torch.int64).item()) for t in gathered]
-        longest = max(lengths)
-        if longest > self._capacity:
-            padded = torch.zeros(longest, dtype=torch.uint8)
-            padded[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            gathered = [torch.empty_like(padded, device=device) for _ in range(world)]
-            dist.all_gather(gathered, padded.to(device), group=group)
-            gathered = [torch.cat([torch.zeros(8, dtype=torch.uint8), t.cpu()]) for t in gathered]
-        self._capacity = 1 << (longest - 1).bit_length()  # room for the next ones, the same on every rank
-        return [json.loads(bytes(t[8:8 + n].numpy().tobytes())) for t, n in zip(gathered, lengths)]
