@@ -56,6 +56,5 @@ def test_a_killed_process_is_marked_gone_in_the_store_and_a_stray_connection_mar
         assert not store.check(["not/tenplex/key"])
     finally:
         os.killpg(announcer.pid, signal.SIGKILL)  # the forked child too (its own session)
-        del store
         stop.set()
         server.join(timeout=30)

@@ -41,6 +41,7 @@ import dataclasses
 import gc
 import logging
 import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -97,7 +98,7 @@ class Membership:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.wanted: tuple[str, ...] = ()        # the watch thread's flag: why the world should change
-        self._announced = None                   # this process's connection to the close watch (if served)
+        self._announced: socket.socket | None = None  # this process's connection to the close watch, if served
         self.held_back: set[int] = set()         # joiners it saw whose host still starts others (no change yet)
         wid = self._store.add(self.keys.slots, 1) - 1
         if local_world is None:

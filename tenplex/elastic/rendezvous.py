@@ -81,7 +81,7 @@ def serve(bind: str = "127.0.0.1", port: int = 0, port_file: Path | None = None,
     listener.detach()  # the store owns the socket now and closes it itself
     # The watch appends from its own thread, through its own client (a TCPStore client is one connection).
     appender = dist.TCPStore(bind, bound, is_master=False)
-    watch = CloseWatch(appender.append, bind)
+    watch = CloseWatch(appender.append, bind)  # type: ignore[attr-defined]  # in torch, not in its stubs
     store.set(PORT_KEY, str(watch.port))
     if port_file is not None:
         tmp = port_file.with_name(port_file.name + ".tmp")
