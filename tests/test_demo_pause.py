@@ -37,3 +37,10 @@ def test_without_dump_records_the_pause_is_the_whole_window():
     row = _pause("fail", 10.5, [old], new)  # a failure after the last step: the pause starts at the event
     assert row["checks_s"] == 0.0 and row["pause_s"] == pytest.approx(3.5)
     assert row["pause"]["detect_s"] == pytest.approx(0.6) and row["pause"]["agree_s"] == 0.0
+
+
+def test_the_demos_temporary_work_directory_goes_to_memory_where_there_is_some(tmp_path):
+    from tenplex.cli.demo import memory_dir
+
+    assert memory_dir(str(tmp_path)) == str(tmp_path)     # a writable folder (/dev/shm on Linux)
+    assert memory_dir(str(tmp_path / "missing")) is None  # none: the system's temporary folder
