@@ -228,6 +228,20 @@ def test_a_worker_known_gone_is_dead_at_once_whatever_its_heartbeat_and_the_evid
     assert live.dead() == set()
 
 
+def test_a_worker_marked_gone_that_beats_on_is_alive_again_and_only_the_timeout_can_take_it():
+    live = Liveness(timeout=2.0)
+    live.observe(2, 7, now=10.0)
+    live.observe(2, 8, now=10.1)
+    live.gone(2)                             # its connection was reset, but the process lives
+    assert live.dead() == {2}
+    live.observe(2, 9, now=10.2)             # it beat again
+    assert live.dead() == set() and live.alive() == {2} and live.how_dead(2) == "heartbeat"
+    live.gone(2)                             # the same (old) mark read again: no news
+    assert live.dead() == set()
+    live.observe(2, 9, now=12.3)             # then it stood still for the timeout
+    assert live.dead() == {2} and live.how_dead(2) == "heartbeat"
+
+
 def test_a_generation_carries_how_its_lost_members_were_found_dead():
     g = Generation(4, (0, 2), ("lost",), ("h0", "h2"), lost_by=((1, "closed"), (3, "heartbeat")))
     back = Generation.from_json(g.to_json())

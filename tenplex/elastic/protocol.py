@@ -299,12 +299,15 @@ class Liveness:
         self.timeout = timeout
         self._seen: dict[int, tuple[int, float, float]] = {}  # wid -> (counter, when it last advanced, last seen)
         self._first: dict[int, float] = {}                     # wid -> when this observer first read it
-        self._gone: set[int] = set()                           # known dead at once: the process's sockets closed
+        self._gone: dict[int, int] = {}                        # wid -> its counter when its connection closed
 
     def gone(self, wid: int) -> None:
-        """Positive evidence that ``wid``'s process ended (:mod:`tenplex.elastic.closewatch`): dead now, whatever
-        its heartbeat counter says."""
-        self._gone.add(wid)
+        """Evidence that ``wid``'s process ended (:mod:`tenplex.elastic.closewatch`; call it after
+        :meth:`observe` of the same round): dead now, without the timeout, as long as its counter stays where it
+        was. A worker whose connection broke while it lives (a reset on the network) beats on: alive again, and
+        only the timeout can count it dead from then on."""
+        if wid in self._seen:
+            self._gone.setdefault(wid, self._seen[wid][0])
 
     def observe(self, wid: int, counter: int, now: float) -> None:
         last = self._seen.get(wid)
@@ -315,11 +318,13 @@ class Liveness:
             self._seen[wid] = (counter, last[1], now)
 
     def dead(self) -> set[int]:
-        return {w for w, (_, since, seen) in self._seen.items() if seen - since > self.timeout} | self._gone
+        return {w for w, (counter, since, seen) in self._seen.items()
+                if seen - since > self.timeout or self._gone.get(w) == counter}
 
     def how_dead(self, wid: int) -> str:
         """How ``wid`` was found dead: ``closed`` (its process's connection closed), else ``heartbeat``."""
-        return "closed" if wid in self._gone else "heartbeat"
+        counter = self._seen[wid][0] if wid in self._seen else None
+        return "closed" if counter is not None and self._gone.get(wid) == counter else "heartbeat"
 
     def alive(self) -> set[int]:
         """Workers seen heart-beating: their counter advanced since this observer first read it. A worker that
@@ -334,4 +339,4 @@ class Liveness:
     def forget(self, wid: int) -> None:
         self._seen.pop(wid, None)
         self._first.pop(wid, None)
-        self._gone.discard(wid)
+        self._gone.pop(wid, None)

@@ -1,6 +1,7 @@
 """One worker's side of the in-place protocol: register, heart-beat, arrive, propose, re-form the process group.
 
-May import: ``tenplex.elastic.protocol`` (the protocol's logic), ``tenplex.integration.process_group`` (leaving a
+May import: ``tenplex.elastic.protocol`` (the protocol's logic), ``tenplex.elastic.closewatch`` (announcing this
+process to the rendezvous server's close watch), ``tenplex.integration.process_group`` (leaving a
 group), torch.distributed and the standard library.
 
 :class:`Membership` does the I/O that :mod:`tenplex.elastic.protocol` decides,
