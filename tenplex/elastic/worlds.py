@@ -167,7 +167,9 @@ class InPlaceWorlds:
 
     def worlds(self) -> Iterator[World]:
         """The worlds this process trains in (see :mod:`tenplex.elastic.worlds`): one without ``--in-place``;
-        with it, a new one after every change, until the loop's body ends with its world still active."""
+        with it, a new one after every change, until the loop's body ends with its world still active. A world
+        in which the policy leaves this rank idle is not yielded: the rank waits through it here
+        (:meth:`~tenplex.elastic.idle.IdleRanks.wait_idle` without ``--in-place``, which exits)."""
         self._looping = True
         while True:
             if self.idle:  # the policy leaves this rank idle: the loop's body never sees such a world
