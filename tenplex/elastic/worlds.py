@@ -144,7 +144,16 @@ class InPlaceWorlds:
         step: int
         world_size: int
 
+        @property
+        def idle(self) -> bool: ...
+
         def _enter_world(self, generation: Generation | None) -> None: ...
+
+        def wait_idle(self) -> None: ...
+
+        def _idle_through_world(self) -> None: ...
+
+        def _tell_idle(self, word: str) -> None: ...
 
     def _init_worlds(self) -> None:
         """What the worlds carry from one to the next: whether the script loops, the changes' records."""
@@ -162,9 +171,17 @@ class InPlaceWorlds:
 
     def worlds(self) -> Iterator[World]:
         """The worlds this process trains in (see :mod:`tenplex.elastic.worlds`): one without ``--in-place``;
-        with it, a new one after every change, until the loop's body ends with its world still active."""
+        with it, a new one after every change, until the loop's body ends with its world still active. A world
+        in which the policy leaves this rank idle is not yielded: the rank waits through it here
+        (:meth:`~tenplex.elastic.idle.IdleRanks.wait_idle` without ``--in-place``, which exits)."""
         self._looping = True
         while True:
+            if self.idle:  # the policy leaves this rank idle: the loop's body never sees such a world
+                if not self._in_place:
+                    self.wait_idle()  # exits when the training ranks finish or stop (the script form's way)
+                self._idle_through_world()  # returns once the world ended; exits when the job finished
+                self._next_world()
+                continue
             world = self.world
             if self._membership is not None:
                 world.on_device_fault = self._membership.mark_leaving
@@ -182,6 +199,7 @@ class InPlaceWorlds:
     def _end_world(self, why: str) -> None:
         job_log.info("world %d ends at step %d: %s", self.world.generation, self.step, why)
         self.world.end(why)
+        self._tell_idle("change")  # a training rank, in a world with idle ranks: they go on to the next world too
         self._membership.protocol.on(Event.CHANGE_AGREED if why == "change" else Event.PEER_LOST)  # type: ignore
         self._world_ended_at = time.monotonic()  # after the stopping save of a change
 
