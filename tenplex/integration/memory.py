@@ -67,7 +67,7 @@ class Kept:
             log.warning("restore: the state kept in memory is not usable (%s: %s); reading the stores",
                         type(e).__name__, e)
             pieces = None
-        watched = [(weakref.ref(t), getattr(t, "_local_tensor")) if getattr(t, "_local_tensor", None) is not None else t
+        watched = [(weakref.ref(t), local) if (local := getattr(t, "_local_tensor", None)) is not None else t
                    for t in _counted(model, optimizer)]
         return cls(version, pieces, watched, state_counters(model, optimizer) if counters is None else counters)
 
