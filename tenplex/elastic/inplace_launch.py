@@ -1,8 +1,8 @@
 """``tenplex run --in-place``: each node's torchrun supervises only its own workers; the workers form the job's
 worlds themselves (:mod:`tenplex.elastic.worlds`).
 
-May import: ``tenplex.errors``, ``.launcher`` (its spec and option readers), ``.supervisor`` and the standard
-library (no torch: the launcher parses before torchrun loads).
+May import: ``tenplex.errors``, ``tenplex.ops`` (its lines), ``.launcher`` (its spec and option readers),
+``.supervisor`` and the standard library (no torch: the launcher parses before torchrun loads).
 
 torchrun's elastic agent stops and restarts every local worker on any membership change of its rendezvous, so
 survivors cannot keep their processes while torchrun owns the cross-node world. In place, each node's torchrun
@@ -63,7 +63,7 @@ LIGHT_OPTIONS = {"--nnodes": True, "--nproc-per-node": True, "--nproc_per_node":
 class _Quiet(argparse.ArgumentParser):
     """Says nothing of a malformed line: the launcher's full parser reports it."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str):
         raise SystemExit(2)
 
 
@@ -81,7 +81,10 @@ def light_parser(add_more=None) -> argparse.ArgumentParser:
     p.add_argument("--in-place", action="store_true")
     for name, valued in LIGHT_OPTIONS.items():
         dest = "light_" + name.lstrip("-").replace("-", "_")
-        p.add_argument(name, dest=dest, **({} if valued else {"action": "store_true"}))
+        if valued:
+            p.add_argument(name, dest=dest)
+        else:
+            p.add_argument(name, dest=dest, action="store_true")
     if add_more is not None:
         add_more(p)
     p.add_argument("training_script")
