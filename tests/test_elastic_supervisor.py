@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tenplex.cli._operations import add_arguments
 from tenplex.cli._run_operations import NAMES
-from tenplex.elastic.inplace_launch import parse_light
+from tenplex.elastic.light_launch import parse_light
 from tenplex.elastic.launcher import stop_store
 from tenplex.elastic.supervisor import Supervisor
 

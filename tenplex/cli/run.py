@@ -10,7 +10,7 @@ tenplex does not know pass through unchanged; ``tenplex run --help`` lists both.
 
 With ``--in-place`` and only the torchrun options that in place needs, no torch and no torchrun: the node's
 workers start at once under :mod:`tenplex.elastic.supervisor`
-(:func:`tenplex.elastic.inplace_launch.parse_light`). With other torchrun options, ``--in-place`` keeps
+(:func:`tenplex.elastic.light_launch.parse_light`). With other torchrun options, ``--in-place`` keeps
 torchrun ``--standalone``, and the node's store starts at once, in a thread, while this
 process imports torch for the launcher (a few seconds on a busy machine): the
 launcher then finds it serving (or still starting: it waits on the store's
@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args) -> int:
-    from ..elastic.inplace_launch import parse_light, run_supervised
+    from ..elastic.light_launch import parse_light, run_supervised
 
     light = parse_light(args.argv, add_arguments, _run_operations.NAMES)
     if light is not None:  # in place with nothing torchrun must do: no torch here, no torchrun
