@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 
 from ..ops import logs
@@ -41,7 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _run(args) -> int:
     from ..elastic.light_launch import parse_light, run_supervised
 
-    light = parse_light(args.argv, add_arguments, _run_operations.NAMES)
+    # TENPLEX_IN_PLACE_TORCHRUN=1 keeps torchrun --standalone as each node's supervisor (the way before it)
+    torchrun = os.environ.get("TENPLEX_IN_PLACE_TORCHRUN", "") not in ("", "0")
+    light = None if torchrun else parse_light(args.argv, add_arguments, _run_operations.NAMES)
     if light is not None:  # in place with nothing torchrun must do: no torch here, no torchrun
         from ..elastic.launcher import _given
 
