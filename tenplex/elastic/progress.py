@@ -1,6 +1,7 @@
 """The job's progress on each host, so that the next world knows how many steps a failure lost.
 
-May import: ``tenplex.integration.exchange`` and ``.jobstore``, torch.distributed and the standard library.
+May import: ``tenplex.integration.exchange``, ``tenplex.integration.jobstore``, torch.distributed and the standard
+library.
 
 A worker does not know how far the previous world got: a host or a worker
 that dies between two saves takes the steps since the last committed save
