@@ -64,7 +64,6 @@ from ..store import CorruptShard
 from ..store.contract import LinkingWriter
 from .exchange import agree, all_gather_json
 from .jobstore import JobKeyValue
-from .pieces import Piece
 from .rollforward import PARTS_DOC, parts_doc
 from .savedoc import SaveRound, state_doc
 from .snapshot_pieces import PiecesCache
@@ -77,16 +76,6 @@ from .versions import STATE_DOC
 log = logging.getLogger(__name__)
 _POLL_S = 0.005  # how often a host's first rank looks for the commit decision (one small request each)
 _COPY_TRIES, _COPY_RETRY_S = 20, 0.25  # a snapshot's copy is retried for ~5 s: other hosts commit a moment later
-
-
-def _fingerprint(piece: Piece) -> tuple | None:
-    """What must stay the same for a piece to count as unchanged: the memory it lives in and the in-place
-    version counters (a change through ``.data`` bumps no counter and is not seen: optimizers change parameters
-    in place, torch's own under ``no_grad``, which counts). None: not tracked (never skipped)."""
-    if piece.version is None:
-        return None
-    local = piece.local
-    return local.device, local.data_ptr(), local.dtype, piece.version
 
 
 class SnapshotError(TenplexError, RuntimeError):
@@ -166,7 +155,7 @@ class Snapshotter:
         leader = round_.leader
         replicas = ckpt.replica_count(round_)
         own = [canonical.get((p.name, p.box), p) for p in pieces if writers[(ckpt.host, p.name, p.box)] == rank]
-        fingerprints = {(p.name, p.box): _fingerprint(p) for p in own}
+        fingerprints = {(p.name, p.box): self.pieces.fingerprint(p) for p in own}
         unchanged = self._unchanged(fingerprints, version)
         self.staging.stage([p for p in own if (p.name, p.box) not in unchanged])
         documents: dict[str, Any] = {}
