@@ -67,6 +67,31 @@ def test_cached_pieces_are_the_fresh_ones_and_follow_every_change_of_structure()
     assert any(p.name.startswith("optim.") and p.name.endswith("1.weight") for p in got)
 
 
+def test_fingerprints_of_cached_pieces_are_the_ones_read_afresh_after_every_change():
+    model, optimizer = model_and_optimizer()
+    cache = PiecesCache()
+
+    def check():
+        got = cache.pieces(model, optimizer, None)
+        prints = [cache.fingerprint(p) for p in got]
+        assert prints == [(p.local.device, p.local.data_ptr(), p.local.dtype, p.version) for p in got]
+        return dict(zip((p.name for p in got), prints))
+
+    step(model, optimizer)
+    first = check()
+    assert check() == first  # nothing changed: the same fingerprints
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # in place: a new version
+    assert check()["0.weight"] != first["0.weight"]
+    before = check()
+    with torch.no_grad():
+        model[0].weight.data = torch.zeros(3, 4)  # other memory, no version bump
+    after = check()
+    assert after["0.weight"][1] != before["0.weight"][1]
+    model[0].bias = optimizer.param_groups[0]["params"][1] = torch.nn.Parameter(torch.ones(3))  # replaced
+    assert check()["0.bias"][1] == model[0].bias.data_ptr()
+
+
 def test_annotations_equal_by_value_keep_the_cache_and_a_new_one_rebuilds_it():
     from tenplex.integration.annotate import Annotation
 
