@@ -145,6 +145,7 @@ class Snapshotter:
         waited = time.monotonic() - begin
         pieces = self.pieces.pieces(model, optimizer, annotations)
         docs = self.rounds.exchange(pieces, rank, rng, model, optimizer, pieces_key=self.pieces.generation,
+                                    named=self.pieces.named_params(model, optimizer),
                                     previous=previous, nonce=uuid.uuid4().hex)
         self._settle(docs, gc=False)  # a late commit's retention runs in the writer thread, before this write
         round_ = self.rounds.round(docs)  # the same on every rank: a mismatch raises everywhere
@@ -157,7 +158,7 @@ class Snapshotter:
         own = [canonical.get((p.name, p.box), p) for p in pieces if writers[(ckpt.host, p.name, p.box)] == rank]
         fingerprints = {(p.name, p.box): self.pieces.fingerprint(p) for p in own}
         unchanged = self._unchanged(fingerprints, version)
-        self.staging.stage([p for p in own if (p.name, p.box) not in unchanged])
+        self.staging.stage([p for p in own if (p.name, p.box) not in unchanged], self.pieces.generation)
         documents: dict[str, Any] = {}
         leader_docs: SaveRound | None = None
         if rank == leader:

@@ -7,7 +7,8 @@ validates each :class:`~tenplex.box.Box`: ~2 ms per snapshot for the ~90 pieces 
 while within a world nothing of it changes from one step to the next but the in-place version counters.
 :class:`PiecesCache` keeps the pieces while the *structure* is the same: the same model and optimizer objects,
 equal annotations, and the same tensor objects (by identity) with the same shape, dtype and storage in
-the model's state dict and the optimizer's state, in the same order. Only the version counters are read again.
+the model's state dict (under the same names) and the optimizer's state, in the same order. Only the version
+counters are read again.
 A change of any of these (a parameter replaced or its ``.data`` swapped, an optimizer state created or
 loaded, a new parameter group) builds the pieces again from scratch.
 """
@@ -20,7 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .layouts import state_pieces
-from .pieces import Piece, version_of
+from .pieces import Piece, named_optimizer_params, version_of
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -62,9 +63,11 @@ def _describe_all(tensors: list[torch.Tensor]) -> tuple:
     return tuple(described)
 
 
-def _tensors(model, optimizer) -> list[torch.Tensor]:
-    """Every tensor the pieces can come from, in a fixed order: the state dict's, then the optimizer states."""
-    found = [t for t in model.state_dict(keep_vars=True).values() if isinstance(t, torch.Tensor)]
+def _tensors(model, optimizer) -> tuple[tuple[str, ...], list[torch.Tensor]]:
+    """The state dict's names, and every tensor the pieces can come from, in a fixed order: the state dict's,
+    then the optimizer states."""
+    state = model.state_dict(keep_vars=True)
+    found = [t for t in state.values() if isinstance(t, torch.Tensor)]
     if optimizer is not None:
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -73,7 +76,7 @@ def _tensors(model, optimizer) -> list[torch.Tensor]:
                 if state:
                     found += [v for _, v in sorted(state.items(), key=lambda kv: str(kv[0]))
                               if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return found
+    return tuple(state), found
 
 
 class PiecesCache:
@@ -85,6 +88,16 @@ class PiecesCache:
         self._sources: list[tuple[torch.Tensor, ...]] = []  # per piece: the tensors whose counters count
         self.generation: Any = None  # the same while the pieces' names, boxes and specs are (None: not cached)
         self._memory: dict[int, tuple[torch.Tensor, tuple]] = {}  # id(piece.local) -> it, (device, address, dtype)
+        self._named: tuple[Any, list] | None = None  # (generation, the optimizer's named parameters)
+
+    def named_params(self, model, optimizer) -> list | None:
+        """:func:`.pieces.named_optimizer_params` while the structure stays (the names are the state dict's, part
+        of the structure), worked out once per structure; None when not cached."""
+        if self.generation is None or optimizer is None:
+            return None
+        if self._named is None or self._named[0] is not self.generation:
+            self._named = (self.generation, named_optimizer_params(model, optimizer))
+        return self._named[1]
 
     def fingerprint(self, piece: Piece) -> tuple | None:
         """What must stay the same for a piece to count as unchanged: the memory it lives in and the in-place
@@ -101,9 +114,9 @@ class PiecesCache:
 
     def pieces(self, model, optimizer, annotations) -> list[Piece]:
         try:
-            tensors = _tensors(model, optimizer)
+            names, tensors = _tensors(model, optimizer)
             key = (id(model), id(optimizer), tuple((annotations or {}).items()),  # frozen dataclasses: by value
-                   _describe_all(tensors))
+                   names, _describe_all(tensors))
         except (RuntimeError, TypeError, NotImplementedError):  # a tensor without plain memory (sparse, ...)
             self._key, self.generation, self._memory = None, None, {}
             return [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
