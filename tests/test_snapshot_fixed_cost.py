@@ -177,3 +177,45 @@ def test_the_gather_sends_unchanged_rng_streams_as_a_word_and_grows_its_capacity
     finally:
         dist.destroy_process_group()
         os.environ.pop("MASTER_PORT", None)
+
+
+def test_staging_under_the_caches_structure_copies_the_current_values_after_every_change():
+    model, optimizer = model_and_optimizer()
+    cache, buffers = PiecesCache(), SnapshotBuffers()
+
+    def check():
+        pieces = cache.pieces(model, optimizer, None)
+        buffers.stage(pieces, cache.generation)  # plans made under the same structure skip their own check
+        staged = {(name, box): buffer for name, box, buffer in buffers.buffers()}
+        for p in pieces:
+            assert torch.equal(staged[(p.name, p.box)], p.local[p.local_box.slices()])
+    step(model, optimizer)
+    check()
+    step(model, optimizer)  # new values, same memory and structure
+    check()
+    with torch.no_grad():
+        model[0].weight.data = torch.randn(3, 4)  # other memory: a new structure, the plan is made again
+    check()
+    model[0].bias = optimizer.param_groups[0]["params"][1] = torch.nn.Parameter(torch.randn(3))  # replaced
+    check()
+    step(model, optimizer)
+    check()
+
+
+def test_the_optimizers_named_parameters_follow_a_renamed_module():
+    from tenplex.integration.pieces import optimizer_scalars
+
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer)
+    cache = PiecesCache()
+    cache.pieces(model, optimizer, None)
+    named = cache.named_params(model, optimizer)
+    assert optimizer_scalars(model, optimizer, named) == optimizer_scalars(model, optimizer)
+    assert {name for name, _ in named} == {"0.weight", "0.bias"}
+    model._modules = {("moved" if k == "0" else k): m for k, m in model._modules.items()}  # same tensors, same
+    # order, other names
+    pieces = cache.pieces(model, optimizer, None)
+    assert {p.name for p in pieces} >= {"moved.weight", "moved.bias"}
+    named = cache.named_params(model, optimizer)
+    assert {name for name, _ in named} == {"moved.weight", "moved.bias"}
+    assert optimizer_scalars(model, optimizer, named) == optimizer_scalars(model, optimizer)

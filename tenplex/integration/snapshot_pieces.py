@@ -66,8 +66,8 @@ def _describe_all(tensors: list[torch.Tensor]) -> tuple:
 def _tensors(model, optimizer) -> tuple[tuple[str, ...], list[torch.Tensor]]:
     """The state dict's names, and every tensor the pieces can come from, in a fixed order: the state dict's,
     then the optimizer states."""
-    state = model.state_dict(keep_vars=True)
-    found = [t for t in state.values() if isinstance(t, torch.Tensor)]
+    state_dict = model.state_dict(keep_vars=True)
+    found = [t for t in state_dict.values() if isinstance(t, torch.Tensor)]
     if optimizer is not None:
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -76,7 +76,7 @@ def _tensors(model, optimizer) -> tuple[tuple[str, ...], list[torch.Tensor]]:
                 if state:
                     found += [v for _, v in sorted(state.items(), key=lambda kv: str(kv[0]))
                               if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return tuple(state), found
+    return tuple(state_dict), found
 
 
 class PiecesCache:
