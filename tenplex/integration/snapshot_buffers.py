@@ -36,6 +36,7 @@ class SnapshotBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
+        self._staged: list[tuple[str, Box]] = []  # the keys the last stage copied (buffers of others are freed)
         self._events: list[torch.cuda.Event] = []  # the last staging's copies, when some piece is on a GPU
         # (tensor, box) -> (the source memory it was made for, destination view, source view, the source tensor,
         # the structure it was last checked under)
@@ -51,11 +52,14 @@ class SnapshotBuffers:
         ``structure``: :attr:`.snapshot_pieces.PiecesCache.generation`, the same object while every source
         tensor's memory is the same, checked by the cache (None: unknown): a plan made for the same tensor object
         under it needs no check of its own."""
-        wanted = {(p.name, p.box) for p in pieces}
-        for key in list(self._buffers):  # a piece no longer written (a new layout): free its buffer
-            if key not in wanted:
-                del self._buffers[key]
-                self._plans.pop(key, None)
+        keys = [(p.name, p.box) for p in pieces]
+        if keys != self._staged:  # compared by identity first: the same boxes while the pieces stay
+            wanted = set(keys)
+            for key in list(self._buffers):  # a piece no longer written (a new layout): free its buffer
+                if key not in wanted:
+                    del self._buffers[key]
+                    self._plans.pop(key, None)
+            self._staged = keys
         on_gpu = [p for p in pieces if p.local.device.type == "cuda"]
         with torch.no_grad():
             for p in pieces:
