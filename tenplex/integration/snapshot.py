@@ -64,6 +64,7 @@ from ..store import CorruptShard
 from ..store.contract import LinkingWriter
 from .exchange import agree, all_gather_json
 from .jobstore import JobKeyValue
+from .pieces import Piece
 from .rollforward import PARTS_DOC, parts_doc
 from .savedoc import SaveRound, state_doc
 from .snapshot_pieces import PiecesCache
