@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from tenplex.elastic.protocol import (TRANSITIONS, Event, Generation, Keys, Liveness, Member, ProtocolError, State,
-                                      Worker, change_wanted, node_order, overdue, propose, ready_to_propose,
-                                      reasons, warming_up)
+                                      Worker, change_wanted, last_call_over, node_order, overdue, propose,
+                                      ready_to_propose, reasons, warming_up)
 
 
 def _walk(*events: Event) -> Worker:
@@ -172,6 +172,18 @@ def test_the_first_world_waits_for_the_hosts_it_has_workers_of_and_later_ones_ne
     # a later generation: the change was agreed already (a loss must not wait for a joiner's sibling)
     prev = Generation(1, (0, 1), hosts=("h0", "h0"))
     assert ready_to_propose(prev, {0, 1, 2}, arrived={0, 1, 2}, leaving=set(), dead=set(), warming={2})
+
+
+def test_the_first_world_has_a_last_call_for_late_starters_and_later_ones_none():
+    # nodes launched together: the first world waits until nobody registered for last_call seconds...
+    assert not last_call_over(None, registered=3, max_workers=8, quiet_s=1.9, last_call=2.0)
+    assert last_call_over(None, registered=3, max_workers=8, quiet_s=2.0, last_call=2.0)
+    # ...or until every worker the job may have is there (--nnodes 2 of 2 workers: no wait at all)
+    assert last_call_over(None, registered=4, max_workers=4, quiet_s=0.0, last_call=2.0)
+    assert not last_call_over(None, registered=4, max_workers=None, quiet_s=0.0, last_call=2.0)
+    assert last_call_over(None, registered=1, max_workers=None, quiet_s=0.0, last_call=0.0)  # no last call set
+    # a later generation never waits: its change was agreed already
+    assert last_call_over(Generation(1, (0, 1)), registered=2, max_workers=8, quiet_s=0.0, last_call=2.0)
 
 
 def test_overdue_counts_the_wait_on_the_observers_clock():

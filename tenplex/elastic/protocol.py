@@ -30,7 +30,11 @@ The sequence of one change from generation N to N+1:
    at once, and each announces how many (``local_world``); the running world
    flags the join only once every worker of the joining host registered
    (:func:`warming_up`), so a node of k workers costs one change, not k. The
-   same holds for the first world: it waits for the hosts it has workers of.
+   same holds for the first world: it waits for the hosts it has workers of,
+   and, as torchrun's rendezvous does, for a *last call*: until no worker
+   registered for ``last_call`` seconds or every worker the job may have
+   (``max_workers``) registered (:func:`last_call_over`), so that nodes
+   launched together start in one world instead of one world and a join.
    A sibling that hangs in its start (never registers, never dies) holds its
    host back at most ``batch_wait`` seconds (:func:`overdue`); one that
    crashes makes its launcher restart the node's workers, whose heartbeats
@@ -232,6 +236,16 @@ def ready_to_propose(previous: Generation | None, registered: set[int], arrived:
     if previous is None and warming - leaving - dead:
         return False
     return not waiting and bool(live) and (previous is not None or len(live) >= min_workers)
+
+
+def last_call_over(previous: Generation | None, registered: int, max_workers: int | None, quiet_s: float,
+                   last_call: float) -> bool:
+    """Whether the first generation may be proposed as far as late starters go: ``registered`` workers reached
+    ``max_workers`` (when the job knows it), or none registered for ``quiet_s`` >= ``last_call`` seconds. Later
+    generations never wait: their change was agreed already."""
+    if previous is not None or (max_workers is not None and registered >= max_workers):
+        return True
+    return quiet_s >= last_call
 
 
 def propose(previous: Generation | None, arrived: dict[int, Member], leaving: set[int]) -> Generation:

@@ -39,8 +39,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..integration.process_group import import_world_capturing_modules, leave_process_group
-from .protocol import (Event, Generation, Keys, Liveness, Member, Worker, change_wanted, overdue, propose,
-                       ready_to_propose, warming_up)
+from .protocol import (Event, Generation, Keys, Liveness, Member, Worker, change_wanted, last_call_over, overdue,
+                       propose, ready_to_propose, warming_up)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,9 @@ def connect(endpoint: str, timeout: float = 30.0) -> dist.TCPStore:
 class Membership:
     """This worker's membership in an in-place job (see the module docstring and :mod:`.protocol`).
 
-    ``min_workers``: how many workers the first generation waits for.
+    ``min_workers``: how many workers the first generation waits for; then,
+    until no worker registered for ``last_call`` seconds or ``max_workers``
+    (the most the job may have; None: unknown) registered.
     ``timeout``: each generation's process-group timeout (a hung collective,
     a member that never forms). ``dead_after``: seconds of a still heartbeat
     after which a worker counts as dead; ``heartbeat_s``: the watch thread's
@@ -72,9 +74,12 @@ class Membership:
 
     def __init__(self, endpoint: str, job: str, host: str, local_rank: int, *, min_workers: int = 1,
                  timeout: float = 10.0, dead_after: float = 2.0, heartbeat_s: float = 0.1, backend: str = "gloo",
-                 local_world: int | None = None, batch_wait: float = 30.0):
+                 local_world: int | None = None, batch_wait: float = 30.0, last_call: float = 0.0,
+                 max_workers: int | None = None):
         self.keys = Keys(job)
         self.endpoint, self.min_workers, self.timeout, self.backend = endpoint, min_workers, timeout, backend
+        self.last_call, self.max_workers = last_call, max_workers
+        self._quiet: tuple[frozenset[int], float] = (frozenset(), time.monotonic())  # registered, since when
         self.heartbeat_s, self.batch_wait = heartbeat_s, batch_wait
         self.timeline: dict[str, float] = {"connecting": time.time()}
         self.protocol = Worker()
@@ -184,8 +189,11 @@ class Membership:
             arrived = {w: m for w, m in members.items() if self._store.add(self.keys.arrived(number, w), 0)}
             # expected: the previous generation's members and the joiners seen heart-beating (not stale slots)
             registered = set(members) & (self.liveness.alive() | set(previous.members if previous else ()))
-            warming = self.warming(previous, members, registered, leaving | dead) if previous is None else set()
-            if ready_to_propose(previous, registered, set(arrived), leaving, dead, self.min_workers, warming):
+            # an arrival proves a worker alive before its heartbeat does: an arrived joiner's host is warming too
+            warming = self.warming(previous, members, registered | set(arrived), leaving | dead) \
+                if previous is None else set()
+            if ready_to_propose(previous, registered, set(arrived), leaving, dead, self.min_workers, warming) \
+                    and self._last_call_over(previous, registered | set(arrived)):
                 proposal = propose(previous, arrived, leaving)
                 if previous is not None and dead & set(previous.members):
                     log.warning("generation %d: proposing %s without %s (no heartbeat for %.1f s)", number,
@@ -198,6 +206,13 @@ class Membership:
                 raise TimeoutError(f"generation {number}: still waiting for workers "
                                    f"{sorted(registered - set(arrived) - leaving - dead)} to arrive")
             time.sleep(self.heartbeat_s / 2)
+
+    def _last_call_over(self, previous: Generation | None, registered: set[int]) -> bool:
+        """:func:`.protocol.last_call_over` on this worker's clock: quiet since the registered set last changed."""
+        now = time.monotonic()
+        if registered != self._quiet[0]:
+            self._quiet = (frozenset(registered), now)
+        return last_call_over(previous, len(registered), self.max_workers, now - self._quiet[1], self.last_call)
 
     def _published(self, generation: Generation) -> Generation:
         self._seen = generation

@@ -53,6 +53,8 @@ IN_PLACE_ENV = "TENPLEX_IN_PLACE"
 ENDPOINT_ENV = "TENPLEX_RDZV_ENDPOINT"
 JOB_ENV = "TENPLEX_RDZV_ID"
 MIN_WORKERS_ENV = "TENPLEX_MIN_WORKERS"
+MAX_WORKERS_ENV = "TENPLEX_MAX_WORKERS"
+LAST_CALL_ENV = "TENPLEX_LAST_CALL"
 DEAD_AFTER_ENV = "TENPLEX_DEAD_AFTER"
 
 
@@ -70,7 +72,9 @@ def membership_from_environment(timeout: float, backend: str) -> Membership | No
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
     return Membership(endpoint, os.environ.get(JOB_ENV, "default"), os.environ.get("TENPLEX_HOST", "h0"),
                       int(os.environ.get("LOCAL_RANK", "0")), min_workers=int(os.environ.get(MIN_WORKERS_ENV, "1")),
-                      timeout=timeout, dead_after=float(os.environ.get(DEAD_AFTER_ENV, "2.0")), backend=backend)
+                      timeout=timeout, dead_after=float(os.environ.get(DEAD_AFTER_ENV, "2.0")), backend=backend,
+                      last_call=float(os.environ.get(LAST_CALL_ENV, "0")),
+                      max_workers=int(os.environ[MAX_WORKERS_ENV]) if os.environ.get(MAX_WORKERS_ENV) else None)
 
 
 @dataclass
