@@ -225,7 +225,8 @@ class InPlaceWorlds:
         self._enter_world(generation)
         self.world.pause = {"reasons": list(generation.reasons), "ended": old.ended, "pid": os.getpid(),
                             "agree_s": self._world_ended_at - self._step_finished_at,
-                            "re_form_s": time.monotonic() - begin, "since": self._step_finished_at}
+                            "re_form_s": time.monotonic() - begin, "since": self._step_finished_at,
+                            "lost_by": {str(w): how for w, how in generation.lost_by}}  # closed / heartbeat
 
     def _first_step_done(self) -> None:
         """The first step of a world entered in place finished: its pause is over (old world's end to now)."""
