@@ -63,7 +63,7 @@ from ..replication.stores import STORES_DOC, stores_doc
 from ..store import CorruptShard
 from ..store.contract import LinkingWriter
 from .exchange import agree, all_gather_json
-from .jobstore import JobKeyValue
+from .jobstore import JobKeyValue, committed_key
 from .pieces import Piece
 from .rollforward import PARTS_DOC, parts_doc
 from .savedoc import SaveRound, state_doc
@@ -348,6 +348,7 @@ class Snapshotter:
             return
         if kv.add(f"{job.key}/prepared", 1) == job.world:
             kv.set(decision, "commit")  # every rank prepared its part
+            kv.set(committed_key(), str(job.step))  # a restore that cannot reach it counts it lost
         if not job.leader:
             return
         while not job.give_up.is_set():
