@@ -60,14 +60,15 @@ class InPlaceNodes(RendezvousThread):
         self.env = dict(os.environ, OMP_NUM_THREADS="1", TENPLEX_DEAD_AFTER="5")
         self.procs: list[subprocess.Popen] = []
 
-    def node(self, host: str, out: Path, *options: str) -> subprocess.Popen:
-        """Start node ``host`` whose worker writes under ``out`` (created); ``options`` go to ``tenplex run``."""
+    def node(self, host: str, out: Path, *options: str, nnodes: int = 2, per_node: int = 1) -> subprocess.Popen:
+        """Start node ``host`` of ``per_node`` workers, which write under ``out`` (created), in a job of at least
+        ``nnodes`` nodes; ``options`` go to ``tenplex run``."""
         out.mkdir()
         log = open(self.log(out), "wb")
         self.procs.append(subprocess.Popen(
             [sys.executable, "-m", "tenplex.cli", "run", "--in-place", "--host", host, "--store-root",
-             str(self.tmp_path / host), "--nnodes", "2", "--nproc-per-node", "1", *options, "--rdzv-endpoint",
-             self.endpoint, "--rdzv-id", self.job, str(self.worker), str(out)],
+             str(self.tmp_path / host), "--nnodes", str(nnodes), "--nproc-per-node", str(per_node), *options,
+             "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.job, str(self.worker), str(out)],
             env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))  # a node: its own group
         return self.procs[-1]
 

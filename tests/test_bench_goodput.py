@@ -79,10 +79,10 @@ def test_accounting_of_a_rollback_a_cut_step_and_the_goodput():
     assert not account(docs, [], reference, 8, 1.0, 0.0, B)["losses"]["equal"]
 
 
-def _run(tmp_path, modes: list[str]) -> dict:
+def _run(tmp_path, modes: list[str], trace: str = "short") -> dict:
     cli = "import sys; from tenplex.cli import main; sys.exit(main())"
     proc = subprocess.run([sys.executable, "-c", cli, "bench", "goodput", "--json", "--steps", "60", "--step-ms",
-                           "50", "--trace", "short", "--grace", "10", "--modes", ",".join(modes), "--timeout", "240",
+                           "50", "--trace", trace, "--grace", "10", "--modes", ",".join(modes), "--timeout", "240",
                            "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
@@ -152,6 +152,22 @@ def test_short_trace_tenplex_torchrun_dcp_and_torchft(tmp_path):
         # torchft drops the step in flight and heals a new replica from a live peer: no step is trained twice.
         assert all(e["steps_lost"] == 0 for e in by_mode["torchft"]["events"])
     assert set(result["cannot"]["tp/pp job"]) == {"tenplex", "tenplex-inplace", "torchrun-dcp", "torchft"}
+
+
+@pytest.mark.timeout(600)
+def test_the_tp_job_changes_tp_in_place_and_matches_its_own_reference(tmp_path):
+    # The job the DDP-only peers cannot run: four workers train tp=2 (dp=2), the SIGKILL of h1 leaves two (tp=2,
+    # dp=1), h0's GPU fault one (tp=1); the survivor on h0/0 lives through every world in one process, and the
+    # losses equal its own uninterrupted run's (tp=1, one process).
+    result = _run(tmp_path, ["tenplex-inplace-tp"], trace="fail:h1@2,gpufail:h0/1@4")
+    (mode,) = result["modes"]
+    _check_against_records(mode, tmp_path)
+    assert (tmp_path / "reference-tp" / "record").is_dir() and not (tmp_path / "reference").exists()
+    starts = [d for d in read_records(tmp_path / "tenplex-inplace-tp" / "record") if d["event"] == "start"]
+    assert all(d["tp"] == (2 if d["size"] % 2 == 0 else 1) and d["dp"] * d["tp"] == d["size"] for d in starts)
+    survivor = {(d["size"], d["tp"]) for d in starts if d["host"] == "h0" and d["device"] == "0"}
+    assert {(2, 2), (1, 1)} <= survivor  # (4, 2) too, unless h1 started late on a busy machine and died first
+    assert len({d["pid"] for d in starts if d["host"] == "h0" and d["device"] == "0"}) == 1  # one process
 
 
 def test_a_committed_step_counts_when_a_participant_died_before_its_record():

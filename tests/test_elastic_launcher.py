@@ -72,7 +72,12 @@ def test_in_place_runs_a_torchrun_of_this_node_alone_and_gives_the_rendezvous_to
                                    "script", "t.py", "--in-place"]
     assert local_argv(spec.torchrun, _given, _without)[1] == {
         "TENPLEX_IN_PLACE": "1", "TENPLEX_RDZV_ENDPOINT": "127.0.0.1:5", "TENPLEX_RDZV_ID": "job7",
-        "TENPLEX_MIN_WORKERS": "6"}                                 # 2 nodes of 3 workers start the first world
+        "TENPLEX_MIN_WORKERS": "6",                                 # 2 nodes of 3 workers start the first world
+        "TENPLEX_MAX_WORKERS": "12", "TENPLEX_LAST_CALL": "2"}      # which waits 2 s for more, up to 4 nodes
+    fixed = parse(["--host", "h0", "--store-root", "/s", "--in-place", "--nnodes", "2", "--rdzv-endpoint", "e:1",
+                   "--rdzv-conf", "last_call_timeout=0.5,x=1", "t.py"])
+    assert {k: v for k, v in local_argv(fixed.torchrun, _given, _without)[1].items() if "WORKERS" in k or
+            "CALL" in k} == {"TENPLEX_MIN_WORKERS": "2", "TENPLEX_MAX_WORKERS": "2", "TENPLEX_LAST_CALL": "0.5"}
     assert not parse(argv[:4] + ["--rdzv-endpoint", "e:1", "t.py"]).in_place
     with pytest.raises(ConfigError, match="--in-place needs --rdzv-endpoint"):
         torchrun_argv(parse(["--host", "h0", "--store-root", "/s", "--in-place", "t.py"]))

@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 from tenplex.elastic.protocol import (TRANSITIONS, Event, Generation, Keys, Liveness, Member, ProtocolError, State,
-                                      Worker, change_wanted, node_order, overdue, propose, ready_to_propose,
-                                      reasons, warming_up)
+                                      Worker, change_wanted, last_call_over, node_order, overdue, propose,
+                                      ready_to_propose, reasons, warming_up)
 
 
 def _walk(*events: Event) -> Worker:
@@ -174,6 +174,18 @@ def test_the_first_world_waits_for_the_hosts_it_has_workers_of_and_later_ones_ne
     assert ready_to_propose(prev, {0, 1, 2}, arrived={0, 1, 2}, leaving=set(), dead=set(), warming={2})
 
 
+def test_the_first_world_has_a_last_call_for_late_starters_and_later_ones_none():
+    # nodes launched together: the first world waits until nobody registered for last_call seconds...
+    assert not last_call_over(None, registered=3, max_workers=8, quiet_s=1.9, last_call=2.0)
+    assert last_call_over(None, registered=3, max_workers=8, quiet_s=2.0, last_call=2.0)
+    # ...or until every worker the job may have is there (--nnodes 2 of 2 workers: no wait at all)
+    assert last_call_over(None, registered=4, max_workers=4, quiet_s=0.0, last_call=2.0)
+    assert not last_call_over(None, registered=4, max_workers=None, quiet_s=0.0, last_call=2.0)
+    assert last_call_over(None, registered=1, max_workers=None, quiet_s=0.0, last_call=0.0)  # no last call set
+    # a later generation never waits: its change was agreed already
+    assert last_call_over(Generation(1, (0, 1)), registered=2, max_workers=8, quiet_s=0.0, last_call=2.0)
+
+
 def test_overdue_counts_the_wait_on_the_observers_clock():
     assert overdue({0: 10.0, 1: 25.0}, now=40.5, wait=30.0) == {0}
     assert overdue({0: 10.0, 1: 25.0}, now=40.0, wait=30.0) == set()
@@ -215,12 +227,47 @@ def test_an_observer_starved_of_cpu_counts_nobody_dead_for_its_own_silence():
     assert live.dead() == set()
 
 
+def test_a_worker_known_gone_is_dead_at_once_whatever_its_heartbeat_and_the_evidence_is_named():
+    live = Liveness(timeout=600.0)
+    live.observe(0, 5, now=10.0)
+    live.observe(1, 3, now=10.0)
+    live.observe(1, 4, now=10.1)             # heart-beating a moment ago
+    live.gone(1)                             # then its process's connection closed
+    assert live.dead() == {1} and live.alive() == set()
+    assert live.how_dead(1) == "closed" and live.how_dead(0) == "heartbeat"
+    assert ready_to_propose(Generation(1, (0, 1)), {0, 1}, arrived={0}, leaving=set(), dead=live.dead())
+    live.forget(1)                           # it had left: the leave mark wins
+    assert live.dead() == set()
+
+
+def test_a_worker_marked_gone_that_beats_on_is_alive_again_and_only_the_timeout_can_take_it():
+    live = Liveness(timeout=2.0)
+    live.observe(2, 7, now=10.0)
+    live.observe(2, 8, now=10.1)
+    live.gone(2)                             # its connection was reset, but the process lives
+    assert live.dead() == {2}
+    live.observe(2, 9, now=10.2)             # it beat again
+    assert live.dead() == set() and live.alive() == {2} and live.how_dead(2) == "heartbeat"
+    live.gone(2)                             # the same (old) mark read again: no news
+    assert live.dead() == set()
+    live.observe(2, 9, now=12.3)             # then it stood still for the timeout
+    assert live.dead() == {2} and live.how_dead(2) == "heartbeat"
+
+
+def test_a_generation_carries_how_its_lost_members_were_found_dead():
+    g = Generation(4, (0, 2), ("lost",), ("h0", "h2"), lost_by=((1, "closed"), (3, "heartbeat")))
+    back = Generation.from_json(g.to_json())
+    assert back == g and back.lost_by == ((1, "closed"), (3, "heartbeat")) and back.hosts == ("h0", "h2")
+    old = '{"number": 2, "members": [0], "reasons": ["lost"], "hosts": ["h0"]}'  # before lost_by existed
+    assert Generation.from_json(old).lost_by == ()
+
+
 def test_member_json_round_trips_and_keys_stay_under_the_job_prefix():
     m = Member(3, "h1", 0, 4242, 2)
     assert Member.from_json(m.to_json()) == m
     assert Member.from_json('{"wid": 3, "host": "h1", "local_rank": 0, "pid": 4242}').local_world == 1
     k = Keys("job-7")
     names = [k.slots, k.latest, k.slot(1), k.heartbeat(1), k.leaving(1), k.arrived(2, 1), k.generation(2),
-             k.group(2)]
+             k.group(2), k.gone]
     assert all(n.startswith("tenplex/inplace/job-7/") for n in names) and len(set(names)) == len(names)
     assert k.group(2) == "tenplex/inplace/job-7/pg/2/"

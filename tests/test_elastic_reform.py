@@ -1,5 +1,6 @@
 """Generations of real gloo process groups in the same processes (tenplex.elastic.reform): a peer SIGKILLed in
-the middle of an all-reduce becomes an error on every survivor, which re-form without it; twenty more
+the middle of an all-reduce becomes an error on every survivor, which re-form without it as soon as the rendezvous
+server's close watch saw its process gone (not after its heartbeat's silence); twenty more
 re-formations leak no process group, thread or file descriptor, and keep resident memory flat."""
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def test_survivors_of_a_peer_killed_mid_all_reduce_re_form_in_process_without_le
         assert "Connection reset by peer" in r["error"]["text"] or "Connection closed by peer" in r["error"]["text"]
         assert r["first"]["world"] == 3 and r["second"]["world"] == 2
         assert r["second"]["reasons"] == ["lost"] and r["second"]["sum"] == [2.0, 2.0, 2.0]
+        assert r["second"]["lost_by"] == ["closed"]  # its process's connection closed; its heartbeat (600 s) did not
         assert r["last_generation"] == r["second"]["generation"] + 20
         assert r["states"][:6] == ["warm", "forming", "training", "failed", "warm", "forming"]
         census = r["census"]

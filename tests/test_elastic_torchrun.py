@@ -98,11 +98,12 @@ def _sorted(world: dict) -> dict:
 def _check_row_shape(e: dict) -> None:
     """An event's row: the same keys in both modes; the pause's parts add up to it."""
     assert set(e) == {"kind", "host", "at_step", "resumed_from_step", "lost_steps", "from", "to", "detect_s",
-                      "restart_s", "restore_s", "bytes", "pause_s", "pause", "pids"}
+                      "restart_s", "restore_s", "bytes", "pause_s", "pause", "checks_s", "pids"}
     assert set(e["bytes"]) == {"kept", "intra_host", "inter_host", "inter_host_lower_bound"}
     assert e["bytes"]["inter_host"] == e["bytes"]["inter_host_lower_bound"]
     assert set(e["pause"]) == {"detect_s", "agree_s", "re_form_s", "restore_s", "first_step_s"}
     assert e["pause_s"] > 0 and sum(e["pause"].values()) == pytest.approx(e["pause_s"], abs=0.01)
+    assert e["checks_s"] > 0  # the demo's dumps (the restored state's, at least) were told apart from the pause
 
 
 def test_the_restart_mode_restarts_every_worker_and_passes_the_same_checks(run, tmp_path):

@@ -8,9 +8,11 @@ every mode, each step its CPU work plus ``--step-ms`` of emulated accelerator ti
 with two GPUs (two workers) on this machine. The trace (:mod:`.goodput_trace`) is replayed for every mode
 (:mod:`.goodput_run`): joins, planned leaves with a notice, killed nodes and GPU faults. The modes
 (:mod:`.goodput_modes`): tenplex's restart mode, tenplex in place (``tenplex run --in-place``), torchrun + DCP and
-torchft, each configured as its documentation recommends (``settings`` in the JSON says what and why). The accounting
-(:mod:`.goodput_account`) reads what the workers recorded: goodput, the ideal, per event the pause and the steps
-lost, the bytes read, and whether the losses equal the uninterrupted reference run.
+torchft, and tenplex in place on a second job that only it can run (``tenplex-inplace-tp``: the tiny GPT under
+DTensor tensor parallelism, tp changing with the world's size, :mod:`.goodput_tp`), each configured as its
+documentation recommends (``settings`` in the JSON says what and why). The accounting (:mod:`.goodput_account`)
+reads what the workers recorded: goodput, the ideal, per event the pause and the steps lost, the bytes read, and
+whether the losses equal the uninterrupted reference run of the mode's job.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 
 from .goodput_account import account, read_records
-from .goodput_modes import MODES, Unavailable
+from .goodput_modes import MODES, Unavailable, job_of
 from .goodput_run import Setup, run_mode, run_reference
 from .goodput_trace import DEFAULT_RATES, build
 
@@ -35,8 +37,8 @@ CANNOT = {
     "tp/pp job": {
         "tenplex": "not part of this benchmark yet: tenplex demo --elastic runs tp=2 -> pp=3 -> dp through the "
                    "same kinds of events (docs/guides/elastic.md)",
-        "tenplex-inplace": "not part of this benchmark yet: in place a world trains every rank (idle ranks are "
-                           "refused) and a tp change under DTensor in one process is not done (issue 36, item 2)",
+        "tenplex-inplace": "runs: mode tenplex-inplace-tp (tp=2 on even worlds, tp=1 on odd ones, its own "
+                           "reference run)",
         "torchrun-dcp": "possible in principle (DCP reshards at load), but the user writes the new world's tp/pp "
                         "configuration and the data split themselves; not written here",
         "torchft": "cannot: torchft changes only the number of data-parallel replica groups; the tp/pp layout "
@@ -74,8 +76,8 @@ def run(args: argparse.Namespace) -> dict:
         make_dataset(workdir / "data", GLOBAL_BATCH * min(args.steps, 40), GLOBAL_BATCH, seed=0)
         setup = Setup(workdir, workdir / "data" / "dataset", args.steps, args.step_ms, GLOBAL_BATCH, trace, initial,
                       args.max_nodes, args.grace, args.timeout or 3 * args.steps * step_s + 300)
-        reference = run_reference(setup)
-        modes = [_mode(setup, name, reference) for name in args.modes.split(",")]
+        references: dict[str, dict[int, float]] = {}  # by job: its uninterrupted run, once
+        modes = [_mode(setup, name, references) for name in args.modes.split(",")]
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -91,19 +93,22 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
-def _mode(setup: Setup, name: str, reference: dict[int, float]) -> dict:
+def _mode(setup: Setup, name: str, references: dict[str, dict[int, float]]) -> dict:
     entry = MODES.get(name)
     if entry is None:
         return {"mode": name, "status": "unknown", "error": f"no mode {name!r} (modes: {', '.join(MODES)})"}
     if isinstance(entry, Unavailable):
         return {"mode": name, "status": "unavailable", "error": entry.reason}
-    cls, _, what = entry
+    cls, worker_mode, what = entry
+    reference_mode, global_batch = job_of(worker_mode, setup.global_batch)
+    if reference_mode not in references:
+        references[reference_mode] = run_reference(setup, reference_mode)
     setup.say(f"{name}: {what}")
     load_before = _load()
     launched, fired, error = run_mode(setup, name)
     load = {"start": load_before, "end": _load()}  # [1, 5, 15 min]: the end's 5-min value spans most of a run
-    report = account(read_records(setup.workdir / name / "record"), [f for f in fired if f["reached"]], reference,
-                     setup.steps, setup.step_ms / 1000, launched, setup.global_batch)
+    report = account(read_records(setup.workdir / name / "record"), [f for f in fired if f["reached"]],
+                     references[reference_mode], setup.steps, setup.step_ms / 1000, launched, global_batch)
     report["events"] += [f for f in fired if not f["reached"]]
     ok = error is None and report["finished"]
     return {"mode": name, "what": what, "status": "ok" if ok else "error",

@@ -265,11 +265,24 @@ class Torchft(_OnProcesses):
         pass  # the replica raises by itself (the FAULTS file)
 
 
+# The job a mode trains, by its worker mode: (its uninterrupted run's worker mode, its global batch). Every mode trains
+# the DDP job but the tp job's (goodput_tp: the GPT under DTensor tp, its batch divisible by every dp up to 7).
+JOBS = {"tenplex-inplace-tp": ("reference-tp", 420)}
+
+
+def job_of(worker_mode: str, ddp_batch: int) -> tuple[str, int]:
+    """(reference worker mode, global batch) of the job that ``worker_mode`` trains."""
+    return JOBS.get(worker_mode, ("reference", ddp_batch))
+
+
 # name -> (class, worker mode, what it is) or Unavailable. Adding a mode is one entry here.
 MODES: dict[str, tuple[Any, str, str] | Unavailable] = {
     "tenplex": (TenplexRestart, "tenplex", "tenplex, restart mode: a new world per change, state from the stores"),
     "tenplex-inplace": (TenplexInPlace, "tenplex-inplace",
                         "tenplex in place: the survivors keep their processes, a new world per change"),
+    "tenplex-inplace-tp": (TenplexInPlace, "tenplex-inplace-tp",
+                           "tenplex in place, a tp job (the GPT under DTensor: tp=2 on even worlds, tp=1 on odd "
+                           "ones): each change rebuilds the model on a new mesh in the same process"),
     "torchrun-dcp": (TorchrunDcp, "dcp", "torchrun's elastic agent + PyTorch Distributed Checkpoint"),
     "torchft": (Torchft, "torchft", "torchft: Manager + lighthouse, per-step quorum, live recovery"),
 }

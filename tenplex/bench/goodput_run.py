@@ -53,11 +53,12 @@ def worker_args(setup: Setup, mode: str, base: Path) -> list[str]:
             "--faults", str(base / "faults"), "--checkpoints", str(base / "checkpoints")]
 
 
-def run_reference(setup: Setup) -> dict[int, float]:
-    """The uninterrupted run: one process, every step (no emulated accelerator time: only the losses count)."""
-    base = setup.workdir / "reference"
+def run_reference(setup: Setup, worker_mode: str = "reference") -> dict[int, float]:
+    """The uninterrupted run of a job (``reference``: the DDP job's, ``reference-tp``: the tp job's): one process,
+    every step (no emulated accelerator time: only the losses count)."""
+    base = setup.workdir / worker_mode
     base.mkdir(parents=True, exist_ok=True)
-    args = worker_args(setup, "reference", base)
+    args = worker_args(setup, worker_mode, base)
     args[args.index("--step-ms") + 1] = "0"
     with open(base / "worker.log", "ab") as log:
         code = subprocess.run([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,

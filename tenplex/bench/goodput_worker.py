@@ -8,9 +8,10 @@ MODE is ``tenplex`` (under ``tenplex run``, through :class:`tenplex.elastic.Job`
 group per process, its ``Manager`` and ``DistributedDataParallel`` as torchft's ``train_ddp.py`` shows them; both in
 :mod:`tenplex.bench.goodput_peers`) or ``reference`` (one process, every step, no events: the losses every mode
 must reproduce). The model, the data, the records and the emulated GPU are :mod:`tenplex.bench.goodput_job`'s.
+``tenplex-inplace-tp`` and ``reference-tp`` run the tensor-parallel job of :mod:`tenplex.bench.goodput_tp` instead.
 
 May import: torch, ``tenplex.elastic`` (``Job``, ``devices``), ``tenplex.bench.goodput_job``,
-``tenplex.bench.goodput_peers`` and the standard library.
+``tenplex.bench.goodput_peers``, ``tenplex.bench.goodput_tp`` and the standard library.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def _train_world(args: argparse.Namespace, job, world, rec: Record, device: str)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("tenplex", "tenplex-inplace", "dcp", "torchft", "reference"))
+    p.add_argument("mode", choices=("tenplex", "tenplex-inplace", "tenplex-inplace-tp", "dcp", "torchft", "reference",
+                                    "reference-tp"))
     p.add_argument("--data", required=True, help="packed dataset directory")
     p.add_argument("--record", type=Path, required=True, help="folder of the ranks' JSON lines")
     p.add_argument("--steps", type=int, required=True)
@@ -96,6 +98,10 @@ def main() -> None:
         run_reference(args)
     elif args.mode in ("tenplex", "tenplex-inplace"):
         run_tenplex(args)
+    elif args.mode in ("tenplex-inplace-tp", "reference-tp"):
+        from tenplex.bench import goodput_tp
+
+        (goodput_tp.run_reference if args.mode == "reference-tp" else goodput_tp.run_tenplex_tp)(args)
     elif args.mode == "dcp":
         from tenplex.bench.goodput_peers import run_dcp
 

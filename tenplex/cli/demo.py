@@ -7,6 +7,7 @@ standard library (no torch in this process).
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import shutil
 import sys
@@ -54,7 +55,9 @@ def register(subparsers) -> None:
                    help="samples per step; dp x 2 micro-batches must divide it (default 8)")
     p.add_argument("--fuse", action="store_true",
                    help="workers read the dataset through a FUSE mount (tenplex vfs) instead of in process")
-    p.add_argument("--workdir", type=Path, help="keep everything here (default: a temporary directory)")
+    p.add_argument("--workdir", type=Path, help="keep everything here (default: a temporary directory in memory, "
+                                                "under /dev/shm where there is one, as a cluster's stores keep "
+                                                "their versions on tmpfs)")
     p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     p.add_argument("--json", action="store_true", help="print a machine-readable summary (progress on stderr)")
     p.set_defaults(handler=main)
@@ -69,9 +72,16 @@ def _output_and_workdir(args: argparse.Namespace, prefix: str):
 
     if args.workdir and args.workdir.exists() and any(args.workdir.iterdir()):
         raise UsageError(f"--workdir {args.workdir} is not empty; give a new or empty directory")
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix=prefix))
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix=prefix, dir=memory_dir()))
     workdir.mkdir(parents=True, exist_ok=True)
     return say, workdir
+
+
+def memory_dir(candidate: str = "/dev/shm") -> str | None:
+    """Where the demo's temporary work directory goes: a RAM filesystem if this machine has a writable one (the
+    nodes' stores then keep their versions in memory, as on a cluster's GPU nodes, and a save's fsyncs cost
+    nothing: on a shared disk they were most of a change's stopping save), else the system's temporary folder."""
+    return candidate if os.path.isdir(candidate) and os.access(candidate, os.W_OK | os.X_OK) else None
 
 
 def main(args: argparse.Namespace) -> int:

@@ -8,7 +8,9 @@ survivors cannot keep their processes while torchrun owns the cross-node world. 
 runs ``--standalone`` (a rendezvous of this node alone): it restarts its workers after a crash, counted against
 ``--max-restarts`` as before, and nothing else. The user's ``--rdzv-endpoint`` (a ``tenplex rendezvous serve``
 store) and ``--rdzv-id`` go to the workers instead, with the smallest number of workers the first world waits for
-(``--nnodes MIN`` times ``--nproc-per-node``).
+(``--nnodes MIN`` times ``--nproc-per-node``), the most it may have (``MAX`` times it) and the last call: how long
+the first world still waits for late starters once no worker registered (``--rdzv-conf last_call_timeout``,
+default :data:`LAST_CALL_S`, as tenplex run sets it for torchrun's rendezvous).
 
 Without torchrun (:mod:`.light_launch`): when every option is one that in place needs, ``tenplex run
 --in-place`` neither imports torch nor runs torchrun; any other torchrun option keeps torchrun ``--standalone``.
@@ -19,6 +21,7 @@ from __future__ import annotations
 from ..errors import ConfigError
 
 # torchrun options that describe the cross-node rendezvous: in place, the workers' business, not torchrun's
+LAST_CALL_S = "2"
 _RENDEZVOUS = ("--rdzv-endpoint", "--rdzv_endpoint", "--rdzv-backend", "--rdzv_backend", "--rdzv-conf",
                "--rdzv_conf", "--rdzv-id", "--rdzv_id", "--nnodes", "--standalone")
 
@@ -33,12 +36,15 @@ def local_argv(options: list[str], given, without) -> tuple[list[str], dict[str,
     nnodes = given(options, "--nnodes") or "1"
     per_node = given(options, "--nproc-per-node", "--nproc_per_node") or "1"
     try:
-        min_workers = int(nnodes.split(":")[0]) * int(per_node)
+        low, _, high = nnodes.partition(":")
+        min_workers, max_workers = int(low) * int(per_node), int(high or low) * int(per_node)
     except ValueError:
         raise ConfigError(f"--in-place needs numbers for --nnodes ({nnodes!r}) and --nproc-per-node "
                           f"({per_node!r})") from None
+    conf = dict(item.partition("=")[::2] for item in (given(options, "--rdzv-conf", "--rdzv_conf") or "").split(",")
+                if item)
     env = {"TENPLEX_IN_PLACE": "1", "TENPLEX_RDZV_ENDPOINT": endpoint,
            "TENPLEX_RDZV_ID": given(options, "--rdzv-id", "--rdzv_id") or "none",
-           "TENPLEX_MIN_WORKERS": str(min_workers)}
+           "TENPLEX_MIN_WORKERS": str(min_workers), "TENPLEX_MAX_WORKERS": str(max_workers),
+           "TENPLEX_LAST_CALL": conf.get("last_call_timeout", LAST_CALL_S).strip()}
     return [*without(options, *_RENDEZVOUS), "--standalone"], env
-

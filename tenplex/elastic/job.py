@@ -211,10 +211,8 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
         p = self._policy
         self.choice: Choice = choose(self.world_size, sizes, **p["caps"], pp=p["pp"], pinned=p["pinned"],
                                      policy=p["policy"], hosts=names)
-        if self.choice.idle and self._membership is not None:
-            raise ConfigError(f"the policy leaves ranks {list(self.choice.idle)} idle ({self.choice.reason}); "
-                              f"worlds in place train every rank: pin a configuration for {self.world_size} ranks")
-        # Ranks left idle by the policy train nothing: the others save, restore and agree within their own group.
+        # Ranks left idle by the policy train nothing: the others save, restore and agree within their own group
+        # (every rank drops it before the world's groups are destroyed: InPlaceWorlds._next_world, Job._leave).
         self.group = dist.new_group(list(self.choice.ranks)) if self.choice.idle else None
         logs.from_environment(host=self.host, world=self.world_id)
         self.metrics.observe_world(self.world_size, self.config)
@@ -244,6 +242,7 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
         self._next_save: int | None = None
         self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
         self._replication_lag = 0     # agreed (max over ranks), in steps
+        self.idle_worlds: list[int] = []  # in place: the generations this process idled through
         self._init_worlds()
 
     # ----------------------------------------------------------------- configuration
@@ -282,6 +281,11 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
             self._tracked["checkpointer"].wait_snapshot()
             self._tracked["checkpointer"].close()
         ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), group=self.group, **self.checkpointer_options)
+        # Hosts outside this world (hung, or gone) whose stores may hold newer versions (tenplex.elastic.progress)
+        kv = progress.job_key_value()
+        known, decided = progress.known_stores(kv, self.host, ckpt.store_address, self.local_rank == 0), \
+            progress.decided_step(kv)
+        ckpt.stores = {**{h: a for h, a in known.items() if h not in self.hosts}, **ckpt.stores}
         extra: dict = {}
         # In place, a survivor's old model and optimizer may hold the restored version: taken from memory
         step = ckpt.restore(model, optimizer, scheduler=scheduler, scaler=scaler, annotations=annotations,
@@ -295,7 +299,8 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
         self._saved_step = step
         self._committed_blocking = step  # the restored version is committed
         self._remember_save(info.version)  # the tensors hold it now
-        gathered = progress.gather(ckpt.store.root, self.host, self.world_id, self.step, self.group)
+        gathered = progress.gather(ckpt.store.root, self.host, self.world_id, self.step, self.group, decided)
+        progress.settle_decided(kv, self.step, dist.get_rank(self.group) == 0)  # a loss is counted once
         self._progress = gathered.record
         if self.dataset is not None:
             self._open_data(extra.get(DATASET_KEY))
@@ -468,7 +473,7 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
         if self.on_exit is not None:
             self.on_exit(code, why)
         if not self.idle:
-            self._tell_idle(stopping=True)
+            self._tell_idle("stop")
         try:
             self._leave(together=self._membership is None)  # in place, the others stay: no barrier with them
         except Exception as e:  # noqa: BLE001 -- in place, the others may have left the group first: exit anyway
@@ -498,7 +503,7 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
             if self._last_committed_step() != self.step:
                 self._save("final")
             self._tracked["checkpointer"].wait_replicated(self.replication_wait)
-        self._tell_idle(stopping=False)
+        self._tell_idle("done")
         if self._membership is not None:
             self._membership.mark_leaving()
         self._leave()

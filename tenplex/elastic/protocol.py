@@ -25,12 +25,19 @@ The sequence of one change from generation N to N+1:
 1. **detect**: each worker's watch thread bumps its heartbeat counter
    (``hb/W``) and reads the others' (:class:`Liveness`); it flags a change
    when a warm worker registered that is not a member (a join), when a
-   member's heartbeat stopped (a lost peer), or when a member asked to leave.
+   member's heartbeat stopped or its process is known gone (a lost peer: the
+   rendezvous server saw the process's connection close, see
+   :mod:`tenplex.elastic.closewatch`; the heartbeat covers what that cannot
+   see), or when a member asked to leave.
    Joiners are admitted **by host**: a node's launcher starts all its workers
    at once, and each announces how many (``local_world``); the running world
    flags the join only once every worker of the joining host registered
    (:func:`warming_up`), so a node of k workers costs one change, not k. The
-   same holds for the first world: it waits for the hosts it has workers of.
+   same holds for the first world: it waits for the hosts it has workers of,
+   and, as torchrun's rendezvous does, for a *last call*: until no worker
+   registered for ``last_call`` seconds or every worker the job may have
+   (``max_workers``) registered (:func:`last_call_over`), so that nodes
+   launched together start in one world instead of one world and a join.
    A sibling that hangs in its start (never registers, never dies) holds its
    host back at most ``batch_wait`` seconds (:func:`overdue`); one that
    crashes makes its launcher restart the node's workers, whose heartbeats
@@ -41,7 +48,7 @@ The sequence of one change from generation N to N+1:
    save (the newest committed snapshot is restored) and leaves the broken group.
 3. **arrive**: every worker that stays writes ``arrive/N+1/W``; a warm joiner
    arrived there before it registered. Once every expected worker (members of
-   N and registered joiners) arrived, left, or is dead by heartbeat
+   N and registered joiners) arrived, left, or is dead (gone or by heartbeat)
    (:func:`ready_to_propose`), any arrived worker proposes generation N+1 =
    the arrived workers in node order (:func:`propose`), with ``compare_set``
    on ``gen/N+1``: the first proposal wins and every worker reads that one.
@@ -141,6 +148,10 @@ class Keys:
     def leaving(self, wid: int) -> str:         # a counter: > 0 once it left or finished
         return f"{self.prefix}leave/{wid}"
 
+    @property
+    def gone(self) -> str:                      # "W," per worker whose process ended (tenplex.elastic.closewatch)
+        return f"{self.prefix}gone"
+
     def arrived(self, number: int, wid: int) -> str:
         return f"{self.prefix}arrive/{number}/{wid}"
 
@@ -181,18 +192,21 @@ class Generation:
     members: tuple[int, ...]
     reasons: tuple[str, ...] = ()
     hosts: tuple[str, ...] = field(default=(), compare=False)  # each member's host, in the same order
+    # the previous members left out as dead, with the evidence: "closed" (process gone) or "heartbeat"
+    lost_by: tuple[tuple[int, str], ...] = field(default=(), compare=False)
 
     def rank_of(self, wid: int) -> int | None:
         return self.members.index(wid) if wid in self.members else None
 
     def to_json(self) -> str:
         return json.dumps({"number": self.number, "members": list(self.members), "reasons": list(self.reasons),
-                           "hosts": list(self.hosts)})
+                           "hosts": list(self.hosts), "lost_by": [list(p) for p in self.lost_by]})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Generation":
         d = json.loads(text)
-        return cls(int(d["number"]), tuple(d["members"]), tuple(d["reasons"]), tuple(d.get("hosts", ())))
+        return cls(int(d["number"]), tuple(d["members"]), tuple(d["reasons"]), tuple(d.get("hosts", ())),
+                   tuple((int(w), str(how)) for w, how in d.get("lost_by", ())))
 
 
 def node_order(previous: Generation | None, members: dict[int, Member]) -> tuple[int, ...]:
@@ -232,6 +246,16 @@ def ready_to_propose(previous: Generation | None, registered: set[int], arrived:
     if previous is None and warming - leaving - dead:
         return False
     return not waiting and bool(live) and (previous is not None or len(live) >= min_workers)
+
+
+def last_call_over(previous: Generation | None, registered: int, max_workers: int | None, quiet_s: float,
+                   last_call: float) -> bool:
+    """Whether the first generation may be proposed as far as late starters go: ``registered`` workers reached
+    ``max_workers`` (when the job knows it), or none registered for ``quiet_s`` >= ``last_call`` seconds. Later
+    generations never wait: their change was agreed already."""
+    if previous is not None or (max_workers is not None and registered >= max_workers):
+        return True
+    return quiet_s >= last_call
 
 
 def propose(previous: Generation | None, arrived: dict[int, Member], leaving: set[int]) -> Generation:
@@ -289,6 +313,15 @@ class Liveness:
         self.timeout = timeout
         self._seen: dict[int, tuple[int, float, float]] = {}  # wid -> (counter, when it last advanced, last seen)
         self._first: dict[int, float] = {}                     # wid -> when this observer first read it
+        self._gone: dict[int, int] = {}                        # wid -> its counter when its connection closed
+
+    def gone(self, wid: int) -> None:
+        """Evidence that ``wid``'s process ended (:mod:`tenplex.elastic.closewatch`; call it after
+        :meth:`observe` of the same round): dead now, without the timeout, as long as its counter stays where it
+        was. A worker whose connection broke while it lives (a reset on the network) beats on: alive again, and
+        only the timeout can count it dead from then on."""
+        if wid in self._seen:
+            self._gone.setdefault(wid, self._seen[wid][0])
 
     def observe(self, wid: int, counter: int, now: float) -> None:
         last = self._seen.get(wid)
@@ -299,7 +332,13 @@ class Liveness:
             self._seen[wid] = (counter, last[1], now)
 
     def dead(self) -> set[int]:
-        return {w for w, (_, since, seen) in self._seen.items() if seen - since > self.timeout}
+        return {w for w, (counter, since, seen) in self._seen.items()
+                if seen - since > self.timeout or self._gone.get(w) == counter}
+
+    def how_dead(self, wid: int) -> str:
+        """How ``wid`` was found dead: ``closed`` (its process's connection closed), else ``heartbeat``."""
+        counter = self._seen[wid][0] if wid in self._seen else None
+        return "closed" if counter is not None and self._gone.get(wid) == counter else "heartbeat"
 
     def alive(self) -> set[int]:
         """Workers seen heart-beating: their counter advanced since this observer first read it. A worker that
@@ -314,3 +353,4 @@ class Liveness:
     def forget(self, wid: int) -> None:
         self._seen.pop(wid, None)
         self._first.pop(wid, None)
+        self._gone.pop(wid, None)

@@ -1,6 +1,7 @@
 """One worker's side of the in-place protocol: register, heart-beat, arrive, propose, re-form the process group.
 
-May import: ``tenplex.elastic.protocol`` (the protocol's logic), ``tenplex.integration.process_group`` (leaving a
+May import: ``tenplex.elastic.protocol`` (the protocol's logic), ``tenplex.elastic.closewatch`` (announcing this
+process to the rendezvous server's close watch), ``tenplex.integration.process_group`` (leaving a
 group), torch.distributed and the standard library.
 
 :class:`Membership` does the I/O that :mod:`tenplex.elastic.protocol` decides,
@@ -19,9 +20,17 @@ What bounds every wait, measured with torch 2.13 and gloo on loopback:
   the dead peer), and a new group forms in a few milliseconds;
 * a peer that hangs or is cut off sends no reset: the group's ``timeout``
   (:class:`Membership`'s ``timeout``) ends the collective;
-* a peer that dies between collectives stops its heartbeat: the watch thread
-  counts it dead after ``dead_after`` seconds and flags a change for the next
-  step boundary (:attr:`Membership.wanted`);
+* a peer whose process ends (SIGKILL, a crash, its node killed) closes its
+  connection to the rendezvous server's close watch
+  (:mod:`tenplex.elastic.closewatch`): the server marks it gone and the watch
+  threads count it dead at their next read (``heartbeat_s``), so the
+  survivors of a failed collective propose the next generation without
+  waiting out its heartbeat (the generation's ``lost_by`` says which
+  evidence counted each lost peer dead);
+* a peer that hangs or is cut off between collectives stops its heartbeat
+  (or, cut off, its heartbeat stops reaching the store): the watch thread
+  counts it dead after ``dead_after`` seconds and flags a change for the
+  next step boundary (:attr:`Membership.wanted`);
 * a member of a proposed generation that never forms it (a second failure):
   the formation fails after ``timeout`` on every other member, which arrive
   at the next generation without it.
@@ -29,9 +38,11 @@ What bounds every wait, measured with torch 2.13 and gloo on loopback:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
+import socket
 import threading
 import time
 from datetime import timedelta
@@ -39,8 +50,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from ..integration.process_group import import_world_capturing_modules, leave_process_group
-from .protocol import (Event, Generation, Keys, Liveness, Member, Worker, change_wanted, overdue, propose,
-                       ready_to_propose, warming_up)
+from . import closewatch
+from .protocol import (Event, Generation, Keys, Liveness, Member, Worker, change_wanted, last_call_over, overdue,
+                       propose, ready_to_propose, warming_up)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +70,9 @@ def connect(endpoint: str, timeout: float = 30.0) -> dist.TCPStore:
 class Membership:
     """This worker's membership in an in-place job (see the module docstring and :mod:`.protocol`).
 
-    ``min_workers``: how many workers the first generation waits for.
+    ``min_workers``: how many workers the first generation waits for; then,
+    until no worker registered for ``last_call`` seconds or ``max_workers``
+    (the most the job may have; None: unknown) registered.
     ``timeout``: each generation's process-group timeout (a hung collective,
     a member that never forms). ``dead_after``: seconds of a still heartbeat
     after which a worker counts as dead; ``heartbeat_s``: the watch thread's
@@ -72,9 +86,12 @@ class Membership:
 
     def __init__(self, endpoint: str, job: str, host: str, local_rank: int, *, min_workers: int = 1,
                  timeout: float = 10.0, dead_after: float = 2.0, heartbeat_s: float = 0.1, backend: str = "gloo",
-                 local_world: int | None = None, batch_wait: float = 30.0):
+                 local_world: int | None = None, batch_wait: float = 30.0, last_call: float = 0.0,
+                 max_workers: int | None = None):
         self.keys = Keys(job)
         self.endpoint, self.min_workers, self.timeout, self.backend = endpoint, min_workers, timeout, backend
+        self.last_call, self.max_workers = last_call, max_workers
+        self._quiet: tuple[frozenset[int], float] = (frozenset(), time.monotonic())  # registered, since when
         self.heartbeat_s, self.batch_wait = heartbeat_s, batch_wait
         self.timeline: dict[str, float] = {"connecting": time.time()}
         self.protocol = Worker()
@@ -87,6 +104,7 @@ class Membership:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.wanted: tuple[str, ...] = ()        # the watch thread's flag: why the world should change
+        self._announced: socket.socket | None = None  # this process's connection to the close watch, if served
         self.held_back: set[int] = set()         # joiners it saw whose host still starts others (no change yet)
         wid = self._store.add(self.keys.slots, 1) - 1
         if local_world is None:
@@ -105,10 +123,25 @@ class Membership:
         gc.freeze()
         self._store.set(self.keys.slot(self.me.wid), self.me.to_json())
         self._store.add(self.keys.heartbeat(self.me.wid), 1)
+        self._announce()
         self._watcher.start()
         self.protocol.on(Event.REGISTERED)
         self.timeline["registered"] = time.time()
         return self.me
+
+    def _announce(self) -> None:
+        """Ask the rendezvous server's close watch to mark this worker gone when its process ends (a store
+        served otherwise has none: the heartbeat alone notices then)."""
+        if self._store.check([closewatch.PORT_KEY]):
+            port = int(self._store.get(closewatch.PORT_KEY))
+            host = self.endpoint.rpartition(":")[0].strip("[]")
+            self._announced = closewatch.announce(host, port, self.keys.gone, f"{self.me.wid},")
+
+    def _gone(self, store) -> set[int]:
+        """The workers the close watch marked gone."""
+        if not store.check([self.keys.gone]):
+            return set()
+        return {int(w) for w in store.get(self.keys.gone).decode().split(",") if w.strip()}
 
     def _watch(self) -> None:
         store = connect(self.endpoint)
@@ -124,6 +157,7 @@ class Membership:
 
     def _observe(self, store) -> None:
         """Read the registered workers, their heartbeats and leave marks; update :attr:`wanted`."""
+        gone = self._gone(store)  # before the leave marks: a worker that left says so before its process ends
         count = store.add(self.keys.slots, 0)
         now = time.monotonic()
         for wid in range(count):
@@ -140,6 +174,8 @@ class Membership:
                 self.liveness.forget(wid)
                 continue
             self.liveness.observe(wid, store.add(self.keys.heartbeat(wid), 0), now)
+            if wid in gone:
+                self.liveness.gone(wid)
         current = self.current
         if current is not None:
             members, leaving, dead = self.view()
@@ -184,12 +220,18 @@ class Membership:
             arrived = {w: m for w, m in members.items() if self._store.add(self.keys.arrived(number, w), 0)}
             # expected: the previous generation's members and the joiners seen heart-beating (not stale slots)
             registered = set(members) & (self.liveness.alive() | set(previous.members if previous else ()))
-            warming = self.warming(previous, members, registered, leaving | dead) if previous is None else set()
-            if ready_to_propose(previous, registered, set(arrived), leaving, dead, self.min_workers, warming):
+            # an arrival proves a worker alive before its heartbeat does: an arrived joiner's host is warming too
+            warming = self.warming(previous, members, registered | set(arrived), leaving | dead) \
+                if previous is None else set()
+            if ready_to_propose(previous, registered, set(arrived), leaving, dead, self.min_workers, warming) \
+                    and self._last_call_over(previous, registered | set(arrived)):
                 proposal = propose(previous, arrived, leaving)
                 if previous is not None and dead & set(previous.members):
-                    log.warning("generation %d: proposing %s without %s (no heartbeat for %.1f s)", number,
-                                list(proposal.members), sorted(dead), self.liveness.timeout)
+                    lost_by = tuple((w, self.liveness.how_dead(w)) for w in sorted(dead & set(previous.members)))
+                    proposal = dataclasses.replace(proposal, lost_by=lost_by)
+                    log.warning("generation %d: proposing %s without %s (closed: its process is gone; heartbeat: "
+                                "none for %.1f s)", number, list(proposal.members), dict(lost_by),
+                                self.liveness.timeout)
                 won = self._store.compare_set(key, "", proposal.to_json())
                 if won.decode() == proposal.to_json():  # this proposal (or an identical one) was published:
                     self._store.set(self.keys.latest, str(number))  # its proposers set the same number, in order
@@ -198,6 +240,13 @@ class Membership:
                 raise TimeoutError(f"generation {number}: still waiting for workers "
                                    f"{sorted(registered - set(arrived) - leaving - dead)} to arrive")
             time.sleep(self.heartbeat_s / 2)
+
+    def _last_call_over(self, previous: Generation | None, registered: set[int]) -> bool:
+        """:func:`.protocol.last_call_over` on this worker's clock: quiet since the registered set last changed."""
+        now = time.monotonic()
+        if registered != self._quiet[0]:
+            self._quiet = (frozenset(registered), now)
+        return last_call_over(previous, len(registered), self.max_workers, now - self._quiet[1], self.last_call)
 
     def _published(self, generation: Generation) -> Generation:
         self._seen = generation
@@ -253,3 +302,6 @@ class Membership:
         self._stop.set()
         if self._watcher.is_alive():
             self._watcher.join(timeout=5)
+        if self._announced is not None:
+            closewatch.withdraw(self._announced)
+            self._announced = None

@@ -1,6 +1,7 @@
 """``tenplex rendezvous serve``: torch's ``TCPStore`` in a process of its own, for torchrun's c10d rendezvous.
 
-May import: ``tenplex.errors``, torch.distributed (``TCPStore``, on use) and the standard library.
+May import: ``tenplex.errors``, ``tenplex.elastic.closewatch``, torch.distributed (``TCPStore``, on use) and the
+standard library.
 
 Why: with torchrun's c10d backend one agent hosts the rendezvous store, and
 killing that agent ends the whole job (measured here with torch 2.13). A store
@@ -13,6 +14,10 @@ every interface. We bind the listening socket ourselves and hand it over
 (``master_listen_fd``), so that it listens on loopback unless told otherwise;
 any other address needs ``allow_unauthenticated`` (use it on a trusted
 network only, as torchrun's own store is).
+
+Beside the store it serves a close watch (:mod:`tenplex.elastic.closewatch`,
+on the same address, its port in the store): in-place workers learn there at
+once that a peer's process is gone, without waiting out its heartbeat.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import threading
 from pathlib import Path
 
 from ..errors import ConfigError
+from .closewatch import PORT_KEY, CloseWatch
 
 
 def is_loopback(address: str) -> bool:
@@ -73,11 +79,18 @@ def serve(bind: str = "127.0.0.1", port: int = 0, port_file: Path | None = None,
         listener.close()
         raise
     listener.detach()  # the store owns the socket now and closes it itself
+    # The watch appends from its own thread, through its own client (a TCPStore client is one connection).
+    appender = dist.TCPStore(bind, bound, is_master=False)
+    watch = CloseWatch(appender.append, bind)  # type: ignore[attr-defined]  # in torch, not in its stubs
+    store.set(PORT_KEY, str(watch.port))
     if port_file is not None:
         tmp = port_file.with_name(port_file.name + ".tmp")
         tmp.write_text(f"{bound}\n")
         tmp.replace(port_file)
     if ready is not None:
         ready(bound)
-    (stop or threading.Event()).wait()
-    del store
+    try:
+        (stop or threading.Event()).wait()
+    finally:
+        watch.close()
+        del appender, store

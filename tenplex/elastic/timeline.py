@@ -8,7 +8,11 @@ Each worker writes JSON lines (``examples/01-gpt-train/train.py --record``):
 restore time, data position), ``step`` (loss and the sample ids it read),
 ``saved`` (step, version, position) and ``exit``; ranks with dp = tp = 0
 dump their pipeline stage's full parameters and Adam moments after every save
-and after a restore (safetensors).
+and after a restore (safetensors). Every rank records when it was in such a
+dump (``dump``: a collective gather, the demo's own check): the time the
+whole world spent in them within a pause is reported as ``checks_s`` and
+is not part of ``pause_s`` (a job without the demo's checks does not pause
+for it).
 
 The **final history** takes each step from the last world that trained it (a
 step trained again after a failure replaces the lost attempt).
@@ -55,6 +59,14 @@ class World:
     exits: list[dict] = field(default_factory=list)
     ends: list[dict] = field(default_factory=list)          # in place: its ranks' "end" (the process went on)
     pids: dict[str, int] = field(default_factory=dict)      # device (HOST/LOCAL_RANK) -> the pid of its rank
+    dumps: dict[str, list] = field(default_factory=dict)    # "saved-S"/"restored-S" -> each rank's [begin, end]
+
+    def checks(self) -> list[tuple[float, float]]:
+        """When this world was held up by the demo's own dumps, one span per dump every rank made: from the last
+        rank's entry, as long as the shortest rank's dump took (a lower bound: a rank that waits in the dump's
+        gather for a slower peer counts no longer than the quickest; pipeline stages gather apart)."""
+        return [(max(b for b, _ in each), max(b for b, _ in each) + min(e - b for b, e in each))
+                for each in self.dumps.values() if len(each) == len(self.files)]
 
     def describe(self) -> dict:
         return {"world": self.size, "hosts": self.hosts, "parallel": self.parallel}
@@ -99,6 +111,8 @@ def read_worlds(folder: Path) -> list[World]:
             w.exits.append(d)
         elif d["event"] == "end":
             w.ends.append(d)
+        elif d["event"] == "dump":
+            w.dumps.setdefault(d["what"], []).append((d["begin"], d["time"]))
     return sorted(worlds.values(), key=lambda w: w.start)
 
 
@@ -244,19 +258,26 @@ def _pause(kind: str, fired: float, between: list[World], target: World) -> dict
     demo holds between steps) to the new world's first step finished, and its parts, which add up to it:
     ``detect_s`` (a failure: until the old world's first rank stopped), ``agree_s`` (a planned change: the ranks
     agreeing and saving at the step boundary), ``re_form_s`` (to the new world formed, its model built: in
-    restart mode the processes' restart), ``restore_s`` and ``first_step_s``."""
+    restart mode the processes' restart), ``restore_s`` and ``first_step_s``. The time every rank spent in the
+    demo's own state dumps within the window (``checks_s``) is taken off the part it fell in and off the pause."""
     last = max((h["time"] for w in between for h in w.steps.values()), default=fired)
     begin = max(last, fired)
     if not target.steps:
-        return {"pause_s": None, "pause": None}
+        return {"pause_s": None, "pause": None, "checks_s": None}
     first = target.steps[min(target.steps)]["time"]
     stopped = min((x["time"] for w in between for x in w.exits + w.ends if x["time"] >= begin), default=target.start)
     stopped = min(max(stopped, begin), target.ready - target.restore_s)
     planned = kind in ("join", "leave", "evict")
-    parts = {"detect_s": 0.0 if planned else stopped - begin, "agree_s": stopped - begin if planned else 0.0,
-             "re_form_s": target.ready - target.restore_s - stopped, "restore_s": target.restore_s,
-             "first_step_s": first - target.ready}
-    return {"pause_s": round(first - begin, 3), "pause": {k: round(v, 3) for k, v in parts.items()}}
+    formed = target.ready - target.restore_s
+    spans = {"detect_s" if not planned else "agree_s": (begin, stopped), "re_form_s": (stopped, formed),
+             "restore_s": (formed, target.ready), "first_step_s": (target.ready, first)}
+    checks = [c for w in between + [target] for c in w.checks()]
+    parts = {"detect_s": 0.0, "agree_s": 0.0}
+    for key, (a, b) in spans.items():  # each part less the demo's own checks inside it
+        parts[key] = (b - a) - sum(max(0.0, min(b, e) - max(a, s)) for s, e in checks)
+    checks_s = sum(max(0.0, min(first, e) - max(begin, s)) for s, e in checks)
+    return {"pause_s": round(first - begin - checks_s, 3), "pause": {k: round(v, 3) for k, v in parts.items()},
+            "checks_s": round(checks_s, 3)}
 
 
 def _pids(source: World, target: World) -> dict[str, dict]:
@@ -319,7 +340,8 @@ def print_timeline(summary: dict, say) -> None:
         if e.get("pause"):
             p, kept = e["pause"], sum(v["before"] == v["after"] for v in e["pids"].values())
             say(f"   pause {e['pause_s']:.2f} s (detect {p['detect_s']:.2f}, agree {p['agree_s']:.2f}, re-form "
-                f"{p['re_form_s']:.2f}, restore {p['restore_s']:.2f}, first step {p['first_step_s']:.2f}); "
+                f"{p['re_form_s']:.2f}, restore {p['restore_s']:.2f}, first step {p['first_step_s']:.2f}; "
+                f"not counted: {e['checks_s']:.2f} s of the demo's own state dumps); "
                 f"{kept} of {len(e['pids'])} survivor(s) kept their process")
         say(f"   bytes: kept {b['kept']}, within hosts {b['intra_host']}, between hosts {b['inter_host']} "
             f"(lower bound {b['inter_host_lower_bound']})")

@@ -53,6 +53,8 @@ IN_PLACE_ENV = "TENPLEX_IN_PLACE"
 ENDPOINT_ENV = "TENPLEX_RDZV_ENDPOINT"
 JOB_ENV = "TENPLEX_RDZV_ID"
 MIN_WORKERS_ENV = "TENPLEX_MIN_WORKERS"
+MAX_WORKERS_ENV = "TENPLEX_MAX_WORKERS"
+LAST_CALL_ENV = "TENPLEX_LAST_CALL"
 DEAD_AFTER_ENV = "TENPLEX_DEAD_AFTER"
 
 
@@ -70,7 +72,9 @@ def membership_from_environment(timeout: float, backend: str) -> Membership | No
     os.environ.update(MASTER_ADDR=host, MASTER_PORT=port)
     return Membership(endpoint, os.environ.get(JOB_ENV, "default"), os.environ.get("TENPLEX_HOST", "h0"),
                       int(os.environ.get("LOCAL_RANK", "0")), min_workers=int(os.environ.get(MIN_WORKERS_ENV, "1")),
-                      timeout=timeout, dead_after=float(os.environ.get(DEAD_AFTER_ENV, "2.0")), backend=backend)
+                      timeout=timeout, dead_after=float(os.environ.get(DEAD_AFTER_ENV, "2.0")), backend=backend,
+                      last_call=float(os.environ.get(LAST_CALL_ENV, "0")),
+                      max_workers=int(os.environ[MAX_WORKERS_ENV]) if os.environ.get(MAX_WORKERS_ENV) else None)
 
 
 @dataclass
@@ -140,7 +144,16 @@ class InPlaceWorlds:
         step: int
         world_size: int
 
+        @property
+        def idle(self) -> bool: ...
+
         def _enter_world(self, generation: Generation | None) -> None: ...
+
+        def wait_idle(self) -> None: ...
+
+        def _idle_through_world(self) -> None: ...
+
+        def _tell_idle(self, word: str) -> None: ...
 
     def _init_worlds(self) -> None:
         """What the worlds carry from one to the next: whether the script loops, the changes' records."""
@@ -158,9 +171,17 @@ class InPlaceWorlds:
 
     def worlds(self) -> Iterator[World]:
         """The worlds this process trains in (see :mod:`tenplex.elastic.worlds`): one without ``--in-place``;
-        with it, a new one after every change, until the loop's body ends with its world still active."""
+        with it, a new one after every change, until the loop's body ends with its world still active. A world
+        in which the policy leaves this rank idle is not yielded: the rank waits through it here
+        (:meth:`~tenplex.elastic.idle.IdleRanks.wait_idle` without ``--in-place``, which exits)."""
         self._looping = True
         while True:
+            if self.idle:  # the policy leaves this rank idle: the loop's body never sees such a world
+                if not self._in_place:
+                    self.wait_idle()  # exits when the training ranks finish or stop (the script form's way)
+                self._idle_through_world()  # returns once the world ended; exits when the job finished
+                self._next_world()
+                continue
             world = self.world
             if self._membership is not None:
                 world.on_device_fault = self._membership.mark_leaving
@@ -178,6 +199,7 @@ class InPlaceWorlds:
     def _end_world(self, why: str) -> None:
         job_log.info("world %d ends at step %d: %s", self.world.generation, self.step, why)
         self.world.end(why)
+        self._tell_idle("change")  # a training rank, in a world with idle ranks: they go on to the next world too
         self._membership.protocol.on(Event.CHANGE_AGREED if why == "change" else Event.PEER_LOST)  # type: ignore
         self._world_ended_at = time.monotonic()  # after the stopping save of a change
 
@@ -203,7 +225,8 @@ class InPlaceWorlds:
         self._enter_world(generation)
         self.world.pause = {"reasons": list(generation.reasons), "ended": old.ended, "pid": os.getpid(),
                             "agree_s": self._world_ended_at - self._step_finished_at,
-                            "re_form_s": time.monotonic() - begin, "since": self._step_finished_at}
+                            "re_form_s": time.monotonic() - begin, "since": self._step_finished_at,
+                            "lost_by": {str(w): how for w, how in generation.lost_by}}  # closed / heartbeat
 
     def _first_step_done(self) -> None:
         """The first step of a world entered in place finished: its pause is over (old world's end to now)."""

@@ -53,7 +53,9 @@ def kill_me_soon(entered: threading.Event) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-m = Membership(endpoint, job, host, 0, min_workers=3, timeout=60.0, dead_after=2.0)
+# The heartbeat alone would take 600 s to count the victim dead (past the join's 120 s deadline): the survivors
+# re-form because the close watch saw its process's connection close (tenplex.elastic.closewatch).
+m = Membership(endpoint, job, host, 0, min_workers=3, timeout=60.0, dead_after=600.0)
 m.register()
 gen = m.join(deadline=time.monotonic() + 120)
 report: dict = {"first": {"generation": gen.number, "rank": dist.get_rank(), "world": dist.get_world_size()}}
@@ -76,7 +78,8 @@ gen = m.join(deadline=time.monotonic() + 120)
 x = torch.ones(3)
 dist.all_reduce(x)
 report["second"] = {"generation": gen.number, "rank": dist.get_rank(), "world": dist.get_world_size(),
-                    "reasons": list(gen.reasons), "sum": x.tolist(), "re_form_s": time.monotonic() - t}
+                    "reasons": list(gen.reasons), "sum": x.tolist(), "re_form_s": time.monotonic() - t,
+                    "lost_by": [how for _, how in gen.lost_by]}
 report["census"] = [census()]
 for _ in range(REFORMS):  # the same members, a new group each time: what does each one leave behind?
     m.protocol.on(Event.CHANGE_AGREED)

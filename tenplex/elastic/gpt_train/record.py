@@ -58,11 +58,15 @@ class Record:
         self.dump(f"saved-{save['step']}-{self.tag}")
 
     def dump(self, name: str) -> None:
+        """The demo's own check, not the job's work: its time is recorded (``dump``) so that the demo can tell
+        it apart from a change's pause."""
         from safetensors.torch import save_file
 
+        begin = time.time()
         state = self.trainer.full_state()  # collective: every rank calls it
         if self.trainer.coords["dp"] == 0 and self.trainer.coords["tp"] == 0:
             save_file({k: v.contiguous() for k, v in state.items()}, str(self.folder / "dumps" / f"{name}.safetensors"))
+        self.write(event="dump", what="-".join(name.split("-")[:2]), begin=begin, time=time.time())
 
     def ended(self, why: str | None) -> None:
         """This world ended in place (``why``: change, lost); the process goes on in the next one."""
