@@ -24,7 +24,7 @@ K = TypeVar("K")  # what a caller keys the candidate boxes of ``tile`` by (a dev
 class Box:
     """``offsets`` and ``lengths`` per dimension (see the module docstring).
 
-    Frozen, with one hidden cache: :attr:`ends` is computed once and kept in
+    Frozen, with two hidden caches: :attr:`ends` and the hash are computed once and kept in
     the instance dict (outside equality, order and hash).
     """
 
@@ -67,6 +67,14 @@ class Box:
     @cached_property  # planners ask for it in hot loops; cached in the instance dict, outside eq/hash
     def ends(self) -> tuple[int, ...]:
         return tuple(map(operator.add, self.offsets, self.lengths))
+
+    def __hash__(self) -> int:
+        # The dataclass's own hash, cached like ends: a snapshot keys its dicts by (tensor, box) ~10 times per
+        # piece per step, and a frozen box's fields never change.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = self.__dict__["_hash"] = hash((self.offsets, self.lengths))
+        return cached
 
     @property
     def volume(self) -> int:

@@ -67,6 +67,31 @@ def test_cached_pieces_are_the_fresh_ones_and_follow_every_change_of_structure()
     assert any(p.name.startswith("optim.") and p.name.endswith("1.weight") for p in got)
 
 
+def test_fingerprints_of_cached_pieces_are_the_ones_read_afresh_after_every_change():
+    model, optimizer = model_and_optimizer()
+    cache = PiecesCache()
+
+    def check():
+        got = cache.pieces(model, optimizer, None)
+        prints = [cache.fingerprint(p) for p in got]
+        assert prints == [(p.local.device, p.local.data_ptr(), p.local.dtype, p.version) for p in got]
+        return dict(zip((p.name for p in got), prints))
+
+    step(model, optimizer)
+    first = check()
+    assert check() == first  # nothing changed: the same fingerprints
+    with torch.no_grad():
+        model[0].weight.mul_(2)  # in place: a new version
+    assert check()["0.weight"] != first["0.weight"]
+    before = check()
+    with torch.no_grad():
+        model[0].weight.data = torch.zeros(3, 4)  # other memory, no version bump
+    after = check()
+    assert after["0.weight"][1] != before["0.weight"][1]
+    model[0].bias = optimizer.param_groups[0]["params"][1] = torch.nn.Parameter(torch.ones(3))  # replaced
+    assert check()["0.bias"][1] == model[0].bias.data_ptr()
+
+
 def test_annotations_equal_by_value_keep_the_cache_and_a_new_one_rebuilds_it():
     from tenplex.integration.annotate import Annotation
 
@@ -152,3 +177,45 @@ def test_the_gather_sends_unchanged_rng_streams_as_a_word_and_grows_its_capacity
     finally:
         dist.destroy_process_group()
         os.environ.pop("MASTER_PORT", None)
+
+
+def test_staging_under_the_caches_structure_copies_the_current_values_after_every_change():
+    model, optimizer = model_and_optimizer()
+    cache, buffers = PiecesCache(), SnapshotBuffers()
+
+    def check():
+        pieces = cache.pieces(model, optimizer, None)
+        buffers.stage(pieces, cache.generation)  # plans made under the same structure skip their own check
+        staged = {(name, box): buffer for name, box, buffer in buffers.buffers()}
+        for p in pieces:
+            assert torch.equal(staged[(p.name, p.box)], p.local[p.local_box.slices()])
+    step(model, optimizer)
+    check()
+    step(model, optimizer)  # new values, same memory and structure
+    check()
+    with torch.no_grad():
+        model[0].weight.data = torch.randn(3, 4)  # other memory: a new structure, the plan is made again
+    check()
+    model[0].bias = optimizer.param_groups[0]["params"][1] = torch.nn.Parameter(torch.randn(3))  # replaced
+    check()
+    step(model, optimizer)
+    check()
+
+
+def test_the_optimizers_named_parameters_follow_a_renamed_module():
+    from tenplex.integration.pieces import optimizer_scalars
+
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer)
+    cache = PiecesCache()
+    cache.pieces(model, optimizer, None)
+    named = cache.named_params(model, optimizer)
+    assert optimizer_scalars(model, optimizer, named) == optimizer_scalars(model, optimizer)
+    assert {name for name, _ in named} == {"0.weight", "0.bias"}
+    model._modules = {("moved" if k == "0" else k): m for k, m in model._modules.items()}  # same tensors, same
+    # order, other names
+    pieces = cache.pieces(model, optimizer, None)
+    assert {p.name for p in pieces} >= {"moved.weight", "moved.bias"}
+    named = cache.named_params(model, optimizer)
+    assert {name for name, _ in named} == {"moved.weight", "moved.bias"}
+    assert optimizer_scalars(model, optimizer, named) == optimizer_scalars(model, optimizer)

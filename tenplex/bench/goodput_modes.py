@@ -122,14 +122,17 @@ class TenplexInPlace(TenplexRestart):
     RUN_OPTIONS = ("--in-place",)
     SETTINGS = dict(
         TenplexRestart.SETTINGS,
-        launcher="tenplex run --in-place per node (each node's torchrun standalone: local supervision only), "
-                 "tenplex rendezvous serve (the worlds form on it); the same worker, its loop form "
-                 "(for world in job.worlds(): with world: ...); TENPLEX_DEAD_AFTER default (2 s)",
+        launcher="tenplex run --in-place per node (each node's own supervisor starts its workers: no torchrun, no "
+                 "torch in the launcher), tenplex rendezvous serve (the worlds form on it); the same worker, its loop "
+                 "form (for world in job.worlds(): with world: ...); TENPLEX_DEAD_AFTER default (2 s)",
         leave="SIGTERM: the ranks agree at the next step boundary, save, the leaver exits and the others form the "
               "next world in their processes",
         lost="the survivors see the peer's error in the collective (or its heartbeat stop for 2 s), form the "
              "next world in their processes and restore the newest committed snapshot",
-        restore="the newest version, from this host's store first (item 3 of issue 36, memory, not done)",
+        restore="the newest version: a survivor whose model still holds it keeps it (memory), the others read it "
+                "from this host's store first",
+        **{"gpu fault": "the worker exits with a device fault; its node's supervisor excludes the device, the "
+                        "node's other worker goes on in the next world"},
     )
 
 

@@ -16,7 +16,7 @@ import os
 from ..ops import logs, metrics
 from ._operations import add_arguments, serve_metrics, setup_logs
 
-_NAMES = ("--log-format", "--metrics-port", "--metrics-bind")
+NAMES = ("--log-format", "--metrics-port", "--metrics-bind")
 
 
 def take(argv: list[str]) -> tuple[list[str], argparse.Namespace]:
@@ -33,7 +33,7 @@ def take(argv: list[str]) -> tuple[list[str], argparse.Namespace]:
     rest, mine, i = [], [], 0
     while i < boundary:
         token = argv[i]
-        if token.split("=", 1)[0] in _NAMES:
+        if token.split("=", 1)[0] in NAMES:
             taken = 1 if "=" in token else 2
             mine += argv[i:i + taken]
             i += taken

@@ -8,7 +8,10 @@ Everything after ``run`` is parsed by :func:`tenplex.elastic.launcher.parse`
 (torchrun's own parser plus tenplex's options), so torchrun options that
 tenplex does not know pass through unchanged; ``tenplex run --help`` lists both.
 
-With ``--in-place`` the node's store starts at once, in a thread, while this
+With ``--in-place`` and only the torchrun options that in place needs, no torch and no torchrun: the node's
+workers start at once under :mod:`tenplex.elastic.supervisor`
+(:func:`tenplex.elastic.light_launch.parse_light`). With other torchrun options, ``--in-place`` keeps
+torchrun ``--standalone``, and the node's store starts at once, in a thread, while this
 process imports torch for the launcher (a few seconds on a busy machine): the
 launcher then finds it serving (or still starting: it waits on the store's
 lock) instead of starting it after the import.
@@ -18,7 +21,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
+
+from ..ops import logs
+from . import _run_operations
+from ._operations import add_arguments
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +40,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args) -> int:
+    from ..elastic.light_launch import parse_light, run_supervised
+
+    # TENPLEX_IN_PLACE_TORCHRUN=1 keeps torchrun --standalone as each node's supervisor (the way before it)
+    torchrun = os.environ.get("TENPLEX_IN_PLACE_TORCHRUN", "") not in ("", "0")
+    light = None if torchrun else parse_light(args.argv, add_arguments, _run_operations.NAMES)
+    if light is not None:  # in place with nothing torchrun must do: no torch here, no torchrun
+        from ..elastic.launcher import _given
+
+        spec, ns, nproc, max_restarts = light
+        ns.host, ns.job = spec.host, logs.job_name(_given(spec.torchrun, "--rdzv-id", "--rdzv_id"))
+        _run_operations.start(ns)
+        return run_supervised(spec, nproc, max_restarts)
+    return _run_torchrun(args)
+
+
+def _run_torchrun(args) -> int:
     from ..elastic.launcher import run
-    from . import _run_operations
 
     early = _store_early(args.argv)  # before anything imports torch (the operations' parser does)
     argv, operations = _run_operations.take(args.argv)

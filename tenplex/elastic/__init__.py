@@ -8,8 +8,9 @@ use it without torch; this package therefore loads :class:`Job` (torch) only
 when it is first used.
 
 Modules: :mod:`.policy` (which configuration a world trains with), :mod:`.job` (the training-loop API, with
-:mod:`.worlds`, :mod:`.batches`, :mod:`.idle` and :mod:`.saves`), :mod:`.launcher` (``tenplex run``), :mod:`.entry`
-(how each worker starts), :mod:`.faults` (device fault, lost peer or crash), :mod:`.devices` (a node's devices and
+:mod:`.worlds`, :mod:`.batches`, :mod:`.idle` and :mod:`.saves`), :mod:`.launcher` (``tenplex run``; in place
+without torchrun: :mod:`.light_launch` and :mod:`.supervisor`), :mod:`.entry` (how each worker starts),
+:mod:`.faults` (device fault, lost peer or crash), :mod:`.devices` (a node's devices and
 their health), :mod:`.restarts` (the agent's restart accounting), :mod:`.rendezvous` (``tenplex rendezvous serve``),
 :mod:`.gpt_train` (the example training script that ``tenplex demo --elastic`` runs).
 """

@@ -11,6 +11,9 @@ store) and ``--rdzv-id`` go to the workers instead, with the smallest number of 
 (``--nnodes MIN`` times ``--nproc-per-node``), the most it may have (``MAX`` times it) and the last call: how long
 the first world still waits for late starters once no worker registered (``--rdzv-conf last_call_timeout``,
 default :data:`LAST_CALL_S`, as tenplex run sets it for torchrun's rendezvous).
+
+Without torchrun (:mod:`.light_launch`): when every option is one that in place needs, ``tenplex run
+--in-place`` neither imports torch nor runs torchrun; any other torchrun option keeps torchrun ``--standalone``.
 """
 
 from __future__ import annotations

@@ -281,6 +281,11 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
             self._tracked["checkpointer"].wait_snapshot()
             self._tracked["checkpointer"].close()
         ckpt = tenplex.Checkpointer(coords=dict(coords or self.coords), group=self.group, **self.checkpointer_options)
+        # Hosts outside this world (hung, or gone) whose stores may hold newer versions (tenplex.elastic.progress)
+        kv = progress.job_key_value()
+        known, decided = progress.known_stores(kv, self.host, ckpt.store_address, self.local_rank == 0), \
+            progress.decided_step(kv)
+        ckpt.stores = {**{h: a for h, a in known.items() if h not in self.hosts}, **ckpt.stores}
         extra: dict = {}
         # In place, a survivor's old model and optimizer may hold the restored version: taken from memory
         step = ckpt.restore(model, optimizer, scheduler=scheduler, scaler=scaler, annotations=annotations,
@@ -294,7 +299,8 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
         self._saved_step = step
         self._committed_blocking = step  # the restored version is committed
         self._remember_save(info.version)  # the tensors hold it now
-        gathered = progress.gather(ckpt.store.root, self.host, self.world_id, self.step, self.group)
+        gathered = progress.gather(ckpt.store.root, self.host, self.world_id, self.step, self.group, decided)
+        progress.settle_decided(kv, self.step, dist.get_rank(self.group) == 0)  # a loss is counted once
         self._progress = gathered.record
         if self.dataset is not None:
             self._open_data(extra.get(DATASET_KEY))

@@ -114,12 +114,17 @@ def parse(argv: list[str]) -> RunSpec:
     boundary = len(argv) - len(ns.training_script_args) - 1
     if boundary < 0 or argv[boundary] != ns.training_script:
         raise ConfigError(f"cannot find the training script {ns.training_script!r} in the command line")
+    return spec_of(ns, argv[:boundary])
+
+
+def spec_of(ns, options: list[str], skip: tuple[str, ...] = ()) -> RunSpec:
+    """The :class:`RunSpec` of parsed options ``ns``; ``options``: the command line before the training script
+    (``skip``: more options with a value that are neither ours nor torchrun's)."""
     passthrough, mode, i = [], "script", 0
-    options = argv[:boundary]
     while i < len(options):
         token = options[i]
         name = token.split("=", 1)[0]
-        if name in _OURS:
+        if name in _OURS or name in skip:
             i += 1 if "=" in token else 2
             continue
         if token == "--in-place":
@@ -194,9 +199,12 @@ def torchrun_argv(spec: RunSpec) -> list[str]:
         options += ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())]
     if _given(options, "--max-restarts", "--max_restarts") is None:
         options += ["--max-restarts", DEFAULT_MAX_RESTARTS]
-    # Workers start through the entry shim (tenplex.elastic.entry), which makes them die with the agent.
-    return [*options, "--no-python", sys.executable, "-u", "-m", "tenplex.elastic.entry", spec.mode, spec.target,
-            *spec.args]
+    return [*options, "--no-python", *entry_command(spec)]
+
+
+def entry_command(spec: RunSpec) -> list[str]:
+    """How each worker starts: through the entry shim (tenplex.elastic.entry), which makes it die with its agent."""
+    return [sys.executable, "-u", "-m", "tenplex.elastic.entry", spec.mode, spec.target, *spec.args]
 
 
 def alive(pid: int) -> bool:
@@ -340,6 +348,30 @@ def worker_env(spec: RunSpec, address: str, token: str | None) -> dict[str, str]
     return env
 
 
+def prepare(spec: RunSpec) -> str:
+    """The dataset's view (first: a bad dataset starts nothing), the node's store, and the workers' environment
+    (in this process's: the agent passes it on); the store's address."""
+    from ..ops import logs
+
+    token = spec.token_file.read_text().strip() if spec.token_file else None
+    if spec.token_file and not token:
+        raise ConfigError(f"token file {spec.token_file} is empty")
+    if spec.dataset is not None and spec.data_mount is not None:
+        from .dataview import STATE_DIR, VIEW_ENV, ensure_view
+
+        root = ensure_view(spec.dataset, spec.data_mount, spec.store_root / STATE_DIR)
+        os.environ.update({VIEW_ENV: str(spec.data_mount.resolve()), "TENPLEX_DATASET": str(spec.dataset.resolve())})
+        logs.line(f"tenplex run: dataset view of {spec.dataset} at {spec.data_mount} (generation "
+                  f"{root['generation']}, world {root.get('world') or 'none yet'})", sys.stderr, logger=__name__)
+    address = ensure_store(spec, token)
+    os.environ.update(worker_env(spec, address, token))
+    if spec.in_place:
+        from .inplace_launch import local_argv
+
+        os.environ.update(local_argv(spec.torchrun, _given, _without)[1])  # where the workers form the worlds
+    return address
+
+
 def run(argv: list[str]) -> int:
     """Start or reuse the store, set the environment, run the agent; 0 after a planned leave (SIGTERM)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -349,23 +381,8 @@ def run(argv: list[str]) -> int:
     from ..ops import logs
 
     spec = parse(argv)
-    token = spec.token_file.read_text().strip() if spec.token_file else None
-    if spec.token_file and not token:
-        raise ConfigError(f"token file {spec.token_file} is empty")
     args = torchrun_argv(spec)
-    if spec.dataset is not None and spec.data_mount is not None:  # first: a bad dataset starts nothing
-        from .dataview import STATE_DIR, VIEW_ENV, ensure_view
-
-        root = ensure_view(spec.dataset, spec.data_mount, spec.store_root / STATE_DIR)
-        os.environ.update({VIEW_ENV: str(spec.data_mount.resolve()), "TENPLEX_DATASET": str(spec.dataset.resolve())})
-        logs.line(f"tenplex run: dataset view of {spec.dataset} at {spec.data_mount} (generation "
-                  f"{root['generation']}, world {root.get('world') or 'none yet'})", sys.stderr, logger=__name__)
-    address = ensure_store(spec, token)
-    os.environ.update(worker_env(spec, address, token))  # the agent passes its environment on to the workers
-    if spec.in_place:
-        from .inplace_launch import local_argv
-
-        os.environ.update(local_argv(spec.torchrun, _given, _without)[1])  # where the workers form the worlds
+    address = prepare(spec)
     logs.line(f"tenplex run: host {spec.host}, store {address} ({spec.store_root}); torchrun {' '.join(args)}",
               sys.stderr, logger=__name__)
     from .restarts import NodeOutOfDevices, tenplex_agent

@@ -1,6 +1,7 @@
 """The job's progress on each host, so that the next world knows how many steps a failure lost.
 
-May import: ``tenplex.integration.exchange``, torch.distributed and the standard library.
+May import: ``tenplex.integration.exchange``, ``tenplex.integration.jobstore``, torch.distributed and the standard
+library.
 
 A worker does not know how far the previous world got: a host or a worker
 that dies between two saves takes the steps since the last committed save
@@ -15,6 +16,11 @@ gathered, and the world writes its restored step at once: a record left by
 an older world on a host that sat out a newer one (it reached steps whose
 loss the newer world already counted) never counts again, and neither does
 a world that died before its first step boundary.
+
+The records only tell how far a host's own worlds got. A host whose ranks idled holds no snapshot of the world it
+idled in, so when the training host hangs or dies its store is the only one that holds the newest state: every
+host's store address is therefore also kept in the job's key-value store (:func:`known_stores`), and a restore
+asks the stores of the hosts that left for newer versions (:mod:`tenplex.integration.versions`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from typing import Any, Iterable, Mapping
 
 log = logging.getLogger(__name__)
 FILE = "progress.json"
+STORES_KEY = "tenplex/{job}/stores"  # appended: "HOST=ADDRESS;" per host and restore, the newest last
+CONNECT_S = 5.0
 FORMAT = "tenplex.progress/1"
 
 
@@ -115,9 +123,12 @@ class Gathered:
     record: ProgressRecord | None
 
 
-def gather(root: str | os.PathLike, host: str, world: str, restored_step: int, group=None) -> Gathered:
+def gather(root: str | os.PathLike, host: str, world: str, restored_step: int, group=None, decided: int | None = None
+           ) -> Gathered:
     """Gather the records of the hosts of ``group`` at a restore of ``restored_step`` (collective); the first
-    rank of each host then starts this world's record at the restored step."""
+    rank of each host then starts this world's record at the restored step. ``decided``: the newest step whose
+    snapshot commit the job's key-value store decided (:func:`decided_step`, read before the restore): the steps
+    beyond the restored one were lost too, although no host of the group recorded them (they trained elsewhere)."""
     import torch.distributed as dist
 
     from ..integration.exchange import all_gather_json
@@ -126,10 +137,68 @@ def gather(root: str | os.PathLike, host: str, world: str, restored_step: int, g
     docs = all_gather_json({"host": host, "progress": None if mine is None else mine.to_dict()}, group)
     # Every rank of the group read its host's record before this returns: no rank overwrites one unread.
     previous = furthest(Progress.from_dict(d["progress"]) for d in docs if d["progress"] is not None)
-    lost = lost_steps(previous, restored_step)
+    lost = max(lost_steps(previous, restored_step), 0 if decided is None else decided - restored_step)
     total = lost + (0 if previous is None else previous.lost_total)
     record = None
     if [d["host"] for d in docs].index(host) == dist.get_rank(group):
         record = ProgressRecord(root, world, 1 + (0 if previous is None else previous.generation), total)
         record.write(restored_step)
     return Gathered(lost, total, record)
+
+
+
+def job_key_value():
+    """A client of the job's key-value store (the rendezvous store in place: ``MASTER_ADDR:MASTER_PORT``), or None
+    without one or when it does not answer (logged: it only widens a restore's search and its count)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not (addr and port):
+        return None
+    try:
+        return dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=CONNECT_S))
+    except Exception as e:  # noqa: BLE001 -- without it a restore sees the job's hosts only, as before
+        log.warning("cannot reach the job's key-value store at %s:%s: %s", addr, port, e)
+        return None
+
+
+def known_stores(kv, host: str, address: str | None, publish: bool) -> dict[str, str]:
+    """host -> store address of every host that published one in the job's key-value store ``kv`` (None: {}),
+    the newest per host; first publishes this host's when ``publish``."""
+    if kv is None:
+        return {}
+    key = STORES_KEY.format(job=os.environ.get("TENPLEX_RDZV_ID", "default"))
+    try:
+        if publish and address:
+            kv.append(key, f"{host}={address};")
+        raw = kv.get(key).decode() if kv.check([key]) else ""
+    except Exception as e:  # noqa: BLE001 -- see job_key_value
+        log.warning("cannot read the store addresses from the job's key-value store: %s", e)
+        return {}
+    return dict(entry.split("=", 1) for entry in raw.split(";") if "=" in entry)
+
+
+def decided_step(kv) -> int | None:
+    """The step of the newest snapshot whose commit the job's key-value store ``kv`` decided (None: none, or no
+    store): a host that died with it took its committed state along when no store that answers holds it."""
+    from ..integration.jobstore import committed_key
+
+    try:
+        return int(kv.get(committed_key())) if kv is not None and kv.check([committed_key()]) else None
+    except Exception as e:  # noqa: BLE001 -- see job_key_value
+        log.warning("cannot read the committed step from the job's key-value store: %s", e)
+        return None
+
+
+def settle_decided(kv, restored_step: int, first: bool) -> None:
+    """The first rank of a restored world sets the decided step back to the restored one: the steps beyond it were
+    counted by this restore, and a later restore counts only what this world's commits decide."""
+    from ..integration.jobstore import committed_key
+
+    if kv is not None and first:
+        try:
+            kv.set(committed_key(), str(restored_step))
+        except Exception as e:  # noqa: BLE001 -- see job_key_value
+            log.warning("cannot reset the committed step in the job's key-value store: %s", e)

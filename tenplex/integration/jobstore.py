@@ -6,7 +6,8 @@ Snapshots agree on their commit through this store (:mod:`.snapshot`, step 3). T
 training thread, on a thread of its own, and after a failed attempt it tries again with back-off (0.25 s,
 doubling up to 8 s between attempts): one slow start under load must not leave every later snapshot of the
 world to commit a step boundary late. A snapshot whose write finished while no client was connected commits
-at the next boundary instead (counted in ``snapshot_stats()["late_commits"]``).
+at the next boundary instead (counted in ``snapshot_stats()["late_commits"]``). The step of the newest decided
+commit stays there (:func:`committed_key`), so that a restore whose hosts lack it counts the steps lost.
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ class JobKeyValue:
         self._connected.set()
         with self._lock:
             self._attempting = False
+
+
+def committed_key() -> str:
+    """Where the job's key-value store keeps the step of the newest snapshot whose commit it decided (the deciding
+    rank writes it; a restore compares it with the restored step: :mod:`tenplex.elastic.progress`)."""
+    return f"tenplex/{os.environ.get('TENPLEX_RDZV_ID', 'default')}/committed-step"
 
 
 def _address() -> tuple[str, int] | None:

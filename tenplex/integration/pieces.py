@@ -224,10 +224,17 @@ def optimizer_pieces(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return pieces
 
 
-def optimizer_scalars(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, dict[str, float]]:
-    """{param name: {key: value}} for scalar optimizer states (Adam's ``step``), as JSON numbers."""
+def named_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    """(bare name, parameter) of every parameter the optimizer holds, in its groups' order."""
+    return list(_named_params(model, optimizer))
+
+
+def optimizer_scalars(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      named: list[tuple[str, torch.Tensor]] | None = None) -> dict[str, dict[str, float]]:
+    """{param name: {key: value}} for scalar optimizer states (Adam's ``step``), as JSON numbers. ``named``:
+    :func:`named_optimizer_params`, when the caller knows it unchanged (walking the model costs more than the rest)."""
     result: dict[str, dict[str, float]] = {}
-    for name, param in _named_params(model, optimizer):
+    for name, param in (_named_params(model, optimizer) if named is None else named):
         for key, value in sorted(optimizer.state.get(param, {}).items()):
             if _saved_as_tensor(value, param):
                 continue

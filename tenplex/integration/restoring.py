@@ -77,7 +77,8 @@ def bring_within_reach(at: Reach, found: Found, new: Layout, docs, pieces: list[
     that needs other hosts' shards is read through or transformed into a new version. With ``memory`` (which
     filled the pieces already), this rank reads only the regions memory lacks."""
     old = found.layout
-    newest = max(v for d in docs for v in d["versions"])
+    # Above every version any store holds, a departed host's newer ones too: a number never names two states.
+    newest = max([v for d in docs for v in d["versions"]] + [found.highest])
     source_version = found.version
     if found.lost_hosts:
         source_version = info.version = info.promoted_version = promote(at.store, at.group, found, newest + 1, docs)

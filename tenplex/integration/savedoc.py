@@ -50,10 +50,11 @@ def static_doc(pieces: list[Piece], *, device: str, host: str, store: str | None
             "groups": group_names(model, optimizer), "buffers": buffer_names(model)}
 
 
-def step_doc(latest: int | None, rng: bool, model, optimizer) -> dict:
-    """The part of :func:`rank_doc` that changes every step: the newest version, RNG, optimizer scalars."""
+def step_doc(latest: int | None, rng: bool, model, optimizer, named: list | None = None) -> dict:
+    """The part of :func:`rank_doc` that changes every step: the newest version, RNG, optimizer scalars
+    (``named``: see :func:`.pieces.optimizer_scalars`)."""
     return {"latest": latest, "rng": capture_rng() if rng else None,
-            "scalars": optimizer_scalars(model, optimizer) if optimizer is not None else {}}
+            "scalars": optimizer_scalars(model, optimizer, named) if optimizer is not None else {}}
 
 
 def state_doc(docs: list[dict], step: int, extra, scheduler, scaler, optimizer) -> dict:

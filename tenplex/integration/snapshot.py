@@ -63,7 +63,7 @@ from ..replication.stores import STORES_DOC, stores_doc
 from ..store import CorruptShard
 from ..store.contract import LinkingWriter
 from .exchange import agree, all_gather_json
-from .jobstore import JobKeyValue
+from .jobstore import JobKeyValue, committed_key
 from .pieces import Piece
 from .rollforward import PARTS_DOC, parts_doc
 from .savedoc import SaveRound, state_doc
@@ -77,16 +77,6 @@ from .versions import STATE_DOC
 log = logging.getLogger(__name__)
 _POLL_S = 0.005  # how often a host's first rank looks for the commit decision (one small request each)
 _COPY_TRIES, _COPY_RETRY_S = 20, 0.25  # a snapshot's copy is retried for ~5 s: other hosts commit a moment later
-
-
-def _fingerprint(piece: Piece) -> tuple | None:
-    """What must stay the same for a piece to count as unchanged: the memory it lives in and the in-place
-    version counters (a change through ``.data`` bumps no counter and is not seen: optimizers change parameters
-    in place, torch's own under ``no_grad``, which counts). None: not tracked (never skipped)."""
-    if piece.version is None:
-        return None
-    local = piece.local
-    return local.device, local.data_ptr(), local.dtype, piece.version
 
 
 class SnapshotError(TenplexError, RuntimeError):
@@ -140,6 +130,7 @@ class Snapshotter:
         self._copier: threading.Thread | None = None
         self._closed = False
         self._gc_due = False  # a commit at the boundary left retention to the writer thread
+        self._own_cache: tuple[Any, dict, int, list[int], list[tuple[str, Box]]] | None = None  # see _own
         self.stats: dict[str, Any] = {"snapshots": 0, "committed": 0, "failed": 0, "blocking_s": 0.0,
                                       "waited_s": 0.0, "last_blocking_s": 0.0, "write_s": 0.0, "last_write_s": 0.0,
                                       "last_commit_s": None, "staging_bytes": 0, "linked_bytes": 0, "late_commits": 0,
@@ -156,6 +147,7 @@ class Snapshotter:
         waited = time.monotonic() - begin
         pieces = self.pieces.pieces(model, optimizer, annotations)
         docs = self.rounds.exchange(pieces, rank, rng, model, optimizer, pieces_key=self.pieces.generation,
+                                    named=self.pieces.named_params(model, optimizer),
                                     previous=previous, nonce=uuid.uuid4().hex)
         self._settle(docs, gc=False)  # a late commit's retention runs in the writer thread, before this write
         round_ = self.rounds.round(docs)  # the same on every rank: a mismatch raises everywhere
@@ -165,10 +157,13 @@ class Snapshotter:
         version = round_.next_version([d["previous"]["version"] for d in docs if d["previous"]])
         leader = round_.leader
         replicas = ckpt.replica_count(round_)
-        own = [canonical.get((p.name, p.box), p) for p in pieces if writers[(ckpt.host, p.name, p.box)] == rank]
-        fingerprints = {(p.name, p.box): _fingerprint(p) for p in own}
+        indices, keys = self._own(pieces, writers, rank)
+        own = [canonical.get(key, pieces[i]) for i, key in zip(indices, keys)] if canonical else \
+            [pieces[i] for i in indices]
+        fingerprints = {key: self.pieces.fingerprint(p) for key, p in zip(keys, own)}
         unchanged = self._unchanged(fingerprints, version)
-        self.staging.stage([p for p in own if (p.name, p.box) not in unchanged])
+        self.staging.stage([p for key, p in zip(keys, own) if key not in unchanged] if unchanged else own,
+                           self.pieces.generation)
         documents: dict[str, Any] = {}
         leader_docs: SaveRound | None = None
         if rank == leader:
@@ -181,16 +176,29 @@ class Snapshotter:
             version, step, rank == leader, round_.parts, world,
             f"tenplex/snapshot/{docs[0]['nonce']}", None, round_.addresses, replicas,
             {k: f for k, f in fingerprints.items() if f is not None},
-            [(p.name, p.box) for p in own if (p.name, p.box) in unchanged], called_at=begin, spread=self.rounds.spread)
+            [key for key in keys if key in unchanged] if unchanged else [], called_at=begin,
+            spread=self.rounds.spread)
         self._hand_off(job, ({p.name: p.spec for p in own}, documents, leader_docs, rank))
         blocking = time.monotonic() - begin
         self.stats.update(snapshots=self.stats["snapshots"] + 1, blocking_s=self.stats["blocking_s"] + blocking,
                           staged_version=version, staged_step=step,
                           waited_s=self.stats["waited_s"] + waited, last_blocking_s=blocking,
                           staging_bytes=self.staging.nbytes,
-                          linked_bytes=sum(p.box.volume * p.local.element_size() for p in own
-                                           if (p.name, p.box) in unchanged))
+                          linked_bytes=sum(p.box.volume * p.local.element_size() for key, p in zip(keys, own)
+                                           if key in unchanged) if unchanged else 0)
         return job.future
+
+    def _own(self, pieces: list[Piece], writers: dict, rank: int) -> tuple[list[int], list[tuple[str, Box]]]:
+        """Which of ``pieces`` this rank writes, and their (tensor, box) keys: worked out again only when the
+        pieces' structure or the round's writers changed (the same objects while they stay)."""
+        generation, known = self.pieces.generation, self._own_cache
+        if generation is None or known is None or known[0] is not generation or known[1] is not writers \
+                or known[2] != rank:
+            host = self.ckpt.host
+            indices = [i for i, p in enumerate(pieces) if writers[(host, p.name, p.box)] == rank]
+            known = self._own_cache = (generation, writers, rank, indices,
+                                       [(pieces[i].name, pieces[i].box) for i in indices])
+        return known[3], known[4]
 
     def _unchanged(self, fingerprints: dict[tuple[str, Box], tuple | None], version: int) -> set[tuple[str, Box]]:
         """The pieces that the previous snapshot holds as they are now, when it is version - 1: no other version
@@ -340,6 +348,7 @@ class Snapshotter:
             return
         if kv.add(f"{job.key}/prepared", 1) == job.world:
             kv.set(decision, "commit")  # every rank prepared its part
+            kv.set(committed_key(), str(job.step))  # a restore that cannot reach it counts it lost
         if not job.leader:
             return
         while not job.give_up.is_set():

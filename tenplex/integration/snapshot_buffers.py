@@ -36,40 +36,50 @@ class SnapshotBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
+        self._staged: list[tuple[str, Box]] = []  # the keys the last stage copied (buffers of others are freed)
         self._events: list[torch.cuda.Event] = []  # the last staging's copies, when some piece is on a GPU
-        # (tensor, box) -> (the source memory it was made for, destination view, source view)
-        self._plans: dict[tuple[str, Box], tuple[tuple, Any, Any]] = {}
+        # (tensor, box) -> (the source memory it was made for, destination view, source view, the source tensor,
+        # the structure it was last checked under)
+        self._plans: dict[tuple[str, Box], tuple[tuple, Any, Any, torch.Tensor, Any]] = {}
 
     @property
     def nbytes(self) -> int:
         """Bytes of host memory the buffers hold (reported as the snapshot's staging memory)."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def stage(self, pieces: list[Piece]) -> None:
-        """Copy every piece's values into its buffer; returns once the tensors may change (see the docstring)."""
-        wanted = {(p.name, p.box) for p in pieces}
-        for key in list(self._buffers):  # a piece no longer written (a new layout): free its buffer
-            if key not in wanted:
-                del self._buffers[key]
-                self._plans.pop(key, None)
+    def stage(self, pieces: list[Piece], structure: Any = None) -> None:
+        """Copy every piece's values into its buffer; returns once the tensors may change (see the docstring).
+        ``structure``: :attr:`.snapshot_pieces.PiecesCache.generation`, the same object while every source
+        tensor's memory is the same, checked by the cache (None: unknown): a plan made for the same tensor object
+        under it needs no check of its own."""
+        keys = [(p.name, p.box) for p in pieces]
+        if keys != self._staged:  # compared by identity first: the same boxes while the pieces stay
+            wanted = set(keys)
+            for key in list(self._buffers):  # a piece no longer written (a new layout): free its buffer
+                if key not in wanted:
+                    del self._buffers[key]
+                    self._plans.pop(key, None)
+            self._staged = keys
         on_gpu = [p for p in pieces if p.local.device.type == "cuda"]
         with torch.no_grad():
             for p in pieces:
                 if p.local.device.type != "cuda":
-                    self._copy(p)
+                    self._copy(p, structure)
             if on_gpu:
                 self._stage_cuda(on_gpu)
 
-    def _copy(self, piece: Piece) -> None:
+    def _copy(self, piece: Piece, structure: Any) -> None:
         """Copy one CPU piece into its buffer through views made once (the region of the same memory, into the
         same buffer): slicing and viewing cost more than copying a small piece."""
         local, key = piece.local, (piece.name, piece.box)
-        where = (local.data_ptr(), local.shape, local.stride(), local.dtype, piece.local_box)
         plan = self._plans.get(key)
-        if plan is None or plan[0] != where:
-            buffer = self._buffer(piece)
-            plan = self._plans[key] = (where, *_copy_views(buffer, local[piece.local_box.slices()]))
-        _, destination, source = plan
+        if plan is None or structure is None or plan[4] is not structure or plan[3] is not local:
+            where = (local.data_ptr(), local.shape, local.stride(), local.dtype, piece.local_box)
+            if plan is None or plan[0] != where:
+                buffer = self._buffer(piece)
+                plan = (where, *_copy_views(buffer, local[piece.local_box.slices()]), local, structure)
+            self._plans[key] = plan = (*plan[:3], local, structure)
+        destination, source = plan[1], plan[2]
         if isinstance(destination, np.ndarray):
             np.copyto(destination, source, casting="no")
         else:

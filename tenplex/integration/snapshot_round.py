@@ -52,9 +52,10 @@ class RoundCache:
         self._sends: tuple[SaveRound, list] | None = None  # the round's canonical buffer sends
 
     def exchange(self, pieces: list[Piece], rank: int, rng: bool, model, optimizer, pieces_key: Any = None,
-                 **more: Any) -> list[dict]:
+                 named: list | None = None, **more: Any) -> list[dict]:
         """Every rank's whole save document (static and per-step parts) and ``more``. Collective. ``pieces_key``
-        stands for the pieces' names, boxes and specs when the caller knows them unchanged (:mod:`.snapshot_pieces`)."""
+        stands for the pieces' names, boxes and specs when the caller knows them unchanged (:mod:`.snapshot_pieces`);
+        ``named``: the optimizer's named parameters, when known (:meth:`.snapshot_pieces.PiecesCache.named_params`)."""
         ckpt = self.ckpt
         key = (id(model), id(optimizer), ckpt.store_address,
                tuple((p.name, p.box, p.spec) for p in pieces) if pieces_key is None else pieces_key,
@@ -63,7 +64,7 @@ class RoundCache:
             self._key, self._sent = key, False
             self._static = static_doc(pieces, device=ckpt.device, host=ckpt.host, store=ckpt.store_address,
                                       coord=ckpt.coord_key(rank), model=model, optimizer=optimizer)
-        mine = {**step_doc(ckpt.store.latest(), rng, model, optimizer), **more}
+        mine = {**step_doc(ckpt.store.latest(), rng, model, optimizer, named), **more}
         if not self._sent:
             mine["static"] = self._static
         streams = mine["rng"]

@@ -8,6 +8,11 @@ store still answers with it. When a host of the version is gone (it left and its
 is back in the job with an empty store), its regions come from the copies the job's hosts hold. A version some
 region of which no available host holds is skipped; when no version is left and a host that left took regions
 with it, :class:`~tenplex.replication.LostStateError` names what was lost.
+
+A host that left may hold versions newer than any the job's hosts hold: it trained in a world in which the job's
+hosts idled (an idle rank's host is in no saved layout and receives no copies), then hung or left. So the stores of
+the hosts that left whose addresses are known (``stores``, and the records of the newest version here) are asked
+for their versions first, and a newer version one of them still serves is a candidate like the others.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ from ..layout import Layout, from_dict as layout_from_dict
 from ..replication import LostStateError, assemble
 from ..replication.copier import held_layout
 from ..replication.plan import Lost
-from ..replication.stores import STORES_DOC, answering, replicas_of
+from ..replication.stores import STORES_DOC, answering, held_by, replicas_of
 from ..store import LAYOUT_DOC, Store
 from .exchange import all_gather_json, broadcast_json
 from .nontensor import StateMismatchError
 
 STATE_DOC = "tenplex.torch_state"
 STATE_FORMAT = "tenplex.torch_state/1"
+DEPARTED_PROBE_S = 1.0  # a departed host's store gets this long to answer (a dead host's port mostly refuses at once)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,7 @@ class Found:
     lost_hosts: list[str] = field(default_factory=list)
     replica_devices: dict[str, tuple[str, str]] = field(default_factory=dict)
     skipped: list[dict] = field(default_factory=list)
+    highest: int = 0                   # the highest version any store that answered holds: new versions go above
 
 
 class VersionFinder:
@@ -57,7 +64,12 @@ class VersionFinder:
     def find(self, docs, wanted: int | None) -> Found | None:
         """The newest version (or ``wanted``) the available hosts can assemble completely; None: none saved."""
         job_hosts = {d["host"]: set(d["versions"]) for d in docs}
+        elsewhere = self._departed_versions(docs, job_hosts)  # host -> [address, versions] of departed hosts
         candidates = sorted({v for d in docs for v in d["versions"]}, reverse=True)
+        newer = sorted({v for _, vs in elsewhere.values() for v in vs if v > max(candidates, default=0)},
+                       reverse=True)
+        candidates = newer + candidates
+        highest = max([max(vs, default=0) for _, vs in elsewhere.values()] + candidates, default=0)
         if wanted is not None:
             if wanted not in candidates:
                 raise StateMismatchError(f"version {wanted} is committed on none of this job's hosts "
@@ -66,7 +78,7 @@ class VersionFinder:
         skipped: list[dict] = []
         losses: list[tuple[int, int, list[str], list[Lost], int]] = []
         for v in candidates:
-            payload = self._broadcast_version(v, docs, job_hosts)
+            payload = self._broadcast_version(v, docs, job_hosts, elsewhere)
             old = layout_from_dict(payload["layout"], source=f"version {v}")
             step = payload["state"]["step"]
             # A host of the job that should hold v but does not: v's commit did not finish there, or the host
@@ -74,11 +86,11 @@ class VersionFinder:
             lacking = [h for h in old.hosts() if h in job_hosts and v not in job_hosts[h]]
             departed = [h for h in old.hosts() if h not in job_hosts and h not in payload["answering"]]
             if not lacking and not departed:
-                return Found(v, old, payload["state"], payload["answering"], skipped=skipped)
+                return Found(v, old, payload["state"], payload["answering"], skipped=skipped, highest=highest)
             gone = sorted(lacking + departed)
             found = self._assemble(v, old, gone, docs)
             if not found.lost:
-                return Found(v, found.layout, payload["state"], {}, gone, found.replica_devices, skipped)
+                return Found(v, found.layout, payload["state"], {}, gone, found.replica_devices, skipped, highest)
             if not departed:  # no copy stands in for a host of the job: as before, v is not complete
                 skipped.append({"version": v, "step": step, "reason": f"not committed on {', '.join(lacking)}"})
                 continue
@@ -89,13 +101,34 @@ class VersionFinder:
             raise LostStateError(lost_message(losses), losses[0][3])
         return None
 
-    def _broadcast_version(self, v: int, docs, job_hosts) -> dict:
-        """``v``'s documents, read by the first rank whose host holds it and sent to every rank."""
-        src = min(r for r, d in enumerate(docs) if v in d["versions"])
+    def _departed_versions(self, docs, job_hosts) -> dict[str, list]:
+        """The versions held by the answering stores of hosts that left (known addresses: ``stores`` and the
+        records of the newest version here), probed by the first rank and sent to every rank. Collective."""
+        found: dict[str, list] | None = None
+        if dist.get_rank(self.group) == 0:
+            known = dict(self.stores)
+            newest = max(docs[0]["versions"], default=None)
+            if newest is not None:
+                try:
+                    reader = self.store.open(newest)
+                    if STORES_DOC in reader.json_names():
+                        known = {**reader.get_json(STORES_DOC)["stores"], **known}
+                except Exception as e:  # noqa: BLE001 -- a record only adds candidates
+                    log.warning("cannot read the store record of version %d: %s", newest, e)
+            departed = {h: a for h, a in known.items() if h not in job_hosts and a}
+            found = {h: [a, vs] for h, (a, vs) in held_by(departed, self.token, DEPARTED_PROBE_S).items()}
+        return broadcast_json(found, src=global_rank(0, self.group), group=self.group)
+
+    def _broadcast_version(self, v: int, docs, job_hosts, elsewhere) -> dict:
+        """``v``'s documents, read by the first rank whose host holds it (the first rank from a store that holds
+        it elsewhere, when no host of the job does) and sent to every rank."""
+        holders = [r for r, d in enumerate(docs) if v in d["versions"]]
+        src = min(holders, default=0)
         payload = None
         if dist.get_rank(self.group) == src:
             try:
-                payload = self._read_version(v, job_hosts)
+                payload = self._read_version(v, job_hosts) if holders else \
+                    self._read_elsewhere(v, job_hosts, min(a for a, vs in elsewhere.values() if v in vs))
             except Exception as e:  # noqa: BLE001 -- every rank raises it after the broadcast
                 payload = {"error": f"{type(e).__name__}: {e}"}
         payload = broadcast_json(payload, src=global_rank(src, self.group), group=self.group)
@@ -106,11 +139,25 @@ class VersionFinder:
     def _read_version(self, v: int, job_hosts) -> dict:
         """Layout, state and replication record of ``v`` from this host, and which departed hosts still serve it."""
         reader = self.store.open(v)
-        layout = reader.get_json(LAYOUT_DOC)
         recorded = reader.get_json(STORES_DOC) if STORES_DOC in reader.json_names() else None
+        return self._documents(v, job_hosts, reader.get_json(LAYOUT_DOC), reader.get_json(STATE_DOC), recorded)
+
+    def _read_elsewhere(self, v: int, job_hosts, address: str) -> dict:
+        """The same as :meth:`_read_version`, read from the store at ``address`` of a host that left the job."""
+        from ..store.client import RemoteStoreError, StoreClient
+
+        with StoreClient(address, token=self.token) as client:
+            try:
+                recorded = client.get_json(v, STORES_DOC)
+            except RemoteStoreError:  # saved without a record
+                recorded = None
+            return self._documents(v, job_hosts, client.get_json(v, LAYOUT_DOC), client.get_json(v, STATE_DOC),
+                                   recorded)
+
+    def _documents(self, v: int, job_hosts, layout: dict, state: dict, recorded: dict | None) -> dict:
         departed = sorted({host_of(d) for d in layout["devices"]} - set(job_hosts))
         candidates = {h: self.stores.get(h) or (recorded or {"stores": {}})["stores"].get(h) for h in departed}
-        return {"layout": layout, "state": reader.get_json(STATE_DOC), "replicas": replicas_of(recorded, v),
+        return {"layout": layout, "state": state, "replicas": replicas_of(recorded, v),
                 "answering": answering(candidates, v, self.token) if departed else {}}
 
     def _assemble(self, v: int, old: Layout, gone: list[str], docs):

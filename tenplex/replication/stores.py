@@ -44,16 +44,22 @@ def replicas_of(doc: dict | None, version: int) -> int | None:
 def answering(candidates: Mapping[str, str], version: int, token: str | None = None,
               timeout: float = PROBE_TIMEOUT_S) -> dict[str, str]:
     """The hosts among ``candidates`` (host -> address) whose store answers as that host and holds ``version``."""
+    return {h: a for h, (a, versions) in held_by(candidates, token, timeout).items() if version in versions}
+
+
+def held_by(candidates: Mapping[str, str], token: str | None = None,
+            timeout: float = PROBE_TIMEOUT_S) -> dict[str, tuple[str, list[int]]]:
+    """host -> (address, its versions) of the ``candidates`` (host -> address) whose store answers as that host."""
     from ..store.client import StoreClient  # grpc: loaded only when some host of a version left the job
 
-    def probe(item: tuple[str, str]) -> tuple[str, str] | None:
+    def probe(item: tuple[str, str]) -> tuple[str, tuple[str, list[int]]] | None:
         host, address = item
         try:
             with StoreClient(address, token=token, timeout=timeout) as client:
                 health = client.health(timeout=timeout)
         except Exception:  # noqa: BLE001 - a store that does not answer is simply not a source
             return None
-        return item if health["host"] == host and version in health["versions"] else None
+        return (host, (address, [int(v) for v in health["versions"]])) if health["host"] == host else None
 
     items = sorted((h, a) for h, a in candidates.items() if a)
     if not items:
