@@ -5,7 +5,8 @@ May import: ``tenplex.box``, ``tenplex.layout``, ``tenplex.transfer_plan``, this
 
 In place (:mod:`tenplex.elastic.worlds`) a worker that survives a change keeps its process, and with it the
 model and optimizer it trained in the old world. At the change's stopping save, committed on every host, it
-keeps a reference to them (:meth:`Kept.capture`): their tensors hold exactly that version. When the new
+keeps their local tensors (:meth:`Kept.capture`; never the module, optimizer or a DTensor, whose mesh would keep
+the old world's groups and their sockets alive): they hold exactly that version. When the new
 world's :meth:`~tenplex.Checkpointer.restore` restores that version, every region of a new piece that a kept
 piece holds is copied from memory, device to device (:meth:`Memory.fill`); only what memory lacks is read,
 from this host's store or from other hosts' (:meth:`Memory.cut_tiles`, :meth:`Memory.cut_share`: the
@@ -24,6 +25,7 @@ of any other version (that save was not committed everywhere) reads the stores.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
@@ -40,35 +42,61 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Kept:
-    """A survivor's state at the end of a world: references to its model and optimizer, the committed ``version``
-    they hold, and their in-place version counters (:func:`state_counters`) then."""
+    """A survivor's state at the end of a world: its pieces (plain local tensors), the committed ``version`` they
+    hold, and the in-place version counters (:func:`state_counters`) of the model's and optimizer's tensors then.
+
+    It holds no module, optimizer or DTensor: a DTensor's mesh holds the old world's process groups, and a group
+    alive in this process keeps its sockets open, so a survivor still blocked in a collective with this rank
+    would wait for its full timeout instead of seeing the connection close (issue 36: a departed rank that kept
+    its model hung the last rank of a tp job). A DTensor is watched through a weak reference: while the user
+    still holds it (a model reused by ``build``), an in-place change shows in its counter; once it is gone
+    nothing can change it, and its local tensor, held here, has its own counter."""
 
     version: int
-    model: Any
-    optimizer: Any
-    annotations: Any
+    pieces: list[Piece] | None       # None: the state could not be cut into pieces (memory unusable)
+    watched: list[Any]               # per counted tensor: the tensor, or (a weak reference to a DTensor, its local)
     counters: tuple[int, ...]
 
     @classmethod
     def capture(cls, model, optimizer, annotations, version: int, counters: tuple[int, ...] | None = None) -> "Kept":
-        """Keep ``model`` and ``optimizer`` as they are right after ``version`` was saved from them (``counters``:
-        their :func:`state_counters` now, when the caller has them). Cheap: the pieces are made when used."""
-        return cls(version, model, optimizer, annotations,
-                   state_counters(model, optimizer) if counters is None else counters)
+        """Keep the pieces of ``model`` and ``optimizer`` as they are right after ``version`` was saved from them
+        (``counters``: their :func:`state_counters` now, when the caller has them)."""
+        try:
+            pieces: list[Piece] | None = [_plain(p) for p in _pieces(model, optimizer, annotations)]
+        except Exception as e:  # noqa: BLE001 -- memory is only a faster source: any doubt reads the stores
+            log.warning("restore: the state kept in memory is not usable (%s: %s); reading the stores",
+                        type(e).__name__, e)
+            pieces = None
+        watched = [(weakref.ref(t), local) if (local := getattr(t, "_local_tensor", None)) is not None else t
+                   for t in _counted(model, optimizer)]
+        return cls(version, pieces, watched, state_counters(model, optimizer) if counters is None else counters)
 
     def usable(self, version: int | None, specs: Mapping[str, TensorSpec]) -> "Memory | None":
         """The kept pieces when they still hold ``version``'s values (the same version, no kept tensor changed
         since the capture), those with the global spec of ``specs`` (the restored version's); else None."""
-        if version != self.version or state_counters(self.model, self.optimizer) != self.counters:
+        if version != self.version or self.pieces is None or self._counters_now() != self.counters:
             return None
-        try:
-            pieces = _pieces(self.model, self.optimizer, self.annotations)
-        except Exception as e:  # noqa: BLE001 -- memory is only a faster source: any doubt reads the stores
-            log.warning("restore: the state kept in memory is not usable (%s: %s); reading the stores",
-                        type(e).__name__, e)
-            return None
-        valid = [p for p in pieces if specs.get(p.name) == p.spec]
+        valid = [p for p in self.pieces if specs.get(p.name) == p.spec]
         return Memory(valid) if valid else None
+
+    def _counters_now(self) -> tuple[int, ...] | None:
+        """The watched tensors' counters now, in :func:`state_counters`' order; a DTensor no longer alive counts
+        its counter at the capture (nothing can change it any more), its local tensor its counter now."""
+        counts: list[int] = []
+        captured = iter(self.counters)
+        try:
+            for w in self.watched:
+                if isinstance(w, tuple):
+                    ref, local = w
+                    wrapper_then, _ = next(captured), next(captured)
+                    t = ref()
+                    counts += [wrapper_then if t is None else t._version, local._version]
+                else:
+                    counts.append(w._version)
+                    next(captured)
+        except StopIteration:  # counters of another state than the watched one: no memory
+            return None
+        return tuple(counts)
 
 
 def _pieces(model, optimizer, annotations) -> list[Piece]:
@@ -123,17 +151,29 @@ def _region(piece: Piece, region: Box) -> torch.Tensor:
     return piece.local[piece.local_box.slices()][region.local(piece.box).slices()]
 
 
-def state_counters(model, optimizer) -> tuple[int, ...]:
-    """The in-place version counters of the model's tensors and the optimizer's state tensors (a DTensor's and
-    its local tensor's: an in-place op bumps the first, a copy into the local tensor the second)."""
+def _counted(model, optimizer) -> list[torch.Tensor]:
+    """The tensors :func:`state_counters` counts: the model's and the optimizer's state tensors."""
     tensors = list(model.state_dict(keep_vars=True).values())
     if optimizer is not None:
         tensors += [v for state in optimizer.state.values() for v in state.values()]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def _plain(piece: Piece) -> Piece:
+    """``piece`` holding a plain tensor: a DTensor's local tensor (an optimizer state's piece holds the state)."""
+    if getattr(piece.local, "_local_tensor", None) is None:
+        return piece
+    with torch.no_grad():
+        return replace(piece, local=piece.local.to_local())  # type: ignore[attr-defined]
+
+
+def state_counters(model, optimizer) -> tuple[int, ...]:
+    """The in-place version counters of the model's tensors and the optimizer's state tensors (a DTensor's and
+    its local tensor's: an in-place op bumps the first, a copy into the local tensor the second)."""
     counts = []
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            counts.append(t._version)
-            local = getattr(t, "_local_tensor", None)
-            if local is not None:
-                counts.append(local._version)
+    for t in _counted(model, optimizer):
+        counts.append(t._version)
+        local = getattr(t, "_local_tensor", None)
+        if local is not None:
+            counts.append(local._version)
     return tuple(counts)

@@ -76,6 +76,7 @@ from .versions import STATE_DOC
 
 log = logging.getLogger(__name__)
 _POLL_S = 0.005  # how often a host's first rank looks for the commit decision (one small request each)
+CLOSE_JOIN_S = 10.0  # how long close() waits for the writer and copier threads to end (each finishes its item)
 _COPY_TRIES, _COPY_RETRY_S = 20, 0.25  # a snapshot's copy is retried for ~5 s: other hosts commit a moment later
 
 
@@ -451,3 +452,10 @@ class Snapshotter:
         with self._copy_wanted:
             self._closed = True
             self._copy_wanted.notify()
+        # A running thread's bound target keeps this snapshotter, its cached pieces (a DTensor's mesh: the old
+        # world's process groups and sockets) alive until it ends; in place the groups must go with the world
+        # (leave_process_group's gc.collect), else a survivor still in a collective with this rank waits for the
+        # group's timeout (issue 36). Both threads end at their next item: bounded, not a whole copy's wait.
+        for thread in (self._writer, self._copier):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=CLOSE_JOIN_S)
