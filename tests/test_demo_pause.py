@@ -44,3 +44,23 @@ def test_the_demos_temporary_work_directory_goes_to_memory_where_there_is_some(t
 
     assert memory_dir(str(tmp_path)) == str(tmp_path)     # a writable folder (/dev/shm on Linux)
     assert memory_dir(str(tmp_path / "missing")) is None  # none: the system's temporary folder
+
+
+def test_a_failed_demo_keeps_its_temporary_work_directory_and_says_where(tmp_path):
+    # The error of a failed run names the agents' logs in the work directory: it must still be there.
+    import argparse
+
+    from tenplex.cli.demo import _clean_up
+
+    said: list[str] = []
+    for finished, keep, stays in [(True, False, False), (False, False, True), (True, True, True)]:
+        work = tmp_path / f"w-{finished}-{keep}"
+        work.mkdir()
+        _clean_up(argparse.Namespace(workdir=None, keep=keep), work, finished, said.append, tell=True)
+        assert work.exists() == stays
+    assert said == [f"kept {tmp_path / 'w-False-False'} (the run failed: its logs are there; remove it when done)",
+                    f"kept {tmp_path / 'w-True-True'}"]
+    given = tmp_path / "given"
+    given.mkdir()
+    _clean_up(argparse.Namespace(workdir=given, keep=False), given, True, said.append)
+    assert given.exists() and len(said) == 2  # a --workdir of the user's is never removed

@@ -84,6 +84,17 @@ def memory_dir(candidate: str = "/dev/shm") -> str | None:
     return candidate if os.path.isdir(candidate) and os.access(candidate, os.W_OK | os.X_OK) else None
 
 
+def _clean_up(args: argparse.Namespace, workdir: Path, finished: bool, say, tell: bool = False) -> None:
+    """Remove the temporary work directory after a run that finished; keep it (and say where) when asked to, or
+    when the run failed: its error names the logs in it."""
+    if args.workdir is not None:
+        return
+    if finished and not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+    elif tell or not finished:
+        say(f"kept {workdir}" + ("" if finished else " (the run failed: its logs are there; remove it when done)"))
+
+
 def main(args: argparse.Namespace) -> int:
     if args.elastic:
         return elastic(args)
@@ -107,11 +118,12 @@ def main(args: argparse.Namespace) -> int:
                              f"{cfg.global_batch}; choose --global-batch as a multiple of {2 * dp}")
     say, workdir = _output_and_workdir(args, "tenplex-demo-")
     start = time.monotonic()
+    finished = False
     try:
         summary = run(cfg, workdir, say)
+        finished = True
     finally:
-        if args.workdir is None and not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
+        _clean_up(args, workdir, finished, say)
     summary["wall_s"] = round(time.monotonic() - start, 1)
     summary["workdir"] = str(workdir) if args.workdir or args.keep else None
     if args.json:
@@ -185,14 +197,13 @@ def elastic(args: argparse.Namespace) -> int:
         require_links()
     say, workdir = _output_and_workdir(args, "tenplex-elastic-")
     start = time.monotonic()
+    finished = False
     try:
         summary, history = run(workdir, schedule, steps, say=say, link_mbit=args.link_mbit, fuse=args.fuse,
                                in_place=in_place)
+        finished = True
     finally:
-        if args.workdir is None and not args.keep:
-            shutil.rmtree(workdir, ignore_errors=True)
-        elif args.workdir is None:
-            say(f"kept {workdir}")
+        _clean_up(args, workdir, finished, say, tell=True)
     say(f"timeline ({time.monotonic() - start:.0f} s):")
     print_timeline(summary, say)
     if "view" in summary:
