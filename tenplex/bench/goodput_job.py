@@ -7,7 +7,8 @@ emulated accelerator time, so that two shared cores do not decide the result. Ea
 :mod:`tenplex.bench.goodput_account` reads. A GPU fault is the file ``FAULTS/HOST-DEVICE``: the worker on that
 device raises the CUDA error torch would raise, and the device stays broken.
 
-May import: torch, numpy, ``tenplex.dataset``, ``tenplex.elastic.faults`` and the standard library.
+May import: torch, numpy, ``tenplex.dataset``, ``tenplex.elastic`` (``faults``, ``devices``; the Job it is given)
+and the standard library.
 """
 
 from __future__ import annotations
@@ -100,6 +101,22 @@ class Record:
                              "started": time.time()}
         self.file.write(json.dumps({"event": event, "time": time.time(), **self.base, **doc}) + "\n")
         self.file.flush()
+
+
+def run_worlds(args, job, train_world) -> None:
+    """The tenplex modes' loop form (``for world in job.worlds(): with world: ...``) around ``train_world(args,
+    job, world, record, device)``: one world per process under ``tenplex run`` (a change restarts the workers), a
+    new world per change in the same process under ``tenplex run --in-place``; every save recorded."""
+    from tenplex.elastic.devices import worker_device
+
+    device = worker_device() or os.environ.get("LOCAL_RANK", "0")
+    rec = Record(args.record, args.mode, job.host, device)
+    job.on_save = lambda info: rec.write("saved", step=info["step"], blocked_s=info.get("seconds", 0.0),
+                                         why=info.get("why"))
+    for world in job.worlds():
+        with world:
+            train_world(args, job, world, rec, device)
+    job.finish()
 
 
 def check_device(faults: Path | None, host: str, device: str) -> None:

@@ -19,12 +19,11 @@ May import: torch, ``tenplex.elastic`` (``Job``, ``devices``), ``tenplex.models.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import torch.distributed as dist
 
-from tenplex.bench.goodput_job import Record, check_device
+from tenplex.bench.goodput_job import Record, check_device, run_worlds
 from tenplex.models.gpt import GPTConfig, Parallel, Trainer
 
 GLOBAL_BATCH = 420   # divides by every dp from 1 to 7 (tp=1 on odd worlds of up to 7 workers, tp=2 on even ones)
@@ -48,17 +47,8 @@ def run_reference(args: argparse.Namespace) -> None:
 def run_tenplex_tp(args: argparse.Namespace) -> None:
     """The loop form under ``tenplex run --in-place``: a new world, mesh and model per change, one process."""
     import tenplex.elastic
-    from tenplex.elastic.devices import worker_device
 
-    job = tenplex.elastic.Job(global_batch=GLOBAL_BATCH, pinned=PINNED)
-    device = worker_device() or os.environ.get("LOCAL_RANK", "0")
-    rec = Record(args.record, args.mode, job.host, device)
-    job.on_save = lambda info: rec.write("saved", step=info["step"], blocked_s=info.get("seconds", 0.0),
-                                         why=info.get("why"))
-    for world in job.worlds():
-        with world:
-            _train_world(args, job, world, rec, device)
-    job.finish()
+    run_worlds(args, tenplex.elastic.Job(global_batch=GLOBAL_BATCH, pinned=PINNED), _train_world)
 
 
 def _train_world(args: argparse.Namespace, job, world, rec: Record, device: str) -> None:

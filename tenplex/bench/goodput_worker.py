@@ -17,10 +17,9 @@ May import: torch, ``tenplex.elastic`` (``Job``, ``devices``), ``tenplex.bench.g
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-from tenplex.bench.goodput_job import Record, Shares, build, check_device, state_bytes, train_step
+from tenplex.bench.goodput_job import Record, Shares, build, check_device, run_worlds, state_bytes, train_step
 
 
 def run_reference(args: argparse.Namespace) -> None:
@@ -40,18 +39,9 @@ def run_tenplex(args: argparse.Namespace) -> None:
     """The loop form (``for world in job.worlds(): with world: ...``): one world per process under ``tenplex run``
     (a change restarts the workers), a new world per change in the same process under ``tenplex run --in-place``."""
     import tenplex.elastic
-    from tenplex.elastic.devices import worker_device
 
     # save_every None: snapshots at the interval that keeps their cost within 5% of the step time (Job's default).
-    job = tenplex.elastic.Job(dataset=args.data, global_batch=args.global_batch, max_tp=1)
-    device = worker_device() or os.environ.get("LOCAL_RANK", "0")
-    rec = Record(args.record, args.mode, job.host, device)
-    job.on_save = lambda info: rec.write("saved", step=info["step"], blocked_s=info.get("seconds", 0.0),
-                                         why=info.get("why"))
-    for world in job.worlds():
-        with world:
-            _train_world(args, job, world, rec, device)
-    job.finish()
+    run_worlds(args, tenplex.elastic.Job(dataset=args.data, global_batch=args.global_batch, max_tp=1), _train_world)
 
 
 def _train_world(args: argparse.Namespace, job, world, rec: Record, device: str) -> None:
