@@ -128,5 +128,11 @@ def test_nvml_probe_reports_a_lost_gpu(tmp_path, monkeypatch):
         "def nvmlDeviceGetMemoryInfo(h):\n"
         "    if h in (1, 'GPU-b'):\n        raise NVMLError_GpuIsLost('GPU is lost')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert devices.probe(["0", "1"]) == {"1": "NVML: GPU is lost"}
-    assert devices.probe(["GPU-a", "GPU-b"]) == {"GPU-b": "NVML: GPU is lost"}
+    monkeypatch.delitem(sys.modules, "pynvml", raising=False)
+    try:
+        assert devices.probe(["0", "1"]) == {"1": "NVML: GPU is lost"}
+        assert devices.probe(["GPU-a", "GPU-b"]) == {"GPU-b": "NVML: GPU is lost"}
+    finally:
+        # The fake must not outlive this test: a later test in this process (the supervisor's, in process) took
+        # it from sys.modules, excluded a CPU slot as a lost GPU, and waited for that slot's worker for good.
+        sys.modules.pop("pynvml", None)
