@@ -1,8 +1,8 @@
 """The dataset view of an elastic job: one FUSE mount per node and job, switched by every world before it reads.
 
 May import: ``fuse_vfs`` (lazily: ``tenplex`` works without FUSE), ``tenplex.dataset``,
-``tenplex.integration.exchange``, ``tenplex.errors``, ``tenplex.parallel`` (a type), torch.distributed (on use) and
-the standard library.
+``tenplex.integration.exchange``, ``tenplex.errors``, ``tenplex.flock``, ``tenplex.parallel`` (a type),
+torch.distributed (on use) and the standard library.
 
 ``tenplex run --dataset DIR --data-mount PATH`` calls :func:`ensure_view`: it
 mounts DIR at PATH once per node (a later ``tenplex run`` with the same options
@@ -28,7 +28,6 @@ process: one job's switch never touches another's mount.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -36,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import ConfigError, TenplexError
+from ..flock import held
 
 if TYPE_CHECKING:
     from ..dataset import DatasetState
@@ -74,15 +74,10 @@ def _names(state_dir: Path, mountpoint: Path) -> tuple[Path, Path]:
     return state_dir / f"view-{key}.json", state_dir / f"view-{key}.log"
 
 
-@contextlib.contextmanager
-def _lock(path: Path):
-    """One ``tenplex run`` at a time checks or mounts a view: two runs starting at once mount it once."""
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+def _lock(path: Path, wait: float):
+    """One ``tenplex run`` at a time checks or mounts a view: two runs starting at once mount it once. A run
+    stopped or hung while it holds the lock keeps it: past ``wait`` seconds this raises, naming it."""
+    return held(path, wait, "checking or mounting the dataset view", DataViewError)
 
 
 def ensure_view(dataset: str | os.PathLike, mountpoint: str | os.PathLike, state_dir: str | os.PathLike,
@@ -96,7 +91,7 @@ def ensure_view(dataset: str | os.PathLike, mountpoint: str | os.PathLike, state
     mount = Path(mountpoint).resolve()
     state_dir = Path(state_dir).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
-    with _lock(state_dir / "lock"):
+    with _lock(state_dir / "lock", timeout + 60.0):  # a holder mounts for at most ``timeout``
         if os.path.ismount(mount):
             try:
                 root = fuse_vfs.read_root(mount)

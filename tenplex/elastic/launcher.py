@@ -3,9 +3,9 @@
 May import: ``tenplex.runtime.hosts`` (the store process), ``tenplex.store.client`` (is a store already
 serving?), ``tenplex.errors``, ``tenplex.durable.bucket`` (checks ``--durable``), ``tenplex.elastic.restarts``
 (the agent's restart accounting), ``.inplace_launch`` (``--in-place``) and ``.dataview`` (``--data-mount``),
-``tenplex.ops`` (its lines under ``--log-format json``), torch's ``torch.distributed.run`` (the agent) and
-``torch.distributed.elastic`` (its signal and rendezvous errors), and the standard library. All but ``errors``
-are imported on use.
+``tenplex.ops`` (its lines under ``--log-format json``), ``tenplex.flock`` (the store lock's bounded wait),
+torch's ``torch.distributed.run`` (the agent) and ``torch.distributed.elastic`` (its signal and rendezvous
+errors), and the standard library. All but ``errors`` and ``flock`` are imported on use.
 
     tenplex run --host NAME --store-root DIR [--store-bind ADDR] [--store-advertise HOST] [--token-file F]
                 [--durable s3://BUCKET/PREFIX] [--dataset DIR --data-mount PATH] [torchrun options] script.py [args]
@@ -29,13 +29,14 @@ agent exits: a node that left can still serve its shards to the survivors.
 Its port, pid and log are ``DIR/.tenplex-store.{port,pid,log}``; a later
 ``tenplex run`` with the same root reuses it, and ``tenplex store stop
 --store-root DIR`` (:func:`stop_store`) stops it. ``DIR/.tenplex-store.lock``
-(``flock``) keeps one store per root when runs start at once.
+(``flock``) keeps one store per root when runs start at once; a run waits for it
+at most ``STORE_LOCK_WAIT_S`` (a holder that is stopped or hung keeps it: the
+error names it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import signal
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..flock import held
 
 # Restarts after a crash (torchrun's default 0 would end the job at the first one). Leaves, lost nodes and
 # device faults also reach the agents as failed workers, but tenplex run does not count them
@@ -229,17 +231,17 @@ def _store_files(root: Path) -> tuple[Path, Path, Path]:
     return port, pid, log
 
 
+STORE_LOCK_WAIT_S = 300.0  # a holder keeps the store lock while it starts a store (120 s by default) or stops one
+
+
 @contextlib.contextmanager
-def _store_lock(root: Path):
+def _store_lock(root: Path, wait: float = STORE_LOCK_WAIT_S):
     """Hold ``root``'s store lock: one ``tenplex run`` or ``tenplex store stop`` at a time checks, starts or
     stops the store there, so that two runs starting at once start one store (the kernel drops the lock when
-    its holder dies, so a crashed run leaves no stale lock)."""
-    fd = os.open(root / ".tenplex-store.lock", os.O_CREAT | os.O_RDWR, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    its holder dies, so a crashed run leaves no stale lock; one stopped or hung keeps it: past ``wait`` seconds
+    this raises ``tenplex.flock.LockTimeout`` naming the holder)."""
+    with held(root / ".tenplex-store.lock", wait, f"the node store of {root}"):
         yield
-    finally:
-        os.close(fd)
 
 
 def _read_number(path: Path) -> int | None:
