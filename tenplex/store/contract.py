@@ -33,10 +33,13 @@ Promises every backend keeps: a version is visible whole or not at all (a
 crash at any moment leaves every committed version complete); a reader reads
 only the version it opened, never a mix; every read is verified and raises
 ``CorruptShard`` rather than return wrong bytes; committing a version number
-twice raises ``AlreadyCommitted``.
+twice raises ``AlreadyCommitted`` (of processes committing one version at once,
+exactly one wins); no process waits for another, so one stopped or hung in the
+middle of an operation blocks no other's commit, delete or gc.
 
-``local.Store`` commits by renaming the fsynced staging directory into
-``versions/`` (one atomic rename). A backend without atomic rename, such as an
+``local.Store`` commits by renaming a complete, fsynced directory (hard links
+to the staged files and the manifest) into ``versions/`` only if the version is
+not there (one atomic ``renameat2(RENAME_NOREPLACE)``). A backend without atomic rename, such as an
 object store, keeps the same promise as orbax does with a commit marker:
 ``prepare`` uploads the part's shard objects and then its part document;
 ``commit`` merges the part documents into the version's manifest and writes
