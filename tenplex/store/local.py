@@ -1,8 +1,8 @@
 """The local tensor store of one host: versioned, atomically committed shard files in one directory.
 
 May import: this package's ``_rename``, ``contract``, ``manifest``, ``reader`` and ``writer``, ``tenplex.box``,
-``tenplex.errors``, ``tenplex.flock`` and the standard library. No network: workers on the host use this module
-directly (writing: ``writer``; reading: ``reader``).
+``tenplex.errors``, ``tenplex.files`` (its atomic JSON write), ``tenplex.flock`` and the standard library. No
+network: workers on the host use this module directly (writing: ``writer``; reading: ``reader``).
 
 The POSIX implementation of the store's contract (``contract.TensorStore``, with every optional
 capability: its writers link, its readers are file-backed, it reports its free space); mypy checks
@@ -53,10 +53,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..box import Box
 from ..errors import StoreError
+from ..files import write_json_atomic
 from ..flock import held
 from ._rename import rename_noreplace
-from .manifest import (MANIFEST_FORMAT, AlreadyCommitted, InvalidArgument, NotFound, ShardEntry, check_name, fsync_dir,
-                       write_json_durable)
+from .manifest import (MANIFEST_FORMAT, AlreadyCommitted, InvalidArgument, NotFound, ShardEntry, check_name,
+                       fsync_dir)
 from .reader import VersionReader
 from .writer import VersionWriter
 
@@ -161,7 +162,7 @@ class Store:
         try:
             self._publish(tree, target, version)
         except BaseException:
-            self._discard(tree, f"publishing-{version}")
+            self._discard(tree, f"publishing-{version}", durable=False)
             raise
         fsync_dir(target.parent)
         self.abort(version)  # the staged parts are published (or were never asked for): drop them
@@ -178,15 +179,21 @@ class Store:
         tree = self.root / "publishing" / f"{version}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tree.mkdir()
         try:
+            linked: set[str] = set()
+            made = ["."]
             for part in prepared:
-                _link_tree(staging, part, tree)
+                linked |= _link_tree(staging, part, tree, made)
                 os.link(f"{part}.part.json", tree / f"{part}.part.json", src_dir_fd=staging)
-            wanted = [row["file"] for row in manifest["shards"]] + list(manifest["json"].values())
-            if not all((tree / rel).is_file() for rel in wanted):  # a file was removed before it was listed
+            wanted = {row["file"] for row in manifest["shards"]} | set(manifest["json"].values())
+            if not wanted <= linked:  # a file was removed before it was listed
                 raise FileNotFoundError(f"a staged file of version {version} vanished")
-            write_json_durable(tree / "manifest.json", manifest)
+            write_json_atomic(tree / "manifest.json", manifest)
+            # Durable before it is published. After all the links: on a journaling file system the first
+            # fsync commits them all, and the others find nothing left to do.
+            for directory in made:
+                fsync_dir(tree / directory)
         except BaseException as e:
-            self._discard(tree, f"publishing-{version}")
+            self._discard(tree, f"publishing-{version}", durable=False)
             if isinstance(e, FileNotFoundError):  # the staging was removed under us (abort, gc, a winner)
                 raise self._not_staged(version, self.root / "versions" / str(version)) from None
             raise
@@ -255,7 +262,7 @@ class Store:
 
     def abort(self, version: int) -> None:
         """Drop everything staged for ``version`` (committed versions are untouched)."""
-        self._discard(self.root / "staging" / str(int(version)), f"staging-{int(version)}")
+        self._discard(self.root / "staging" / str(int(version)), f"staging-{int(version)}", durable=False)
 
     def delete(self, version: int) -> bool:
         """Delete committed ``version``; False if it did not exist (or another process deleted it first)."""
@@ -286,20 +293,22 @@ class Store:
         for tree in (self.root / "publishing").iterdir():  # the same for commits a crash interrupted
             number = tree.name.split("-", 1)[0]
             if number.isdigit() and newest is not None and int(number) <= newest:
-                self._discard(tree, f"publishing-{number}")
+                self._discard(tree, f"publishing-{number}", durable=False)
         for junk in (self.root / "trash").iterdir():
             shutil.rmtree(junk, ignore_errors=True)
         return doomed
 
-    def _discard(self, path: Path, label: str) -> bool:
+    def _discard(self, path: Path, label: str, durable: bool = True) -> bool:
         """Rename ``path`` into ``trash/`` (atomic: readers see it whole or not at all), then remove it there;
-        False if it was not there (never was, or another process took it first)."""
+        False if it was not there (never was, or another process took it first). ``durable``: the rename
+        survives a crash (a deleted version must not come back; dropped staging may: gc drops it again)."""
         trash = self.root / "trash" / f"{label}-{uuid.uuid4().hex[:8]}"
         try:
             os.rename(path, trash)
         except FileNotFoundError:
             return False
-        fsync_dir(path.parent)
+        if durable:
+            fsync_dir(path.parent)
         shutil.rmtree(trash, ignore_errors=True)
         return True
 
@@ -310,16 +319,24 @@ def _read_json_at(directory: int, name: str) -> Any:
         return json.loads(f.read())
 
 
-def _link_tree(staging: int, part: str, tree: Path) -> None:
-    """Hard-link every file under ``part/`` of the directory ``staging`` (a descriptor) to ``tree/part/``."""
+def _link_tree(staging: int, part: str, tree: Path, made: list[str]) -> set[str]:
+    """Hard-link every file under ``part/`` of the directory ``staging`` (a descriptor) to ``tree/part/``; the
+    files' paths relative to ``tree``. The directories it makes are added to ``made`` (not fsynced yet)."""
     def fail(error: OSError) -> None:
         raise error
 
+    linked: set[str] = set()
     for rel, _, files, rel_fd in os.fwalk(part, dir_fd=staging, onerror=fail):
         (tree / rel).mkdir()
-        for name in files:
-            os.link(name, tree / rel / name, src_dir_fd=rel_fd, follow_symlinks=False)
-        fsync_dir(tree / rel)
+        made.append(rel)
+        dest = os.open(tree / rel, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for name in files:
+                os.link(name, name, src_dir_fd=rel_fd, dst_dir_fd=dest, follow_symlinks=False)
+        finally:
+            os.close(dest)
+        linked.update(f"{rel}/{name}" for name in files)
+    return linked
 
 
 if TYPE_CHECKING:  # mypy proves that the local store keeps the contract, with every capability
