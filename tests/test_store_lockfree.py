@@ -191,3 +191,19 @@ def test_gc_alongside_commits_keeps_the_newest_version_and_damages_nothing(tmp_p
         result = json.loads(out)
         assert result["damaged"] == [] and result["rounds"] >= 1
     _assert_whole(root, {25: "climber"})
+
+
+def test_a_file_system_without_hard_links_commits_by_copying(tmp_path, monkeypatch):
+    """Where ``link`` fails (EPERM: no hard links on this file system), commit copies the staged files into its
+    tree instead: the version is the same, whole, and its files are its own."""
+    root = tmp_path / "s"
+    store = Store(root, "h0")
+    stage(store, 1, "copied")
+
+    def no_link(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(os, "link", no_link)
+    store.commit(1, parts=["copied"])
+    monkeypatch.undo()
+    assert all(f.stat().st_nlink == 1 for f in (root / "versions" / "1").rglob("*") if f.is_file())
+    _assert_whole(root, {1: "copied"})

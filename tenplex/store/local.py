@@ -44,12 +44,14 @@ the flag is missing, the publishing rename runs under the ``flock`` of
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from ..box import Box
 from ..errors import StoreError
@@ -183,7 +185,8 @@ class Store:
             made = ["."]
             for part in prepared:
                 linked |= _link_tree(staging, part, tree, made)
-                os.link(f"{part}.part.json", tree / f"{part}.part.json", src_dir_fd=staging)
+                with _directory(tree) as top:
+                    _link_at(staging, top, f"{part}.part.json")
             wanted = {row["file"] for row in manifest["shards"]} | set(manifest["json"].values())
             if not wanted <= linked:  # a file was removed before it was listed
                 raise FileNotFoundError(f"a staged file of version {version} vanished")
@@ -313,15 +316,45 @@ class Store:
         return True
 
 
+@contextlib.contextmanager
+def _directory(path: Path) -> Iterator[int]:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
 def _read_json_at(directory: int, name: str) -> Any:
     fd = os.open(name, os.O_RDONLY, dir_fd=directory)
     with os.fdopen(fd, "rb") as f:
         return json.loads(f.read())
 
 
+NO_LINK = (errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK)  # no hard link here: copy instead
+
+
+def _link_at(src_dir: int, dst_dir: int, name: str) -> None:
+    """Hard-link the file ``name`` of the directory ``src_dir`` into ``dst_dir`` (descriptors); where the file
+    system cannot, copy it, durably."""
+    try:
+        os.link(name, name, src_dir_fd=src_dir, dst_dir_fd=dst_dir, follow_symlinks=False)
+        return
+    except OSError as e:
+        if e.errno not in NO_LINK:
+            raise
+    src = os.open(name, os.O_RDONLY, dir_fd=src_dir)
+    with os.fdopen(src, "rb") as fsrc, \
+            os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dst_dir), "wb") as fdst:
+        shutil.copyfileobj(fsrc, fdst, 1 << 20)
+        fdst.flush()
+        os.fsync(fdst.fileno())
+
+
 def _link_tree(staging: int, part: str, tree: Path, made: list[str]) -> set[str]:
-    """Hard-link every file under ``part/`` of the directory ``staging`` (a descriptor) to ``tree/part/``; the
-    files' paths relative to ``tree``. The directories it makes are added to ``made`` (not fsynced yet)."""
+    """Hard-link (where the file system cannot: copy) every file under ``part/`` of the directory ``staging`` (a
+    descriptor) to ``tree/part/``; the files' paths relative to ``tree``. The directories it makes are added to
+    ``made`` (not fsynced yet)."""
     def fail(error: OSError) -> None:
         raise error
 
@@ -329,12 +362,9 @@ def _link_tree(staging: int, part: str, tree: Path, made: list[str]) -> set[str]
     for rel, _, files, rel_fd in os.fwalk(part, dir_fd=staging, onerror=fail):
         (tree / rel).mkdir()
         made.append(rel)
-        dest = os.open(tree / rel, os.O_RDONLY | os.O_DIRECTORY)
-        try:
+        with _directory(tree / rel) as dest:
             for name in files:
-                os.link(name, name, src_dir_fd=rel_fd, dst_dir_fd=dest, follow_symlinks=False)
-        finally:
-            os.close(dest)
+                _link_at(rel_fd, dest, name)
         linked.update(f"{rel}/{name}" for name in files)
     return linked
 
