@@ -1,6 +1,6 @@
 """The local tensor store of one host: versioned, atomically committed shard files in one directory.
 
-May import: this package's ``_rename``, ``contract``, ``manifest``, ``reader`` and ``writer``, ``tenplex.box``,
+May import: this package's ``_publish``, ``contract``, ``manifest``, ``reader`` and ``writer``, ``tenplex.box``,
 ``tenplex.errors``, ``tenplex.files`` (its atomic JSON write), ``tenplex.flock`` and the standard library. No
 network: workers on the host use this module directly (writing: ``writer``; reading: ``reader``).
 
@@ -44,20 +44,18 @@ the flag is missing, the publishing rename runs under the ``flock`` of
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from ..box import Box
 from ..errors import StoreError
 from ..files import write_json_atomic
 from ..flock import held
-from ._rename import rename_noreplace
+from ._publish import link_at, link_tree, open_dir, rename_noreplace
 from .manifest import (MANIFEST_FORMAT, AlreadyCommitted, InvalidArgument, NotFound, ShardEntry, check_name,
                        fsync_dir)
 from .reader import VersionReader
@@ -184,17 +182,17 @@ class Store:
             linked: set[str] = set()
             made = ["."]
             for part in prepared:
-                linked |= _link_tree(staging, part, tree, made)
-                with _directory(tree) as top:
-                    _link_at(staging, top, f"{part}.part.json")
+                linked |= link_tree(staging, part, tree, made)
+                with open_dir(tree) as top:
+                    link_at(staging, top, f"{part}.part.json")
             wanted = {row["file"] for row in manifest["shards"]} | set(manifest["json"].values())
             if not wanted <= linked:  # a file was removed before it was listed
                 raise FileNotFoundError(f"a staged file of version {version} vanished")
             write_json_atomic(tree / "manifest.json", manifest)
             # Durable before it is published. After all the links: on a journaling file system the first
             # fsync commits them all, and the others find nothing left to do.
-            for directory in made:
-                fsync_dir(tree / directory)
+            for made_dir in made:
+                fsync_dir(tree / made_dir)
         except BaseException as e:
             self._discard(tree, f"publishing-{version}", durable=False)
             if isinstance(e, FileNotFoundError):  # the staging was removed under us (abort, gc, a winner)
@@ -316,57 +314,10 @@ class Store:
         return True
 
 
-@contextlib.contextmanager
-def _directory(path: Path) -> Iterator[int]:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
 def _read_json_at(directory: int, name: str) -> Any:
     fd = os.open(name, os.O_RDONLY, dir_fd=directory)
     with os.fdopen(fd, "rb") as f:
         return json.loads(f.read())
-
-
-NO_LINK = (errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP, errno.EMLINK)  # no hard link here: copy instead
-
-
-def _link_at(src_dir: int, dst_dir: int, name: str) -> None:
-    """Hard-link the file ``name`` of the directory ``src_dir`` into ``dst_dir`` (descriptors); where the file
-    system cannot, copy it, durably."""
-    try:
-        os.link(name, name, src_dir_fd=src_dir, dst_dir_fd=dst_dir, follow_symlinks=False)
-        return
-    except OSError as e:
-        if e.errno not in NO_LINK:
-            raise
-    src = os.open(name, os.O_RDONLY, dir_fd=src_dir)
-    with os.fdopen(src, "rb") as fsrc, \
-            os.fdopen(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=dst_dir), "wb") as fdst:
-        shutil.copyfileobj(fsrc, fdst, 1 << 20)
-        fdst.flush()
-        os.fsync(fdst.fileno())
-
-
-def _link_tree(staging: int, part: str, tree: Path, made: list[str]) -> set[str]:
-    """Hard-link (where the file system cannot: copy) every file under ``part/`` of the directory ``staging`` (a
-    descriptor) to ``tree/part/``; the files' paths relative to ``tree``. The directories it makes are added to
-    ``made`` (not fsynced yet)."""
-    def fail(error: OSError) -> None:
-        raise error
-
-    linked: set[str] = set()
-    for rel, _, files, rel_fd in os.fwalk(part, dir_fd=staging, onerror=fail):
-        (tree / rel).mkdir()
-        made.append(rel)
-        with _directory(tree / rel) as dest:
-            for name in files:
-                _link_at(rel_fd, dest, name)
-        linked.update(f"{rel}/{name}" for name in files)
-    return linked
 
 
 if TYPE_CHECKING:  # mypy proves that the local store keeps the contract, with every capability
