@@ -72,7 +72,8 @@ class Store:
         self.root = Path(root)
         self.host = host
         self.lock_timeout = lock_timeout
-        for sub in ("versions", "staging", "publishing", "trash", "datasets"):
+        # publishing/ is made by the first commit: a read-only root that an older tenplex made opens as before
+        for sub in ("versions", "staging", "trash", "datasets"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
     def __repr__(self) -> str:
@@ -177,7 +178,7 @@ class Store:
             raise self._not_staged(version, self.root / "versions" / str(version)) from None
         manifest = self._merged_manifest(version, docs)
         tree = self.root / "publishing" / f"{version}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tree.mkdir()
+        tree.mkdir(parents=True)
         try:
             linked: set[str] = set()
             made = ["."]
@@ -291,7 +292,8 @@ class Store:
             # left over from an interrupted write (commit would still accept it: gc drops it here).
             if staging.name.isdigit() and newest is not None and int(staging.name) <= newest:
                 self.abort(int(staging.name))
-        for tree in (self.root / "publishing").iterdir():  # the same for commits a crash interrupted
+        publishing = self.root / "publishing"
+        for tree in publishing.iterdir() if publishing.is_dir() else ():  # the same for interrupted commits
             number = tree.name.split("-", 1)[0]
             if number.isdigit() and newest is not None and int(number) <= newest:
                 self._discard(tree, f"publishing-{number}", durable=False)
