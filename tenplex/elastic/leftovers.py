@@ -76,7 +76,11 @@ def report_pinned(groups: list[weakref.ref], generation: int, frame: types.Frame
     alive = [group for ref in groups if (group := ref()) is not None]
     if not alive:
         return 0
-    holders = _holders({id(group) for group in alive}, frame or sys._getframe(1))
+    try:
+        holders = _holders({id(group) for group in alive}, frame or sys._getframe(1))
+    except Exception:  # noqa: BLE001 -- only the warning's detail: the change must go on whatever the frames hold
+        log.debug("could not search the frames for what holds the groups", exc_info=True)
+        holders = []
     held = (f"held by {', '.join(holders)}" if holders else
             "held by no variable of the loop's frames (a global, a cache, a thread, or an object stored elsewhere)")
     log.warning("world %d: %d of its %d process groups outlived it, %s: drop every reference to the old world's "
