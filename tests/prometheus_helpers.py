@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tenplex.runtime.launch import free_port
+from tenplex.ports import free_port
 
 
 def prometheus_binary() -> str:

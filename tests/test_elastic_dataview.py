@@ -141,7 +141,7 @@ print(json.dumps(steps))
 def test_job_batch_reads_through_the_view_and_switches_it_at_the_next_epoch(tmp_path, two_views):
     import subprocess
 
-    from tenplex.runtime.launch import free_port
+    from tenplex.ports import free_port
 
     info = _dataset(tmp_path / "data", 12)  # 3 global batches of 4 per epoch: 5 steps cross into epoch 1
     dataview.ensure_view(info.root, two_views[0], tmp_path / "h0" / dataview.STATE_DIR)

@@ -7,22 +7,17 @@ that no longer caches so, or a call that no longer clears)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from tenplex.ports import free_port
+
 WORKER = str(Path(__file__).parent / "mp" / "dtensor_worlds_worker.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(mode: str) -> list[str]:
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, WORKER, str(rank), str(port), mode], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for rank in range(4)]

@@ -13,7 +13,7 @@ import pytest
 
 from tenplex.elastic.envsettings import env_from_settings, settings_from_env
 from tenplex.errors import ConfigError
-from tenplex.runtime.launch import free_port
+from tenplex.ports import free_port
 
 K8S = Path(__file__).resolve().parent.parent / "k8s"
 

@@ -15,7 +15,7 @@ SCRIPT = """
 import json, os, sys
 import torch
 import tenplex.elastic
-from tenplex.runtime.launch import free_port
+from tenplex.ports import free_port
 
 
 def run(case, save_every):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tenplex.elastic import progress
 from tenplex.elastic.progress import Progress, ProgressRecord
-from tenplex.runtime.launch import free_port
+from tenplex.ports import free_port
 
 WORKER = Path(__file__).parent / "mp" / "lost_worker.py"
 

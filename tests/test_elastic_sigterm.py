@@ -18,7 +18,7 @@ from safetensors.numpy import load_file
 from tenplex.box import Box
 from tenplex.elastic import auto_interval
 from tenplex.elastic.faults import EXIT_PEER_LOST
-from tenplex.runtime.launch import free_port
+from tenplex.ports import free_port
 from tenplex.store import Store
 
 WORKER = Path(__file__).parent / "mp" / "sigterm_worker.py"

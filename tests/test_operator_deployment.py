@@ -9,7 +9,6 @@ instead of 8080 and 9102).
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,6 +20,7 @@ import yaml
 pytest.importorskip("kmock")  # Python 3.11+ (setup.cfg installs it there)
 
 from k8s_harness import Cluster, api_server, wait_for  # noqa: E402
+from tenplex.ports import free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "k8s"
@@ -30,12 +30,6 @@ SETPRIV = shutil.which("setpriv")
 
 def _docs(name):
     return [d for d in yaml.safe_load_all((K8S / name).read_text()) if d]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Pod:
@@ -60,7 +54,7 @@ class Pod:
             env[item["name"]] = value
         # Each pod has a network namespace of its own; here they share the machine (and other test processes
         # run at once): the liveness and metrics ports become free ones, as the stand-in for that namespace.
-        self.liveness, self.metrics = _free_port(), _free_port()
+        self.liveness, self.metrics = free_port(), free_port()
         command = [c.replace(":8080/", f":{self.liveness}/") for c in container["command"]]
         at = command.index("--metrics-port") + 1
         assert command[at] == str(container["ports"][0]["containerPort"]), command  # the port the pod declares

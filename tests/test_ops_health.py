@@ -11,7 +11,7 @@ from google.protobuf import descriptor_pool, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from tenplex.runtime.launch import free_port
+from tenplex.ports import free_port
 from tenplex.store import Store, wire
 from tenplex.store.server import serve
 

@@ -21,7 +21,7 @@ from tenplex.ops.metrics import StoreMetrics
 from tenplex.layout import Layout, Shard, TensorSpec
 from tenplex.planner import plan
 from tenplex.replication.copier import Replicator
-from tenplex.runtime.launch import free_port
+from tenplex.ports import free_port
 from tenplex.store import Store
 from tenplex.store.client import StoreClient
 from tenplex.store.server import serve

@@ -14,7 +14,7 @@ import urllib.request
 
 from tenplex.ops.metrics import JobMetrics, endpoint_states, received_by_peer
 from tenplex.planner import plan
-from tenplex.runtime.launch import free_port
+from tenplex.ports import free_port
 from tenplex.store.transformer import TransformRequest
 
 from store_helpers import gpt_layout

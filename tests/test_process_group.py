@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tenplex.runtime.launch import free_port
+from tenplex.ports import free_port
 
 WORKER = Path(__file__).parent / "mp" / "leave_worker.py"
 

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from store_helpers import REPLICA_WORKER, assert_bit_equal
+from tenplex.ports import free_port
 from tenplex.runtime import launch
 from tenplex.store import Store
 
@@ -185,7 +186,7 @@ def test_a_key_value_store_that_answers_late_is_retried_and_late_commits_are_cou
     """Issue 42 item 4: the first connection fails (nothing listens yet); once the store answers, snapshots
     commit in the background again, and the snapshots committed at a boundary instead are counted."""
     worker = Path(__file__).parent / "mp" / "late_commit_worker.py"
-    subprocess.run([sys.executable, str(worker), str(tmp_path), str(launch.free_port())], check=True, timeout=240,
+    subprocess.run([sys.executable, str(worker), str(tmp_path), str(free_port())], check=True, timeout=240,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     result = json.loads((tmp_path / "result.json").read_text())
     assert (result["first"]["committed_step"], result["first"]["late_commits"]) == (0, 1)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from tenplex.integration.layouts import state_pieces
+from tenplex.ports import free_port
 from tenplex.integration.snapshot_buffers import SnapshotBuffers
 from tenplex.integration.snapshot_pieces import PiecesCache
 
@@ -143,9 +143,7 @@ def test_the_gather_sends_unchanged_rng_streams_as_a_word_and_grows_its_capacity
     import tenplex
     from tenplex.integration import snapshot_round
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
     dist.init_process_group("gloo", rank=0, world_size=1)

@@ -1,7 +1,7 @@
 """The DCP side of ``tenplex bench compare``: ``dcp.save`` under one layout, ``dcp.load`` with resharding under another.
 
 May import: torch, numpy, ``tenplex.layout``, ``tenplex.box``, ``tenplex.devices``,
-``tenplex.files``, ``tenplex.runtime.launch`` (a free port), ``tenplex.integration.process_group``, this
+``tenplex.files``, ``tenplex.ports`` (a free port), ``tenplex.integration.process_group``, this
 package's ``gpt_state`` and ``restore`` and the standard library.
 
 One process per device of the layout, one real gloo process group
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from ..devices import host_of
-from ..runtime.launch import free_port
+from ..ports import free_port
 
 
 def run_dcp(layout_path: Path, mode: str, checkpoint: Path, work: Path, verify: bool = False,

@@ -1,7 +1,7 @@
 """The modes of ``tenplex bench goodput``: how each one runs the job on emulated nodes and suffers each event.
 
-May import: ``tenplex.elastic.nodes`` (tenplex's agents), ``tenplex.runtime.hosts`` (a store's port file),
-``tenplex.bench.goodput_trace`` and the standard library. No torch here: the training runs in the workers
+May import: ``tenplex.elastic.nodes`` (tenplex's agents), ``tenplex.ports``, ``tenplex.runtime.hosts`` (a store's
+port file), ``tenplex.bench.goodput_trace`` and the standard library. No torch here: the training runs in the workers
 (:mod:`tenplex.bench.goodput_worker`).
 
 Each mode is one entry of :data:`MODES`: a class with ``LINGER_S`` (how long its processes may take to end after
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ..elastic.nodes import Nodes
+from ..ports import free_port
 from ..runtime.hosts import await_store
 from .goodput_trace import DEVICES
 
@@ -218,12 +219,6 @@ def _await_port(server: subprocess.Popen, port: int, deadline: float, log: Path)
             time.sleep(0.05)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Torchft(_OnProcesses):
     """torchft: a lighthouse, and one replica group (one process) per GPU (see :mod:`.goodput_peers`)."""
 
@@ -247,7 +242,7 @@ class Torchft(_OnProcesses):
     def __init__(self, base: Path, script: list[str], env: dict[str, str], max_nodes: int):
         self.script = script
         self.procs = _Processes(base, env)
-        port = _free_port()
+        port = free_port()
         self.lighthouse = f"http://127.0.0.1:{port}"
         with open(base / "lighthouse.log", "ab") as out:
             self.server = subprocess.Popen(

@@ -1,8 +1,8 @@
 """moto's S3 server in a process of its own on loopback: the bucket of the durable tier's tests and of
 ``tenplex demo --elastic``'s ``evict:all`` event. Nothing here is for production.
 
-May import: ``tenplex.errors`` and the standard library (moto is started as ``python -m moto.server``, never
-imported here).
+May import: ``tenplex.errors``, ``tenplex.ports`` and the standard library (moto is started as
+``python -m moto.server``, never imported here).
 """
 
 from __future__ import annotations
@@ -15,16 +15,11 @@ import time
 import urllib.request
 
 from ..errors import TenplexError
+from ..ports import free_port
 
 
 class S3ServerError(TenplexError, RuntimeError):
     """moto's server did not start (its log says why)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_s3_server(env: dict[str, str] | None = None, log=subprocess.DEVNULL,

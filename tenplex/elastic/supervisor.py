@@ -1,8 +1,9 @@
 """``tenplex run --in-place``'s local supervisor: this node's workers, started and watched without torchrun.
 
-May import: ``tenplex.elastic.faults`` and ``.devices``, ``tenplex.ops`` (its lines under ``--log-format json``)
-and the standard library. No torch: the launcher starts the workers without importing it (measured, issue 37:
-torchrun's parser, agent and local rendezvous took 7 s of a node's start at load 3, 10 s at load 10).
+May import: ``tenplex.elastic.faults`` and ``.devices``, ``tenplex.ports``, ``tenplex.ops`` (its lines under
+``--log-format json``) and the standard library. No torch: the launcher starts the workers without importing
+it (measured, issue 37: torchrun's parser, agent and local rendezvous took 7 s of a node's start at load 3, 10 s
+at load 10).
 
 In place, torchrun's only job on a node was local supervision (:mod:`.inplace_launch`); this does the same for
 a node's workers, one per device slot (``--nproc-per-node``), all started at once:
@@ -27,23 +28,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 
 from ..ops import logs
+from ..ports import free_port
 from . import faults
 from .devices import NodeDevices, probe
 
 POLL_S = 0.1        # how often the workers' exits are checked (torchrun's --monitor-interval default)
 GRACE_S = 30.0      # a leaving worker's time to save and exit before SIGKILL (torchrun's close() default)
-
-
-def free_port(address: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 class Supervisor:

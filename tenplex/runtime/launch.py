@@ -1,6 +1,6 @@
 """Launch one job's worker processes like torchrun does, on simulated hosts of this machine.
 
-May import: the standard library and ``tenplex.errors``.
+May import: the standard library, ``tenplex.errors`` and ``tenplex.ports``.
 
 Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
 (127.0.0.1) and a free MASTER_PORT, plus what ``tenplex.Checkpointer`` reads:
@@ -13,23 +13,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 from ..errors import ConfigError, TenplexError
+from ..ports import free_port
 
 
 class JobError(TenplexError, RuntimeError):
     """Worker processes failed; the message lists each failed rank with the end of its log."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def place(world: int, hosts: int) -> list[str]:
