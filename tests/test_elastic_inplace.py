@@ -77,6 +77,9 @@ def test_a_lost_node_a_warm_join_and_a_leave_change_the_world_and_the_survivor_k
     # the killed node's worker was counted dead because its process's connection to the close watch closed, not
     # after its heartbeat's silence (TENPLEX_DEAD_AFTER is 5 s here); the planned changes lost nobody
     assert [list(p["lost_by"].values()) for p in pauses] == [["closed"], [], []]
+    # the loop's variables still hold the old world's model and optimizer at each change, but neither holds a
+    # process group (plain tensors; the gradients are all-reduced by hand): no group outlived its world
+    assert [p["pinned_groups"] for p in pauses] == [0, 0, 0]
     for kind in ("join", "leave", "lost"):
         assert f'tenplex_job_reconfigurations_total{{kind="{kind}",mode="in_place"}} 1.0' in final["metrics"]
     assert "tenplex_job_pause_seconds_count 3.0" in final["metrics"]

@@ -112,6 +112,8 @@ def test_an_idle_rank_trains_after_a_join_and_idles_again_after_a_leave_in_the_s
         (0, "the training ranks finished", [1, 3])]
     assert [d["exit"] for d in log["h2"] if "exit" in d] == [0]
     _check_job(log, steps, next(outs[trainer].glob("final-*.json")))
+    changes = json.loads(next(outs[trainer].glob("final-*.json")).read_text())["reconfigurations"]
+    assert [p["pinned_groups"] for p in changes] == [0, 0]          # nothing of an old world held its groups
     census = [d["census"] for d in worlds[trainer]]
     assert census[2] == census[0], census                           # world 1's subgroup is gone (same shape)
     assert worlds[idler][0]["census"] == census[1], census          # nothing of the idle world is left

@@ -43,10 +43,10 @@ def main() -> None:
                 started = time.time() if world.generation else job.started
                 c = world.config
                 trainer = Trainer(GPTConfig(), Parallel(dp=c.dp, tp=c.tp, pp=c.pp), job.global_batch,
-                                  seed=args.init_seed)
+                                  seed=args.init_seed, group=job.group)  # the training ranks (some may idle)
                 job.restore(trainer.model, trainer.optimizer, scheduler=trainer.scheduler, coords=trainer.coords)
                 record = Record(args.record, job, trainer, started) if args.record else None
-                if job.rank == 0:
+                if job.rank == job.choice.ranks[0]:  # the first rank that trains
                     print(f"world {job.world_size} on {','.join(job.hosts)}: {job.choice.degrees()} "
                           f"({job.choice.reason}); "
                           f"{'fresh start' if job.restored.version is None else f'restored step {job.step}'}",
@@ -58,7 +58,7 @@ def main() -> None:
             # and a peer waiting on it in a receive would wait forever.
             trainer = None
         job.finish()
-        if job.rank == 0:
+        if job.rank == job.choice.ranks[0]:
             print(f"done at step {job.step}; saving cost {json.dumps(job.save_cost())}", flush=True)
     except BaseException as e:
         if record:
@@ -78,7 +78,7 @@ def train(job, world, trainer: Trainer, record: Record | None, steps: int) -> No
         loss = trainer.train_step(job.step, (tokens[:, :-1], tokens[:, 1:]))
         if record:
             record.step(job.step + 1, loss, batch.ids)
-        if job.rank == 0:
+        if job.rank == job.choice.ranks[0]:
             print(f"step {job.step + 1:4d}  loss {loss:.6f}", flush=True)
         job.step_done()                           # periodic save; on SIGTERM: agree, save, exit (or next world)
 

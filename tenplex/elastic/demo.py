@@ -99,7 +99,8 @@ SNAPSHOT_WAIT_S = 15.0  # a staged snapshot is recorded within a second here; pa
 REPLICATION_WAIT_S = 60.0
 # Three nodes run a pipeline with one stage per node: losing one loses the only data-parallel copy of its
 # stage, which only the replicated copies (tenplex.replication) bring back. Three ranks (a node of two and one
-# with a failed GPU) train dp=3: the example model needs every rank in its mesh, so none may stay idle.
+# with a failed GPU) train dp=3, so that every device trains (unpinned, tp=2 would leave the lone worker idle,
+# which the example's Trainer runs too: its mesh spans the training ranks).
 DEFAULT_PINS = {6: "tp=2,pp=3", 3: "tp=1,pp=1"}
 
 

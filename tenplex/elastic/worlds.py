@@ -220,13 +220,16 @@ class InPlaceWorlds:
         self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
         self._save_s = self._step_s = 0.0
         leftovers.forget_world()  # DTensor's caches would hand the old meshes' shapes to the new ones
+        groups = leftovers.watch_groups()
         m.leave_group()
+        pinned = leftovers.report_pinned(groups, old.generation)  # the user's code still holds some: warn, count
         generation = m.join()
         self._enter_world(generation)
         self.world.pause = {"reasons": list(generation.reasons), "ended": old.ended, "pid": os.getpid(),
                             "agree_s": self._world_ended_at - self._step_finished_at,
                             "re_form_s": time.monotonic() - begin, "since": self._step_finished_at,
-                            "lost_by": {str(w): how for w, how in generation.lost_by}}  # closed / heartbeat
+                            "lost_by": {str(w): how for w, how in generation.lost_by},  # closed / heartbeat
+                            "pinned_groups": pinned}
 
     def _first_step_done(self) -> None:
         """The first step of a world entered in place finished: its pause is over (old world's end to now)."""

@@ -10,7 +10,8 @@ rules (:func:`tenplex.gpt.gpt` with ``max_seq=seq``, biases, untied head;
 :func:`rules` builds them), so a layout made from the rules names this model's
 tensors.
 
-Ranks form a (pp, dp, tp) mesh, tp varying fastest (so tp groups share a host).
+The ranks that train (every rank, or the group a :class:`tenplex.elastic.Job` gives them when its policy
+leaves ranks idle) form a (pp, dp, tp) mesh, tp varying fastest (so tp groups share a host).
 Every rank builds the whole model from the same seed first, so that every
 configuration starts from identical weights, then:
 
@@ -164,11 +165,14 @@ class Trainer:
     """One rank of the parallel job: its model part, optimizer, scheduler and the training step."""
 
     def __init__(self, cfg: GPTConfig, par: Parallel, global_batch: int, lr: float = 1e-2, seed: int = 0,
-                 device: str = "cpu"):
-        from torch.distributed.device_mesh import init_device_mesh
+                 device: str = "cpu", group=None):
+        """``group``: the process group of the ranks that train (``tenplex.elastic.Job.group`` when the policy
+        leaves ranks idle); None, the default group: every rank trains. Only its ranks build a Trainer."""
+        from torch.distributed.device_mesh import DeviceMesh
 
-        if dist.get_world_size() != par.world:
-            raise ConfigError(f"{par} needs {par.world} ranks, the job has {dist.get_world_size()}")
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        if len(ranks) != par.world:
+            raise ConfigError(f"{par} needs {par.world} ranks, the job has {len(ranks)} that train")
         if global_batch % (par.dp * par.microbatches):
             raise ConfigError(f"global batch {global_batch} must divide by dp*microbatches = "
                               f"{par.dp}*{par.microbatches}")
@@ -176,7 +180,12 @@ class Trainer:
             raise ConfigError(f"tp={par.tp} must divide the {cfg.heads} attention heads (each rank computes whole "
                               f"heads)")
         self.cfg, self.par, self.global_batch, self.device = cfg, par, global_batch, torch.device(device)
-        self.mesh = init_device_mesh(self.device.type, (par.pp, par.dp, par.tp), mesh_dim_names=("pp", "dp", "tp"))
+        self.group = group
+        # The mesh over the training ranks only (init_device_mesh would take every rank of the default group): its
+        # subgroups are made by these ranks alone (torch names them by a per-process count, which stays the same
+        # on every rank that makes the same groups; an idle rank makes none).
+        grid = torch.tensor(ranks, dtype=torch.int).view(par.pp, par.dp, par.tp)  # (pp, dp, tp) global ranks
+        self.mesh = DeviceMesh(self.device.type, grid, mesh_dim_names=("pp", "dp", "tp"))
         self.coords = {name: self.mesh.get_local_rank(name) for name in ("pp", "dp", "tp")}
         torch.manual_seed(seed)
         model = GPT(cfg).to(self.device)
@@ -283,7 +292,7 @@ class Trainer:
         total = loss.reshape(1).clone()
         if self.coords["pp"] != self.par.pp - 1 or self.coords["tp"] != 0:
             total.zero_()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=self.group)
         return total.item() / self.par.dp
 
     def full_state(self) -> dict[str, torch.Tensor]:

@@ -67,7 +67,7 @@ def train(out: Path) -> None:
     for world in job.worlds():
         with world:
             c = job.config
-            trainer = Trainer(CFG, Parallel(dp=c.dp, tp=c.tp, pp=c.pp), BATCH)  # a new DeviceMesh on this world
+            trainer = Trainer(CFG, Parallel(dp=c.dp, tp=c.tp, pp=c.pp), BATCH, group=job.group)  # a new DeviceMesh
             job.restore(trainer.model, trainer.optimizer, scheduler=trainer.scheduler, coords=trainer.coords)
             state = trainer.full_state()
             same = None if held is None or held[0] != job.step else all(
