@@ -1,6 +1,6 @@
 """A free TCP port for a server that another process binds later, without racing the kernel's ephemeral ports.
 
-May import: the standard library.
+May import: ``tenplex.flock`` (the record's bounded lock) and the standard library.
 
 The usual trick (``bind(0)``, read the port, close, hand it to a child) loses a race under load: the kernel
 takes that port from its ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``), the same range it draws
@@ -11,14 +11,14 @@ fails with EADDRINUSE. CI saw exactly that (a job's TCPStore on port 35355).
 So :func:`free_port` draws at random from the ports *below* the ephemeral range (``[LOWEST, ephemeral_low)``,
 above it where the range leaves no room below), which no outgoing connection uses, checks that the port can be
 bound on every address, and records it for ``REMEMBER_S`` seconds in a small file per user under the
-temporary directory (``tenplex-ports-<uid>.json``, under ``flock``), so that two callers on this machine are
-never handed the same port while the first one's server may still be starting.
+temporary directory (``tenplex-ports-<uid>.json``, under the bounded lock of ``tenplex.flock``), so that two
+callers on this machine are never handed the same port while the first one's server may still be starting.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import fcntl
 import json
 import os
 import random
@@ -26,6 +26,9 @@ import socket
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
+
+from .flock import LockTimeout, held
 
 LOWEST = 15000          # well-known service ports (8080, 9090, 7070...) stay below
 REMEMBER_S = 120.0      # a handed-out port is not handed out again for this long
@@ -40,7 +43,7 @@ def free_port(address: str = "127.0.0.1") -> int:
     ``address`` is where the server will bind; the port is checked on it and on the wildcard addresses."""
     low, high = candidate_range()
     rng = random.SystemRandom()
-    with _registry() as given:
+    with _record() as given:
         for _ in range(ATTEMPTS):
             port = rng.randrange(low, high)
             if port not in given and bindable(port, address):
@@ -80,45 +83,22 @@ def bindable(port: int, address: str = "127.0.0.1") -> bool:
     return True
 
 
-class _registry:
-    """The ports handed out in the last ``REMEMBER_S`` seconds on this machine (by this user), locked while open."""
-
-    def __init__(self):
-        self.path = Path(tempfile.gettempdir()) / f"tenplex-ports-{os.getuid()}.json"
-        self.locked = False
-        self.given: dict[int, float] = {}
-
-    def __enter__(self) -> dict[int, float]:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        if not _lock_within(self.fd, LOCK_WAIT_S):
-            return self.given               # a stopped process holds it: the bind check alone, never a hang
-        self.locked = True
+@contextlib.contextmanager
+def _record() -> Iterator[dict[int, float]]:
+    """The ports handed out in the last ``REMEMBER_S`` seconds on this machine (by this user), port -> expiry; what
+    the caller adds is written back. Locked while open; a holder stopped past ``LOCK_WAIT_S`` (it needs
+    microseconds) leaves the caller the bind check alone, never a hang."""
+    path = Path(tempfile.gettempdir()) / f"tenplex-ports-{os.getuid()}.json"
+    with contextlib.ExitStack() as lock:
         try:
-            raw = json.loads(os.pread(self.fd, 1 << 20, 0) or b"{}")
-            now = time.time()
-            self.given.update({int(p): float(t) for p, t in raw.items() if float(t) > now})
-        except (ValueError, TypeError, AttributeError):
-            pass                            # a torn or foreign file: start afresh
-        return self.given
-
-    def __exit__(self, *exc) -> None:
+            lock.enter_context(held(path.with_suffix(".lock"), LOCK_WAIT_S, "handing out a port"))
+        except LockTimeout:
+            yield {}
+            return
+        now, given = time.time(), {}
         try:
-            if not self.locked:
-                return
-            data = json.dumps({str(p): t for p, t in self.given.items()}).encode()
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, data, 0)
-        finally:
-            os.close(self.fd)               # closing drops the flock
-
-
-def _lock_within(fd: int, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
+            given = {int(p): float(t) for p, t in json.loads(path.read_text()).items() if float(t) > now}
+        except (OSError, ValueError, TypeError, AttributeError):
+            pass                            # none yet, or a torn or foreign file: start afresh
+        yield given
+        path.write_text(json.dumps({str(p): t for p, t in given.items()}))

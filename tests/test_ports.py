@@ -76,7 +76,7 @@ def test_a_record_locked_by_a_stuck_process_does_not_stop_anyone(tmp_path, monke
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(ports.tempfile, "tempdir", None)
     monkeypatch.setattr(ports, "LOCK_WAIT_S", 0.2)
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path / f"tenplex-ports-{os.getuid()}.json")],
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path / f"tenplex-ports-{os.getuid()}.lock")],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
