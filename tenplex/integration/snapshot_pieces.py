@@ -7,10 +7,15 @@ validates each :class:`~tenplex.box.Box`: ~2 ms per snapshot for the ~90 pieces 
 while within a world nothing of it changes from one step to the next but the in-place version counters.
 :class:`PiecesCache` keeps the pieces while the *structure* is the same: the same model and optimizer objects,
 equal annotations, and the same tensor objects (by identity) with the same shape, dtype and storage in
-the model's state dict (under the same names) and the optimizer's state, in the same order. Only the version
-counters are read again.
+the model's state dict (under the same names) and the optimizer's state, in the same order. The cached
+pieces themselves are handed out again (:class:`_Tracked`: their version counters are read when asked).
 A change of any of these (a parameter replaced or its ``.data`` swapped, an optimizer state created or
 loaded, a new parameter group) builds the pieces again from scratch.
+
+Two checks, both at every call: :class:`_Probe` compares the containers by identity and each tensor's memory
+(~0.1 ms for a tiny GPT); what it finds the same, the exact structure key (:func:`_tensors`, the state dict's
+tensors and the optimizer states it describes, ~0.2 ms more) finds the same too, so only when the probe
+differs is the key made and compared (an optimizer whose states are new Python numbers at every step, say).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .layouts import state_pieces
-from .pieces import Piece, named_optimizer_params, version_of
+from .pieces import _VERSION, Piece, named_optimizer_params, version_of
+
+_FIELDS = ("name", "spec", "box", "local_box", "local")  # Piece's fields but its version
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -38,6 +45,13 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 def _where(local: torch.Tensor) -> tuple:
     """The memory a local tensor covers: an alias of the same memory (``to_local``'s) has the same."""
     return local.data_ptr(), local.shape, local.stride(), local.dtype
+
+
+def _own_local(tensor: DTensor) -> torch.Tensor:
+    local = getattr(tensor, "_local_tensor", None)
+    if local is None:  # to_local() would make a new alias at every step: never the same structure
+        raise TypeError("a DTensor without a local tensor of its own")
+    return local
 
 
 def _describe(tensor: torch.Tensor) -> tuple:
@@ -63,10 +77,8 @@ def _describe_all(tensors: list[torch.Tensor]) -> tuple:
     return tuple(described)
 
 
-def _tensors(model, optimizer) -> tuple[tuple[str, ...], list[torch.Tensor]]:
-    """The state dict's names, and every tensor the pieces can come from, in a fixed order: the state dict's,
-    then the optimizer states."""
-    state_dict = model.state_dict(keep_vars=True)
+def _tensors(model, optimizer, state_dict) -> list[torch.Tensor]:
+    """Every tensor the pieces can come from, in a fixed order: the state dict's, then the optimizer states."""
     found = [t for t in state_dict.values() if isinstance(t, torch.Tensor)]
     if optimizer is not None:
         for group in optimizer.param_groups:
@@ -76,7 +88,98 @@ def _tensors(model, optimizer) -> tuple[tuple[str, ...], list[torch.Tensor]]:
                 if state:
                     found += [v for _, v in sorted(state.items(), key=lambda kv: str(kv[0]))
                               if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return tuple(state_dict), found
+    return found
+
+
+class _Tracked(Piece):
+    """A cached piece: handed out at every step of its structure, so its :attr:`version` is the in-place version
+    counters read when asked (a fresh piece's are those when it was made: the same within a step boundary).
+    Equal only to itself (its fields' hash would change with the counters)."""
+
+    _sources: tuple[torch.Tensor, ...]  # the tensors whose counters count (see tensor_pieces)
+    _memory: tuple  # the local tensor's (device, address, dtype), as the structure check compared them
+    _generation: object  # the cache's structure it belongs to
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __new__(cls, *args, **kwargs):  # dataclasses.replace() calls the class: a plain piece, counters as now
+        return Piece(*args, **kwargs)
+
+    @classmethod
+    def of(cls, piece: Piece, sources: tuple[torch.Tensor, ...], generation: object) -> "_Tracked":
+        tracked = object.__new__(cls)
+        for name in _FIELDS:  # a frozen dataclass: set as its own __init__ does
+            object.__setattr__(tracked, name, getattr(piece, name))
+        local = piece.local
+        object.__setattr__(tracked, "_sources", sources)
+        object.__setattr__(tracked, "_memory", (local.device, local.data_ptr(), local.dtype))
+        object.__setattr__(tracked, "_generation", generation)
+        return tracked
+
+    @property
+    def version(self) -> tuple[int, ...] | None:  # Piece.version, read now
+        return version_of(*self._sources)
+
+
+class _Probe:
+    """The cheap structure check: the same model, optimizer and annotations, the same objects (by identity, in
+    order) in the state dict (under the same names), the parameter groups, the optimizer's state and each
+    parameter's state dict (under the same keys), and every tensor among them with the same memory (a DTensor:
+    its global shape and the same local tensor, whose memory counts). Whatever :func:`_tensors` and
+    :func:`_describe_all` describe is among these, so a probe that holds means an unchanged structure key. Holds
+    the objects whose ids it compares, so that no id is reused while it lives."""
+
+    def __init__(self, model, optimizer, annotations, state_dict) -> None:
+        self.owners = (id(model), id(optimizer), tuple((annotations or {}).items()))
+        self.names, self.values = list(state_dict), list(state_dict.values())
+        self.ids = tuple(map(id, self.values))
+        self.groups = [list(group["params"]) for group in optimizer.param_groups] if optimizer is not None else []
+        self.group_ids = [tuple(map(id, params)) for params in self.groups]
+        state = optimizer.state if optimizer is not None else {}
+        self.state_keys, self.states = list(state), list(state.values())
+        self.state_ids = (tuple(map(id, self.state_keys)), tuple(map(id, self.states)))
+        self.keys = [k for st in self.states for k in st]
+        self.state_values = [v for st in self.states for v in st.values()]
+        self.state_value_ids = tuple(map(id, self.state_values))
+        tensors = {id(t): t for t in (*self.values, *(p for ps in self.groups for p in ps), *self.state_values)
+                   if isinstance(t, torch.Tensor)}
+        # A plain optimizer state of no dimensions (Adam's step) counts only as long as it has none: the key
+        # describes the model's tensors and the optimizer's states of some dimensions (and DTensors: all here)
+        described = {id(t) for t in (*self.values, *(p for ps in self.groups for p in ps))}
+        self.scalars = [t for t in tensors.values()
+                        if id(t) not in described and not isinstance(t, DTensor) and t.dim() == 0]
+        scalars = set(map(id, self.scalars))
+        self.wrapped = [(t, _own_local(t)) for t in tensors.values() if isinstance(t, DTensor)]
+        self.plain = [t for t in tensors.values() if not isinstance(t, DTensor) and id(t) not in scalars] + \
+            [local for _, local in self.wrapped]
+        self.memory = self._memory()
+
+    def _memory(self) -> tuple[list, list, list]:
+        return ([(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.plain],
+                [t.dim() for t in self.scalars],
+                [(t.shape, getattr(t, "_local_tensor", None)) for t, _ in self.wrapped])
+
+    def holds(self, model, optimizer, annotations) -> bool:
+        if (id(model), id(optimizer), tuple((annotations or {}).items())) != self.owners:
+            return False
+        state_dict = model.state_dict(keep_vars=True)
+        if tuple(map(id, state_dict.values())) != self.ids or list(state_dict) != self.names:
+            return False
+        if optimizer is not None:
+            groups = optimizer.param_groups
+            if len(groups) != len(self.group_ids) or any(tuple(map(id, g["params"])) != ids
+                                                         for g, ids in zip(groups, self.group_ids)):
+                return False
+            state = optimizer.state
+            if (tuple(map(id, state)), tuple(map(id, state.values()))) != self.state_ids:
+                return False
+            if [k for st in self.states for k in st] != self.keys or \
+                    tuple(map(id, [v for st in self.states for v in st.values()])) != self.state_value_ids:
+                return False
+        plain, scalars, wrapped = self._memory()
+        return plain == self.memory[0] and scalars == self.memory[1] and all(
+            shape == known[0] and local is known[1] for (shape, local), known in zip(wrapped, self.memory[2]))
 
 
 class PiecesCache:
@@ -84,10 +187,9 @@ class PiecesCache:
 
     def __init__(self) -> None:
         self._key: tuple | None = None
+        self._probe: _Probe | None = None  # None: the next call makes the key
         self._pieces: list[Piece] = []
-        self._sources: list[tuple[torch.Tensor, ...]] = []  # per piece: the tensors whose counters count
         self.generation: Any = None  # the same while the pieces' names, boxes and specs are (None: not cached)
-        self._memory: dict[int, tuple[torch.Tensor, tuple]] = {}  # id(piece.local) -> it, (device, address, dtype)
         self._named: tuple[Any, list] | None = None  # (generation, the optimizer's named parameters)
 
     def named_params(self, model, optimizer) -> list | None:
@@ -103,34 +205,56 @@ class PiecesCache:
         """What must stay the same for a piece to count as unchanged: the memory it lives in and the in-place
         version counters (a change through ``.data`` bumps no counter and is not seen: optimizers change
         parameters in place, torch's own under ``no_grad``, which counts). None: not tracked (never skipped).
-        A cached piece's memory is the one the structure check just compared: not read again."""
-        if piece.version is None:
+        A piece of the cached structure: its memory is the one the structure check just compared, not read again."""
+        if type(piece) is _Tracked and piece._generation is self.generation:
+            try:  # version_of, inline: one call less per piece and step
+                return piece._memory + (tuple(map(_VERSION, piece._sources)),)
+            except RuntimeError:  # an inference tensor: not tracked
+                return None
+        version = piece.version
+        if version is None:
             return None
-        known = self._memory.get(id(piece.local)) if self._key is not None else None
-        if known is not None and known[0] is piece.local:
-            return (*known[1], piece.version)
         local = piece.local
-        return local.device, local.data_ptr(), local.dtype, piece.version
+        return local.device, local.data_ptr(), local.dtype, version
 
     def pieces(self, model, optimizer, annotations) -> list[Piece]:
+        """The pieces of the state now: the cached ones (the same objects) while the structure is the same."""
+        probe = self._probe
         try:
-            names, tensors = _tensors(model, optimizer)
+            if probe is not None and probe.holds(model, optimizer, annotations):
+                return list(self._pieces)
+        except (RuntimeError, TypeError, NotImplementedError, AttributeError):  # made again below, or not cached
+            pass
+        self._probe = None
+        try:
+            state_dict = model.state_dict(keep_vars=True)
+            tensors = _tensors(model, optimizer, state_dict)
             key = (id(model), id(optimizer), tuple((annotations or {}).items()),  # frozen dataclasses: by value
-                   names, _describe_all(tensors))
+                   tuple(state_dict), _describe_all(tensors))
         except (RuntimeError, TypeError, NotImplementedError):  # a tensor without plain memory (sparse, ...)
-            self._key, self.generation, self._memory = None, None, {}
+            self._key, self.generation = None, None
             return [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
-        if key == self._key:
-            return [Piece(p.name, p.spec, p.box, p.local_box, p.local, version_of(*sources))
-                    for p, sources in zip(self._pieces, self._sources)]
-        self._key, self.generation, self._memory = None, None, {}  # built again next time too, should this raise
+        if key != self._key:
+            self._build(model, optimizer, annotations, key, tensors)
+        if self._key is not None:
+            self._probe = self._probed(model, optimizer, annotations, state_dict)
+        return list(self._pieces)
+
+    def _build(self, model, optimizer, annotations, key: tuple, tensors: list[torch.Tensor]) -> None:
+        self._key, self.generation = None, None  # built again next time too, should this raise
         self._pieces = [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
         # What tensor_pieces counts: a DTensor's own counter and its local tensor's, else the tensor's.
-        by_memory = {_where(_local(t)): ((t, _local(t)) if isinstance(t, DTensor) else (t,)) for t in tensors}
+        by_memory: dict[tuple, tuple[torch.Tensor, ...]] = {
+            _where(_local(t)): ((t, _local(t)) if isinstance(t, DTensor) else (t,)) for t in tensors}
         found = [by_memory.get(_where(p.local)) for p in self._pieces]
         if all(sources is not None for sources in found):  # else some piece of a view of its own: never cached
-            self._sources = [s for s in found if s is not None]
             self._key, self.generation = key, object()
-            self._memory = {id(p.local): (p.local, (p.local.device, p.local.data_ptr(), p.local.dtype))
-                            for p in self._pieces}
-        return self._pieces
+            self._pieces = [_Tracked.of(p, sources, self.generation)
+                            for p, sources in zip(self._pieces, found) if sources is not None]
+
+    @staticmethod
+    def _probed(model, optimizer, annotations, state_dict) -> _Probe | None:
+        try:
+            return _Probe(model, optimizer, annotations, state_dict)
+        except (RuntimeError, TypeError, NotImplementedError, AttributeError):  # the key alone, at every call
+            return None
