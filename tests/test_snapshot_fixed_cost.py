@@ -217,3 +217,123 @@ def test_the_optimizers_named_parameters_follow_a_renamed_module():
     named = cache.named_params(model, optimizer)
     assert {name for name, _ in named} == {"moved.weight", "moved.bias"}
     assert optimizer_scalars(model, optimizer, named) == optimizer_scalars(model, optimizer)
+
+
+def test_the_cheap_probe_sees_every_change_the_structure_key_sees():
+    """The probe (identity and memory, before the exact key) finds each of these changes: the pieces are the
+    fresh ones, and from a new structure; in between, the same piece objects under the same structure."""
+    import copy
+
+    model, optimizer = model_and_optimizer()
+    model[1].register_buffer("hidden", torch.zeros(3), persistent=False)
+    step(model, optimizer)
+    cache = PiecesCache()
+    weight = model[0].weight
+
+    def replace_a_moment():
+        optimizer.state[weight]["exp_avg"] = torch.zeros(3, 4)
+
+    def swap_for_a_view_of_the_same_memory():
+        weight.data = weight.data[:2]
+
+    def swap_for_another_dtype():  # the same memory, shape and strides
+        moment = optimizer.state[weight]["exp_avg_sq"]
+        moment.data = moment.data.view(torch.int32)
+
+    def give_the_step_a_dimension():
+        optimizer.state[weight]["step"].data = torch.zeros(3, 4)
+
+    def load_a_state():  # new tensors (loading the optimizer's own state would keep them)
+        optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+
+    def register_a_buffer():
+        model[1].register_buffer("extra", torch.ones(3))
+
+    def make_a_buffer_persistent():
+        model[1]._non_persistent_buffers_set.discard("hidden")
+
+    def hook_that_drops_a_tensor(module, destination, prefix, local_metadata):
+        destination.pop(prefix + "bias")
+
+    def register_a_state_dict_hook():
+        model[0]._register_state_dict_hook(hook_that_drops_a_tensor)
+    changes = [replace_a_moment, load_a_state, register_a_buffer, make_a_buffer_persistent,
+               register_a_state_dict_hook, swap_for_a_view_of_the_same_memory, swap_for_another_dtype,
+               give_the_step_a_dimension]
+    for change in changes:
+        first = cache.pieces(model, optimizer, None)
+        generation = cache.generation
+        again = cache.pieces(model, optimizer, None)
+        assert cache.generation is generation and all(a is b for a, b in zip(first, again)), change
+        change()
+        got = cache.pieces(model, optimizer, None)
+        assert described(got) == described(fresh(model, optimizer)), change
+        assert cache.generation is not generation, change
+        if change is give_the_step_a_dimension:
+            assert any(p.name.startswith("optim.step.") for p in got)
+
+
+def test_a_state_of_new_python_numbers_at_every_step_keeps_the_structure():
+    """An optimizer state that is a new Python object at every step (not a tensor) fails the probe; the exact
+    key still finds the structure unchanged: the same generation and pieces, the fresh version counters."""
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer)
+    cache = PiecesCache()
+    cache.pieces(model, optimizer, None)
+    generation = cache.generation
+    for i in range(3):
+        optimizer.state[model[0].bias]["scale"] = 1.0 / (i + 2)  # a new float object every time
+        step(model, optimizer)
+        assert described(cache.pieces(model, optimizer, None)) == described(fresh(model, optimizer))
+        assert cache.generation is generation
+
+
+def test_cached_pieces_read_their_counters_when_asked_and_stay_hashable():
+    import dataclasses
+
+    from tenplex.integration.pieces import Piece
+
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer)
+    cache = PiecesCache()
+    piece = next(p for p in cache.pieces(model, optimizer, None) if p.name == "0.weight")
+    before, print_before, known = piece.version, cache.fingerprint(piece), {piece}
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+    assert piece.version == (model[0].weight._version,) != before
+    assert cache.fingerprint(piece) != print_before and piece in known
+    plain = dataclasses.replace(piece, name="other")  # a plain piece with the counters as they are now
+    assert type(plain) is Piece and plain.name == "other" and plain.version == piece.version
+    with torch.no_grad():
+        model[0].weight.data = torch.zeros(3, 4)  # other memory: a piece of the old structure reads it afresh
+    cache.pieces(model, optimizer, None)
+    assert cache.fingerprint(piece)[1] == model[0].weight.data_ptr()
+
+
+def test_staging_replays_its_copies_only_for_the_same_pieces_under_the_same_structure():
+    from tenplex.box import Box
+    from tenplex.integration.pieces import Piece
+
+    model, optimizer = model_and_optimizer()
+    step(model, optimizer)
+    cache, buffers = PiecesCache(), SnapshotBuffers()
+
+    def staged():
+        return {(name, box): buffer.clone() for name, box, buffer in buffers.buffers()}
+    pieces = cache.pieces(model, optimizer, None)
+    buffers.stage(pieces, cache.generation)
+    step(model, optimizer)
+    pieces = cache.pieces(model, optimizer, None)
+    buffers.stage(pieces, cache.generation)  # the same pieces and structure: the recorded copies, new values
+    assert all(torch.equal(staged()[(p.name, p.box)], p.local[p.local_box.slices()]) for p in pieces)
+    weight = next(p for p in pieces if p.name == "0.weight")
+    other = torch.randn(3, 4)  # a piece for the same key from other memory (a canonical copy's)
+    swapped = [Piece(p.name, p.spec, p.box, Box.whole(p.box.lengths), other) if p is weight else p for p in pieces]
+    buffers.stage(swapped, cache.generation)
+    assert torch.equal(staged()[(weight.name, weight.box)], other)
+    buffers.stage(pieces[1:], cache.generation)  # fewer pieces (unchanged ones linked): the others freed
+    assert set(staged()) == {(p.name, p.box) for p in pieces[1:]}
+    step(model, optimizer)
+    buffers.stage(pieces, cache.generation)
+    assert all(torch.equal(staged()[(p.name, p.box)], p.local[p.local_box.slices()]) for p in pieces)
+    assert buffers.nbytes == sum(p.box.volume * p.local.element_size() for p in pieces)
