@@ -240,6 +240,12 @@ def test_the_cheap_probe_sees_every_change_the_structure_key_sees():
         moment = optimizer.state[weight]["exp_avg_sq"]
         moment.data = moment.data.view(torch.int32)
 
+    def rename_a_state():  # the same tensors in the same order, under another key
+        state = optimizer.state[weight]
+        renamed = {("exp_avg_sq2" if k == "exp_avg_sq" else k): v for k, v in state.items()}
+        state.clear()
+        state.update(renamed)
+
     def give_the_step_a_dimension():
         optimizer.state[weight]["step"].data = torch.zeros(3, 4)
 
@@ -259,7 +265,7 @@ def test_the_cheap_probe_sees_every_change_the_structure_key_sees():
         model[0]._register_state_dict_hook(hook_that_drops_a_tensor)
     changes = [replace_a_moment, load_a_state, register_a_buffer, make_a_buffer_persistent,
                register_a_state_dict_hook, swap_for_a_view_of_the_same_memory, swap_for_another_dtype,
-               give_the_step_a_dimension]
+               rename_a_state, give_the_step_a_dimension]
     for change in changes:
         first = cache.pieces(model, optimizer, None)
         generation = cache.generation
@@ -337,3 +343,9 @@ def test_staging_replays_its_copies_only_for_the_same_pieces_under_the_same_stru
     buffers.stage(pieces, cache.generation)
     assert all(torch.equal(staged()[(p.name, p.box)], p.local[p.local_box.slices()]) for p in pieces)
     assert buffers.nbytes == sum(p.box.volume * p.local.element_size() for p in pieces)
+    tensor = torch.randn(3, 4)  # the same piece objects under a new structure: their memory may be new
+    mine = [Piece("t", weight.spec, weight.box, weight.local_box, tensor)]
+    buffers.stage(mine, object())
+    tensor.data = torch.randn(3, 4)
+    buffers.stage(mine, object())
+    assert torch.equal(staged()[("t", weight.box)], tensor)

@@ -7,8 +7,9 @@ validates each :class:`~tenplex.box.Box`: ~2 ms per snapshot for the ~90 pieces 
 while within a world nothing of it changes from one step to the next but the in-place version counters.
 :class:`PiecesCache` keeps the pieces while the *structure* is the same: the same model and optimizer objects,
 equal annotations, and the same tensor objects (by identity) with the same shape, dtype and storage in
-the model's state dict (under the same names) and the optimizer's state, in the same order. The cached
-pieces themselves are handed out again (:class:`_Tracked`: their version counters are read when asked).
+the model's state dict (under the same names) and the optimizer's state (under the same keys), in the same
+order. The cached pieces themselves are handed out again (:class:`_Tracked`: their version counters are read
+when asked).
 A change of any of these (a parameter replaced or its ``.data`` swapped, an optimizer state created or
 loaded, a new parameter group) builds the pieces again from scratch.
 
@@ -77,18 +78,22 @@ def _describe_all(tensors: list[torch.Tensor]) -> tuple:
     return tuple(described)
 
 
-def _tensors(model, optimizer, state_dict) -> list[torch.Tensor]:
-    """Every tensor the pieces can come from, in a fixed order: the state dict's, then the optimizer states."""
+def _tensors(model, optimizer, state_dict) -> tuple[list[torch.Tensor], list[str]]:
+    """Every tensor the pieces can come from, in a fixed order: the state dict's, then the optimizer states; and
+    the names of those states (a state renamed, its tensor the same, is another piece)."""
     found = [t for t in state_dict.values() if isinstance(t, torch.Tensor)]
+    keys: list[str] = []
     if optimizer is not None:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 found.append(param)
                 state = optimizer.state.get(param)
                 if state:
-                    found += [v for _, v in sorted(state.items(), key=lambda kv: str(kv[0]))
-                              if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return found
+                    named = [(str(k), v) for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0]
+                    named.sort(key=lambda kv: kv[0])
+                    keys += [k for k, _ in named]
+                    found += [v for _, v in named]
+    return found, keys
 
 
 class _Tracked(Piece):
@@ -228,9 +233,9 @@ class PiecesCache:
         self._probe = None
         try:
             state_dict = model.state_dict(keep_vars=True)
-            tensors = _tensors(model, optimizer, state_dict)
+            tensors, state_keys = _tensors(model, optimizer, state_dict)
             key = (id(model), id(optimizer), tuple((annotations or {}).items()),  # frozen dataclasses: by value
-                   tuple(state_dict), _describe_all(tensors))
+                   tuple(state_dict), tuple(state_keys), _describe_all(tensors))
         except (RuntimeError, TypeError, NotImplementedError):  # a tensor without plain memory (sparse, ...)
             self._key, self.generation = None, None
             return [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
