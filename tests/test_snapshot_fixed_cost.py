@@ -262,10 +262,22 @@ def test_the_cheap_probe_sees_every_change_the_structure_key_sees():
         destination.pop(prefix + "bias")
 
     def register_a_state_dict_hook():
-        model[0]._register_state_dict_hook(hook_that_drops_a_tensor)
-    changes = [replace_a_moment, load_a_state, register_a_buffer, make_a_buffer_persistent,
-               register_a_state_dict_hook, swap_for_a_view_of_the_same_memory, swap_for_another_dtype,
-               rename_a_state, give_the_step_a_dimension]
+        model[1]._register_state_dict_hook(hook_that_drops_a_tensor)
+    def save_only_the_weight(destination, prefix, keep_vars):
+        destination[prefix + "weight"] = model[0].weight
+
+    def override_how_a_module_saves():  # on the instance: its class is as before
+        model[0]._save_to_state_dict = save_only_the_weight
+        assert cache._probe.tree is not None  # (before this change, the cheap tree check was the one used)
+
+    def drop_a_parameter():
+        model[1].weight = None
+
+    def replace_a_module():
+        model[1] = torch.nn.LayerNorm(3)
+    changes = [replace_a_moment, load_a_state, register_a_buffer, make_a_buffer_persistent, register_a_state_dict_hook,
+               swap_for_a_view_of_the_same_memory, swap_for_another_dtype, rename_a_state, give_the_step_a_dimension,
+               drop_a_parameter, replace_a_module, override_how_a_module_saves]  # the last: a tree checked its way
     for change in changes:
         first = cache.pieces(model, optimizer, None)
         generation = cache.generation
@@ -349,3 +361,30 @@ def test_staging_replays_its_copies_only_for_the_same_pieces_under_the_same_stru
     tensor.data = torch.randn(3, 4)
     buffers.stage(mine, object())
     assert torch.equal(staged()[("t", weight.box)], tensor)
+
+
+def test_a_model_that_saves_its_state_its_own_way_is_checked_through_its_state_dict():
+    """A module with extra state (or hooks, or its own state_dict) makes the cheap tree check step aside: the
+    cache still follows every change, through state_dict()."""
+    from tenplex.integration.module_tree import ModuleTree, NotPlain
+
+    class WithExtra(torch.nn.Linear):
+        def get_extra_state(self):
+            return {"calls": 1}
+
+        def set_extra_state(self, state):
+            pass
+    model = torch.nn.Sequential(WithExtra(4, 3), torch.nn.LayerNorm(3))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    step(model, optimizer)
+    with pytest.raises(NotPlain):
+        ModuleTree(model)
+    assert ModuleTree(torch.nn.Sequential(torch.nn.Linear(4, 3))).same()
+    cache = PiecesCache()
+    first = cache.pieces(model, optimizer, None)
+    generation = cache.generation
+    step(model, optimizer)
+    assert all(a is b for a, b in zip(first, cache.pieces(model, optimizer, None))) and cache.generation is generation
+    model[1].register_buffer("extra", torch.ones(3))
+    assert described(cache.pieces(model, optimizer, None)) == described(fresh(model, optimizer))
+    assert cache.generation is not generation

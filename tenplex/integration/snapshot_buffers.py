@@ -43,8 +43,10 @@ class SnapshotBuffers:
         # the structure it was last checked under)
         self._plans: dict[tuple[str, Box], tuple[tuple, Any, Any, torch.Tensor, Any]] = {}
         # The last staging's pieces (the same objects while a cached structure stays), the structure they were
-        # checked under and their copies (destination, source), when all of them are numpy views of CPU memory
-        self._replay: tuple[list[Piece], Any, list[tuple[np.ndarray, np.ndarray]]] | None = None
+        # checked under and their copies (destination, source): byte views of contiguous memory, numpy views of
+        # the others, when all of them are numpy views of CPU memory (see _replayable)
+        self._replay: tuple[list[Piece], Any, list[tuple[memoryview, memoryview]],
+                            list[tuple[np.ndarray, np.ndarray]]] | None = None
         self._nbytes: int | None = None  # of the buffers; None: count again
 
     @property
@@ -63,7 +65,9 @@ class SnapshotBuffers:
         replay = self._replay
         if replay is not None and structure is not None and replay[1] is structure \
                 and len(pieces) == len(replay[0]) and all(map(operator.is_, pieces, replay[0])):
-            for destination, source in replay[2]:
+            for into, of in replay[2]:
+                into[:] = of  # a memcpy
+            for destination, source in replay[3]:
                 destination[...] = source  # the same dtype (checked when recorded): a copy of the bytes
             return
         self._replay = None
@@ -81,9 +85,8 @@ class SnapshotBuffers:
             copies = [self._copy(p, structure) for p in pieces if p.local.device.type != "cuda"]
             if on_gpu:
                 self._stage_cuda(on_gpu)
-        if structure is not None and not on_gpu and all(isinstance(d, np.ndarray) and isinstance(s, np.ndarray)
-                                                         and d.dtype == s.dtype for d, s in copies):
-            self._replay = (list(pieces), structure, copies)
+        if structure is not None and not on_gpu:
+            self._replay = _replayable(list(pieces), structure, copies)
 
     def _copy(self, piece: Piece, structure: Any) -> tuple[Any, Any]:
         """Copy one CPU piece into its buffer through views made once (the region of the same memory, into the
@@ -150,3 +153,19 @@ def _copy_views(buffer: torch.Tensor, source: torch.Tensor) -> tuple[Any, Any]:
     except (TypeError, RuntimeError, KeyError):
         return buffer, source
 
+
+
+def _replayable(pieces: list[Piece], structure: Any, copies: list[tuple[Any, Any]]) -> tuple | None:
+    """What :meth:`SnapshotBuffers.stage` replays for the same pieces under the same structure, when every copy is
+    between numpy views of one dtype: a byte copy between flat byte views where the source is contiguous too (the
+    least work per piece; the buffer always is), a numpy assignment between the views otherwise."""
+    flat, strided = [], []
+    for destination, source in copies:
+        if not (isinstance(destination, np.ndarray) and isinstance(source, np.ndarray)) \
+                or destination.dtype != source.dtype or destination.shape != source.shape:
+            return None
+        if source.flags.c_contiguous and destination.flags.c_contiguous and source.ndim:
+            flat.append((memoryview(destination).cast("B"), memoryview(source).cast("B")))
+        else:
+            strided.append((destination, source))
+    return pieces, structure, flat, strided

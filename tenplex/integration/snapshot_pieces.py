@@ -1,6 +1,7 @@
 """A snapshotter's pieces, made again only when the state's tensors change.
 
-May import: this package's :mod:`.layouts` and :mod:`.pieces`, torch and the standard library.
+May import: this package's :mod:`.layouts`, :mod:`.module_tree` and :mod:`.pieces`, torch and the standard
+library.
 
 :func:`.layouts.state_pieces` works out every tensor's boxes (a DTensor's from its mesh and placements) and
 validates each :class:`~tenplex.box.Box`: ~2 ms per snapshot for the ~90 pieces of a tiny GPT on this busy machine,
@@ -27,6 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .layouts import state_pieces
+from .module_tree import ModuleTree, NotPlain
 from .pieces import _VERSION, Piece, named_optimizer_params, version_of
 
 _FIELDS = ("name", "spec", "box", "local_box", "local")  # Piece's fields but its version
@@ -138,6 +140,10 @@ class _Probe:
     def __init__(self, model, optimizer, annotations, state_dict) -> None:
         self.owners = (id(model), id(optimizer), tuple((annotations or {}).items()))
         self.names, self.values = list(state_dict), list(state_dict.values())
+        try:  # the same tree holds the same state dict: compared without calling state_dict()
+            self.tree: ModuleTree | None = ModuleTree(model)
+        except NotPlain:
+            self.tree = None
         self.ids = tuple(map(id, self.values))
         self.groups = [list(group["params"]) for group in optimizer.param_groups] if optimizer is not None else []
         self.group_ids = [tuple(map(id, params)) for params in self.groups]
@@ -168,9 +174,13 @@ class _Probe:
     def holds(self, model, optimizer, annotations) -> bool:
         if (id(model), id(optimizer), tuple((annotations or {}).items())) != self.owners:
             return False
-        state_dict = model.state_dict(keep_vars=True)
-        if tuple(map(id, state_dict.values())) != self.ids or list(state_dict) != self.names:
-            return False
+        if self.tree is not None:
+            if not self.tree.same():
+                return False
+        else:
+            state_dict = model.state_dict(keep_vars=True)
+            if tuple(map(id, state_dict.values())) != self.ids or list(state_dict) != self.names:
+                return False
         if optimizer is not None:
             groups = optimizer.param_groups
             if len(groups) != len(self.group_ids) or any(tuple(map(id, g["params"])) != ids
