@@ -57,9 +57,7 @@ class RoundCache:
         stands for the pieces' names, boxes and specs when the caller knows them unchanged (:mod:`.snapshot_pieces`);
         ``named``: the optimizer's named parameters, when known (:meth:`.snapshot_pieces.PiecesCache.named_params`)."""
         ckpt = self.ckpt
-        key = (id(model), id(optimizer), ckpt.store_address,
-               tuple((p.name, p.box, p.spec) for p in pieces) if pieces_key is None else pieces_key,
-               tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups) if optimizer else ())
+        key = self.static_key(pieces, model, optimizer, pieces_key)
         if key != self._key:
             self._key, self._sent = key, False
             self._static = static_doc(pieces, device=ckpt.device, host=ckpt.host, store=ckpt.store_address,
@@ -81,6 +79,21 @@ class RoundCache:
                 d["rng"] = self._peer_rng[r]
             self._peer_rng[r] = d["rng"]
         return docs
+
+    def static_key(self, pieces: list[Piece], model, optimizer, pieces_key: Any = None) -> tuple:
+        """What this rank's static document is made from: equal keys, equal documents."""
+        return (id(model), id(optimizer), self.ckpt.store_address,
+                tuple((p.name, p.box, p.spec) for p in pieces) if pieces_key is None else pieces_key,
+                tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups) if optimizer else ())
+
+    def sent(self, key: tuple) -> bool:
+        """Whether the static document of ``key`` is the one this rank sent last (every rank holds it)."""
+        return self._sent and key == self._key
+
+    @property
+    def current(self) -> SaveRound | None:
+        """The round of the last exchange (its documents' RNG and scalars are that exchange's)."""
+        return self._round
 
     def round(self, docs: list[dict]) -> SaveRound:
         """The round of these documents: derived again only when some rank's static document changed."""
