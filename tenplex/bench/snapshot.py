@@ -21,7 +21,10 @@ round the slowest rank (barriers around it):
   future is done;
 * ``tenplex_snapshot_fixed_s``: the blocking seconds of a snapshot of the same model's structure with tiny
   tensors (``tenplex_snapshot_fixed_state_bytes`` in all): what a snapshot costs whatever the state's size (the
-  all-gather, the hand-off to the writer thread, the bookkeeping); ``tenplex_snapshot_s_per_mb``: the rest of
+  structure check, RNG and optimizer scalars, the hand-off to the writer thread, the bookkeeping; no collective
+  between exchanges); ``tenplex_snapshot_exchange_fixed_s`` (and ``…_cpu_s``): the same for a snapshot that
+  exchanges, as the first one and the one after a blocking save do (the all-gather at the boundary: every
+  snapshot's cost before issue 40's second round), measured in the same run; ``tenplex_snapshot_s_per_mb``: the rest of
   ``tenplex_snapshot_blocking_s`` per MB a rank stages; the same three in CPU seconds of the training thread
   (``time.thread_time``: ``tenplex_snapshot_blocking_cpu_s``, ``tenplex_snapshot_fixed_cpu_s``,
   ``tenplex_snapshot_cpu_s_per_mb``), which a loaded machine's scheduling does not inflate as it does wall time;
@@ -198,9 +201,17 @@ def _fixed_cost(spec: dict, work: Path, result: dict) -> dict:
         begin, cpu = time.perf_counter(), time.thread_time()
         ckpt.async_save(tiny.model, tiny.optimizer, step=i, scheduler=tiny.scheduler)
         return time.perf_counter() - begin, time.thread_time() - cpu
+    def exchanging(i: int) -> tuple[float, float]:
+        ckpt._snapshots.resync()  # as after a blocking save: this snapshot runs the exchange (an all-gather)
+        return snapshot(i)
     _rounds(2, snapshot)  # the first allocates its buffers and sends the static documents
-    fixed, fixed_cpu = _rounds(max(5, 3 * spec["repeat"]), snapshot)
+    rounds = max(5, 3 * spec["repeat"])
+    exchanges = [ckpt.snapshot_stats()["exchanges"]]
+    exchange, exchange_cpu = _rounds(rounds, exchanging)
+    exchanges.append(ckpt.snapshot_stats()["exchanges"])
+    fixed, fixed_cpu = _rounds(rounds, snapshot)
     ckpt.wait_snapshot()
+    exchanges.append(ckpt.snapshot_stats()["exchanges"])
     tiny_bytes = int(_summed(ckpt.snapshot_stats()["staging_bytes"]))
     ckpt.close()
     per_rank = (result["tenplex_staging_bytes"] - tiny_bytes) / dist.get_world_size() / 1e6
@@ -208,7 +219,11 @@ def _fixed_cost(spec: dict, work: Path, result: dict) -> dict:
     per_mb_cpu = max(0.0, result["tenplex_snapshot_blocking_cpu_s"] - fixed_cpu) / max(per_rank, 1e-9)
     return {"tenplex_snapshot_fixed_s": round(fixed, 5), "tenplex_snapshot_s_per_mb": round(per_mb, 6),
             "tenplex_snapshot_fixed_cpu_s": round(fixed_cpu, 5), "tenplex_snapshot_cpu_s_per_mb": round(per_mb_cpu, 6),
-            "tenplex_snapshot_fixed_state_bytes": tiny_bytes}
+            "tenplex_snapshot_fixed_state_bytes": tiny_bytes,
+            "tenplex_snapshot_exchange_fixed_s": round(exchange, 5),
+            "tenplex_snapshot_exchange_fixed_cpu_s": round(exchange_cpu, 5),
+            # How many of each measure's snapshots exchanged (all of the first measure's, none of the second's).
+            "tenplex_snapshot_exchange_rounds": [exchanges[1] - exchanges[0], exchanges[2] - exchanges[1], rounds]}
 
 
 def _dcp_saves(trainer, work: Path, repeat: int) -> dict:

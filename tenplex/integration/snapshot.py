@@ -1,9 +1,8 @@
 """Snapshots: a save that returns once the state is staged in host memory; a background thread stores and commits it.
 
-May import: ``tenplex.box``, ``tenplex.store``, ``tenplex.replication``, ``tenplex.layout``, ``tenplex.errors``,
-``tenplex.integration`` (pieces, layouts, canonical, snapshot_buffers, snapshot_agree, snapshot_copies, exchange,
-jobstore, nontensor, rollforward, savedoc, snapshot_pieces, snapshot_round, versions), torch,
-torch.distributed and the standard library.
+May import: ``tenplex.box``, ``tenplex.errors``, ``tenplex.integration`` (canonical, exchange, jobstore, nontensor,
+pieces, rollforward, savedoc, snapshot_agree, snapshot_buffers, snapshot_copies, snapshot_pieces, snapshot_round,
+snapshot_writer, versions), torch.distributed and the standard library.
 
 A snapshot is a version like any other: the same parts, manifest and commit
 as :meth:`Checkpointer.save`, so a restore (into any layout) reads it
@@ -50,83 +49,39 @@ some host lacks is never restored from (the restore's version choice).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 from ..box import Box
 from ..errors import TenplexError
-from ..layout import Layout
-from ..replication.stores import STORES_DOC, stores_doc
-from ..store import CorruptShard
-from ..store.contract import LinkingWriter
+from .canonical import canonical_buffers
 from .exchange import agree, all_gather_json
 from .jobstore import JobKeyValue
 from .nontensor import capture_rng
 from .pieces import Piece, optimizer_scalars
 from .rollforward import PARTS_DOC, parts_doc
-from .savedoc import SaveRound, refresh_state_doc, state_doc
-from .snapshot_agree import ABORT, COMMIT, Aborted, Agreement, GaveUp, poll
+from .savedoc import SaveRound, state_doc
+from .snapshot_agree import ABORT, COMMIT
+from .snapshot_buffers import SnapshotBuffers
 from .snapshot_copies import SnapshotCopies
 from .snapshot_pieces import PiecesCache
 from .snapshot_round import RoundCache
-from .shardio import _as_storage
-from .canonical import canonical_buffers
-from .snapshot_buffers import SnapshotBuffers
+from .snapshot_writer import InFlight, SnapshotWriter
 from .versions import STATE_DOC
 
 log = logging.getLogger(__name__)
+FIRST_CONNECT_S = 2.0  # how long the first exchange waits for the job's key-value store to answer
 CLOSE_JOIN_S = 10.0  # how long close() waits for the writer and copier threads to end (each finishes its item)
-DECISION_S = 120.0  # how long a rank that prepared waits for the others before it calls the snapshot undecided
-LINK_WAIT_S = 30.0  # how long a write waits for its host to commit the version it links from
 _ABORTED = "aborted by another rank"  # a rank's report when it did not prepare because another rank decided abort
 
 
 class SnapshotError(TenplexError, RuntimeError):
     """A snapshot was not committed (its write failed on some rank); training goes on, the next one is tried."""
-
-
-@dataclass
-class _InFlight:
-    """One rank's snapshot between its staging and its settlement."""
-
-    version: int
-    step: int
-    rank: int
-    leader: bool
-    parts: list[str]
-    world: int
-    world_key: str                   # where its keys lie in the job's key-value store (:mod:`.snapshot_agree`)
-    layout: Layout | None            # leaders: the saved layout (replication), made by the background thread
-    addresses: dict[str, str]
-    replicas: int
-    fingerprints: dict[tuple[str, Box], tuple]  # of every piece this rank writes (staged or linked)
-    linked: list[tuple[str, Box]]    # the pieces unchanged since version - 1: linked from there, not staged
-    exchanged: bool = True           # staged after an exchange; else its step document travels through the store
-    step_doc: dict | None = None     # not exchanged: this rank's RNG streams and optimizer scalars at the boundary
-    changed: str | None = None       # not exchanged: why this rank cannot write its part (its structure changed)
-    previous: int | None = None      # the version staged before it in the same world (its keys are deleted)
-    future: Future = field(default_factory=Future)
-    called_at: float = field(default_factory=time.monotonic)  # when async_save was called
-    written: threading.Event = field(default_factory=threading.Event)
-    give_up: threading.Event = field(default_factory=threading.Event)
-    decided: threading.Event = field(default_factory=threading.Event)  # the agreement through the store is over
-    done: threading.Event = field(default_factory=threading.Event)  # the writer thread is through with it
-    error: str | None = None         # why this rank did not prepare its part (it decides abort)
-    prepared: bool = False
-    decision: bytes | None = None    # what the job's store decided (None: unknown; the next exchange settles it)
-    abort_reason: str | None = None  # "rank R: why", when the store decided abort
-    store_error: Exception | None = None  # why the job's store gave no decision (a lost peer: faults.classify)
-    committed: bool = False
-    spread: bool = False             # every region is on two hosts or more: it survives the loss of one
-    write_s: float = 0.0
-    commit_s: float | None = None    # seconds from the call until this host committed
 
 
 class Snapshotter:
@@ -135,26 +90,22 @@ class Snapshotter:
     def __init__(self, ckpt) -> None:
         self.ckpt = ckpt
         self.staging = SnapshotBuffers()
-        self.inflight: _InFlight | None = None
+        self.inflight: InFlight | None = None
         self._kv = JobKeyValue()
         self._kv.connect_soon()  # so that the first exchange may already find every rank connected
         self.rounds = RoundCache(ckpt)
         self.pieces = PiecesCache()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # snapshots for the writer thread; None: stop
-        self._writer: threading.Thread | None = None
         self._unchanged_base: tuple[int, dict[tuple[str, Box], tuple]] | None = None  # newest committed, its pieces
         self._closed = False
-        self._gc_due = False  # a commit at the boundary left retention to the writer thread
         self._own_cache: tuple[Any, dict, int, list[int], list[tuple[str, Box]]] | None = None  # see _own
+        self._roles: tuple[dict, int, list, dict] | None = None  # see _canonical_roles
         # Between exchanges (every rank reached the job's store at the last one): the world's key prefix, the
-        # last staged version, the copies per region, this rank's last posted RNG streams and their generation,
-        # and (leaders) every rank's RNG streams read from the store.
+        # last staged version and its keys' prefix, the copies per region.
         self._fast = False  # the next snapshot may skip the exchange (set by each exchange: see _exchange)
         self._world_key: str | None = None
         self._version = 0
         self._replicas = 0
-        self._rng_posted: tuple[int, Any] = (-1, None)
-        self._known_rng: dict[int, tuple[int, Any]] = {}
+        self._last_key: str | None = None
         self.stats: dict[str, Any] = {"snapshots": 0, "committed": 0, "failed": 0, "dropped": 0, "exchanges": 0,
                                       "blocking_s": 0.0,
                                       "waited_s": 0.0, "last_blocking_s": 0.0, "write_s": 0.0, "last_write_s": 0.0,
@@ -162,6 +113,7 @@ class Snapshotter:
                                       "committed_step": None, "replicated_step": None,
                                       "protected_step": None, "spread": False, "copies": 0}
         self.copies = SnapshotCopies(ckpt, self.stats)
+        self.writer = SnapshotWriter(ckpt, self.staging, self._kv, self.copies)
 
     # ------------------------------------------------------------------ boundary
     def snapshot(self, model, optimizer, *, step: int, extra, scheduler, scaler, annotations, rng: bool) -> Future:
@@ -173,30 +125,23 @@ class Snapshotter:
         exchange = not self._settle_decided(self._wait_previous())
         waited = time.monotonic() - begin
         pieces = self.pieces.pieces(model, optimizer, annotations)
+        step_doc: dict | None = None
+        changed: str | None = None
+        posts: list[tuple[int, tuple[str, Box]]] = []
+        takes: dict[tuple[str, Box], int] = {}
         if exchange:
             round_, docs, canonical, version = self._exchange(pieces, model, optimizer, rng, rank)
-            step_doc, changed = None, None
         else:
-            current = self.rounds.current
-            assert current is not None
-            round_, docs, canonical, version = current, current.docs, {}, self._version + 1
-            named = self.pieces.named_params(model, optimizer)
-            step_doc = {"rng": capture_rng() if rng else None,
-                        "scalars": optimizer_scalars(model, optimizer, named) if optimizer is not None else {}}
-            same = self.rounds.sent(self.rounds.static_key(pieces, model, optimizer, self.pieces.generation))
-            changed = None if same else (f"the state's structure changed on rank {rank} (tensors, boxes or "
-                                         f"parameter groups); the next snapshot exchanges it")
-        previous, self._version = self._version, version
+            round_, docs, canonical, version = self._round(), self._round().docs, {}, self._version + 1
+            step_doc, changed = self._step_doc(pieces, model, optimizer, rng, rank)
+            posts, takes = self._canonical_roles(round_, rank)
+        self._version = version
         leader = rank == round_.leader
-        indices: list[int] = []
-        keys: list[tuple[str, Box]] = []
-        own: list[Piece] = []
-        if not changed:
-            indices, keys = self._own(pieces, round_.writers, rank)
-            own = [canonical.get(key, pieces[i]) for i, key in zip(indices, keys)] if canonical else \
-                [pieces[i] for i in indices]
+        indices, keys = ([], []) if changed else self._own(pieces, round_.writers, rank)
+        own = [canonical.get(key, pieces[i]) for i, key in zip(indices, keys)] if canonical else \
+            [pieces[i] for i in indices]
         fingerprints = {key: self.pieces.fingerprint(p) for key, p in zip(keys, own)}
-        unchanged = self._unchanged(fingerprints, version)
+        unchanged = self._unchanged(fingerprints, version, {*takes, *(key for _, key in posts)})
         self.staging.stage([p for key, p in zip(keys, own) if key not in unchanged] if unchanged else own,
                            self.pieces.generation)
         documents: dict[str, Any] = {}
@@ -206,12 +151,14 @@ class Snapshotter:
             documents = {STATE_DOC: state_doc(docs, step, extra, scheduler, scaler, optimizer),
                          PARTS_DOC: parts_doc(round_.all_parts())}
         assert self._world_key is not None
-        job = self.inflight = _InFlight(
+        job = self.inflight = InFlight(
             version, step, rank, leader, round_.parts, dist.get_world_size(group), self._world_key, None,
             round_.addresses, self._replicas, {k: f for k, f in fingerprints.items() if f is not None},
             [key for key in keys if key in unchanged] if unchanged else [], exchanged=exchange, step_doc=step_doc,
-            changed=changed, previous=None if exchange else previous, called_at=begin, spread=self.rounds.spread)
-        self._hand_off(job, ({p.name: p.spec for p in own}, documents, round_ if leader else None))
+            changed=changed, previous_key=self._last_key, canonical_posts=posts, canonical_takes=takes,
+            called_at=begin, spread=self.rounds.spread)
+        self._last_key = f"{self._world_key}/{version}"
+        self.writer.hand_off(job, {p.name: p.spec for p in own}, documents, round_ if leader else None)
         blocking = time.monotonic() - begin
         self.stats.update(snapshots=self.stats["snapshots"] + 1, blocking_s=self.stats["blocking_s"] + blocking,
                           staged_version=version, staged_step=step,
@@ -221,11 +168,43 @@ class Snapshotter:
                                            if key in unchanged) if unchanged else 0)
         return job.future
 
+    def _round(self) -> SaveRound:
+        current = self.rounds.current
+        assert current is not None
+        return current
+
+    def _step_doc(self, pieces: list[Piece], model, optimizer, rng: bool, rank: int) -> tuple[dict, str | None]:
+        """Between exchanges: what this rank reads at the boundary for the state document (its RNG streams and
+        optimizer scalars), and why it cannot write its part (None: it can)."""
+        named = self.pieces.named_params(model, optimizer)
+        doc = {"rng": capture_rng() if rng else None,
+               "scalars": optimizer_scalars(model, optimizer, named) if optimizer is not None else {}}
+        if self.rounds.still_sent(pieces, rank, model, optimizer, self.pieces.generation):
+            return doc, None
+        return doc, (f"the state's structure changed on rank {rank} (tensors, boxes or parameter groups); the next "
+                     f"snapshot exchanges it")
+
+    def _canonical_roles(self, round_: SaveRound, rank: int) -> tuple[list[tuple[int, tuple[str, Box]]],
+                                                                      dict[tuple[str, Box], int]]:
+        """Between exchanges, the canonical buffers (:mod:`.canonical`) travel through the job's store: the boxes
+        this rank posts (it is their source) and those it writes from what their source posted, by their index in
+        the round's sends; worked out once per round."""
+        known = self._roles
+        if known is None or known[0] is not round_.writers or known[1] != rank:
+            sends, host = self.rounds.canonical_sends(round_), self.ckpt.host
+            posts = [(i, (name, box)) for i, (src, name, box) in enumerate(sends) if src == rank]
+            takes = {(name, box): i for i, (src, name, box) in enumerate(sends)
+                     if src != rank and round_.writers.get((host, name, box)) == rank}
+            known = self._roles = (round_.writers, rank, posts, takes)
+        return known[2], known[3]
+
     def _exchange(self, pieces: list[Piece], model, optimizer, rng: bool,
                   rank: int) -> tuple[SaveRound, list[dict], dict, int]:
         """The all-gather that (re)starts the snapshots of a layout; settles the previous one. Collective."""
         ckpt, group = self.ckpt, self.ckpt.group
         previous = self._stop_background()
+        if not self.stats["exchanges"]:  # the first: give the connection its first try (a few ms on a LAN)
+            self._kv.wait_connected(FIRST_CONNECT_S)
         docs = self.rounds.exchange(pieces, rank, rng, model, optimizer, pieces_key=self.pieces.generation,
                                     named=self.pieces.named_params(model, optimizer),
                                     previous=previous, nonce=uuid.uuid4().hex, kv=self._kv.connected)
@@ -236,9 +215,9 @@ class Snapshotter:
         version = round_.next_version([d["previous"]["version"] for d in docs if d["previous"]])
         self._replicas = ckpt.replica_count(round_)
         # The snapshots that follow need no exchange while nothing below changes (the same on every rank).
-        self._fast = all(d["kv"] for d in docs) and not sends
+        self._fast = all(d["kv"] for d in docs)
         self._world_key = f"tenplex/snapshot/{docs[0]['nonce']}"
-        self._rng_posted, self._known_rng = (-1, None), {}
+        self.writer.new_world()
         self.stats["exchanges"] += 1
         return round_, docs, canonical, version
 
@@ -246,7 +225,7 @@ class Snapshotter:
         """Exchange at the next snapshot: a blocking save or a restore made a version (or changed the state)."""
         self._fast = False
 
-    def _wait_previous(self) -> _InFlight | None:
+    def _wait_previous(self) -> InFlight | None:
         """Back-pressure: wait for the previous snapshot's write and, between exchanges, for its decision."""
         job = self.inflight
         if job is None:
@@ -256,7 +235,7 @@ class Snapshotter:
             job.decided.wait()
         return job
 
-    def _settle_decided(self, job: _InFlight | None) -> bool:
+    def _settle_decided(self, job: InFlight | None) -> bool:
         """Settle ``job`` from its decision, without an exchange; False when this snapshot must exchange."""
         if not self._fast:
             return False
@@ -289,13 +268,16 @@ class Snapshotter:
                                        [(pieces[i].name, pieces[i].box) for i in indices])
         return known[3], known[4]
 
-    def _unchanged(self, fingerprints: dict[tuple[str, Box], tuple | None], version: int) -> set[tuple[str, Box]]:
+    def _unchanged(self, fingerprints: dict[tuple[str, Box], tuple | None], version: int,
+                   canonical: set[tuple[str, Box]]) -> set[tuple[str, Box]]:
         """The pieces that the previous snapshot holds as they are now, when it is version - 1: no other version
-        (a blocking save, a restore) came between, so its files are the newest committed ones."""
+        (a blocking save, a restore) came between, so its files are the newest committed ones. Never the
+        ``canonical`` buffers' (their values are their source's, and its piece may have changed)."""
         if self._unchanged_base is None or self._unchanged_base[0] != version - 1:
             return set()
         before = self._unchanged_base[1]
-        return {key for key, f in fingerprints.items() if f is not None and before.get(key) == f}
+        return {key for key, f in fingerprints.items()
+                if f is not None and before.get(key) == f and key not in canonical}
 
     def settle(self) -> int | None:
         """Finish the snapshot in flight (wait for its write and decision, commit or drop it everywhere); the newest
@@ -328,7 +310,7 @@ class Snapshotter:
             # Some host did not see the decision in time (or there is no key-value store): commit it now.
             def commit():
                 if job.leader and not job.committed:
-                    self._commit(job, gc=gc)
+                    self.writer.commit(job, gc=gc)
             try:
                 agree(f"snapshot of step {job.step} (committing version {job.version})", commit, self.ckpt.group)
                 self.stats["late_commits"] += 1
@@ -344,7 +326,7 @@ class Snapshotter:
         else:
             self._succeeded(job)
 
-    def _succeeded(self, job: _InFlight) -> None:
+    def _succeeded(self, job: InFlight) -> None:
         self.stats["write_s"] += job.write_s
         self.stats.update(committed=self.stats["committed"] + 1, committed_step=job.step,
                           committed_version=job.version, last_write_s=job.write_s, last_commit_s=job.commit_s,
@@ -355,7 +337,7 @@ class Snapshotter:
         self._unchanged_base = (job.version, job.fingerprints)
         job.future.set_result(job.version)
 
-    def _failed(self, job: _InFlight, reason: str, dropped: bool = False) -> None:
+    def _failed(self, job: InFlight, reason: str, dropped: bool = False) -> None:
         """``job`` is not committed anywhere: take it back on this host, count it, fail its future."""
         self.stats["write_s"] += job.write_s
         self._unchanged_base = None  # the next snapshot stages every piece
@@ -366,163 +348,6 @@ class Snapshotter:
         self.stats["dropped" if dropped else "failed"] += 1
         job.future.set_exception(SnapshotError(f"snapshot of step {job.step} (version {job.version}) was not "
                                                f"committed: {reason}"))
-
-    # ------------------------------------------------------------ background
-    def _hand_off(self, job: _InFlight, args: tuple) -> None:
-        """Give the snapshot to this snapshotter's writer thread (one for its life: starting a thread per snapshot
-        costs the training thread more than the rest of a small snapshot)."""
-        if self._writer is None:
-            self._writer = threading.Thread(target=self._write_loop, name="tenplex-snapshot-writer", daemon=True)
-            self._writer.start()
-        self._queue.put((job, args))
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            job, args = item
-            try:
-                self._write(job, *args)
-                self._agree(job)
-            finally:
-                job.written.set()
-                job.decided.set()
-            try:
-                self._retention()
-            except Exception as e:  # noqa: BLE001 -- tried again after the next commit
-                self._gc_due = True
-                log.warning("tenplex: retention after version %d: %s: %s", job.version, type(e).__name__, e)
-            finally:
-                job.done.set()
-
-    def _write(self, job: _InFlight, specs, documents: dict[str, Any], leader_docs: SaveRound | None) -> None:
-        """Write and prepare this rank's part (see the module docstring)."""
-        ckpt, store = self.ckpt, self.ckpt.store
-        begin = time.monotonic()
-        agreement = None if job.exchanged else Agreement(self._kv.get(job.give_up), job.world_key, job.version,
-                                                         job.rank, job.world)
-        try:
-            if job.changed is not None:
-                raise _Changed(job.changed)
-            if agreement is not None:
-                self._post_step(agreement, job)
-            self._retention()  # the previous snapshot was committed at the boundary, its retention left to here
-            if leader_docs is not None:
-                job.layout = leader_docs.layout()
-                documents[STORES_DOC] = stores_doc(job.version, {h: job.addresses.get(h) for h in leader_docs.ring},
-                                                   job.replicas, leader_docs.ring)
-            self.staging.wait_copied()
-            with store.begin(job.version, part=f"rank{job.rank}") as writer:
-                for name, box, buffer in self.staging.buffers():
-                    spec = specs[name]
-                    writer.put(ckpt.device, name, box, _as_storage(buffer, spec.dtype).numpy(), spec.dtype, spec.shape)
-                if job.linked:
-                    self._link_unchanged(job, writer)
-                if job.layout is not None:
-                    writer.put_layout(job.layout)
-                if agreement is not None and leader_docs is not None:
-                    steps = agreement.step_docs(_Deadline(job.give_up, DECISION_S), self._known_rng)
-                    refresh_state_doc(documents[STATE_DOC], steps, leader_docs.docs)
-                for doc_name, doc in documents.items():
-                    writer.put_json(doc_name, doc)
-                writer.prepare()
-            job.prepared = True
-        except Aborted:  # another rank decided abort: nothing to add
-            pass
-        except Exception as e:  # noqa: BLE001 -- training goes on; the decision (or the next exchange) settles it
-            job.error = str(e) if isinstance(e, _Changed) else f"{type(e).__name__}: {e}"
-            if isinstance(e, (_Changed, GaveUp)):
-                log.info("tenplex: snapshot of step %d (version %d) dropped on rank %d: %s", job.step, job.version,
-                         job.rank, job.error)
-            else:
-                log.error("tenplex: snapshot of step %d (version %d) failed on rank %d: %s; training goes on, the "
-                          "next snapshot is tried", job.step, job.version, job.rank, job.error)
-        job.write_s = time.monotonic() - begin
-        job.written.set()
-
-    def _post_step(self, agreement: Agreement, job: _InFlight) -> None:
-        """Post this rank's step document; its RNG streams as a new generation when they changed."""
-        assert job.step_doc is not None
-        streams = job.step_doc["rng"]
-        new = streams is not None and streams != self._rng_posted[1]
-        if new:
-            self._rng_posted = (self._rng_posted[0] + 1, streams)
-        agreement.post_step(job.step_doc["scalars"], None if streams is None else self._rng_posted[0], streams, new)
-        job.step_doc["posted"] = self._rng_posted[0] if new else None
-
-    def _agree(self, job: _InFlight) -> None:
-        """Take part in the decision through the job's key-value store; the host leader commits on ``commit``.
-        Ends with the decision known, given up (the boundary settles it by an exchange), or the store gone."""
-        kv = self._kv.get(job.give_up)  # connected off the training thread; None until it answers
-        if kv is None:
-            return
-        agreement = Agreement(kv, job.world_key, job.version, job.rank, job.world)
-        give_up = _Deadline(job.give_up, DECISION_S)
-        try:
-            if job.error is not None:
-                agreement.abort(job.error)
-            elif job.prepared:
-                agreement.prepared(job.step)
-            decision = agreement.decision(give_up)
-            if decision == COMMIT and job.leader:
-                self._commit(job, gc=False)
-            elif decision == ABORT:
-                rank, error = agreement.error()
-                job.abort_reason = f"rank {rank}: {error}"
-            job.decision = decision
-            if not job.exchanged:
-                agreement.forget(job.step_doc.get("posted") if job.step_doc else None, job.previous)
-        except GaveUp:
-            if give_up.expired:
-                job.store_error = TimeoutError(f"no decision within {DECISION_S:.0f} s")
-                log.warning("tenplex: snapshot of step %d (version %d): no decision within %.0f s", job.step,
-                            job.version, DECISION_S)
-        except Exception as e:  # noqa: BLE001 -- the boundary's exchange settles it instead
-            job.store_error = e
-            log.warning("tenplex: snapshot of step %d (version %d): %s: %s; it is settled at the next step "
-                        "boundary", job.step, job.version, type(e).__name__, e)
-
-    def _link_unchanged(self, job: _InFlight, writer) -> None:
-        """Put the unchanged pieces into this part as hard links to their files in version - 1 (no byte copied); a
-        link that fails (EXDEV: another mount; a file gone) copies the stored bytes instead."""
-        device, store = self.ckpt.device, self.ckpt.store
-        if not job.exchanged:  # decided, but this host's leader may not have committed it yet
-            poll(lambda: (store.latest() or 0) >= job.version - 1, _Deadline(job.give_up, LINK_WAIT_S))
-        reader = store.open(job.version - 1)
-        try:
-            for name, box in job.linked:
-                entry = reader.find(device, name, box)
-                if isinstance(writer, LinkingWriter):
-                    try:
-                        writer.link(device, reader, entry)
-                        continue
-                    except (CorruptShard, OSError) as e:
-                        log.warning("tenplex: snapshot of step %d: cannot link %s %s from version %d: %s; copying it "
-                                    "instead", job.step, name, box, job.version - 1, e)
-                writer.put(device, name, box, reader.read(device, name, box), entry.dtype, entry.shape)
-        finally:
-            reader.close()
-
-    def _commit(self, job: _InFlight, gc: bool = True) -> None:
-        store = self.ckpt.store
-        store.commit(job.version, parts=job.parts)
-        job.committed = True
-        job.commit_s = time.monotonic() - job.called_at
-        if gc:  # retention, off the training thread: a boundary that had to commit leaves it to the writer thread
-            store.gc(self.ckpt.keep)
-        else:
-            self._gc_due = True
-        if job.leader and job.replicas and job.layout is not None:
-            self.copies.queue(job.version, job.step, job.layout, job.addresses, job.replicas)
-        if self.ckpt.durable is not None:  # the durable tier flushes snapshots like saves (its own policy)
-            self.ckpt.durable.saved()
-
-    def _retention(self) -> None:
-        """The retention a commit left to the writer thread (after the decision: the boundary waits for that)."""
-        if self._gc_due:
-            self._gc_due = False
-            self.ckpt.store.gc(self.ckpt.keep)
 
     # ----------------------------------------------------------- replication
     def wait_copies(self, timeout: float | None) -> None:
@@ -537,31 +362,13 @@ class Snapshotter:
         uncommitted."""
         if self.inflight is not None:
             self.inflight.give_up.set()
-        self._queue.put(None)
+        self.writer.stop()
         self._closed = True
         self.copies.close()
         # A running thread's bound target keeps this snapshotter, its cached pieces (a DTensor's mesh: the old
         # world's process groups and sockets) alive until it ends; in place the groups must go with the world
         # (leave_process_group's gc.collect), else a survivor still in a collective with this rank waits for the
         # group's timeout (issue 36). Both threads end at their next item: bounded, not a whole copy's wait.
-        for thread in (self._writer, self.copies.thread):
+        for thread in (self.writer.thread, self.copies.thread):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=CLOSE_JOIN_S)
-
-
-class _Changed(Exception):
-    """This rank's state's structure changed since the last exchange: it cannot write its part of the old layout."""
-
-
-class _Deadline(threading.Event):
-    """``give_up`` for a wait, that is also set once ``seconds`` have passed (``expired``: that is why)."""
-
-    def __init__(self, give_up: threading.Event, seconds: float) -> None:
-        super().__init__()
-        self._give_up, self._until = give_up, time.monotonic() + seconds
-        self.expired = False
-
-    def is_set(self) -> bool:
-        if time.monotonic() >= self._until:
-            self.expired = True
-        return self.expired or self._give_up.is_set()

@@ -9,6 +9,8 @@ Every key of one snapshot lies under its own prefix, ``<world>/<version>``, wher
   document (:func:`.savedoc.refresh_state_doc`): its optimizer scalars and the generation of its RNG streams;
   the streams themselves lie under ``<world>/rng/<rank>/<generation>``, written only when they changed (a loop without
   dropout or shuffling leaves them alone), so a leader reads them once per change, not once per step;
+* ``canonical/<i>``: the bytes of the round's ``i``-th replicated buffer box that a writer on another host than
+  its source writes (:mod:`.canonical`), posted by the source rank from its staging buffer;
 * ``prepared``: a counter; the rank that brings it to the world size decides ``commit``;
 * ``error``: the first failure (its rank and message), written before the rank decides ``abort``;
 * ``decision``: ``commit`` or ``abort``, set once (compare-and-set: the first decision stands, a later one
@@ -55,11 +57,14 @@ class Agreement:
         self.kv, self.world_key, self.rank, self.world = kv, world_key, rank, world
         self.prefix = f"{world_key}/{version}"
 
-    def post_step(self, scalars: dict, rng_generation: int | None, rng: Any, rng_is_new: bool) -> None:
-        """This rank's step document; its RNG streams too when they are a new generation."""
+    def post_step(self, scalars: dict, rng_generation: int | None, rng: Any, rng_is_new: bool) -> str | None:
+        """This rank's step document; its RNG streams too when they are a new generation (their key, returned)."""
+        key = None
         if rng_is_new and rng_generation is not None:
-            self.kv.set(f"{self.rng_prefix(self.rank)}/{rng_generation}", _dumps(rng))
+            key = f"{self.rng_prefix(self.rank)}/{rng_generation}"
+            self.kv.set(key, _dumps(rng))
         self.kv.set(f"{self.prefix}/step/{self.rank}", _dumps({"scalars": scalars, "rng": rng_generation}))
+        return key
 
     def rng_prefix(self, rank: int) -> str:
         """Where a rank's RNG streams lie: under the world's prefix (a generation outlives a snapshot)."""
@@ -83,6 +88,18 @@ class Agreement:
             d["rng"] = None if d["rng"] is None else known_rng[r][1]
         return docs
 
+    def post_canonical(self, index: int, data: bytes) -> None:
+        """The bytes of the ``index``-th canonical buffer box of the round (:mod:`.canonical`), from its source."""
+        self.kv.set(f"{self.prefix}/canonical/{index}", data)
+
+    def canonical(self, index: int, give_up: threading.Event) -> bytes:
+        """The bytes its source posted (waits for them; :class:`Aborted` when another rank decided abort)."""
+        key, decided = f"{self.prefix}/canonical/{index}", f"{self.prefix}/decision"
+        poll(lambda: self.kv.check([key]) or self.kv.check([decided]), give_up)
+        if not self.kv.check([key]):
+            raise Aborted("another rank aborted the snapshot before it sent a canonical buffer")
+        return self.kv.get(key)
+
     def prepared(self, step: int) -> None:
         """This rank prepared its part; the last one to do so decides ``commit``."""
         if self.kv.add(f"{self.prefix}/prepared", 1) == self.world:
@@ -105,17 +122,19 @@ class Agreement:
         found = json.loads(self.kv.get(f"{self.prefix}/error"))
         return found["rank"], found["error"]
 
-    def forget(self, rng_generation: int | None, previous: int | None) -> None:
+    def forget(self, stale_rng_key: str | None, previous: str | None, canonical: tuple[int, ...] = ()) -> None:
         """Once this snapshot is decided, delete what nobody reads any more (the job's store keeps what it is
-        given): this rank's step document, its RNG generation before ``rng_generation`` (a new one), and, on rank
-        0, the shared keys of the ``previous`` version of this world (every rank read its decision before it staged
-        this one, and this one's decision needed every rank)."""
+        given): this rank's step document and ``canonical`` buffers, its RNG streams' key before the one it posted
+        now, and, on rank 0, the shared keys of the ``previous`` snapshot (its prefix: every rank read its decision
+        before it staged this one, and this one's decision needed every rank)."""
         self.kv.delete_key(f"{self.prefix}/step/{self.rank}")
-        if rng_generation:
-            self.kv.delete_key(f"{self.rng_prefix(self.rank)}/{rng_generation - 1}")
+        for index in canonical:
+            self.kv.delete_key(f"{self.prefix}/canonical/{index}")
+        if stale_rng_key is not None:
+            self.kv.delete_key(stale_rng_key)
         if self.rank == 0 and previous is not None:
             for name in ("prepared", "decision", "error"):
-                self.kv.delete_key(f"{self.world_key}/{previous}/{name}")
+                self.kv.delete_key(f"{previous}/{name}")
 
 
 def _dumps(doc: Any) -> str:

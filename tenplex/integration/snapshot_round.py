@@ -86,9 +86,22 @@ class RoundCache:
                 tuple((p.name, p.box, p.spec) for p in pieces) if pieces_key is None else pieces_key,
                 tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups) if optimizer else ())
 
-    def sent(self, key: tuple) -> bool:
-        """Whether the static document of ``key`` is the one this rank sent last (every rank holds it)."""
-        return self._sent and key == self._key
+    def still_sent(self, pieces: list[Piece], rank: int, model, optimizer, pieces_key: Any = None) -> bool:
+        """Whether every rank holds this rank's static document as it is now: the one it sent last, unless the
+        state's description changed (a tensor given new memory keeps its name, box and spec: then the document,
+        made again, is the same, and is taken as the one sent)."""
+        if not self._sent:
+            return False
+        key = self.static_key(pieces, model, optimizer, pieces_key)
+        if key == self._key:
+            return True
+        ckpt = self.ckpt
+        static = static_doc(pieces, device=ckpt.device, host=ckpt.host, store=ckpt.store_address,
+                            coord=ckpt.coord_key(rank), model=model, optimizer=optimizer)
+        if static != self._static:
+            return False
+        self._key = key
+        return True
 
     @property
     def current(self) -> SaveRound | None:
