@@ -8,7 +8,8 @@ streams change, as dropout's would). At step boundary ``i`` it records its RNG s
 ``barrier``), and records its state (parameters and Adam moments, exactly: float32 values as JSON numbers).
 Before snapshot ``spec["swap_at"]`` rank 2 (the writer of host h1) gives its bias new memory (``.data``
 replaced, the same values: the state's description does not change); before snapshot ``spec["change_at"]``
-every rank registers a new buffer (the state's structure changes). ``wait_snapshot`` after ``spec["settle_at"]``
+every rank registers a new buffer (the state's structure changes), which from then on holds values of its own on
+every rank (as BatchNorm's statistics under DDP). ``wait_snapshot`` after ``spec["settle_at"]``
 snapshots and at the end; then it looks for every key any snapshot of the run may have left in the job's key-value
 store (every version's, every RNG generation's, under each key prefix the snapshots used). Results:
 ``result_r{R}.json`` under ``spec["out"]``.
@@ -75,7 +76,9 @@ def main() -> None:
         if i == spec["swap_at"] and rank == 2:
             model.bias.data = model.bias.data.clone()  # the same values in new memory
         if i == spec["change_at"]:
-            model.register_buffer("seen", torch.full((2,), float(i)))
+            model.register_buffer("seen", torch.zeros(2))
+        if i >= spec["change_at"]:  # a buffer each rank updates from its own data (BatchNorm's statistics do)
+            model.seen.fill_(10.0 * i + rank)
         rng, state = capture_rng(), {name: t.tolist() for name, t in model.state_dict().items()}
         for name, param in model.named_parameters():
             state.update({f"optim.{k}.{name}": v.tolist() for k, v in optimizer.state[param].items() if v.dim()})
