@@ -7,8 +7,8 @@ holds, on every host, the writer's tensors at its step bit for bit and every ran
 that boundary (they travel through the job's store, not the all-gather); a parameter given new memory with the
 same description changes nothing; a new buffer on every rank drops that one snapshot (counted as dropped, its
 future fails with the reason) and the next one exchanges and commits; from then on every host holds the buffer's
-values of its source, rank 0 (rank 2 on h1 has its own: they travel through the job's store); the job's store keeps only the newest
-snapshot's keys however many snapshots ran.
+values of its source, rank 0 (rank 2 on h1 has its own: they travel through the job's store); the job's store
+keeps only the newest snapshot's keys however many snapshots ran.
 """
 
 from __future__ import annotations

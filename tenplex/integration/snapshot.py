@@ -2,7 +2,7 @@
 
 May import: ``tenplex.box``, ``tenplex.errors``, ``tenplex.integration`` (canonical, exchange, jobstore, nontensor,
 pieces, rollforward, savedoc, snapshot_agree, snapshot_buffers, snapshot_copies, snapshot_pieces, snapshot_round,
-snapshot_writer, versions), torch.distributed and the standard library.
+snapshot_step, snapshot_writer, versions), torch.distributed and the standard library.
 
 A snapshot is a version like any other: the same parts, manifest and commit
 as :meth:`Checkpointer.save`, so a restore (into any layout) reads it
@@ -62,8 +62,7 @@ from ..errors import TenplexError
 from .canonical import canonical_buffers
 from .exchange import agree, all_gather_json
 from .jobstore import JobKeyValue
-from .nontensor import capture_rng
-from .pieces import Piece, optimizer_scalars
+from .pieces import Piece
 from .rollforward import PARTS_DOC, parts_doc
 from .savedoc import SaveRound, state_doc
 from .snapshot_agree import ABORT, COMMIT
@@ -71,6 +70,7 @@ from .snapshot_buffers import SnapshotBuffers
 from .snapshot_copies import SnapshotCopies
 from .snapshot_pieces import PiecesCache
 from .snapshot_round import RoundCache
+from .snapshot_step import ScalarReader, step_doc
 from .snapshot_writer import InFlight, SnapshotWriter
 from .versions import STATE_DOC
 
@@ -95,6 +95,7 @@ class Snapshotter:
         self._kv.connect_soon()  # so that the first exchange may already find every rank connected
         self.rounds = RoundCache(ckpt)
         self.pieces = PiecesCache()
+        self.scalars = ScalarReader()
         self._unchanged_base: tuple[int, dict[tuple[str, Box], tuple]] | None = None  # newest committed, its pieces
         self._closed = False
         self._own_cache: tuple[Any, dict, int, list[int], list[tuple[str, Box]]] | None = None  # see _own
@@ -176,9 +177,8 @@ class Snapshotter:
     def _step_doc(self, pieces: list[Piece], model, optimizer, rng: bool, rank: int) -> tuple[dict, str | None]:
         """Between exchanges: what this rank reads at the boundary for the state document (its RNG streams and
         optimizer scalars), and why it cannot write its part (None: it can)."""
-        named = self.pieces.named_params(model, optimizer)
-        doc = {"rng": capture_rng() if rng else None,
-               "scalars": optimizer_scalars(model, optimizer, named) if optimizer is not None else {}}
+        doc = step_doc(self.scalars, model, optimizer, self.pieces.named_params(model, optimizer),
+                       self.pieces.generation, rng)
         if self.rounds.still_sent(pieces, rank, model, optimizer, self.pieces.generation):
             return doc, None
         return doc, (f"the state's structure changed on rank {rank} (tensors, boxes or parameter groups); the next "

@@ -68,7 +68,7 @@ class InFlight:
     called_at: float = field(default_factory=time.monotonic)  # when async_save was called
     written: threading.Event = field(default_factory=threading.Event)
     give_up: threading.Event = field(default_factory=threading.Event)
-    decided: threading.Event = field(default_factory=threading.Event)  # the agreement through the store is over
+    decided: threading.Event = field(default_factory=threading.Event)  # the decision is known (or will not be)
     done: threading.Event = field(default_factory=threading.Event)  # the writer thread is through with it
     error: str | None = None         # why this rank did not prepare its part (it decides abort)
     prepared: bool = False
@@ -210,12 +210,13 @@ class SnapshotWriter:
             elif job.prepared:
                 agreement.prepared(job.step)
             decision = agreement.decision(give_up)
-            if decision == COMMIT and job.leader:
-                self.commit(job, gc=False)
-            elif decision == ABORT:
+            if decision == ABORT:
                 rank, error = agreement.error()
                 job.abort_reason = f"rank {rank}: {error}"
             job.decision = decision
+            job.decided.set()  # the next boundary may go on: a decided version is restorable (roll forward)
+            if decision == COMMIT and job.leader:
+                self._commit_decided(job)
             agreement.forget(job.step_doc.get("stale_rng_key") if job.step_doc else None, job.previous_key,
                              tuple(i for i, _ in job.canonical_posts))
         except GaveUp:
@@ -227,6 +228,14 @@ class SnapshotWriter:
             job.store_error = e
             log.warning("tenplex: snapshot of step %d (version %d): %s: %s; it is settled at the next step "
                         "boundary", job.step, job.version, type(e).__name__, e)
+
+    def _commit_decided(self, job: InFlight) -> None:
+        try:
+            self.commit(job, gc=False)
+        except Exception as e:  # noqa: BLE001 -- the parts stay prepared: a restore rolls them forward
+            log.error("tenplex: snapshot of step %d (version %d): every rank prepared it, but this host's commit "
+                      "failed: %s: %s; its prepared parts stay for a restore", job.step, job.version,
+                      type(e).__name__, e)
 
     def _link_unchanged(self, job: InFlight, writer) -> None:
         """Put the unchanged pieces into this part as hard links to their files in version - 1 (no byte copied); a
