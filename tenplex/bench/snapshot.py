@@ -35,6 +35,9 @@ round the slowest rank (barriers around it):
   all ranks);
 * ``snapshot_interval_at_20ms_steps``: the interval between snapshots that ``tenplex.elastic.Job``'s 5% budget
   rule takes with this blocking time and steps of 20 ms (1: every step; ``…_cpu``: with the blocking CPU time);
+* ``paced_20ms_blocking_s``: snapshots every step of 20 ms (a sleep standing in for accelerator time), the median
+  seconds ``async_save`` blocked, its wait for the previous snapshot's commit decision included, and
+  ``paced_20ms_interval``, the interval the 5% budget takes with it (1: every step);
 * the end-to-end cost on this machine: ``train_step_s`` without saving and
   ``train_step_snapshot_s`` with a snapshot after every step (the background
   writer shares the CPU with training), and their ratio ``snapshot_slowdown``.
@@ -287,6 +290,35 @@ def _training(ckpt, trainer, steps: int) -> dict:
             "snapshot_slowdown": round(snapshotting / plain, 3)}
 
 
+def _paced(ckpt, trainer, steps: int, step_s: float = 0.020) -> dict:
+    """Snapshots every step of ``step_s`` seconds (a sleep standing in for accelerator time; every parameter and
+    moment changes in place before each, as by a step): the median seconds each ``async_save`` blocked, the wait
+    for the previous snapshot's decision included (the slowest rank's), and the interval the 5 % budget takes."""
+    import statistics as stats
+
+    import torch
+    import torch.distributed as dist
+
+    from tenplex.elastic.job import auto_interval
+
+    local = _local_tensors(trainer)
+    ckpt.wait_snapshot()
+    dist.barrier()
+    blocked = []
+    for step in range(steps):
+        time.sleep(step_s)
+        with torch.no_grad():
+            for t in local:
+                t.mul_(1)
+        begin = time.perf_counter()
+        ckpt.async_save(trainer.model, trainer.optimizer, step=2000 + step, scheduler=trainer.scheduler)
+        blocked.append(time.perf_counter() - begin)
+    ckpt.wait_snapshot()
+    median = _slowest(stats.median(blocked[1:]))  # the first has no previous snapshot to wait for
+    return {"paced_20ms_blocking_s": round(median, 5), "paced_20ms_steps": steps,
+            "paced_20ms_interval": auto_interval(median, step_s)}
+
+
 def _ratios(result: dict) -> dict:
     from tenplex.elastic.job import auto_interval
 
@@ -321,6 +353,7 @@ def _worker(spec_path: str) -> None:
     result.update(_fixed_cost(spec, work, result))
     result.update(_dcp_saves(trainer, work, repeat))
     result.update(_training(ckpt, trainer, spec["steps"]))
+    result.update(_paced(ckpt, trainer, max(20, 5 * spec["repeat"])))
     result.update(_ratios(result))
     ckpt.close()
     if rank == 0:
