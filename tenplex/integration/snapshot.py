@@ -208,7 +208,7 @@ class Snapshotter:
         docs = self.rounds.exchange(pieces, rank, rng, model, optimizer, pieces_key=self.pieces.generation,
                                     named=self.pieces.named_params(model, optimizer),
                                     previous=previous, nonce=uuid.uuid4().hex, kv=self._kv.connected)
-        self._settle(docs, gc=False)  # a late commit's retention runs in the writer thread, before this write
+        self._settle(docs, gc=False)  # a late commit's retention runs in the decider thread, after this write
         round_ = self.rounds.round(docs)  # the same on every rank: a mismatch raises everywhere
         sends = self.rounds.canonical_sends(round_)
         canonical = canonical_buffers(pieces, docs, round_.writers, rank, group, sends)  # see .canonical
@@ -369,6 +369,6 @@ class Snapshotter:
         # world's process groups and sockets) alive until it ends; in place the groups must go with the world
         # (leave_process_group's gc.collect), else a survivor still in a collective with this rank waits for the
         # group's timeout (issue 36). Both threads end at their next item: bounded, not a whole copy's wait.
-        for thread in (self.writer.thread, self.copies.thread):
+        for thread in (*self.writer.threads, self.copies.thread):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=CLOSE_JOIN_S)

@@ -1,4 +1,4 @@
-"""A snapshot's agreement through the job's key-value store, from the writer thread (no collective).
+"""A snapshot's agreement through the job's key-value store, from the writer and decider threads (no collective).
 
 May import: this package's :mod:`.jobstore` and the standard library.
 

@@ -1,15 +1,17 @@
-"""A snapshotter's background thread: it writes, prepares and agrees on each snapshot (:mod:`.snapshot`, 2-3).
+"""A snapshotter's background threads: they write, prepare and agree on each snapshot (:mod:`.snapshot`, 2-3).
 
 May import: torch, ``tenplex.box``, ``tenplex.layout``, ``tenplex.replication``, ``tenplex.store``, this package's
 :mod:`.savedoc`, :mod:`.shardio`, :mod:`.snapshot_agree`, :mod:`.snapshot_buffers`, :mod:`.snapshot_copies`,
 :mod:`.jobstore`, :mod:`.versions` and the standard library.
 
-One thread per snapshotter takes the snapshots over in order (starting a thread per snapshot costs the training
-thread more than the rest of a small snapshot). For each it posts the rank's step document (a snapshot staged
+Two threads per snapshotter take the snapshots over in order (starting a thread per snapshot costs the training
+thread more than the rest of a small snapshot). The writer posts the rank's step document (a snapshot staged
 without an exchange), writes the staged buffers as the rank's part, hard-links the unchanged pieces from the
-version before, lets the host leader add the documents, prepares the part, and then takes part in the decision
-through the job's key-value store (:mod:`.snapshot_agree`); the host leader commits on ``commit``. Retention
-runs after the decision is known: the next boundary waits for the decision, not for it.
+version before, lets the host leader add the documents and prepares the part; the decider then takes part in the
+decision through the job's key-value store (:mod:`.snapshot_agree`), the host leader commits on ``commit``, and
+retention follows. So the next snapshot's step document and write need not wait for this one's decision and
+commit (on the step's critical path every rank's post, write and the decision, not the commits); the next
+boundary waits for the decision, not for the commit or the retention.
 """
 
 from __future__ import annotations
@@ -83,13 +85,14 @@ class InFlight:
 
 
 class SnapshotWriter:
-    """The writer thread of one snapshotter (see the module docstring)."""
+    """The writer and decider threads of one snapshotter (see the module docstring)."""
 
     def __init__(self, ckpt, staging: SnapshotBuffers, kv: JobKeyValue, copies: SnapshotCopies) -> None:
         self.ckpt, self.staging, self.kv, self.copies = ckpt, staging, kv, copies
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # snapshots to write; None: stop
-        self.thread: threading.Thread | None = None
-        self._gc_due = False  # a commit left retention to this thread
+        self._decisions: queue.SimpleQueue = queue.SimpleQueue()  # written snapshots to agree on; None: stop
+        self.threads: list[threading.Thread] = []
+        self._gc_due = False  # a commit left retention to the decider thread
         # Between exchanges: this rank's last posted RNG streams, their generation and key; (leaders) every rank's
         # RNG streams read from the store.
         self._rng_posted: tuple[int, Any] = (-1, None)
@@ -97,30 +100,44 @@ class SnapshotWriter:
         self._known_rng: dict[int, tuple[int, Any]] = {}
 
     def new_world(self) -> None:
-        """An exchange started new keys: RNG generations start again (the thread is idle: the exchange waited)."""
+        """An exchange started new keys: RNG generations start again (the threads are idle: the exchange waited)."""
         self._rng_posted, self._known_rng = (-1, None), {}
 
     def hand_off(self, job: InFlight, specs: dict, documents: dict[str, Any], leader_docs: SaveRound | None) -> None:
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._loop, name="tenplex-snapshot-writer", daemon=True)
-            self.thread.start()
+        if not self.threads:
+            self.threads = [threading.Thread(target=self._write_loop, name="tenplex-snapshot-writer", daemon=True),
+                            threading.Thread(target=self._decide_loop, name="tenplex-snapshot-decider", daemon=True)]
+            for thread in self.threads:
+                thread.start()
         self._queue.put((job, (specs, documents, leader_docs)))
 
     def stop(self) -> None:
-        """End the thread after the snapshot in hand."""
+        """End the threads after the snapshots in hand."""
         self._queue.put(None)
 
-    def _loop(self) -> None:
+    def _write_loop(self) -> None:
+        """Write and prepare each snapshot in turn, then hand it to the decider: the next one's write (its step
+        document first) need not wait for this one's decision and commit."""
         while True:
             item = self._queue.get()
             if item is None:
+                self._decisions.put(None)
                 return
             job, args = item
             try:
                 self._write(job, *args)
-                self._agree(job)
             finally:
                 job.written.set()
+                self._decisions.put(job)
+
+    def _decide_loop(self) -> None:
+        while True:
+            job = self._decisions.get()
+            if job is None:
+                return
+            try:
+                self._agree(job)
+            finally:
                 job.decided.set()
             try:
                 self._retention()
@@ -141,7 +158,6 @@ class SnapshotWriter:
                 raise _Changed(job.changed)
             if agreement is not None:
                 self._post_step(agreement, job)
-            self._retention()  # the previous snapshot was committed at the boundary, its retention left to here
             if leader_docs is not None:
                 job.layout = leader_docs.layout()
                 documents[STORES_DOC] = stores_doc(job.version, {h: job.addresses.get(h) for h in leader_docs.ring},
