@@ -10,7 +10,9 @@ KEYS = {"state_bytes", "memcpy_s", "tenplex_save_s", "tenplex_snapshot_first_blo
         "tenplex_snapshot_blocking_s", "tenplex_snapshot_commit_s", "tenplex_staging_bytes", "dcp_save_s",
         "dcp_async_blocking_s", "dcp_async_commit_s", "dcp_async_extra_rss_bytes", "train_step_s",
         "train_step_snapshot_s", "snapshot_slowdown", "snapshot_over_memcpy", "snapshot_over_dcp_async",
-        "snapshot_commit_over_save"}
+        "snapshot_commit_over_save", "tenplex_snapshot_fixed_s", "tenplex_snapshot_fixed_cpu_s",
+        "tenplex_snapshot_exchange_fixed_s", "tenplex_snapshot_exchange_fixed_cpu_s", "tenplex_snapshot_s_per_mb",
+        "paced_20ms_blocking_s", "paced_20ms_interval"}
 
 
 def test_bench_snapshot_prints_one_json_object_with_every_key(tmp_path):
@@ -26,4 +28,7 @@ def test_bench_snapshot_prints_one_json_object_with_every_key(tmp_path):
     # Staging holds one copy of the state: both ranks are on one host, where each box is written once.
     assert result["tenplex_staging_bytes"] == result["state_bytes"]
     assert result["tenplex_snapshot_failed"] == 0
+    # The exchanging measure's snapshots all exchanged (the all-gather at the boundary); the fixed cost's none did.
+    exchanged, fixed, rounds = result["tenplex_snapshot_exchange_rounds"]
+    assert (exchanged, fixed) == (rounds, 0)
     assert list(tmp_path.iterdir()) == []  # every store and checkpoint directory was removed

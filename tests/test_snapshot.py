@@ -70,7 +70,9 @@ def test_back_pressure_one_snapshot_in_flight_and_the_previous_settled_first(fou
     base, first, _ = four_snapshots
     for rank, ops in enumerate(first):
         snaps = [r for r in ops if r["op"] == "snapshot"]
-        assert [s["threads"] for s in snaps] == [1, 1, 1, 1]  # at most one background write per rank
+        # One writer and one decider thread per rank for all its snapshots (none started per snapshot; replicas=0:
+        # no copier); at most one snapshot in flight per rank.
+        assert [s["threads"] for s in snaps] == [["tenplex-snapshot-decider", "tenplex-snapshot-writer"]] * 4
         # Each snapshot waited for the previous write and settled it: every earlier future holds its version.
         for k, s in enumerate(snaps):
             assert len(s["previous_done"]) == k and all(isinstance(v, int) for v in s["previous_done"])

@@ -21,7 +21,10 @@ round the slowest rank (barriers around it):
   future is done;
 * ``tenplex_snapshot_fixed_s``: the blocking seconds of a snapshot of the same model's structure with tiny
   tensors (``tenplex_snapshot_fixed_state_bytes`` in all): what a snapshot costs whatever the state's size (the
-  all-gather, the hand-off to the writer thread, the bookkeeping); ``tenplex_snapshot_s_per_mb``: the rest of
+  structure check, RNG and optimizer scalars, the hand-off to the writer thread, the bookkeeping; no collective
+  between exchanges); ``tenplex_snapshot_exchange_fixed_s`` (and ``…_cpu_s``): the same for a snapshot that
+  exchanges, as the first one and the one after a blocking save do (the all-gather at the boundary: every
+  snapshot's cost before issue 40's second round), measured in the same run; ``tenplex_snapshot_s_per_mb``: the rest of
   ``tenplex_snapshot_blocking_s`` per MB a rank stages; the same three in CPU seconds of the training thread
   (``time.thread_time``: ``tenplex_snapshot_blocking_cpu_s``, ``tenplex_snapshot_fixed_cpu_s``,
   ``tenplex_snapshot_cpu_s_per_mb``), which a loaded machine's scheduling does not inflate as it does wall time;
@@ -32,6 +35,9 @@ round the slowest rank (barriers around it):
   all ranks);
 * ``snapshot_interval_at_20ms_steps``: the interval between snapshots that ``tenplex.elastic.Job``'s 5% budget
   rule takes with this blocking time and steps of 20 ms (1: every step; ``…_cpu``: with the blocking CPU time);
+* ``paced_20ms_blocking_s``: snapshots every step of 20 ms (a sleep standing in for accelerator time), the median
+  seconds ``async_save`` blocked, its wait for the previous snapshot's commit decision included, and
+  ``paced_20ms_interval``, the interval the 5% budget takes with it (1: every step);
 * the end-to-end cost on this machine: ``train_step_s`` without saving and
   ``train_step_snapshot_s`` with a snapshot after every step (the background
   writer shares the CPU with training), and their ratio ``snapshot_slowdown``.
@@ -198,9 +204,17 @@ def _fixed_cost(spec: dict, work: Path, result: dict) -> dict:
         begin, cpu = time.perf_counter(), time.thread_time()
         ckpt.async_save(tiny.model, tiny.optimizer, step=i, scheduler=tiny.scheduler)
         return time.perf_counter() - begin, time.thread_time() - cpu
+    def exchanging(i: int) -> tuple[float, float]:
+        ckpt._snapshots.resync()  # as after a blocking save: this snapshot runs the exchange (an all-gather)
+        return snapshot(i)
     _rounds(2, snapshot)  # the first allocates its buffers and sends the static documents
-    fixed, fixed_cpu = _rounds(max(5, 3 * spec["repeat"]), snapshot)
+    rounds = max(5, 3 * spec["repeat"])
+    exchanges = [ckpt.snapshot_stats()["exchanges"]]
+    exchange, exchange_cpu = _rounds(rounds, exchanging)
+    exchanges.append(ckpt.snapshot_stats()["exchanges"])
+    fixed, fixed_cpu = _rounds(rounds, snapshot)
     ckpt.wait_snapshot()
+    exchanges.append(ckpt.snapshot_stats()["exchanges"])
     tiny_bytes = int(_summed(ckpt.snapshot_stats()["staging_bytes"]))
     ckpt.close()
     per_rank = (result["tenplex_staging_bytes"] - tiny_bytes) / dist.get_world_size() / 1e6
@@ -208,7 +222,11 @@ def _fixed_cost(spec: dict, work: Path, result: dict) -> dict:
     per_mb_cpu = max(0.0, result["tenplex_snapshot_blocking_cpu_s"] - fixed_cpu) / max(per_rank, 1e-9)
     return {"tenplex_snapshot_fixed_s": round(fixed, 5), "tenplex_snapshot_s_per_mb": round(per_mb, 6),
             "tenplex_snapshot_fixed_cpu_s": round(fixed_cpu, 5), "tenplex_snapshot_cpu_s_per_mb": round(per_mb_cpu, 6),
-            "tenplex_snapshot_fixed_state_bytes": tiny_bytes}
+            "tenplex_snapshot_fixed_state_bytes": tiny_bytes,
+            "tenplex_snapshot_exchange_fixed_s": round(exchange, 5),
+            "tenplex_snapshot_exchange_fixed_cpu_s": round(exchange_cpu, 5),
+            # How many of each measure's snapshots exchanged (all of the first measure's, none of the second's).
+            "tenplex_snapshot_exchange_rounds": [exchanges[1] - exchanges[0], exchanges[2] - exchanges[1], rounds]}
 
 
 def _dcp_saves(trainer, work: Path, repeat: int) -> dict:
@@ -272,6 +290,35 @@ def _training(ckpt, trainer, steps: int) -> dict:
             "snapshot_slowdown": round(snapshotting / plain, 3)}
 
 
+def _paced(ckpt, trainer, steps: int, step_s: float = 0.020) -> dict:
+    """Snapshots every step of ``step_s`` seconds (a sleep standing in for accelerator time; every parameter and
+    moment changes in place before each, as by a step): the median seconds each ``async_save`` blocked, the wait
+    for the previous snapshot's decision included (the slowest rank's), and the interval the 5 % budget takes."""
+    import statistics as stats
+
+    import torch
+    import torch.distributed as dist
+
+    from tenplex.elastic.job import auto_interval
+
+    local = _local_tensors(trainer)
+    ckpt.wait_snapshot()
+    dist.barrier()
+    blocked = []
+    for step in range(steps):
+        time.sleep(step_s)
+        with torch.no_grad():
+            for t in local:
+                t.mul_(1)
+        begin = time.perf_counter()
+        ckpt.async_save(trainer.model, trainer.optimizer, step=2000 + step, scheduler=trainer.scheduler)
+        blocked.append(time.perf_counter() - begin)
+    ckpt.wait_snapshot()
+    median = _slowest(stats.median(blocked[1:]))  # the first has no previous snapshot to wait for
+    return {"paced_20ms_blocking_s": round(median, 5), "paced_20ms_steps": steps,
+            "paced_20ms_interval": auto_interval(median, step_s)}
+
+
 def _ratios(result: dict) -> dict:
     from tenplex.elastic.job import auto_interval
 
@@ -306,6 +353,7 @@ def _worker(spec_path: str) -> None:
     result.update(_fixed_cost(spec, work, result))
     result.update(_dcp_saves(trainer, work, repeat))
     result.update(_training(ckpt, trainer, spec["steps"]))
+    result.update(_paced(ckpt, trainer, max(20, 5 * spec["repeat"])))
     result.update(_ratios(result))
     ckpt.close()
     if rank == 0:

@@ -162,6 +162,7 @@ class Checkpointer:
         rank = dist.get_rank(self.group)
         if self._snapshots is not None:
             self._snapshots.settle()  # a snapshot in flight is committed (or dropped) first: versions stay ordered
+            self._snapshots.resync()  # the next snapshot numbers its version after this one
         self._cancel_replication()  # the new version supersedes the one still being copied
         pieces = [p for p in state_pieces(model, optimizer, annotations) if not p.box.is_empty()]
         docs = all_gather_json(self.rank_doc(pieces, rank, rng, model, optimizer), self.group)
@@ -304,6 +305,8 @@ class Checkpointer:
         restored version are copied from it, not read from a store (``last_restore.bytes`` counts each kind).
         """
         rank = dist.get_rank(self.group)
+        if self._snapshots is not None:
+            self._snapshots.resync()  # the state and the newest version may change here
         roll_forward(self.store, self.group)  # a version whose commit decision was lost with a host
 
         def pieces_for(saved_tensors, scalars) -> list[Piece]:

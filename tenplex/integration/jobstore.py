@@ -38,6 +38,21 @@ class JobKeyValue:
         self._delay = FIRST_DELAY_S
         self.failed_attempts = 0
 
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def connect_soon(self) -> None:
+        """Start connecting now, in the background (a snapshotter does so when it is made, so that its first
+        exchange can already tell whether every rank reaches the store)."""
+        address = _address()
+        if address is not None and not self._connected.is_set():
+            self._attempt_if_due(address)
+
+    def wait_connected(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the attempt :meth:`connect_soon` started (False: not connected)."""
+        return self._connected.wait(timeout) if _address() is not None else False
+
     def get(self, give_up: threading.Event) -> Any:
         """The connected client; until then, start attempts as back-off allows and wait for one to connect, until
         ``give_up`` is set. None: not connected (yet), or the job names no key-value store."""

@@ -59,20 +59,27 @@ def step_doc(latest: int | None, rng: bool, model, optimizer, named: list | None
 
 def state_doc(docs: list[dict], step: int, extra, scheduler, scaler, optimizer) -> dict:
     """The version's non-tensor state (``tenplex.torch_state``): every coordinate's RNG streams, the step, ..."""
-    rng: dict[str, Any] = {}
-    for d in docs:
-        if d["rng"] is not None:
-            rng.setdefault(d["coord"], d["rng"])
-    scalars: dict = {}
-    for d in docs:
-        scalars.update(d["scalars"])
-    doc = {"format": STATE_FORMAT, "step": int(step), "extra": to_json(extra, "extra"), "rng": rng,
+    doc = {"format": STATE_FORMAT, "step": int(step), "extra": to_json(extra, "extra"), "rng": {},
            "scheduler": None if scheduler is None else to_json(scheduler.state_dict(), "the LR scheduler's state"),
            "scaler": None if scaler is None else to_json(scaler.state_dict(), "the gradient scaler's state"),
-           "optimizer": None, "scalars": scalars}
+           "optimizer": None, "scalars": {}}
     if optimizer is not None:
         names = [sorted({n for d in docs for n in d["groups"][i]}) for i in range(len(optimizer.param_groups))]
         doc["optimizer"] = optimizer_doc(optimizer, names)
+    return refresh_state_doc(doc, docs, docs)
+
+
+def refresh_state_doc(doc: dict, steps: Sequence[Mapping], docs: Sequence[Mapping]) -> dict:
+    """``doc`` with its RNG streams and optimizer scalars from every rank's step document (``steps[r]``: ``rng``,
+    ``scalars``; ``docs[r]``: ``coord``): a snapshot that exchanges them in the background (:mod:`.snapshot`)
+    makes the rest of the state document at the step boundary, from the world's documents."""
+    rng: dict[str, Any] = {}
+    scalars: dict = {}
+    for step_doc, d in zip(steps, docs):
+        if step_doc["rng"] is not None:
+            rng.setdefault(d["coord"], step_doc["rng"])
+        scalars.update(step_doc["scalars"])
+    doc["rng"], doc["scalars"] = rng, scalars
     return doc
 
 

@@ -57,9 +57,7 @@ class RoundCache:
         stands for the pieces' names, boxes and specs when the caller knows them unchanged (:mod:`.snapshot_pieces`);
         ``named``: the optimizer's named parameters, when known (:meth:`.snapshot_pieces.PiecesCache.named_params`)."""
         ckpt = self.ckpt
-        key = (id(model), id(optimizer), ckpt.store_address,
-               tuple((p.name, p.box, p.spec) for p in pieces) if pieces_key is None else pieces_key,
-               tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups) if optimizer else ())
+        key = self.static_key(pieces, model, optimizer, pieces_key)
         if key != self._key:
             self._key, self._sent = key, False
             self._static = static_doc(pieces, device=ckpt.device, host=ckpt.host, store=ckpt.store_address,
@@ -81,6 +79,34 @@ class RoundCache:
                 d["rng"] = self._peer_rng[r]
             self._peer_rng[r] = d["rng"]
         return docs
+
+    def static_key(self, pieces: list[Piece], model, optimizer, pieces_key: Any = None) -> tuple:
+        """What this rank's static document is made from: equal keys, equal documents."""
+        return (id(model), id(optimizer), self.ckpt.store_address,
+                tuple((p.name, p.box, p.spec) for p in pieces) if pieces_key is None else pieces_key,
+                tuple(tuple(id(p) for p in g["params"]) for g in optimizer.param_groups) if optimizer else ())
+
+    def still_sent(self, pieces: list[Piece], rank: int, model, optimizer, pieces_key: Any = None) -> bool:
+        """Whether every rank holds this rank's static document as it is now: the one it sent last, unless the
+        state's description changed (a tensor given new memory keeps its name, box and spec: then the document,
+        made again, is the same, and is taken as the one sent)."""
+        if not self._sent:
+            return False
+        key = self.static_key(pieces, model, optimizer, pieces_key)
+        if key == self._key:
+            return True
+        ckpt = self.ckpt
+        static = static_doc(pieces, device=ckpt.device, host=ckpt.host, store=ckpt.store_address,
+                            coord=ckpt.coord_key(rank), model=model, optimizer=optimizer)
+        if static != self._static:
+            return False
+        self._key = key
+        return True
+
+    @property
+    def current(self) -> SaveRound | None:
+        """The round of the last exchange (its documents' RNG and scalars are that exchange's)."""
+        return self._round
 
     def round(self, docs: list[dict]) -> SaveRound:
         """The round of these documents: derived again only when some rank's static document changed."""

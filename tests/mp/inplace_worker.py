@@ -31,7 +31,7 @@ from prometheus_client import generate_latest
 
 import tenplex.elastic
 from tenplex.integration import Checkpointer
-from tenplex.integration.snapshot import Snapshotter
+from tenplex.integration.snapshot_writer import SnapshotWriter
 
 out = Path(sys.argv[1])
 faulthandler.register(signal.SIGUSR1)  # the test dumps a stuck worker's threads before it kills it
@@ -81,7 +81,7 @@ def saves_begin(save):
     return begin
 
 
-Snapshotter._write = held_writes(Snapshotter._write)  # type: ignore[method-assign]
+SnapshotWriter._write = held_writes(SnapshotWriter._write)  # type: ignore[method-assign]
 Checkpointer.save = saves_begin(Checkpointer.save)  # type: ignore[method-assign]
 
 

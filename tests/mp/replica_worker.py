@@ -155,8 +155,8 @@ def main() -> None:
             step += 1
             stats = ckpt.snapshot_stats()
             results.append({"op": kind, "step": snapped, "stats": stats,
-                            "threads": sum(t.name.startswith("tenplex-snapshot") and t.is_alive()
-                                           for t in threading.enumerate()),
+                            "threads": sorted(t.name for t in threading.enumerate()
+                                              if t.name.startswith("tenplex-snapshot") and t.is_alive()),
                             "previous_done": [f.done() and f.exception() is None and f.result() for f in futures]})
             futures.append(future)
         elif kind == "wait_snapshot":
