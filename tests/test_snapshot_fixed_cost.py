@@ -388,3 +388,34 @@ def test_a_model_that_saves_its_state_its_own_way_is_checked_through_its_state_d
     model[1].register_buffer("extra", torch.ones(3))
     assert described(cache.pieces(model, optimizer, None)) == described(fresh(model, optimizer))
     assert cache.generation is not generation
+
+
+def test_a_dtensors_new_local_tensor_is_a_new_structure(monkeypatch):
+    """FSDP2 gives a sharded parameter a new local tensor in place (``_local_tensor``, the DTensor the same): the
+    probe sees it, and a cached piece's fingerprint follows the local tensor's in-place changes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = torch.nn.Linear(4, 3)
+        model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Shard(0)]))
+        cache = PiecesCache()
+        first = cache.pieces(model, None, None)
+        generation, weight = cache.generation, next(p for p in first if p.name == "weight")
+        print_before = cache.fingerprint(weight)
+        with torch.no_grad():
+            model.weight._local_tensor.add_(1)
+        assert cache.pieces(model, None, None)[0] is first[0] and cache.generation is generation
+        assert cache.fingerprint(weight) != print_before
+        model.weight._local_tensor = torch.zeros(3, 4)
+        got = cache.pieces(model, None, None)
+        assert cache.generation is not generation
+        assert described(got) == described(fresh(model, None))
+        assert next(p for p in got if p.name == "weight").local.data_ptr() == model.weight._local_tensor.data_ptr()
+    finally:
+        dist.destroy_process_group()
+        os.environ.pop("MASTER_PORT", None)
