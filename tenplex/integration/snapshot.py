@@ -97,7 +97,7 @@ class Snapshotter:
         self.pieces = PiecesCache()
         self.scalars = ScalarReader()
         self._unchanged_base: tuple[int, dict[tuple[str, Box], tuple]] | None = None  # newest committed, its pieces
-        self._closed = False
+        self._closed = False  # close() was called
         self._own_cache: tuple[Any, dict, int, list[int], list[tuple[str, Box]]] | None = None  # see _own
         self._roles: tuple[dict, int, list, dict] | None = None  # see _canonical_roles
         # Between exchanges (every rank reached the job's store at the last one): the world's key prefix, the
@@ -143,8 +143,9 @@ class Snapshotter:
             [pieces[i] for i in indices]
         fingerprints = {key: self.pieces.fingerprint(p) for key, p in zip(keys, own)}
         unchanged = self._unchanged(fingerprints, version, {*takes, *(key for _, key in posts)})
-        self.staging.stage([p for key, p in zip(keys, own) if key not in unchanged] if unchanged else own,
-                           self.pieces.generation)
+        if not changed:  # (a rank that cannot write keeps its buffers for the exchange that follows)
+            self.staging.stage([p for key, p in zip(keys, own) if key not in unchanged] if unchanged else own,
+                               self.pieces.generation)
         documents: dict[str, Any] = {}
         if leader and not changed:
             # The state document reads the scheduler, scaler and optimizer now (they change at the next step);
@@ -368,7 +369,7 @@ class Snapshotter:
         # A running thread's bound target keeps this snapshotter, its cached pieces (a DTensor's mesh: the old
         # world's process groups and sockets) alive until it ends; in place the groups must go with the world
         # (leave_process_group's gc.collect), else a survivor still in a collective with this rank waits for the
-        # group's timeout (issue 36). Both threads end at their next item: bounded, not a whole copy's wait.
+        # group's timeout (issue 36). The threads end at their next item: bounded, not a whole copy's wait.
         for thread in (*self.writer.threads, self.copies.thread):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout=CLOSE_JOIN_S)
