@@ -36,13 +36,24 @@ def _unb64(text: str) -> torch.Tensor:
 
 def capture_rng() -> dict:
     """Python, numpy, torch CPU and (if initialised) CUDA generator states of this process."""
-    version, state, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    doc = {"python": [version, list(state), gauss],
+    return rng_doc(rng_state())
+
+
+def rng_state() -> tuple:
+    """The generator states as the libraries give them (copies): read at a step boundary, made JSON later
+    (:func:`rng_doc`, a snapshot's writer thread)."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def rng_doc(state: tuple) -> dict:
+    """:func:`capture_rng`'s document of :func:`rng_state`'s states."""
+    (version, streams, gauss), (kind, keys, pos, has_gauss, cached), cpu, cuda = state
+    doc = {"python": [version, list(streams), gauss],
            "numpy": [kind, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
-           "torch": _b64(torch.get_rng_state())}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        doc["cuda"] = _b64(torch.cuda.get_rng_state())
+           "torch": _b64(cpu)}
+    if cuda is not None:
+        doc["cuda"] = _b64(cuda)
     return doc
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .nontensor import capture_rng
+from .nontensor import rng_state
 from .pieces import optimizer_scalars
 
 
@@ -64,12 +64,13 @@ def _read_all(values: list[Any]) -> list[Any]:
         if isinstance(value, torch.Tensor):
             groups.setdefault((value.dtype, value.device), []).append(i)
     for indices in groups.values():
-        numbers = torch.stack([values[i].reshape(()) for i in indices]).tolist()
+        numbers = torch.stack([values[i] if values[i].dim() == 0 else values[i].reshape(()) for i in indices]).tolist()
         for i, number in zip(indices, numbers):
             read[i] = number
     return read
 
 
 def step_doc(scalars: ScalarReader, model, optimizer, named: list | None, structure: Any, rng: bool) -> dict:
-    """What this rank reads at the boundary for the state document: its RNG streams and optimizer scalars."""
-    return {"rng": capture_rng() if rng else None, "scalars": scalars.read(model, optimizer, named, structure)}
+    """What this rank reads at the boundary for the state document: its optimizer scalars and RNG streams, as
+    the libraries give them (the writer thread makes them JSON: :func:`.nontensor.rng_doc`)."""
+    return {"rng": rng_state() if rng else None, "scalars": scalars.read(model, optimizer, named, structure)}

@@ -2,7 +2,7 @@
 
 May import: torch, ``tenplex.box``, ``tenplex.layout``, ``tenplex.replication``, ``tenplex.store``, this package's
 :mod:`.savedoc`, :mod:`.shardio`, :mod:`.snapshot_agree`, :mod:`.snapshot_buffers`, :mod:`.snapshot_copies`,
-:mod:`.jobstore`, :mod:`.versions` and the standard library.
+:mod:`.jobstore`, :mod:`.nontensor`, :mod:`.versions` and the standard library.
 
 Two threads per snapshotter take the snapshots over in order (starting a thread per snapshot costs the training
 thread more than the rest of a small snapshot). The writer posts the rank's step document (a snapshot staged
@@ -32,6 +32,7 @@ from ..replication.stores import STORES_DOC, stores_doc
 from ..store import CorruptShard
 from ..store.contract import LinkingWriter
 from .jobstore import JobKeyValue
+from .nontensor import rng_doc
 from .savedoc import SaveRound, refresh_state_doc
 from .shardio import _as_storage
 from .snapshot_agree import ABORT, COMMIT, Aborted, Agreement, GaveUp, poll
@@ -203,7 +204,7 @@ class SnapshotWriter:
         """Post this rank's step document; its RNG streams as a new generation when they changed (the previous
         generation's key is deleted once this snapshot is decided)."""
         assert job.step_doc is not None
-        streams = job.step_doc["rng"]
+        streams = None if job.step_doc["rng"] is None else rng_doc(job.step_doc["rng"])
         new = streams is not None and streams != self._rng_posted[1]
         if new:
             self._rng_posted = (self._rng_posted[0] + 1, streams)
