@@ -87,6 +87,25 @@ def test_every_committed_version_holds_its_steps_tensors_rng_and_scalars_on_ever
                 reader.close()
 
 
+def test_a_frozen_parameter_is_linked_from_the_previous_snapshot_between_exchanges(run):
+    roots, _ = run
+    # Linked (one inode) from the version before, but where that version was not the newest committed (the one
+    # after the dropped snapshot, CHANGE_AT + 1, exchanges and stages everything) and at the first.
+    linked = [v for v in range(2, SNAPSHOTS + 1) if v not in (CHANGE_AT, CHANGE_AT + 1)]
+    for host, root in roots.items():
+        inodes = {v: frozen_inode(root, host, v) for v in range(1, SNAPSHOTS + 1) if v != CHANGE_AT}
+        assert [v for v in inodes if v - 1 in inodes and inodes[v] == inodes[v - 1]] == linked, (host, inodes)
+
+
+def frozen_inode(root: Path, host: str, version: int) -> int:
+    reader = Store(root, host).open(version)
+    try:
+        (entry,) = [e for e in reader.entries if e.tensor == "frozen"]
+        return (root / "versions" / str(version) / entry.file).stat().st_ino
+    finally:
+        reader.close()
+
+
 def read_whole(reader, name: str) -> torch.Tensor:
     (entry,) = [e for e in reader.entries if e.tensor == name]
     return torch.as_tensor(reader.read(entry.device, name, entry.box))

@@ -76,6 +76,7 @@ from .versions import STATE_DOC
 
 log = logging.getLogger(__name__)
 FIRST_CONNECT_S = 2.0  # how long the first exchange waits for the job's key-value store to answer
+FULL_LOOK_EVERY = 16  # snapshots between two that fingerprint every piece (see Snapshotter._fingerprints)
 CLOSE_JOIN_S = 10.0  # how long close() waits for the writer and copier threads to end (each finishes its item)
 _ABORTED = "aborted by another rank"  # a rank's report when it did not prepare because another rank decided abort
 
@@ -96,7 +97,8 @@ class Snapshotter:
         self.rounds = RoundCache(ckpt)
         self.pieces = PiecesCache()
         self.scalars = ScalarReader()
-        self._unchanged_base: tuple[int, dict[tuple[str, Box], tuple]] | None = None  # newest committed, its pieces
+        # The newest committed snapshot, its pieces' fingerprints (those compared next time) and whether they are all
+        self._unchanged_base: tuple[int, dict[tuple[str, Box], tuple], bool] | None = None
         self._closed = False  # close() was called
         self._own_cache: tuple[Any, dict, int, list[int], list[tuple[str, Box]]] | None = None  # see _own
         self._roles: tuple[dict, int, list, dict] | None = None  # see _canonical_roles
@@ -141,7 +143,7 @@ class Snapshotter:
         indices, keys = ([], []) if changed else self._own(pieces, round_.writers, rank)
         own = [canonical.get(key, pieces[i]) for i, key in zip(indices, keys)] if canonical else \
             [pieces[i] for i in indices]
-        fingerprints = {key: self.pieces.fingerprint(p) for key, p in zip(keys, own)}
+        fingerprints, keep_all = self._fingerprints(keys, own, version)
         unchanged = self._unchanged(fingerprints, version, {*takes, *(key for _, key in posts)})
         if not changed:  # (a rank that cannot write keeps its buffers for the exchange that follows)
             self.staging.stage([p for key, p in zip(keys, own) if key not in unchanged] if unchanged else own,
@@ -155,9 +157,11 @@ class Snapshotter:
         assert self._world_key is not None
         job = self.inflight = InFlight(
             version, step, rank, leader, round_.parts, dist.get_world_size(group), self._world_key, None,
-            round_.addresses, self._replicas, {k: f for k, f in fingerprints.items() if f is not None},
+            round_.addresses, self._replicas,
+            {k: f for k, f in fingerprints.items() if f is not None and (keep_all or k in unchanged)},
             [key for key in keys if key in unchanged] if unchanged else [], exchanged=exchange, step_doc=step_doc,
             changed=changed, previous_key=self._last_key, canonical_posts=posts, canonical_takes=takes,
+            every_fingerprint=keep_all,
             called_at=begin, spread=self.rounds.spread)
         self._last_key = f"{self._world_key}/{version}"
         self.writer.hand_off(job, {p.name: p.spec for p in own}, documents, round_ if leader else None)
@@ -269,6 +273,20 @@ class Snapshotter:
                                        [(pieces[i].name, pieces[i].box) for i in indices])
         return known[3], known[4]
 
+    def _fingerprints(self, keys: list[tuple[str, Box]], own: list[Piece],
+                      version: int) -> tuple[dict[tuple[str, Box], tuple | None], bool]:
+        """The fingerprints to compare with the previous snapshot's, and whether the next snapshot compares them all
+        (else only the unchanged ones'). Only the pieces the previous snapshot kept are looked at: a piece that
+        changed is staged without a look (a training step changes most of them every time). Every piece is
+        looked at, and kept for the next snapshot to compare, when there is no previous one to compare with and
+        every ``FULL_LOOK_EVERY`` snapshots (a piece may stop changing: frozen for fine-tuning)."""
+        base = self._unchanged_base
+        keep_all = base is None or base[0] != version - 1 or self.stats["snapshots"] % FULL_LOOK_EVERY == 0
+        fingerprint = self.pieces.fingerprint
+        if keep_all or base is None or base[2]:
+            return {key: fingerprint(p) for key, p in zip(keys, own)}, keep_all
+        return {key: fingerprint(p) for key, p in zip(keys, own) if key in base[1]}, False
+
     def _unchanged(self, fingerprints: dict[tuple[str, Box], tuple | None], version: int,
                    canonical: set[tuple[str, Box]]) -> set[tuple[str, Box]]:
         """The pieces that the previous snapshot holds as they are now, when it is version - 1: no other version
@@ -335,7 +353,7 @@ class Snapshotter:
         if job.spread:
             self.stats["protected_step"] = job.step
         self.ckpt._replicated_version = job.version
-        self._unchanged_base = (job.version, job.fingerprints)
+        self._unchanged_base = (job.version, job.fingerprints, job.every_fingerprint)
         job.future.set_result(job.version)
 
     def _failed(self, job: InFlight, reason: str, dropped: bool = False) -> None:

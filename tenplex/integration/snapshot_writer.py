@@ -59,7 +59,7 @@ class InFlight:
     layout: Layout | None            # leaders: the saved layout (replication), made by the background thread
     addresses: dict[str, str]
     replicas: int
-    fingerprints: dict[tuple[str, Box], tuple]  # of every piece this rank writes (staged or linked)
+    fingerprints: dict[tuple[str, Box], tuple]  # of the pieces it looked at that the next snapshot compares
     linked: list[tuple[str, Box]]    # the pieces unchanged since version - 1: linked from there, not staged
     exchanged: bool = True           # staged after an exchange; else its step document travels through the store
     step_doc: dict | None = None     # not exchanged: this rank's RNG streams and optimizer scalars at the boundary
@@ -67,6 +67,7 @@ class InFlight:
     previous_key: str | None = None  # the keys' prefix of the snapshot staged before it (deleted once decided)
     canonical_posts: list[tuple[int, tuple[str, Box]]] = field(default_factory=list)  # not exchanged: this rank
     canonical_takes: dict[tuple[str, Box], int] = field(default_factory=dict)  # posts them; takes its source's
+    every_fingerprint: bool = True   # ``fingerprints`` holds every piece's (else only the unchanged ones')
     future: Future = field(default_factory=Future)
     called_at: float = field(default_factory=time.monotonic)  # when async_save was called
     written: threading.Event = field(default_factory=threading.Event)

@@ -1,18 +1,17 @@
 """One rank of the snapshot-boundary test: snapshots every step, the collectives each one runs at the boundary.
 
-Usage: ``python snapshot_boundary_worker.py SPEC.json`` under ``tenplex.runtime.launch.run_job`` (three ranks on
-two hosts). Every rank holds the whole model (a data-parallel replica: the first rank of each host writes it),
-trains with Adam on gradients that are a pure function of the step, and draws from its RNG every step (so its
-streams change, as dropout's would). At step boundary ``i`` it records its RNG streams and then calls
-``async_save``, counting the collectives it runs meanwhile (``all_gather``, ``all_reduce``, ``broadcast``,
-``barrier``), and records its state (parameters and Adam moments, exactly: float32 values as JSON numbers).
-Before snapshot ``spec["swap_at"]`` rank 2 (the writer of host h1) gives its bias new memory (``.data``
-replaced, the same values: the state's description does not change); before snapshot ``spec["change_at"]``
-every rank registers a new buffer (the state's structure changes), which from then on holds values of its own on
-every rank (as BatchNorm's statistics under DDP). ``wait_snapshot`` after ``spec["settle_at"]``
-snapshots and at the end; then it looks for every key any snapshot of the run may have left in the job's key-value
-store (every version's, every RNG generation's, under each key prefix the snapshots used). Results:
-``result_r{R}.json`` under ``spec["out"]``.
+Usage: ``python snapshot_boundary_worker.py SPEC.json`` under ``tenplex.runtime.launch.run_job`` (three ranks on two
+hosts). Every rank holds the whole model (a data-parallel replica: the first rank of each host writes it), trains
+with Adam on gradients that are a pure function of the step (but for a frozen parameter), and draws from its RNG
+every step (so its streams change, as dropout's would). At step boundary ``i`` it records its RNG streams and then
+calls ``async_save``, counting the collectives it runs meanwhile (``all_gather``, ``all_reduce``, ``broadcast``,
+``barrier``), and records its state (parameters and Adam moments, exactly: float32 values as JSON numbers). Before
+snapshot ``spec["swap_at"]`` rank 2 (the writer of host h1) gives its bias new memory (``.data`` replaced, the same
+values: the state's description does not change); before snapshot ``spec["change_at"]`` every rank registers a new
+buffer (the state's structure changes), which from then on holds values of its own on every rank (as BatchNorm's
+statistics under DDP). ``wait_snapshot`` after ``spec["settle_at"]`` snapshots and at the end; then it looks for
+every key any snapshot of the run may have left in the job's key-value store (every version's, every RNG
+generation's, under each key prefix the snapshots used). Results: ``result_r{R}.json`` under ``spec["out"]``.
 """
 
 from __future__ import annotations
@@ -59,6 +58,7 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)  # every rank's streams differ
     model = torch.nn.Linear(4, 3)
+    model.frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)  # no step changes it: linked
     with torch.no_grad():
         model.weight.copy_(torch.arange(12, dtype=torch.float32).view(3, 4) / 10)
         model.bias.zero_()
