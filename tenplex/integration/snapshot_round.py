@@ -60,8 +60,7 @@ class RoundCache:
         key = self.static_key(pieces, model, optimizer, pieces_key)
         if key != self._key:
             self._key, self._sent = key, False
-            self._static = static_doc(pieces, device=ckpt.device, host=ckpt.host, store=ckpt.store_address,
-                                      coord=ckpt.coord_key(rank), model=model, optimizer=optimizer)
+            self._static = self._static_doc(pieces, rank, model, optimizer)
         mine = {**step_doc(ckpt.store.latest(), rng, model, optimizer, named), **more}
         if not self._sent:
             mine["static"] = self._static
@@ -80,6 +79,11 @@ class RoundCache:
             self._peer_rng[r] = d["rng"]
         return docs
 
+    def _static_doc(self, pieces: list[Piece], rank: int, model, optimizer) -> dict:
+        ckpt = self.ckpt
+        return static_doc(pieces, device=ckpt.device, host=ckpt.host, store=ckpt.store_address,
+                          coord=ckpt.coord_key(rank), model=model, optimizer=optimizer)
+
     def static_key(self, pieces: list[Piece], model, optimizer, pieces_key: Any = None) -> tuple:
         """What this rank's static document is made from: equal keys, equal documents."""
         return (id(model), id(optimizer), self.ckpt.store_address,
@@ -95,10 +99,7 @@ class RoundCache:
         key = self.static_key(pieces, model, optimizer, pieces_key)
         if key == self._key:
             return True
-        ckpt = self.ckpt
-        static = static_doc(pieces, device=ckpt.device, host=ckpt.host, store=ckpt.store_address,
-                            coord=ckpt.coord_key(rank), model=model, optimizer=optimizer)
-        if static != self._static:
+        if self._static_doc(pieces, rank, model, optimizer) != self._static:
             return False
         self._key = key
         return True
