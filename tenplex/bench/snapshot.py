@@ -129,6 +129,15 @@ def _local_tensors(trainer) -> list:
                       *(v for s in trainer.optimizer.state.values() for v in s.values() if v.dim() > 0)]]
 
 
+def as_a_step(local: list) -> None:
+    """Change every tensor in place, as a training step would (their version counters move; values stay)."""
+    import torch
+
+    with torch.no_grad():
+        for t in local:
+            t.mul_(1)
+
+
 def _tenplex_saves(ckpt, trainer, repeat: int) -> dict:
     """``tenplex_save_s``, the snapshot's blocking and commit seconds, the memcpy floor, staging memory."""
     import torch
@@ -154,9 +163,9 @@ def _tenplex_saves(ckpt, trainer, repeat: int) -> dict:
         import torch.distributed as dist
 
         floor = memcpy()  # the floor, measured next to each snapshot: this machine's load varies
-        with torch.no_grad():  # as a training step would: every parameter and moment changes (the snapshot then
-            for t in local:    # stages them all; only what no step changes, buffers, is linked from the last one)
-                t.mul_(1)
+        # Every parameter and moment changes: the snapshot stages them all (only what no step changes, buffers, is
+        # linked from the last one).
+        as_a_step(local)
         dist.barrier()
         begin, cpu = time.perf_counter(), time.thread_time()
         ckpt.async_save(trainer.model, trainer.optimizer, step=100 + i, scheduler=trainer.scheduler)
@@ -181,7 +190,6 @@ def _fixed_cost(spec: dict, work: Path, result: dict) -> dict:
     """What a snapshot costs the training thread whatever the state's size: the median blocking seconds of a
     snapshot of the same model's structure with tiny tensors (``tenplex_snapshot_fixed_s``), and the rest per byte
     staged (``tenplex_snapshot_s_per_mb``, from the measured model's blocking seconds and staging bytes)."""
-    import torch
     import torch.distributed as dist
 
     import tenplex
@@ -197,9 +205,7 @@ def _fixed_cost(spec: dict, work: Path, result: dict) -> dict:
 
     def snapshot(i: int) -> tuple[float, float]:
         ckpt.wait_snapshot()
-        with torch.no_grad():  # as a step would: every tensor changes, so every one is staged
-            for t in local:
-                t.mul_(1)
+        as_a_step(local)  # every tensor changes, so every one is staged
         dist.barrier()
         begin, cpu = time.perf_counter(), time.thread_time()
         ckpt.async_save(tiny.model, tiny.optimizer, step=i, scheduler=tiny.scheduler)
@@ -296,7 +302,6 @@ def _paced(ckpt, trainer, steps: int, step_s: float = 0.020) -> dict:
     for the previous snapshot's decision included (the slowest rank's), and the interval the 5 % budget takes."""
     import statistics as stats
 
-    import torch
     import torch.distributed as dist
 
     from tenplex.elastic.job import auto_interval
@@ -307,9 +312,7 @@ def _paced(ckpt, trainer, steps: int, step_s: float = 0.020) -> dict:
     blocked = []
     for step in range(steps):
         time.sleep(step_s)
-        with torch.no_grad():
-            for t in local:
-                t.mul_(1)
+        as_a_step(local)
         begin = time.perf_counter()
         ckpt.async_save(trainer.model, trainer.optimizer, step=2000 + step, scheduler=trainer.scheduler)
         blocked.append(time.perf_counter() - begin)

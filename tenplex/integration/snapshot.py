@@ -70,7 +70,7 @@ from .snapshot_buffers import SnapshotBuffers
 from .snapshot_copies import SnapshotCopies
 from .snapshot_pieces import PiecesCache
 from .snapshot_round import RoundCache
-from .snapshot_step import ScalarReader, step_doc
+from .snapshot_step import ScalarReader, read_at_boundary
 from .snapshot_writer import InFlight, SnapshotWriter
 from .versions import STATE_DOC
 
@@ -182,7 +182,7 @@ class Snapshotter:
     def _step_doc(self, pieces: list[Piece], model, optimizer, rng: bool, rank: int) -> tuple[dict, str | None]:
         """Between exchanges: what this rank reads at the boundary for the state document (its RNG streams and
         optimizer scalars), and why it cannot write its part (None: it can)."""
-        doc = step_doc(self.scalars, model, optimizer, self.pieces.named_params(model, optimizer),
+        doc = read_at_boundary(self.scalars, model, optimizer, self.pieces.named_params(model, optimizer),
                        self.pieces.generation, rng)
         if self.rounds.still_sent(pieces, rank, model, optimizer, self.pieces.generation):
             return doc, None

@@ -1,6 +1,6 @@
 """A snapshot's agreement through the job's key-value store, from the writer and decider threads (no collective).
 
-May import: this package's :mod:`.jobstore` and the standard library.
+May import: ``tenplex.files`` (compact JSON), this package's :mod:`.jobstore` and the standard library.
 
 Every key of one snapshot lies under its own prefix, ``<world>/<version>``, where ``<world>`` is
 ``tenplex/snapshot/<nonce>`` with a nonce agreed in the last exchange of the snapshotter's ranks (:mod:`.snapshot`):
@@ -22,11 +22,11 @@ warnings) every 0.5 ms for the first 20 ms, then every 5 ms, and stops when ``gi
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Any
 
+from ..files import dumps, loads
 from .jobstore import committed_key
 
 COMMIT, ABORT = b"commit", b"abort"
@@ -62,8 +62,8 @@ class Agreement:
         key = None
         if rng_is_new and rng_generation is not None:
             key = f"{self.rng_prefix(self.rank)}/{rng_generation}"
-            self.kv.set(key, _dumps(rng))
-        self.kv.set(f"{self.prefix}/step/{self.rank}", _dumps({"scalars": scalars, "rng": rng_generation}))
+            self.kv.set(key, dumps(rng))
+        self.kv.set(f"{self.prefix}/step/{self.rank}", dumps({"scalars": scalars, "rng": rng_generation}))
         return key
 
     def rng_prefix(self, rank: int) -> str:
@@ -77,13 +77,13 @@ class Agreement:
         poll(lambda: self.kv.check(keys) or self.kv.check(decided), give_up)
         if not self.kv.check(keys):
             raise Aborted("another rank aborted the snapshot before it sent its step document")
-        docs = [json.loads(raw) for raw in self.kv.multi_get(keys)]
+        docs = [loads(raw) for raw in self.kv.multi_get(keys)]
         missing = [r for r, d in enumerate(docs) if d["rng"] is not None
                    and (r not in known_rng or known_rng[r][0] != d["rng"])]
         if missing:
             raws = self.kv.multi_get([f"{self.rng_prefix(r)}/{docs[r]['rng']}" for r in missing])
             for r, raw in zip(missing, raws):
-                known_rng[r] = (docs[r]["rng"], json.loads(raw))
+                known_rng[r] = (docs[r]["rng"], loads(raw))
         for r, d in enumerate(docs):
             d["rng"] = None if d["rng"] is None else known_rng[r][1]
         return docs
@@ -108,7 +108,7 @@ class Agreement:
 
     def abort(self, error: str) -> None:
         """This rank cannot take part: record why (the first reason stands) and decide ``abort``."""
-        self.kv.compare_set(f"{self.prefix}/error", "", _dumps({"rank": self.rank, "error": error}))
+        self.kv.compare_set(f"{self.prefix}/error", "", dumps({"rank": self.rank, "error": error}))
         self.kv.compare_set(f"{self.prefix}/decision", "", ABORT)
 
     def decision(self, give_up: threading.Event) -> bytes:
@@ -119,7 +119,7 @@ class Agreement:
 
     def error(self) -> tuple[int, str]:
         """The rank and message of the failure that aborted the snapshot."""
-        found = json.loads(self.kv.get(f"{self.prefix}/error"))
+        found = loads(self.kv.get(f"{self.prefix}/error"))
         return found["rank"], found["error"]
 
     def forget(self, stale_rng_key: str | None, previous: str | None, canonical: tuple[int, ...] = ()) -> None:
@@ -135,7 +135,3 @@ class Agreement:
         if self.rank == 0 and previous is not None:
             for name in ("prepared", "decision", "error"):
                 self.kv.delete_key(f"{previous}/{name}")
-
-
-def _dumps(doc: Any) -> str:
-    return json.dumps(doc, separators=(",", ":"))

@@ -70,7 +70,8 @@ def _read_all(values: list[Any]) -> list[Any]:
     return read
 
 
-def step_doc(scalars: ScalarReader, model, optimizer, named: list | None, structure: Any, rng: bool) -> dict:
+def read_at_boundary(scalars: ScalarReader, model, optimizer, named: list | None, structure: Any,
+                     rng: bool) -> dict:
     """What this rank reads at the boundary for the state document: its optimizer scalars and RNG streams, as
     the libraries give them (the writer thread makes them JSON: :func:`.nontensor.rng_doc`)."""
     return {"rng": rng_state() if rng else None, "scalars": scalars.read(model, optimizer, named, structure)}
