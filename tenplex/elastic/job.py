@@ -239,6 +239,7 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
         self._step_s = 0.0            # agreed (max over ranks) duration of the last step, without saving
         self._save_s = 0.0            # agreed duration of the last save
         self._save_s_local = 0.0      # this rank's duration of its last save, until the next boundary shares it
+        self._step_waited = 0.0       # the checkpointer's step_waited_s at the last boundary (_snapshot_boundary)
         self._next_save: int | None = None
         self._cost = {"saves": 0, "save_s": 0.0, "steps": 0, "train_s": 0.0}
         self._replication_lag = 0     # agreed (max over ranks), in steps
@@ -365,8 +366,11 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
         leaving = self.stop_requested  # read once: a SIGTERM during the all-reduce counts at the next boundary
         try:
             change = 1.0 if self._in_place and self._membership.wanted else 0.0  # type: ignore[union-attr]
-            flags = torch.tensor([1.0 if leaving else 0.0, step_s, self._save_s_local,
-                                  float(self._local_lag()), change], dtype=torch.float64)
+            lag, waited = self._snapshot_boundary()
+            self._save_s_local += waited  # the last snapshot's background copies the step waited for
+            self._cost["save_s"] += waited
+            flags = torch.tensor([1.0 if leaving else 0.0, step_s, self._save_s_local, float(lag), change],
+                                 dtype=torch.float64)
             self._save_s_local = 0.0
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
         except Exception as e:  # noqa: BLE001 -- a peer is gone: nothing can be agreed, nothing is saved

@@ -22,6 +22,7 @@ class SaveAccounting:
         _saved_step: int | None
         _committed_blocking: int | None
         _replication_lag: int
+        _step_waited: float
         restored: Any
 
     def _snapshot_stat(self, key: str, default=None):
@@ -30,8 +31,16 @@ class SaveAccounting:
         t = self._tracked
         return default if t is None else t["checkpointer"].snapshot_stats().get(key, default)
 
-    def _local_lag(self) -> int:
-        return self._snapshot_stat("replication_lag", 0)
+    def _snapshot_boundary(self) -> tuple[int, float]:
+        """At a step boundary: this rank's replication lag, and the seconds its optimizer steps waited since the
+        last boundary for a snapshot's background copies (``tenplex.integration.snapshot_defer``): they stopped
+        training, so they count as the save's blocking time."""
+        t = self._tracked
+        stats = {} if t is None else t["checkpointer"].snapshot_stats()
+        total = float(stats.get("step_waited_s", 0.0))
+        before, self._step_waited = self._step_waited, total
+        # A new checkpointer (a world in place) counts from 0 again
+        return int(stats.get("replication_lag", 0)), total - before if total >= before else total
 
     def _last_committed_step(self) -> int | None:
         """The step of this job's newest committed save: the last blocking one, or a newer committed snapshot."""

@@ -306,6 +306,7 @@ class Checkpointer:
         """
         rank = dist.get_rank(self.group)
         if self._snapshots is not None:
+            self._snapshots.wait_staged()  # the writer thread's copies of the tensors this changes are made
             self._snapshots.resync()  # the state and the newest version may change here
         roll_forward(self.store, self.group)  # a version whose commit decision was lost with a host
 

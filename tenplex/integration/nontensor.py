@@ -11,7 +11,6 @@ README (``## Saving and restoring PyTorch state``) and in
 from __future__ import annotations
 
 import base64
-import json
 import random
 import zlib
 from typing import Any
@@ -92,9 +91,7 @@ def to_json(value: Any, what: str) -> Any:
             return v
         raise StateMismatchError(f"{what} holds a {type(v).__name__} ({str(v)[:60]}), which tenplex cannot store "
                                  f"as JSON; keep only numbers, strings, lists, dicts and tensors in it")
-    doc = convert(value)
-    json.dumps(doc)
-    return doc
+    return convert(value)  # only str keys, numbers, strings, None, lists and dicts: json.dumps takes it
 
 
 def from_json(doc: Any) -> Any:

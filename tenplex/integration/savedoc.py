@@ -57,16 +57,22 @@ def step_doc(latest: int | None, rng: bool, model, optimizer, named: list | None
             "scalars": optimizer_scalars(model, optimizer, named) if optimizer is not None else {}}
 
 
-def state_doc(docs: list[dict], step: int, extra, scheduler, scaler, optimizer) -> dict:
-    """The version's non-tensor state (``tenplex.torch_state``): every coordinate's RNG streams, the step, ..."""
+def state_doc(docs: list[dict], step: int, extra, scheduler, scaler, optimizer,
+              names: list[list[str]] | None = None) -> dict:
+    """The version's non-tensor state (``tenplex.torch_state``): every coordinate's RNG streams, the step, ...
+    ``names``: :func:`world_group_names` of ``docs`` (worked out when not given)."""
     doc = {"format": STATE_FORMAT, "step": int(step), "extra": to_json(extra, "extra"), "rng": {},
            "scheduler": None if scheduler is None else to_json(scheduler.state_dict(), "the LR scheduler's state"),
            "scaler": None if scaler is None else to_json(scaler.state_dict(), "the gradient scaler's state"),
            "optimizer": None, "scalars": {}}
     if optimizer is not None:
-        names = [sorted({n for d in docs for n in d["groups"][i]}) for i in range(len(optimizer.param_groups))]
-        doc["optimizer"] = optimizer_doc(optimizer, names)
+        doc["optimizer"] = optimizer_doc(optimizer, world_group_names(docs, optimizer) if names is None else names)
     return refresh_state_doc(doc, docs, docs)
+
+
+def world_group_names(docs: list[dict], optimizer) -> list[list[str]]:
+    """Each parameter group's parameter names, over every rank's document (sorted)."""
+    return [sorted({n for d in docs for n in d["groups"][i]}) for i in range(len(optimizer.param_groups))]
 
 
 def refresh_state_doc(doc: dict, steps: Sequence[Mapping], docs: Sequence[Mapping]) -> dict:

@@ -1,8 +1,8 @@
 """Snapshots: a save that returns once the state is staged in host memory; a background thread stores and commits it.
 
 May import: ``tenplex.box``, ``tenplex.errors``, ``tenplex.integration`` (canonical, exchange, jobstore, nontensor,
-pieces, rollforward, savedoc, snapshot_agree, snapshot_buffers, snapshot_copies, snapshot_pieces, snapshot_round,
-snapshot_step, snapshot_writer, versions), torch.distributed and the standard library.
+pieces, rollforward, savedoc, snapshot_agree, snapshot_buffers, snapshot_copies, snapshot_defer, snapshot_pieces,
+snapshot_round, snapshot_step, snapshot_writer, versions), torch.distributed and the standard library.
 
 A snapshot is a version like any other: the same parts, manifest and commit
 as :meth:`Checkpointer.save`, so a restore (into any layout) reads it
@@ -53,7 +53,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -64,10 +64,11 @@ from .exchange import agree, all_gather_json
 from .jobstore import JobKeyValue
 from .pieces import Piece
 from .rollforward import PARTS_DOC, parts_doc
-from .savedoc import SaveRound, state_doc
+from .savedoc import SaveRound, state_doc, world_group_names
 from .snapshot_agree import ABORT, COMMIT
 from .snapshot_buffers import SnapshotBuffers
 from .snapshot_copies import SnapshotCopies
+from .snapshot_defer import DeferredStaging
 from .snapshot_pieces import PiecesCache
 from .snapshot_round import RoundCache
 from .snapshot_step import ScalarReader, read_at_boundary
@@ -100,8 +101,9 @@ class Snapshotter:
         # The newest committed snapshot, its pieces' fingerprints (those compared next time) and whether they are all
         self._unchanged_base: tuple[int, dict[tuple[str, Box], tuple], bool] | None = None
         self._closed = False  # close() was called
-        self._own_cache: tuple[Any, dict, int, list[int], list[tuple[str, Box]]] | None = None  # see _own
+        self._own_cache: tuple[Any, dict, int, list[int], list[tuple[str, Box]], dict] | None = None  # see _own
         self._roles: tuple[dict, int, list, dict] | None = None  # see _canonical_roles
+        self._names: tuple[list[dict], int, list[list[str]]] | None = None  # see _group_names
         # Between exchanges (every rank reached the job's store at the last one): the world's key prefix, the
         # last staged version and its keys' prefix, the copies per region.
         self._fast = False  # the next snapshot may skip the exchange (set by each exchange: see _exchange)
@@ -114,9 +116,11 @@ class Snapshotter:
                                       "waited_s": 0.0, "last_blocking_s": 0.0, "write_s": 0.0, "last_write_s": 0.0,
                                       "last_commit_s": None, "staging_bytes": 0, "linked_bytes": 0, "late_commits": 0,
                                       "committed_step": None, "replicated_step": None,
-                                      "protected_step": None, "spread": False, "copies": 0}
+                                      "protected_step": None, "spread": False, "copies": 0,
+                                      "step_waited_s": 0.0, "last_step_wait_s": 0.0, "deferred_bytes": 0}
+        self.deferred = DeferredStaging(self.stats, self.staging)  # what the writer thread copies (see .snapshot_defer)
         self.copies = SnapshotCopies(ckpt, self.stats)
-        self.writer = SnapshotWriter(ckpt, self.staging, self._kv, self.copies)
+        self.writer = SnapshotWriter(ckpt, (self.staging, self.deferred.buffers), self._kv, self.copies)
 
     # ------------------------------------------------------------------ boundary
     def snapshot(self, model, optimizer, *, step: int, extra, scheduler, scaler, annotations, rng: bool) -> Future:
@@ -128,6 +132,9 @@ class Snapshotter:
         exchange = not self._settle_decided(self._wait_previous())
         waited = time.monotonic() - begin
         pieces = self.pieces.pieces(model, optimizer, annotations)
+        structure = self.pieces.generation
+        # Between exchanges, the copies of what only optimizer.step() changes are the writer thread's
+        defer = not exchange and self.deferred.usable(optimizer, structure)
         step_doc: dict | None = None
         changed: str | None = None
         posts: list[tuple[int, tuple[str, Box]]] = []
@@ -136,23 +143,31 @@ class Snapshotter:
             round_, docs, canonical, version = self._exchange(pieces, model, optimizer, rng, rank)
         else:
             round_, docs, canonical, version = self._round(), self._round().docs, {}, self._version + 1
-            step_doc, changed = self._step_doc(pieces, model, optimizer, rng, rank)
+            step_doc, changed = self._step_doc(pieces, model, optimizer, rng, rank, scalars=not defer)
             posts, takes = self._canonical_roles(round_, rank)
         self._version = version
         leader = rank == round_.leader
-        indices, keys = ([], []) if changed else self._own(pieces, round_.writers, rank)
+        indices, keys, specs = ([], [], {}) if changed else self._own(pieces, round_.writers, rank)
         own = [canonical.get(key, pieces[i]) for i, key in zip(indices, keys)] if canonical else \
             [pieces[i] for i in indices]
         fingerprints, keep_all = self._fingerprints(keys, own, version)
-        unchanged = self._unchanged(fingerprints, version, {*takes, *(key for _, key in posts)})
+        canonical_keys = {*takes, *(key for _, key in posts)}
+        unchanged = self._unchanged(fingerprints, version, canonical_keys)
+        capture = None
         if not changed:  # (a rank that cannot write keeps its buffers for the exchange that follows)
-            self.staging.stage([p for key, p in zip(keys, own) if key not in unchanged] if unchanged else own,
-                               self.pieces.generation)
+            now, later = self.deferred.split([p for key, p in zip(keys, own) if key not in unchanged]
+                                             if unchanged else own, optimizer, structure, own, canonical_keys)
+            self.staging.stage(now, structure)
+            if defer:
+                capture = self.deferred.hand_over(later, optimizer, structure, self._scalars_later(model, optimizer))
+            else:
+                self.deferred.buffers.stage(later, structure)
         documents: dict[str, Any] = {}
         if leader and not changed:
             # The state document reads the scheduler, scaler and optimizer now (they change at the next step);
             # the layout and the stores document depend only on the round: built in the background.
-            documents = {STATE_DOC: state_doc(docs, step, extra, scheduler, scaler, optimizer),
+            documents = {STATE_DOC: state_doc(docs, step, extra, scheduler, scaler, optimizer,
+                                              self._group_names(docs, optimizer)),
                          PARTS_DOC: parts_doc(round_.all_parts())}
         assert self._world_key is not None
         job = self.inflight = InFlight(
@@ -161,15 +176,16 @@ class Snapshotter:
             {k: f for k, f in fingerprints.items() if f is not None and (keep_all or k in unchanged)},
             [key for key in keys if key in unchanged] if unchanged else [], exchanged=exchange, step_doc=step_doc,
             changed=changed, previous_key=self._last_key, canonical_posts=posts, canonical_takes=takes,
-            every_fingerprint=keep_all,
+            every_fingerprint=keep_all, capture=capture,
             called_at=begin, spread=self.rounds.spread)
         self._last_key = f"{self._world_key}/{version}"
-        self.writer.hand_off(job, {p.name: p.spec for p in own}, documents, round_ if leader else None)
+        if capture is None:  # else the writer thread reports the staging memory once it staged
+            self.deferred.report()
+        self.writer.hand_off(job, specs, documents, round_ if leader else None)
         blocking = time.monotonic() - begin
         self.stats.update(snapshots=self.stats["snapshots"] + 1, blocking_s=self.stats["blocking_s"] + blocking,
                           staged_version=version, staged_step=step,
                           waited_s=self.stats["waited_s"] + waited, last_blocking_s=blocking,
-                          staging_bytes=self.staging.nbytes,
                           linked_bytes=sum(p.box.volume * p.local.element_size() for key, p in zip(keys, own)
                                            if key in unchanged) if unchanged else 0)
         return job.future
@@ -179,15 +195,31 @@ class Snapshotter:
         assert current is not None
         return current
 
-    def _step_doc(self, pieces: list[Piece], model, optimizer, rng: bool, rank: int) -> tuple[dict, str | None]:
-        """Between exchanges: what this rank reads at the boundary for the state document (its RNG streams and
-        optimizer scalars), and why it cannot write its part (None: it can)."""
-        doc = read_at_boundary(self.scalars, model, optimizer, self.pieces.named_params(model, optimizer),
-                       self.pieces.generation, rng)
+    def _step_doc(self, pieces: list[Piece], model, optimizer, rng: bool, rank: int,
+                  scalars: bool) -> tuple[dict, str | None]:
+        """Between exchanges: what this rank reads at the boundary for the state document (its RNG streams and,
+        unless the writer thread reads them, its optimizer scalars), and why it cannot write its part (None: it
+        can)."""
+        doc = read_at_boundary(self.scalars if scalars else None, model, optimizer,
+                               self.pieces.named_params(model, optimizer), self.pieces.generation, rng)
         if self.rounds.still_sent(pieces, rank, model, optimizer, self.pieces.generation):
             return doc, None
         return doc, (f"the state's structure changed on rank {rank} (tensors, boxes or parameter groups); the next "
                      f"snapshot exchanges it")
+
+    def _group_names(self, docs: list[dict], optimizer) -> list[list[str]] | None:
+        """:func:`.savedoc.world_group_names`, worked out once per exchange's documents."""
+        if optimizer is None:
+            return None
+        known = self._names
+        if known is None or known[0] is not docs or known[1] != len(optimizer.param_groups):
+            known = self._names = (docs, len(optimizer.param_groups), world_group_names(docs, optimizer))
+        return known[2]
+
+    def _scalars_later(self, model, optimizer) -> Callable[[], dict]:
+        """The optimizer's scalar states, read by the writer thread before the next ``optimizer.step()``."""
+        named, structure, reader = self.pieces.named_params(model, optimizer), self.pieces.generation, self.scalars
+        return lambda: reader.read(model, optimizer, named, structure)
 
     def _canonical_roles(self, round_: SaveRound, rank: int) -> tuple[list[tuple[int, tuple[str, Box]]],
                                                                       dict[tuple[str, Box], int]]:
@@ -226,6 +258,10 @@ class Snapshotter:
         self.stats["exchanges"] += 1
         return round_, docs, canonical, version
 
+    def wait_staged(self) -> None:
+        """Until the writer thread copied what the last snapshot left to it (before anything changes tensors)."""
+        self.deferred.wait()
+
     def resync(self) -> None:
         """Exchange at the next snapshot: a blocking save or a restore made a version (or changed the state)."""
         self._fast = False
@@ -261,17 +297,19 @@ class Snapshotter:
         self._succeeded(job)
         return True
 
-    def _own(self, pieces: list[Piece], writers: dict, rank: int) -> tuple[list[int], list[tuple[str, Box]]]:
-        """Which of ``pieces`` this rank writes, and their (tensor, box) keys: worked out again only when the
-        pieces' structure or the round's writers changed (the same objects while they stay)."""
+    def _own(self, pieces: list[Piece], writers: dict, rank: int) -> tuple[list[int], list[tuple[str, Box]], dict]:
+        """Which of ``pieces`` this rank writes, their (tensor, box) keys and their specs by tensor name: worked
+        out again only when the pieces' structure or the round's writers changed (the same objects while they
+        stay)."""
         generation, known = self.pieces.generation, self._own_cache
         if generation is None or known is None or known[0] is not generation or known[1] is not writers \
                 or known[2] != rank:
             host = self.ckpt.host
             indices = [i for i, p in enumerate(pieces) if writers[(host, p.name, p.box)] == rank]
             known = self._own_cache = (generation, writers, rank, indices,
-                                       [(pieces[i].name, pieces[i].box) for i in indices])
-        return known[3], known[4]
+                                       [(pieces[i].name, pieces[i].box) for i in indices],
+                                       {pieces[i].name: pieces[i].spec for i in indices})
+        return known[3], known[4], known[5]
 
     def _fingerprints(self, keys: list[tuple[str, Box]], own: list[Piece],
                       version: int) -> tuple[dict[tuple[str, Box], tuple | None], bool]:
@@ -285,6 +323,8 @@ class Snapshotter:
         fingerprint = self.pieces.fingerprint
         if keep_all or base is None or base[2]:
             return {key: fingerprint(p) for key, p in zip(keys, own)}, keep_all
+        if not base[1]:  # every piece changed last time (a training step changes them all): nothing to look at
+            return {}, False
         return {key: fingerprint(p) for key, p in zip(keys, own) if key in base[1]}, False
 
     def _unchanged(self, fingerprints: dict[tuple[str, Box], tuple | None], version: int,
@@ -382,6 +422,7 @@ class Snapshotter:
         if self.inflight is not None:
             self.inflight.give_up.set()
         self.writer.stop()
+        self.deferred.remove_hook()  # the optimizer may outlive this world (in place): nothing of it stays hooked
         self._closed = True
         self.copies.close()
         # A running thread's bound target keeps this snapshotter, its cached pieces (a DTensor's mesh: the old

@@ -13,6 +13,10 @@ CPU tensors: a memcpy on the calling thread alone (numpy's ``copyto`` on views o
 :meth:`SnapshotBuffers.stage` returns, the training loop may change its tensors. Not ``Tensor.copy_``: it splits
 a large copy over torch's intra-op threads, whose wake-ups cost milliseconds per copy on a busy machine (measured
 here: ~5 ms per staging copy under load, 0.05 ms with one thread), and the user's thread settings are theirs.
+A snapshotter's second set of buffers copies in its writer thread (:mod:`.snapshot_defer`): made with
+``release_gil``, it copies a piece of 64 KiB or more through numpy, which releases the GIL during the copy (a byte
+copy between memoryviews holds it: the training thread's Python would wait up to the interpreter's switch
+interval, 5 ms, per copy).
 CUDA tensors: the buffers are pinned and the copies are non-blocking on a side stream that first waits for the
 current stream (the values the step produced); the current stream then waits for the copies' event, so the next
 optimizer step cannot overwrite a tensor before its copy is done, while the host returns at once. The background
@@ -35,7 +39,8 @@ from .staging import copies_on_side_stream
 class SnapshotBuffers:
     """Reused host buffers for this rank's pieces (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, release_gil: bool = False) -> None:
+        self._release_gil = release_gil  # copies of GIL_FREE_BYTES or more through numpy (see the module docstring)
         self._buffers: dict[tuple[str, Box], torch.Tensor] = {}
         self._staged: list[tuple[str, Box]] = []  # the keys the last stage copied (buffers of others are freed)
         self._events: list[torch.cuda.Event] = []  # the last staging's copies, when some piece is on a GPU
@@ -86,7 +91,8 @@ class SnapshotBuffers:
             if on_gpu:
                 self._stage_cuda(on_gpu)
         if structure is not None and not on_gpu:
-            self._replay = _replayable(list(pieces), structure, copies)
+            self._replay = _replayable(list(pieces), structure, copies,
+                                       GIL_FREE_BYTES if self._release_gil else None)
 
     def _copy(self, piece: Piece, structure: Any) -> tuple[Any, Any]:
         """Copy one CPU piece into its buffer through views made once (the region of the same memory, into the
@@ -132,6 +138,7 @@ class SnapshotBuffers:
         return buffer
 
 
+GIL_FREE_BYTES = 64 * 1024  # a buffer set with release_gil copies pieces of this size or more through numpy
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -155,16 +162,19 @@ def _copy_views(buffer: torch.Tensor, source: torch.Tensor) -> tuple[Any, Any]:
 
 
 
-def _replayable(pieces: list[Piece], structure: Any, copies: list[tuple[Any, Any]]) -> tuple | None:
+def _replayable(pieces: list[Piece], structure: Any, copies: list[tuple[Any, Any]],
+                gil_free: int | None = None) -> tuple | None:
     """What :meth:`SnapshotBuffers.stage` replays for the same pieces under the same structure, when every copy is
     between numpy views of one dtype: a byte copy between flat byte views where the source is contiguous too (the
-    least work per piece; the buffer always is), a numpy assignment between the views otherwise."""
+    least work per piece; the buffer always is), a numpy assignment between the views otherwise, and for pieces of
+    ``gil_free`` bytes or more (numpy's copy releases the GIL)."""
     flat, strided = [], []
     for destination, source in copies:
         if not (isinstance(destination, np.ndarray) and isinstance(source, np.ndarray)) \
                 or destination.dtype != source.dtype or destination.shape != source.shape:
             return None
-        if source.flags.c_contiguous and destination.flags.c_contiguous and source.ndim:
+        if source.flags.c_contiguous and destination.flags.c_contiguous and source.ndim \
+                and (gil_free is None or source.nbytes < gil_free):
             flat.append((memoryview(destination).cast("B"), memoryview(source).cast("B")))
         else:
             strided.append((destination, source))

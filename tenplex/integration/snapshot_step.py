@@ -70,8 +70,10 @@ def _read_all(values: list[Any]) -> list[Any]:
     return read
 
 
-def read_at_boundary(scalars: ScalarReader, model, optimizer, named: list | None, structure: Any,
+def read_at_boundary(scalars: ScalarReader | None, model, optimizer, named: list | None, structure: Any,
                      rng: bool) -> dict:
-    """What this rank reads at the boundary for the state document: its optimizer scalars and RNG streams, as
-    the libraries give them (the writer thread makes them JSON: :func:`.nontensor.rng_doc`)."""
-    return {"rng": rng_state() if rng else None, "scalars": scalars.read(model, optimizer, named, structure)}
+    """What this rank reads at the boundary for the state document: its optimizer scalars (None: the writer
+    thread reads them, :mod:`.snapshot_defer`) and RNG streams, as the libraries give them (the writer thread
+    makes them JSON: :func:`.nontensor.rng_doc`)."""
+    return {"rng": rng_state() if rng else None,
+            "scalars": None if scalars is None else scalars.read(model, optimizer, named, structure)}

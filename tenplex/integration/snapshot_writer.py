@@ -2,7 +2,7 @@
 
 May import: torch, ``tenplex.box``, ``tenplex.layout``, ``tenplex.replication``, ``tenplex.store``, this package's
 :mod:`.savedoc`, :mod:`.shardio`, :mod:`.snapshot_agree`, :mod:`.snapshot_buffers`, :mod:`.snapshot_copies`,
-:mod:`.jobstore`, :mod:`.nontensor`, :mod:`.versions` and the standard library.
+:mod:`.snapshot_defer`, :mod:`.jobstore`, :mod:`.nontensor`, :mod:`.versions` and the standard library.
 
 Two threads per snapshotter take the snapshots over in order (starting a thread per snapshot costs the training
 thread more than the rest of a small snapshot). The writer posts the rank's step document (a snapshot staged
@@ -38,6 +38,7 @@ from .shardio import _as_storage
 from .snapshot_agree import ABORT, COMMIT, Aborted, Agreement, GaveUp, poll
 from .snapshot_buffers import SnapshotBuffers
 from .snapshot_copies import SnapshotCopies
+from .snapshot_defer import Capture, Torn
 from .versions import STATE_DOC
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class InFlight:
     canonical_posts: list[tuple[int, tuple[str, Box]]] = field(default_factory=list)  # not exchanged: this rank
     canonical_takes: dict[tuple[str, Box], int] = field(default_factory=dict)  # posts them; takes its source's
     every_fingerprint: bool = True   # ``fingerprints`` holds every piece's (else only the unchanged ones')
+    capture: Capture | None = None   # what the writer thread stages before it writes (.snapshot_defer)
     future: Future = field(default_factory=Future)
     called_at: float = field(default_factory=time.monotonic)  # when async_save was called
     written: threading.Event = field(default_factory=threading.Event)
@@ -89,8 +91,9 @@ class InFlight:
 class SnapshotWriter:
     """The writer and decider threads of one snapshotter (see the module docstring)."""
 
-    def __init__(self, ckpt, staging: SnapshotBuffers, kv: JobKeyValue, copies: SnapshotCopies) -> None:
-        self.ckpt, self.staging, self.kv, self.copies = ckpt, staging, kv, copies
+    def __init__(self, ckpt, staging: tuple[SnapshotBuffers, ...], kv: JobKeyValue, copies: SnapshotCopies) -> None:
+        self.ckpt, self.kv, self.copies = ckpt, kv, copies
+        self.staging = staging  # the buffers staged at the boundary, those this thread stages (.snapshot_defer)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # snapshots to write; None: stop
         self._decisions: queue.SimpleQueue = queue.SimpleQueue()  # written snapshots to agree on; None: stop
         self.threads: list[threading.Thread] = []
@@ -129,6 +132,8 @@ class SnapshotWriter:
             try:
                 self._write(job, *args)
             finally:
+                if job.capture is not None:
+                    job.capture.done.set()
                 job.written.set()
                 self._decisions.put(job)
 
@@ -156,6 +161,11 @@ class SnapshotWriter:
         agreement = None if job.exchanged else Agreement(self.kv.get(job.give_up), job.world_key, job.version,
                                                          job.rank, job.world)
         try:
+            if job.capture is not None:  # first: the next optimizer.step() waits for it
+                scalars = job.capture.run()
+                if scalars is not None:
+                    assert job.step_doc is not None
+                    job.step_doc["scalars"] = scalars
             if job.changed is not None:
                 raise _Changed(job.changed)
             if agreement is not None:
@@ -164,11 +174,13 @@ class SnapshotWriter:
                 job.layout = leader_docs.layout()
                 documents[STORES_DOC] = stores_doc(job.version, {h: job.addresses.get(h) for h in leader_docs.ring},
                                                    job.replicas, leader_docs.ring)
-            self.staging.wait_copied()
-            staged = {(name, box): buffer for name, box, buffer in self.staging.buffers()}
+            for buffers in self.staging:
+                buffers.wait_copied()
+            staged = {(name, box): buffer for buffers in self.staging for name, box, buffer in buffers.buffers()}
             for index, key in job.canonical_posts:
                 assert agreement is not None
-                agreement.post_canonical(index, staged[key].contiguous().view(torch.uint8).numpy().tobytes())
+                # (flat first: a 0-dimensional buffer, BatchNorm's num_batches_tracked, has no byte view)
+                agreement.post_canonical(index, staged[key].reshape(-1).view(torch.uint8).numpy().tobytes())
             with store.begin(job.version, part=f"rank{job.rank}") as writer:
                 for (name, box), buffer in staged.items():
                     if (name, box) in job.canonical_takes:
@@ -192,7 +204,7 @@ class SnapshotWriter:
             pass
         except Exception as e:  # noqa: BLE001 -- training goes on; the decision (or the next exchange) settles it
             job.error = str(e) if isinstance(e, _Changed) else f"{type(e).__name__}: {e}"
-            if isinstance(e, (_Changed, GaveUp)):
+            if isinstance(e, (_Changed, GaveUp, Torn)):
                 log.info("tenplex: snapshot of step %d (version %d) dropped on rank %d: %s", job.step, job.version,
                          job.rank, job.error)
             else:
