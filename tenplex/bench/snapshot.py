@@ -14,7 +14,9 @@ round the slowest rank (barriers around it):
 * ``tenplex_snapshot_blocking_s``: ``Checkpointer.async_save`` until it
   returns (staging buffers reused; ``tenplex_snapshot_first_blocking_s`` is the
   first call, which allocates them); ``tenplex_snapshot_commit_s``: from the
-  call until the host committed the version (in the background);
+  call until the host committed the version (in the background); ``tenplex_snapshot_staged_s``: from the call
+  until the writer thread's copies of the optimizer's tensors are made (:mod:`tenplex.integration.snapshot_defer`:
+  what an ``optimizer.step()`` right after the boundary would wait for);
 * ``dcp_save_s``: ``torch.distributed.checkpoint.save``;
   ``dcp_async_blocking_s``: ``dcp.async_save`` (on a gloo group of its own, as
   its documentation asks) until it returns; ``dcp_async_commit_s``: until its
@@ -35,9 +37,11 @@ round the slowest rank (barriers around it):
   all ranks);
 * ``snapshot_interval_at_20ms_steps``: the interval between snapshots that ``tenplex.elastic.Job``'s 5% budget
   rule takes with this blocking time and steps of 20 ms (1: every step; ``…_cpu``: with the blocking CPU time);
-* ``paced_20ms_blocking_s``: snapshots every step of 20 ms (a sleep standing in for accelerator time), the median
-  seconds ``async_save`` blocked, its wait for the previous snapshot's commit decision included, and
-  ``paced_20ms_interval``, the interval the 5% budget takes with it (1: every step);
+* ``paced_20ms_blocking_s``: snapshots every step of 20 ms (a sleep standing in for the forward and backward, then
+  a real ``optimizer.step()``), the median seconds ``async_save`` blocked, its wait for the previous snapshot's
+  commit decision included, plus what the optimizer's step waited for the previous snapshot's background copies
+  (``paced_20ms_step_wait_s`` alone), and ``paced_20ms_interval``, the interval the 5% budget takes with it (1:
+  every step);
 * the end-to-end cost on this machine: ``train_step_s`` without saving and
   ``train_step_snapshot_s`` with a snapshot after every step (the background
   writer shares the CPU with training), and their ratio ``snapshot_slowdown``.
@@ -159,7 +163,7 @@ def _tenplex_saves(ckpt, trainer, repeat: int) -> dict:
         tenplex.save(trainer.model, trainer.optimizer, step=i, scheduler=trainer.scheduler, checkpointer=ckpt)
         return (time.perf_counter() - begin,)
 
-    def snapshot(i: int) -> tuple[float, float, float, float]:
+    def snapshot(i: int) -> tuple[float, float, float, float, float]:
         import torch.distributed as dist
 
         floor = memcpy()  # the floor, measured next to each snapshot: this machine's load varies
@@ -170,15 +174,17 @@ def _tenplex_saves(ckpt, trainer, repeat: int) -> dict:
         begin, cpu = time.perf_counter(), time.thread_time()
         ckpt.async_save(trainer.model, trainer.optimizer, step=100 + i, scheduler=trainer.scheduler)
         returned, cpu = time.perf_counter(), time.thread_time() - cpu
+        ckpt._snapshots.wait_staged()  # what an optimizer.step() at once would wait for: the writer thread's copies
+        staged = time.perf_counter()
         ckpt.wait_snapshot()
         # From the call until this host committed (the first rank of the host; the others report 0).
-        return floor, returned - begin, ckpt.snapshot_stats()["last_commit_s"] or 0.0, cpu
+        return floor, returned - begin, ckpt.snapshot_stats()["last_commit_s"] or 0.0, cpu, staged - begin
 
     result: dict[str, Any] = {}
     result["tenplex_save_s"], = _rounds(repeat, save)
-    _, result["tenplex_snapshot_first_blocking_s"], _, _ = _rounds(1, snapshot)
+    _, result["tenplex_snapshot_first_blocking_s"], _, _, _ = _rounds(1, snapshot)
     (result["memcpy_s"], result["tenplex_snapshot_blocking_s"], result["tenplex_snapshot_commit_s"],
-     result["tenplex_snapshot_blocking_cpu_s"]) = _rounds(repeat, snapshot)
+     result["tenplex_snapshot_blocking_cpu_s"], result["tenplex_snapshot_staged_s"]) = _rounds(repeat, snapshot)
     stats = ckpt.snapshot_stats()
     result["tenplex_staging_bytes"] = int(_summed(stats["staging_bytes"]))
     result["tenplex_snapshot_linked_bytes"] = int(_summed(stats["linked_bytes"]))
@@ -297,28 +303,33 @@ def _training(ckpt, trainer, steps: int) -> dict:
 
 
 def _paced(ckpt, trainer, steps: int, step_s: float = 0.020) -> dict:
-    """Snapshots every step of ``step_s`` seconds (a sleep standing in for accelerator time; every parameter and
-    moment changes in place before each, as by a step): the median seconds each ``async_save`` blocked, the wait
-    for the previous snapshot's decision included (the slowest rank's), and the interval the 5 % budget takes."""
+    """Snapshots every step of ``step_s`` seconds (a sleep standing in for the forward and backward's accelerator
+    time, then the optimizer's step on the gradients of the last training step): the median seconds each
+    ``async_save`` blocked, the wait for the previous snapshot's decision included, plus what the optimizer's step
+    before it waited for the previous snapshot's background copies (the slowest rank's), and the interval the 5 %
+    budget takes."""
     import statistics as stats
 
     import torch.distributed as dist
 
     from tenplex.elastic.job import auto_interval
 
-    local = _local_tensors(trainer)
     ckpt.wait_snapshot()
     dist.barrier()
-    blocked = []
+    blocked, waits = [], []
     for step in range(steps):
         time.sleep(step_s)
-        as_a_step(local)
+        before = ckpt.snapshot_stats()["step_waited_s"]
+        trainer.optimizer.step()  # changes every parameter and moment in place
+        waited = ckpt.snapshot_stats()["step_waited_s"] - before
         begin = time.perf_counter()
         ckpt.async_save(trainer.model, trainer.optimizer, step=2000 + step, scheduler=trainer.scheduler)
-        blocked.append(time.perf_counter() - begin)
+        blocked.append(time.perf_counter() - begin + waited)
+        waits.append(waited)
     ckpt.wait_snapshot()
     median = _slowest(stats.median(blocked[1:]))  # the first has no previous snapshot to wait for
     return {"paced_20ms_blocking_s": round(median, 5), "paced_20ms_steps": steps,
+            "paced_20ms_step_wait_s": round(_slowest(stats.median(waits[1:])), 6),
             "paced_20ms_interval": auto_interval(median, step_s)}
 
 
