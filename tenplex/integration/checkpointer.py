@@ -220,7 +220,12 @@ class Checkpointer:
         """Snapshot the state at ``step``: stage it in host memory and return; a background thread stores it as a
         new version and commits it on every host or on none. Collective (every rank calls it at the same step).
 
-        The state is copied before the call returns, so the training loop may change its tensors at once. At
+        The state is copied before the next ``optimizer.step()`` can change it, so the training loop goes on at
+        once: buffers, GPU tensors and every tensor of a snapshot that exchanges are copied before the call returns;
+        between exchanges, the CPU tensors only the optimizer changes (parameters, optimizer states) are copied by
+        the background thread while the next forward and backward run, and that step's ``optimizer.step()`` waits
+        for those copies (a step pre-hook; a change made elsewhere in place meanwhile fails that snapshot:
+        :mod:`tenplex.integration.snapshot_defer`). At
         most one snapshot is in flight per rank: the call first waits until this rank's previous snapshot is
         written, and settles it (committed everywhere, or dropped everywhere and logged). The returned future
         resolves when it is settled, at the next ``async_save``, :meth:`save` or :meth:`wait_snapshot`: to the
@@ -245,7 +250,9 @@ class Checkpointer:
         the newest committed and replicated steps and the replication lag in steps, whether the last committed
         snapshot holds every region on two hosts or more (``spread``) and its copies per region (``copies``),
         and ``protected_step``: the newest committed step that survives the loss of any one host as this rank
-        sees it (the committed one when ``spread``; else the newest whose copies this rank pulled; None: none)."""
+        sees it (the committed one when ``spread``; else the newest whose copies this rank pulled; None: none).
+        ``step_waited_s`` (and ``last_step_wait_s``): the seconds ``optimizer.step()`` waited for the background
+        thread's copies, ``deferred_bytes``: the staging bytes that thread copies (:mod:`.snapshot_defer`)."""
         if self._snapshots is None:
             return {}
         stats = dict(self._snapshots.stats)

@@ -11,7 +11,9 @@ unchanged. What differs is when the work happens (README, "Snapshots every step"
 1. **At the step boundary** (the training thread): the rank waits until its previous snapshot's write is done
    and, once every rank reaches the job's key-value store, until its commit is decided (back-pressure: at most
    one snapshot in flight per rank; its future resolves here). It copies the pieces it writes into reused
-   staging buffers (:mod:`.snapshot_buffers`), reads its RNG streams and optimizer scalars, and returns. A
+   staging buffers (:mod:`.snapshot_buffers`), reads its RNG streams and optimizer scalars, and returns; between
+   exchanges the CPU pieces only ``optimizer.step()`` changes, and the optimizer's scalars, are the writer
+   thread's, before the next step (:mod:`.snapshot_defer`: a step pre-hook waits for them). A
    piece unchanged since the previous snapshot, which committed and is the newest version (same storage, same
    in-place version counters, :attr:`Piece.version`: frozen parameters), is not staged at all.
    No collective runs here while the world's layout stays: who writes which box, the host leaders and the
@@ -422,6 +424,7 @@ class Snapshotter:
         if self.inflight is not None:
             self.inflight.give_up.set()
         self.writer.stop()
+        self.deferred.wait(CLOSE_JOIN_S)  # (a copy in flight reads tensors that a restore may change next)
         self.deferred.remove_hook()  # the optimizer may outlive this world (in place): nothing of it stays hooked
         self._closed = True
         self.copies.close()

@@ -136,12 +136,12 @@ class DeferredStaging:
         capture = self._current = Capture(self, pieces, known[1], structure, scalars)
         return capture
 
-    def wait(self) -> None:
-        """Until the last hand-over's copies are made (a restore, a blocking save: before they change tensors)."""
+    def wait(self, timeout: float | None = None) -> None:
+        """Until the last hand-over's copies are made (the step hook, a restore: before they change tensors)."""
         capture = self._current
         if capture is not None and not capture.done.is_set():
             begin = time.monotonic()
-            capture.done.wait()
+            capture.done.wait(timeout)
             waited = time.monotonic() - begin
             self.stats.update(step_waited_s=self.stats["step_waited_s"] + waited, last_step_wait_s=waited)
 

@@ -158,14 +158,12 @@ class SnapshotWriter:
         """Write and prepare this rank's part (see the module docstring)."""
         ckpt, store = self.ckpt, self.ckpt.store
         begin = time.monotonic()
+        captured = self._capture(job)  # first, before anything that may wait: the next optimizer.step() waits for it
         agreement = None if job.exchanged else Agreement(self.kv.get(job.give_up), job.world_key, job.version,
                                                          job.rank, job.world)
         try:
-            if job.capture is not None:  # first: the next optimizer.step() waits for it
-                scalars = job.capture.run()
-                if scalars is not None:
-                    assert job.step_doc is not None
-                    job.step_doc["scalars"] = scalars
+            if captured is not None:
+                raise captured
             if job.changed is not None:
                 raise _Changed(job.changed)
             if agreement is not None:
@@ -212,6 +210,20 @@ class SnapshotWriter:
                           "next snapshot is tried", job.step, job.version, job.rank, job.error)
         job.write_s = time.monotonic() - begin
         job.written.set()
+
+    @staticmethod
+    def _capture(job: InFlight) -> Exception | None:
+        """The copies and scalars the boundary left to this thread (:mod:`.snapshot_defer`); why they failed."""
+        if job.capture is None:
+            return None
+        try:
+            scalars = job.capture.run()
+        except Exception as e:  # noqa: BLE001 -- this rank does not prepare its part: it decides abort
+            return e
+        if scalars is not None:
+            assert job.step_doc is not None
+            job.step_doc["scalars"] = scalars
+        return None
 
     def _post_step(self, agreement: Agreement, job: InFlight) -> None:
         """Post this rank's step document; its RNG streams as a new generation when they changed (the previous
