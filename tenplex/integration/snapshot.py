@@ -70,7 +70,7 @@ from .savedoc import SaveRound, state_doc, world_group_names
 from .snapshot_agree import ABORT, COMMIT
 from .snapshot_buffers import SnapshotBuffers
 from .snapshot_copies import SnapshotCopies
-from .snapshot_defer import DeferredStaging
+from .snapshot_defer import Capture, DeferredStaging
 from .snapshot_pieces import PiecesCache
 from .snapshot_round import RoundCache
 from .snapshot_step import ScalarReader, read_at_boundary
@@ -155,15 +155,9 @@ class Snapshotter:
         fingerprints, keep_all = self._fingerprints(keys, own, version)
         canonical_keys = {*takes, *(key for _, key in posts)}
         unchanged = self._unchanged(fingerprints, version, canonical_keys)
-        capture = None
-        if not changed:  # (a rank that cannot write keeps its buffers for the exchange that follows)
-            now, later = self.deferred.split([p for key, p in zip(keys, own) if key not in unchanged]
-                                             if unchanged else own, optimizer, structure, own, canonical_keys)
-            self.staging.stage(now, structure)
-            if defer:
-                capture = self.deferred.hand_over(later, optimizer, structure, self._scalars_later(model, optimizer))
-            else:
-                self.deferred.buffers.stage(later, structure)
+        capture = None if changed else self._stage(  # (a rank that cannot write keeps its buffers for the exchange)
+            [p for key, p in zip(keys, own) if key not in unchanged] if unchanged else own, own, model, optimizer,
+            defer, canonical_keys)
         documents: dict[str, Any] = {}
         if leader and not changed:
             # The state document reads the scheduler, scaler and optimizer now (they change at the next step);
@@ -191,6 +185,18 @@ class Snapshotter:
                           linked_bytes=sum(p.box.volume * p.local.element_size() for key, p in zip(keys, own)
                                            if key in unchanged) if unchanged else 0)
         return job.future
+
+    def _stage(self, pieces: list[Piece], own: list[Piece], model, optimizer, defer: bool,
+               canonical_keys: set) -> Capture | None:
+        """Copy ``pieces`` (some of ``own``) into the staging buffers, or leave those only ``optimizer.step()``
+        changes to the writer thread (``defer``: :mod:`.snapshot_defer`); what that thread is to do."""
+        structure = self.pieces.generation
+        now, later = self.deferred.split(pieces, optimizer, structure, own, canonical_keys)
+        self.staging.stage(now, structure)
+        if defer:
+            return self.deferred.hand_over(later, optimizer, structure, self._scalars_later(model, optimizer))
+        self.deferred.buffers.stage(later, structure)
+        return None
 
     def _round(self) -> SaveRound:
         current = self.rounds.current

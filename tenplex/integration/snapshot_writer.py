@@ -70,6 +70,7 @@ class InFlight:
     canonical_takes: dict[tuple[str, Box], int] = field(default_factory=dict)  # posts them; takes its source's
     every_fingerprint: bool = True   # ``fingerprints`` holds every piece's (else only the unchanged ones')
     capture: Capture | None = None   # what the writer thread stages before it writes (.snapshot_defer)
+    capture_error: Exception | None = None  # why that failed (this rank does not prepare its part)
     future: Future = field(default_factory=Future)
     called_at: float = field(default_factory=time.monotonic)  # when async_save was called
     written: threading.Event = field(default_factory=threading.Event)
@@ -130,6 +131,8 @@ class SnapshotWriter:
                 return
             job, args = item
             try:
+                # First, apart from the write (which may wait): the next optimizer.step() waits for it
+                job.capture_error = self._capture(job)
                 self._write(job, *args)
             finally:
                 if job.capture is not None:
@@ -158,12 +161,11 @@ class SnapshotWriter:
         """Write and prepare this rank's part (see the module docstring)."""
         ckpt, store = self.ckpt, self.ckpt.store
         begin = time.monotonic()
-        captured = self._capture(job)  # first, before anything that may wait: the next optimizer.step() waits for it
         agreement = None if job.exchanged else Agreement(self.kv.get(job.give_up), job.world_key, job.version,
                                                          job.rank, job.world)
         try:
-            if captured is not None:
-                raise captured
+            if job.capture_error is not None:
+                raise job.capture_error
             if job.changed is not None:
                 raise _Changed(job.changed)
             if agreement is not None:
