@@ -11,6 +11,8 @@ torchrun (see ../01-gpt-train); the script continues where the job stopped, on t
 from __future__ import annotations
 
 import argparse
+import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +39,16 @@ def main() -> None:
     p.add_argument("--data", required=True, help="packed dataset directory (make_data.py writes one)")
     p.add_argument("--steps", type=int, default=20, help="train until this step")
     p.add_argument("--save-every", type=int, default=None, help="steps between saves (default: automatic)")
+    p.add_argument("--width", type=int, default=32, help="the model's width (default 32)")
+    p.add_argument("--accelerator-ms", type=float, default=0.0,
+                   help="a sleep per step standing in for accelerator time (default 0)")
+    p.add_argument("--report", action="store_true", help="print job.save_cost() as JSON at the end (rank 0)")
     args = p.parse_args()
 
     # max_tp=1: a data-parallel model has no tensor-parallel structure, so every rank is a data-parallel replica.
     job = tenplex.elastic.Job(dataset=args.data, global_batch=8, max_tp=1, save_every=args.save_every)
     torch.manual_seed(0)
-    model = DistributedDataParallel(NextToken(), process_group=job.group)
+    model = DistributedDataParallel(NextToken(args.width), process_group=job.group)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     job.restore(model, optimizer)
     if job.rank == 0:
@@ -53,6 +59,7 @@ def main() -> None:
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()                                    # DDP averages the gradients over the replicas
+        time.sleep(args.accelerator_ms / 1000)
         optimizer.step()
         optimizer.zero_grad()
         loss = loss.detach()
@@ -60,6 +67,8 @@ def main() -> None:
         if job.rank == 0:
             print(f"step {job.step + 1:3d}  loss {loss.item():.6f}", flush=True)
         job.step_done()                                    # periodic save; on SIGTERM: agree, save, exit
+    if args.report and job.rank == 0:
+        print("save_cost", json.dumps(job.save_cost()), flush=True)
     job.finish()
     if job.rank == 0:
         print(f"done at step {job.step}", flush=True)
