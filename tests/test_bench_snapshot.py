@@ -12,7 +12,7 @@ KEYS = {"state_bytes", "memcpy_s", "tenplex_save_s", "tenplex_snapshot_first_blo
         "train_step_snapshot_s", "snapshot_slowdown", "snapshot_over_memcpy", "snapshot_over_dcp_async",
         "snapshot_commit_over_save", "tenplex_snapshot_fixed_s", "tenplex_snapshot_fixed_cpu_s",
         "tenplex_snapshot_exchange_fixed_s", "tenplex_snapshot_exchange_fixed_cpu_s", "tenplex_snapshot_s_per_mb",
-        "paced_20ms_blocking_s", "paced_20ms_interval"}
+        "paced_20ms_blocking_s", "paced_20ms_interval", "paced_20ms_step_wait_s", "tenplex_snapshot_staged_s"}
 
 
 def test_bench_snapshot_prints_one_json_object_with_every_key(tmp_path):

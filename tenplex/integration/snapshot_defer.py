@@ -64,11 +64,10 @@ class Capture:
                 changed = {id(s) for s, before, after in zip(self.sources, self.versions, now) if before != after}
                 moved = sorted({p.name for p in self.pieces if any(id(s) in changed for s in _sources(p))})
                 self.owner.enabled = False
-                log.warning("tenplex: %s changed in place after the step boundary, outside optimizer.step(), before "
-                            "the snapshot's background copy: that snapshot is not committed, and this rank's "
-                            "snapshots copy at the boundary from now on", ", ".join(moved[:3]))
-                raise Torn(f"{', '.join(moved[:3])} changed in place between the step boundary and its copy, outside "
-                           f"optimizer.step(); this rank's snapshots stage at the boundary from now on")
+                reason = (f"{', '.join(moved[:3])} changed in place between the step boundary and its copy, outside "
+                          f"optimizer.step(); this rank's snapshots stage at the boundary from now on")
+                log.warning("tenplex: %s (the snapshot is not committed)", reason)
+                raise Torn(reason)
             return scalars
         finally:
             self.done.set()
