@@ -5,9 +5,11 @@ May import: torch, ``tenplex.box``, ``tenplex.layout``, ``tenplex.replication``,
 :mod:`.snapshot_defer`, :mod:`.jobstore`, :mod:`.nontensor`, :mod:`.versions` and the standard library.
 
 Two threads per snapshotter take the snapshots over in order (starting a thread per snapshot costs the training
-thread more than the rest of a small snapshot). The writer posts the rank's step document (a snapshot staged
-without an exchange), writes the staged buffers as the rank's part, hard-links the unchanged pieces from the
-version before, lets the host leader add the documents and prepares the part; the decider then takes part in the
+thread more than the rest of a small snapshot). The writer first makes the copies the boundary left to it
+(:mod:`.snapshot_defer`: the next ``optimizer.step()`` waits for them), then posts the rank's step document (a
+snapshot staged without an exchange), writes the staged buffers as the rank's part, hard-links the unchanged
+pieces from the version before, lets the host leader add the documents and prepares the part; the decider then
+takes part in the
 decision through the job's key-value store (:mod:`.snapshot_agree`), the host leader commits on ``commit``, and
 retention follows. So the next snapshot's step document and write need not wait for this one's decision and
 commit (on the step's critical path every rank's post, write and the decision, not the commits); the next
