@@ -9,11 +9,10 @@ thread more than the rest of a small snapshot). The writer first makes the copie
 (:mod:`.snapshot_defer`: the next ``optimizer.step()`` waits for them), then posts the rank's step document (a
 snapshot staged without an exchange), writes the staged buffers as the rank's part, hard-links the unchanged
 pieces from the version before, lets the host leader add the documents and prepares the part; the decider then
-takes part in the
-decision through the job's key-value store (:mod:`.snapshot_agree`), the host leader commits on ``commit``, and
-retention follows. So the next snapshot's step document and write need not wait for this one's decision and
-commit (on the step's critical path every rank's post, write and the decision, not the commits); the next
-boundary waits for the decision, not for the commit or the retention.
+takes part in the decision through the job's key-value store (:mod:`.snapshot_agree`), the host leader commits on
+``commit``, and retention follows. So the next snapshot's step document and write need not wait for this one's
+decision and commit (on the step's critical path every rank's post, write and the decision, not the commits); the
+next boundary waits for the decision, not for the commit or the retention.
 """
 
 from __future__ import annotations
