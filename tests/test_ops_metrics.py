@@ -111,6 +111,8 @@ def test_job_metrics_of_a_two_rank_job(tmp_path):
         assert both(2)(prometheus.await_query("tenplex_job_last_committed_step", both(2)))
         assert both(4)(prometheus.await_query("tenplex_job_step_duration_seconds_count", both(4)))
         assert both(2)(prometheus.await_query('tenplex_job_saves_total{reason="snapshot"}', both(2)))
+        # what optimizer.step() waited for the snapshots' background copies, on every rank (a counter of seconds)
+        assert len(prometheus.await_query("tenplex_job_save_step_wait_seconds_total", lambda r: len(r) == 2)) == 2
         assert both(2)(prometheus.await_query("tenplex_job_world_size", both(2)))
         assert both(0)(prometheus.await_query("tenplex_job_lost_steps_total", both(0)))  # a fresh job loses none
         info = prometheus.await_query("tenplex_job_configuration_info", both(1))

@@ -369,6 +369,7 @@ class Job(worlds.InPlaceWorlds, JobData, IdleRanks, SaveAccounting):
             lag, waited = self._snapshot_boundary()
             self._save_s_local += waited  # the last snapshot's background copies the step waited for
             self._cost["save_s"] += waited
+            self.metrics.save_step_wait.inc(waited)
             flags = torch.tensor([1.0 if leaving else 0.0, step_s, self._save_s_local, float(lag), change],
                                  dtype=torch.float64)
             self._save_s_local = 0.0

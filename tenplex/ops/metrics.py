@@ -285,6 +285,9 @@ class JobMetrics:
                                        buckets=SECONDS, registry=r)
         self.save_background = Histogram("tenplex_job_save_background_seconds", "Seconds a save kept working after "
                                          "training went on (copies to other hosts)", buckets=SECONDS, registry=r)
+        self.save_step_wait = Counter("tenplex_job_save_step_wait_seconds", "Seconds optimizer.step() waited for "
+                                      "a snapshot's copies made in the background (also time a save stopped "
+                                      "training)", registry=r)
         self.saves = Counter("tenplex_job_saves", "Saves made, by reason (snapshot: staged at the boundary and "
                              "committed in the background; periodic: blocking, with snapshots off; stopping; final)",
                              ["reason"], registry=r)
