@@ -350,3 +350,26 @@ def test_paused_gc_turns_the_collector_back_on_only_after_the_last_pause_of_any_
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_abort_refuses_a_shard_another_thread_creates_meanwhile(tmp_path, monkeypatch):
+    """A WriteShard call that creates a shard while the part is aborted (tests/test_store_fault_suite.py's stalled
+    writers did, once in CI: "dictionary changed size during iteration") gets a clear error; the abort goes on."""
+    from tenplex.store.writer import ShardTarget
+
+    store = Store(tmp_path / "s", "h0")
+    writer = store.begin(4, part="p")
+    writer.create("h0/0", "a", Box((0,), (4,)), "float32", (4,))
+    refused: list[str] = []
+    close = ShardTarget.close
+
+    def close_while_another_creates(self):
+        try:  # another thread's create, between the abort's start and its end
+            writer.create("h0/0", "b", Box((0,), (4,)), "float32", (4,))
+        except StoreError as e:
+            refused.append(str(e))
+        close(self)
+    monkeypatch.setattr(ShardTarget, "close", close_while_another_creates)
+    writer.abort()
+    assert refused == ["version 4 part p is aborted; it takes no more shards"]
+    assert not (tmp_path / "s" / "staging" / "4" / "p").exists() and store.versions() == []

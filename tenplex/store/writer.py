@@ -99,6 +99,10 @@ class VersionWriter:
 
     def _add(self, entry: ShardEntry, target: ShardTarget | None = None) -> None:
         with self._lock:
+            if self._state != "open":  # aborted while its file was made (abort removes the part's directory)
+                if target is not None:
+                    target.close()
+                raise StoreError(f"version {self.version} part {self.part} is {self._state}; it takes no more shards")
             self._entries.append(entry)
             if target is not None:
                 self._pending[entry.file] = target
@@ -270,10 +274,12 @@ class VersionWriter:
         self._state = "committed"
 
     def abort(self) -> None:
-        """Forget this part (other parts of the version are untouched)."""
-        for target in self._pending.values():
+        """Forget this part (other parts of the version are untouched). A shard another thread (a WriteShard call)
+        creates meanwhile is refused: the part takes no more shards."""
+        with self._lock:
+            pending, self._pending = list(self._pending.values()), {}
+            self._state = "aborted"
+        for target in pending:
             target.close()
-        self._pending.clear()
         (self.staging / f"{self.part}.part.json").unlink(missing_ok=True)
         shutil.rmtree(self.dir, ignore_errors=True)
-        self._state = "aborted"
