@@ -4,9 +4,8 @@ The rule (:mod:`tenplex.integration.snapshot_defer`): which pieces are left to t
 parameters and states on the CPU, never model buffers), when (only with an optimizer whose step runs hooks), and
 what guards them (the step pre-hook waits for the copies; a counter that moved makes the snapshot fail and the
 snapshotter copy at the boundary from then on). The job (``mp/snapshot_defer_worker.py``): two ranks on two hosts,
-real stores and the job's real key-value store, a BatchNorm model and Adam, the writer thread's work delayed so
-that the next ``optimizer.step()`` comes first; every committed version restores bit for bit to its boundary's
-state.
+real stores and the job's real key-value store, a BatchNorm model and Adam, the writer thread's work held until
+the next ``optimizer.step()`` waits for it; every committed version restores bit for bit to its boundary's state.
 """
 
 from __future__ import annotations
@@ -71,7 +70,7 @@ def run(tmp_path_factory):
     base = tmp_path_factory.mktemp("defer")
     out = base / "out"
     out.mkdir()
-    (out / "spec.json").write_text(json.dumps({"out": str(out), "steps": STEPS, "torn_at": TORN_AT, "delay": 0.2}))
+    (out / "spec.json").write_text(json.dumps({"out": str(out), "steps": STEPS, "torn_at": TORN_AT}))
     roots = {h: base / "stores" / h for h in ("h0", "h1")}
     launch.run_job([sys.executable, str(WORKER), str(out / "spec.json")], ["h0/0", "h1/0"], roots, {}, out / "logs",
                    timeout=240)
@@ -86,7 +85,7 @@ def test_every_committed_snapshot_restores_its_boundarys_state_bit_for_bit(run):
         assert [r["step"] for r in result["restored"]] == committed
         # parameters, Adam moments and steps, BatchNorm statistics (changed by the next forward before the copies)
         assert all(r["mismatches"] == [] for r in result["restored"]), result["restored"]
-        # The next optimizer.step() came before the delayed copies: it waited for them
+        # The next optimizer.step() came before the held copies: it waited for them
         assert result["stats"]["step_waited_s"] > 0
 
 

@@ -3,8 +3,9 @@
 Usage: ``python snapshot_defer_worker.py SPEC.json`` under ``tenplex.runtime.launch.run_job`` (two ranks on two
 hosts: each is its host's writer of the replicated model). The model has a BatchNorm (its statistics change in
 every forward), the optimizer is Adam, and every step's data are a pure function of the step. The writer thread's
-work for a snapshot (:class:`tenplex.integration.snapshot_defer.Capture`) starts ``spec["delay"]`` seconds late, so
-the next step's forward, backward and ``optimizer.step()`` are reached before the copies are made. At each
+work for a snapshot (:class:`tenplex.integration.snapshot_defer.Capture`) starts only once the training thread is
+in the next ``optimizer.step()``'s hook (or done training), so the next step's forward and backward always come
+before the copies are made, and that step always waits for them. At each
 boundary the rank records its exact state (model state dict and optimizer state, cloned) before ``async_save``.
 After the boundary of step ``spec["torn_at"]`` the loop changes a weight in place outside ``optimizer.step()``
 (while that snapshot's copies wait). At the end every committed version is restored into a fresh model and
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
-import time
+import threading
 from pathlib import Path
 
 import torch
@@ -58,12 +59,19 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     init_process_group("gloo")
     rank = dist.get_rank()
-    original = snapshot_defer.Capture.run
+    in_hook = threading.Event()  # the training thread waits for a capture (the step hook), or trains no more
+    capture, wait = snapshot_defer.Capture.run, snapshot_defer.DeferredStaging.wait
 
     def late(self):
-        time.sleep(spec["delay"])  # the next step gets to optimizer.step() first
-        return original(self)
+        in_hook.wait(120)
+        in_hook.clear()
+        return capture(self)
+
+    def waiting(self, timeout=None):
+        in_hook.set()
+        return wait(self, timeout)
     snapshot_defer.Capture.run = late  # type: ignore[method-assign]
+    snapshot_defer.DeferredStaging.wait = waiting  # type: ignore[method-assign]
 
     model, optimizer = build()
     ckpt = tenplex.Checkpointer(replicas=0, keep=50)
@@ -77,6 +85,7 @@ def main() -> None:
                 model[0].weight.mul_(1.5)
         stats = ckpt.snapshot_stats()
         boundaries.append({"step": step, "version": stats["staged_version"], "exchanges": stats["exchanges"]})
+    in_hook.set()  # no next step: the last capture goes on
     ckpt.wait_snapshot()
     stats = ckpt.snapshot_stats()
     outcomes = [f.result() if f.exception() is None else str(f.exception()) for f in futures]
