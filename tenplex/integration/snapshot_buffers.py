@@ -161,7 +161,6 @@ def _copy_views(buffer: torch.Tensor, source: torch.Tensor) -> tuple[Any, Any]:
         return buffer, source
 
 
-
 def _replayable(pieces: list[Piece], structure: Any, copies: list[tuple[Any, Any]],
                 gil_free: int | None = None) -> tuple | None:
     """What :meth:`SnapshotBuffers.stage` replays for the same pieces under the same structure, when every copy is

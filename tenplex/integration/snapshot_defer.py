@@ -1,6 +1,7 @@
 """Staging off the training thread: a snapshot's copies of what only ``optimizer.step()`` changes.
 
-May import: this package's :mod:`.pieces` and :mod:`.snapshot_buffers`, torch and the standard library.
+May import: this package's :mod:`.pieces`, :mod:`.snapshot_buffers` and :mod:`.snapshot_pieces`, torch and the
+standard library.
 
 At a step boundary between exchanges (:mod:`.snapshot`) the training thread need not copy a CPU piece whose
 tensor only the optimizer changes (a parameter of its parameter groups, a tensor of its ``state``), nor read the
@@ -23,7 +24,6 @@ asynchronous: :mod:`.snapshot_buffers`), canonical buffers, and every piece of a
 
 from __future__ import annotations
 
-import logging
 import operator
 import threading
 import time
@@ -32,10 +32,9 @@ from typing import Any, Callable
 
 import torch
 
-from .pieces import _VERSION, Piece
+from .pieces import Piece, version_of
 from .snapshot_buffers import SnapshotBuffers
-
-log = logging.getLogger(__name__)
+from .snapshot_pieces import tracked_sources
 
 
 class Torn(Exception):
@@ -49,7 +48,7 @@ class Capture:
                  scalars: Callable[[], dict] | None) -> None:
         self.owner, self.pieces, self.sources, self.structure = owner, pieces, sources, structure
         self._scalars = scalars
-        self.versions = list(map(_VERSION, sources))  # at the boundary
+        self.versions = version_of(*sources)  # at the boundary
         self.done = threading.Event()
 
     def run(self) -> dict | None:
@@ -59,15 +58,15 @@ class Capture:
             self.owner.buffers.stage(self.pieces, self.structure)
             self.owner.report()
             scalars = self._scalars() if self._scalars is not None else None
-            now = list(map(_VERSION, self.sources))
+            now = version_of(*self.sources)
             if now != self.versions:
+                assert now is not None and self.versions is not None  # (the split took only counted tensors)
                 changed = {id(s) for s, before, after in zip(self.sources, self.versions, now) if before != after}
-                moved = sorted({p.name for p in self.pieces if any(id(s) in changed for s in _sources(p))})
+                moved = sorted({p.name for p in self.pieces
+                                if any(id(s) in changed for s in _sources(p, self.structure))})
                 self.owner.enabled = False
-                reason = (f"{', '.join(moved[:3])} changed in place between the step boundary and its copy, outside "
-                          f"optimizer.step(); this rank's snapshots stage at the boundary from now on")
-                log.warning("tenplex: %s (the snapshot is not committed)", reason)
-                raise Torn(reason)
+                raise Torn(f"{', '.join(moved[:3])} changed in place between the step boundary and its copy, outside "
+                           f"optimizer.step(); this rank's snapshots stage at the boundary from now on")
             return scalars
         finally:
             self.done.set()
@@ -76,8 +75,10 @@ class Capture:
             time.sleep(0)
 
 
-def _sources(piece: Piece) -> tuple[torch.Tensor, ...]:
-    return piece._sources  # type: ignore[attr-defined]  # a cached piece (snapshot_pieces._Tracked)
+def _sources(piece: Piece, structure: Any) -> tuple[torch.Tensor, ...]:
+    sources = tracked_sources(piece, structure)
+    assert sources is not None  # the split leaves only cached pieces of the structure to the thread
+    return sources
 
 
 def hooks_steps(optimizer) -> bool:
@@ -131,17 +132,24 @@ class DeferredStaging:
         self._ensure_hook(optimizer)
         known = self._sources
         if known is None or known[0] is not pieces:  # the same list while the split is (see split)
-            known = self._sources = (pieces, [s for p in pieces for s in _sources(p)])
+            known = self._sources = (pieces, [s for p in pieces for s in _sources(p, structure)])
         capture = self._current = Capture(self, pieces, known[1], structure, scalars)
         return capture
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Until the last hand-over's copies are made (the step hook, a restore: before they change tensors)."""
+    def wait(self, timeout: float | None = None) -> float:
+        """Until the last hand-over's copies are made (a restore, close: before they change tensors); the seconds
+        it waited."""
         capture = self._current
-        if capture is not None and not capture.done.is_set():
-            begin = time.monotonic()
-            capture.done.wait(timeout)
-            waited = time.monotonic() - begin
+        if capture is None or capture.done.is_set():
+            return 0.0
+        begin = time.monotonic()
+        capture.done.wait(timeout)
+        return time.monotonic() - begin
+
+    def _before_step(self) -> None:
+        """The step hook: wait for the copies, and count the wait as the step's (``step_waited_s``)."""
+        waited = self.wait()
+        if waited:
             self.stats.update(step_waited_s=self.stats["step_waited_s"] + waited, last_step_wait_s=waited)
 
     def _ensure_hook(self, optimizer) -> None:
@@ -154,7 +162,7 @@ class DeferredStaging:
         def before_step(_optimizer, _args, _kwargs) -> None:
             staging = this()
             if staging is not None:
-                staging.wait()
+                staging._before_step()
         self._hook = (weakref.ref(optimizer), optimizer.register_step_pre_hook(before_step))
 
     def remove_hook(self) -> None:
@@ -171,13 +179,8 @@ def _optimizer_pieces(pieces: list[Piece], optimizer, structure: Any) -> frozens
     held.update(id(v) for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
     found = set()
     for piece in pieces:
-        sources = getattr(piece, "_sources", None)
-        if not sources or getattr(piece, "_generation", None) is not structure or id(sources[0]) not in held \
-                or piece.local.device.type != "cpu":
-            continue
-        try:
-            tuple(map(_VERSION, sources))
-        except RuntimeError:  # an inference tensor tracks no version
-            continue
-        found.add(id(piece))
+        sources = tracked_sources(piece, structure)
+        # (an inference tensor tracks no version: version_of gives None)
+        if sources and id(sources[0]) in held and piece.local.device.type == "cpu" and version_of(*sources):
+            found.add(id(piece))
     return frozenset(found)

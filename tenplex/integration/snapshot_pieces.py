@@ -129,6 +129,14 @@ class _Tracked(Piece):
         return version_of(*self._sources)
 
 
+def tracked_sources(piece: Piece, structure: Any) -> tuple[torch.Tensor, ...] | None:
+    """The tensors whose in-place counters count for ``piece`` when it is a cached piece of ``structure``
+    (:attr:`PiecesCache.generation`), else None."""
+    if type(piece) is _Tracked and piece._generation is structure:
+        return piece._sources
+    return None
+
+
 class _Probe:
     """The cheap structure check: the same model, optimizer and annotations, the same objects (by identity, in
     order) in the state dict (under the same names), the parameter groups, the optimizer's state and each
@@ -167,7 +175,7 @@ class _Probe:
         self.memory = self._memory()
 
     def _memory(self) -> tuple[list, list, list]:
-        return ([(t.data_ptr(), t.shape, t.stride(), t.dtype) for t in self.plain],
+        return (list(map(_where, self.plain)),
                 [t.dim() for t in self.scalars],
                 [(t.shape, getattr(t, "_local_tensor", None)) for t, _ in self.wrapped])
 

@@ -39,7 +39,7 @@ from .shardio import _as_storage
 from .snapshot_agree import ABORT, COMMIT, Aborted, Agreement, GaveUp, poll
 from .snapshot_buffers import SnapshotBuffers
 from .snapshot_copies import SnapshotCopies
-from .snapshot_defer import Capture, Torn
+from .snapshot_defer import Capture
 from .versions import STATE_DOC
 
 log = logging.getLogger(__name__)
@@ -205,7 +205,7 @@ class SnapshotWriter:
             pass
         except Exception as e:  # noqa: BLE001 -- training goes on; the decision (or the next exchange) settles it
             job.error = str(e) if isinstance(e, _Changed) else f"{type(e).__name__}: {e}"
-            if isinstance(e, (_Changed, GaveUp, Torn)):
+            if isinstance(e, (_Changed, GaveUp)):
                 log.info("tenplex: snapshot of step %d (version %d) dropped on rank %d: %s", job.step, job.version,
                          job.rank, job.error)
             else:
